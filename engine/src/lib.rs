@@ -1,0 +1,1 @@
+//! Tandem's engine: model loading, tokenizer, forward pass, KV cache, sampler.
