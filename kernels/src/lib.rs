@@ -1,4 +1,20 @@
 //! Compute kernels for Tandem. Knows nothing of models.
 //!
-//! Placeholder: filled in by the kernels work (quant formats, dequantize,
-//! quantized dot products and matmul, runtime ISA dispatch).
+//! The quantised matmul mirrors ggml-cpu's numerics (activation quantisation
+//! to the weight type's `vec_dot_type` and the AVX2 accumulation order), so
+//! greedy outputs can be compared token for token with llama.cpp. All ISAs
+//! produce bitwise identical results, independent of batch size and thread
+//! count.
+
+pub mod ops;
+
+mod cpu;
+mod dot;
+mod error;
+mod matmul;
+pub mod quant;
+
+pub use cpu::{Isa, isa, num_threads, set_num_threads};
+pub use error::KernelError;
+pub use matmul::{QMatrix, matmul, matmul_with_isa};
+pub use quant::{GgmlType, dequantize_row, quantize_row};

@@ -1,0 +1,72 @@
+//! Matmul throughput: Q4_1 576x1536 and Q8_0 49152x576 at m = 1 and m = 32,
+//! single thread (set TANDEM_BENCH_THREADS to change), reported as weight
+//! bytes per second.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use tandem_kernels::{GgmlType, Isa, QMatrix, matmul_with_isa};
+
+fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let bytes = ty.row_bytes(cols).expect("aligned") * rows;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut data: Vec<u8> = (0..bytes)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    // Sane f16 scales (0.01) at the start of each block.
+    for blk in data.chunks_exact_mut(ty.block_bytes()) {
+        blk[0..2].copy_from_slice(&0x211Eu16.to_le_bytes());
+        if ty == GgmlType::Q4_1 {
+            blk[2..4].copy_from_slice(&0xA11Eu16.to_le_bytes());
+        }
+    }
+    data
+}
+
+fn bench(c: &mut Criterion) {
+    let threads = std::env::var("TANDEM_BENCH_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    tandem_kernels::set_num_threads(threads).expect("thread pool");
+    let mut g = c.benchmark_group("matmul");
+    g.measurement_time(Duration::from_secs(3));
+    g.warm_up_time(Duration::from_millis(500));
+    let cases = [
+        (GgmlType::Q4_1, 1536, 576),
+        (GgmlType::Q4_1, 576, 1536),
+        (GgmlType::Q8_0, 49152, 576),
+    ];
+    for (ty, rows, cols) in cases {
+        let data = weights(ty, rows, cols);
+        let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
+        for m in [1usize, 32] {
+            let x: Vec<f32> = (0..m * cols)
+                .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                .collect();
+            let mut out = vec![0.0f32; m * rows];
+            for isa in Isa::ALL
+                .into_iter()
+                .filter(|i| i.is_supported() && *i != Isa::Scalar)
+            {
+                g.throughput(Throughput::Bytes(data.len() as u64));
+                g.bench_function(format!("{ty}_{rows}x{cols}_m{m}_{isa}_t{threads}"), |b| {
+                    b.iter(|| {
+                        matmul_with_isa(isa, &w, black_box(&x), m, &mut out).expect("matmul");
+                        black_box(&out);
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,262 @@
+//! Row·activation dot-product kernels.
+//!
+//! Every implementation (scalar, AVX2, AVX-512) performs, for each output
+//! element, exactly the same sequence of f32 operations as ggml-cpu's AVX2
+//! `ggml_vec_dot_*` for that type: the integer block products are split into
+//! 8 lanes (lane = (element % 32) / 4, exactly as `maddubs`/`madd` or
+//! `vpdpbusd` group them), each lane is accumulated with one fused multiply-add
+//! per block, and the lanes are reduced as ggml's `hsum_float_8`. Integer sums
+//! are exact, so all ISAs give bitwise identical results, and the result for
+//! one (row, activation) pair never depends on tiling, batch size or threads.
+//!
+//! Float types (F32/F16/BF16) use 16 lanes (element % 16) of fused
+//! multiply-adds over the 16-aligned prefix, reduced like
+//! `_mm512_reduce_add_ps`, then the tail is added sequentially (unfused).
+
+pub(crate) mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+
+use crate::cpu::Isa;
+use crate::quant::{self, GgmlType, QK, QK_K};
+
+/// Activations quantised to a weight type's `vec_dot_type`, stored as
+/// structure-of-arrays (numerically identical to the ggml blocks: `d` and `s`
+/// are the f16-rounded values widened to f32, Q8_K's `d` is f32).
+#[derive(Debug, Default)]
+pub(crate) struct ActQ8 {
+    pub qs: Vec<i8>,
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+    pub bsums: Vec<i16>,
+    /// Blocks per row.
+    pub nb: usize,
+}
+
+/// Activations in the form a weight type's kernels consume.
+#[derive(Debug)]
+pub(crate) enum Acts<'a> {
+    F32(&'a [f32]),
+    /// f16 or bf16 bits.
+    Half(Vec<u16>),
+    Q8(ActQ8),
+}
+
+/// Quantises `m` rows of `cols` activations for weights of type `ty`.
+pub(crate) fn prepare_acts(ty: GgmlType, x: &[f32], m: usize, cols: usize) -> Acts<'_> {
+    match ty.vec_dot_type() {
+        GgmlType::F32 => Acts::F32(x),
+        GgmlType::F16 => Acts::Half(x.iter().map(|&v| quant::f32_to_f16_bits(v)).collect()),
+        GgmlType::BF16 => Acts::Half(x.iter().map(|&v| quant::f32_to_bf16_bits(v)).collect()),
+        GgmlType::Q8_K => {
+            let nb = cols / QK_K;
+            let mut a = ActQ8 {
+                qs: vec![0; m * cols],
+                d: vec![0.0; m * nb],
+                s: Vec::new(),
+                bsums: vec![0; m * nb * 16],
+                nb,
+            };
+            for ((xb, qb), (d, bs)) in x
+                .chunks_exact(QK_K)
+                .zip(a.qs.chunks_exact_mut(QK_K))
+                .zip(a.d.iter_mut().zip(a.bsums.chunks_exact_mut(16)))
+            {
+                *d = quant::quantize_block_q8_k(xb, qb, bs);
+            }
+            Acts::Q8(a)
+        }
+        vt => {
+            let with_s = vt == GgmlType::Q8_1;
+            let nb = cols / QK;
+            let mut a = ActQ8 {
+                qs: vec![0; m * cols],
+                d: vec![0.0; m * nb],
+                s: if with_s {
+                    vec![0.0; m * nb]
+                } else {
+                    Vec::new()
+                },
+                bsums: Vec::new(),
+                nb,
+            };
+            for (b, (xb, qb)) in x
+                .chunks_exact(QK)
+                .zip(a.qs.chunks_exact_mut(QK))
+                .enumerate()
+            {
+                let (dh, sum, df) = quant::quantize_block_q8(xb, qb);
+                a.d[b] = quant::f16_bits_to_f32(dh);
+                if with_s {
+                    a.s[b] = quant::f16_bits_to_f32(quant::f32_to_f16_bits(df * sum as f32));
+                }
+            }
+            Acts::Q8(a)
+        }
+    }
+}
+
+/// Computes `out[r * ldo + j] = dot(w row r, activation row i0 + j)` for
+/// `r < nrows`, `j < n`. `w` holds `nrows` rows of `row_bytes` bytes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn compute_block(
+    isa: Isa,
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    nrows: usize,
+    cols: usize,
+    acts: &Acts<'_>,
+    i0: usize,
+    n: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    if nrows == 0 || n == 0 {
+        return;
+    }
+    assert!(w.len() >= nrows * row_bytes, "weight block too short");
+    assert!(
+        n <= ldo && out.len() >= (nrows - 1) * ldo + n,
+        "output block too short"
+    );
+    match acts {
+        Acts::F32(x) => assert!(x.len() >= (i0 + n) * cols),
+        Acts::Half(x) => assert!(x.len() >= (i0 + n) * cols),
+        Acts::Q8(a) => {
+            assert!(a.qs.len() >= (i0 + n) * cols && a.d.len() >= (i0 + n) * a.nb);
+            assert!(a.nb * ty.block_len() == cols);
+            if ty.vec_dot_type() == GgmlType::Q8_1 {
+                assert!(a.s.len() >= (i0 + n) * a.nb);
+            }
+            if ty.vec_dot_type() == GgmlType::Q8_K {
+                assert!(a.bsums.len() >= (i0 + n) * a.nb * 16);
+            }
+        }
+    }
+    assert_eq!(ty.row_bytes(cols), Some(row_bytes));
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni if isa.is_supported() => {
+            // SAFETY: CPU support checked; buffer sizes asserted above.
+            unsafe { avx512::compute_block(ty, w, row_bytes, nrows, cols, acts, i0, n, out, ldo) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if isa.is_supported() => {
+            // SAFETY: CPU support checked; buffer sizes asserted above.
+            unsafe { avx2::compute_block(ty, w, row_bytes, nrows, cols, acts, i0, n, out, ldo) }
+        }
+        _ => {
+            for r in 0..nrows {
+                let row = &w[r * row_bytes..(r + 1) * row_bytes];
+                for j in 0..n {
+                    out[r * ldo + j] = scalar::dot(ty, row, cols, acts, i0 + j);
+                }
+            }
+        }
+    }
+}
+
+/// Raw per-activation-row pointers for the SIMD kernels.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ActPtr {
+    pub qs: *const i8,
+    pub d: *const f32,
+    pub s: *const f32,
+    pub bsums: *const i16,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl ActPtr {
+    pub(crate) fn new(a: &ActQ8, cols: usize, i: usize) -> ActPtr {
+        ActPtr {
+            qs: a.qs[i * cols..].as_ptr(),
+            d: a.d[i * a.nb..].as_ptr(),
+            s: if a.s.is_empty() {
+                std::ptr::null()
+            } else {
+                a.s[i * a.nb..].as_ptr()
+            },
+            bsums: if a.bsums.is_empty() {
+                std::ptr::null()
+            } else {
+                a.bsums[i * a.nb * 16..].as_ptr()
+            },
+        }
+    }
+}
+
+/// A quantised kernel computing an R×N tile of dot products over `nb` blocks.
+#[cfg(target_arch = "x86_64")]
+pub(crate) trait QKernel {
+    /// # Safety
+    /// The CPU must support the kernel's ISA; each `w[r]` must point at a full
+    /// row of `nb` blocks and each `x[j]` at a full activation row.
+    unsafe fn run<const R: usize, const N: usize>(
+        w: [*const u8; R],
+        x: [ActPtr; N],
+        nb: usize,
+    ) -> [[f32; N]; R];
+}
+
+/// Drives a [`QKernel`] over an `nrows × n` block with 2×4 / 1×4 / 4×1 / 1×1
+/// tiles. Tiling never changes results (each element is computed alone).
+///
+/// # Safety
+/// As [`QKernel::run`]; the buffers must be as asserted in `compute_block`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn drive<K: QKernel>(
+    w: &[u8],
+    row_bytes: usize,
+    nrows: usize,
+    cols: usize,
+    a: &ActQ8,
+    i0: usize,
+    n: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let nb = a.nb;
+    let wp = |r: usize| w[r * row_bytes..].as_ptr();
+    let n4 = n / 4 * 4;
+    for j0 in (0..n4).step_by(4) {
+        let x: [ActPtr; 4] = std::array::from_fn(|j| ActPtr::new(a, cols, i0 + j0 + j));
+        let mut r = 0;
+        while r + 2 <= nrows {
+            // SAFETY: forwarded from the caller.
+            let res = unsafe { K::run::<2, 4>([wp(r), wp(r + 1)], x, nb) };
+            for (dr, row) in res.iter().enumerate() {
+                out[(r + dr) * ldo + j0..(r + dr) * ldo + j0 + 4].copy_from_slice(row);
+            }
+            r += 2;
+        }
+        if r < nrows {
+            // SAFETY: forwarded from the caller.
+            let res = unsafe { K::run::<1, 4>([wp(r)], x, nb) };
+            out[r * ldo + j0..r * ldo + j0 + 4].copy_from_slice(&res[0]);
+        }
+    }
+    for j in n4..n {
+        let x = [ActPtr::new(a, cols, i0 + j)];
+        let mut r = 0;
+        while r + 4 <= nrows {
+            // SAFETY: forwarded from the caller.
+            let res = unsafe { K::run::<4, 1>([wp(r), wp(r + 1), wp(r + 2), wp(r + 3)], x, nb) };
+            for (dr, v) in res.iter().enumerate() {
+                out[(r + dr) * ldo + j] = v[0];
+            }
+            r += 4;
+        }
+        while r < nrows {
+            // SAFETY: forwarded from the caller.
+            let res = unsafe { K::run::<1, 1>([wp(r)], x, nb) };
+            out[r * ldo + j] = res[0][0];
+            r += 1;
+        }
+    }
+}

@@ -1,0 +1,491 @@
+//! Quantised matrix × activation products.
+
+use rayon::prelude::*;
+
+use crate::cpu::{self, Isa};
+use crate::dot;
+use crate::error::KernelError;
+use crate::quant::GgmlType;
+
+/// A row-major weight matrix: `rows` rows of `cols` elements, each row
+/// `ty.row_bytes(cols)` bytes, rows contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct QMatrix<'a> {
+    pub ty: GgmlType,
+    pub data: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> QMatrix<'a> {
+    /// Checks that `data` holds exactly `rows` rows of `cols` elements.
+    pub fn new(
+        ty: GgmlType,
+        data: &'a [u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, KernelError> {
+        let m = QMatrix {
+            ty,
+            data,
+            rows,
+            cols,
+        };
+        m.validate()?;
+        Ok(m)
+    }
+
+    fn validate(&self) -> Result<usize, KernelError> {
+        let rb = self.ty.row_bytes_checked(self.cols)?;
+        let expected = rb
+            .checked_mul(self.rows)
+            .ok_or(KernelError::Overflow("matrix bytes"))?;
+        if self.data.len() != expected {
+            return Err(KernelError::LengthMismatch {
+                what: "QMatrix data bytes",
+                expected,
+                actual: self.data.len(),
+            });
+        }
+        Ok(rb)
+    }
+
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.cols).unwrap_or(0)
+    }
+
+    /// The bytes of row `r`.
+    ///
+    /// # Panics
+    /// If `r >= self.rows` (like slice indexing).
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+}
+
+/// `out[i*w.rows + r] = sum_k w[r,k] * x[i*w.cols + k]` for `i in 0..m`, using
+/// the best ISA of this CPU. See [`matmul_with_isa`].
+pub fn matmul(w: &QMatrix<'_>, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
+    matmul_with_isa(cpu::isa(), w, x, m, out)
+}
+
+/// Weight bytes a task should own when activations are reused across rows.
+const TILE_BYTES: usize = 48 * 1024;
+/// Below this many multiply-adds the product runs on the calling thread.
+const PAR_MIN_WORK: usize = 1 << 16;
+
+/// As [`matmul`], with a forced instruction set (which must not exceed what
+/// the CPU supports). Results are bitwise identical for every ISA, every `m`
+/// and every thread count.
+pub fn matmul_with_isa(
+    isa: Isa,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_impl(isa, w, x, m, out, cpu::num_threads())
+}
+
+/// `threads` only shapes the row partition; results never depend on it.
+fn matmul_impl(
+    isa: Isa,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    if !isa.is_supported() {
+        return Err(KernelError::UnsupportedIsa {
+            requested: isa,
+            available: cpu::isa(),
+        });
+    }
+    if !w.ty.supports_matmul() {
+        return Err(KernelError::UnsupportedType {
+            op: "matmul",
+            ty: w.ty,
+        });
+    }
+    let row_bytes = w.validate()?;
+    let xn = m
+        .checked_mul(w.cols)
+        .ok_or(KernelError::Overflow("activation elements"))?;
+    if x.len() != xn {
+        return Err(KernelError::LengthMismatch {
+            what: "matmul activations",
+            expected: xn,
+            actual: x.len(),
+        });
+    }
+    let on = m
+        .checked_mul(w.rows)
+        .ok_or(KernelError::Overflow("output elements"))?;
+    if out.len() != on {
+        return Err(KernelError::LengthMismatch {
+            what: "matmul output",
+            expected: on,
+            actual: out.len(),
+        });
+    }
+    if on == 0 {
+        return Ok(());
+    }
+    if w.cols == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+
+    let acts = dot::prepare_acts(w.ty, x, m, w.cols);
+    let rows = w.rows;
+    let work = rows.saturating_mul(w.cols).saturating_mul(m);
+    let parallel = threads > 1 && work >= PAR_MIN_WORK;
+
+    // Rows per task: enough tasks to balance, but for batches keep a task's
+    // weights cache-resident so they are reused across activation rows.
+    let mut chunk = if parallel {
+        rows.div_ceil(threads * 4)
+    } else {
+        rows
+    };
+    if m > 1 {
+        chunk = chunk.min((TILE_BYTES / row_bytes.max(1)).max(4));
+    }
+    let chunk = chunk.max(4).next_multiple_of(4).min(rows);
+
+    let run = |ci: usize, o: &mut [f32]| {
+        let r0 = ci * chunk;
+        let nr = o.len() / m;
+        let wblk = &w.data[r0 * row_bytes..(r0 + nr) * row_bytes];
+        dot::compute_block(isa, w.ty, wblk, row_bytes, nr, w.cols, &acts, 0, m, o, m);
+    };
+
+    if m == 1 {
+        // out is already row-major over weight rows.
+        exec(parallel, out, chunk, &run);
+    } else {
+        // Compute out^T (rows × m) by row chunks, then transpose.
+        let mut out_t = vec![0.0f32; on];
+        exec(parallel, &mut out_t, chunk * m, &run);
+        for (r, row) in out_t.chunks_exact(m).enumerate() {
+            for (i, &v) in row.iter().enumerate() {
+                out[i * rows + r] = v;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn exec(parallel: bool, buf: &mut [f32], chunk: usize, run: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+    match cpu::pool() {
+        Some(pool) if parallel => pool.install(|| {
+            buf.par_chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(ci, o)| run(ci, o))
+        }),
+        _ => buf
+            .chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(ci, o)| run(ci, o)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{self, f32_to_f16_bits};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    const TYPES: [GgmlType; 8] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ];
+
+    /// Random but well-formed weights: finite f16/bf16 scales of moderate
+    /// size, arbitrary quant bits.
+    fn rand_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+        let n = rows * cols;
+        let rb = ty.row_bytes(cols).expect("aligned");
+        let mut data = vec![0u8; rb * rows];
+        let h = |rng: &mut ChaCha8Rng, lo: f32, hi: f32| {
+            f32_to_f16_bits(rng.random_range(lo..hi)).to_le_bytes()
+        };
+        match ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                let x: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+                quant::quantize_row(ty, &x, &mut data).expect("quantize");
+            }
+            _ => {
+                rng.fill(&mut data[..]);
+                for blk in data.chunks_exact_mut(ty.block_bytes()) {
+                    match ty {
+                        GgmlType::Q4_0 | GgmlType::Q8_0 => {
+                            blk[0..2].copy_from_slice(&h(rng, -0.05, 0.05))
+                        }
+                        GgmlType::Q4_1 => {
+                            blk[0..2].copy_from_slice(&h(rng, 0.0, 0.05));
+                            blk[2..4].copy_from_slice(&h(rng, -0.4, 0.0));
+                        }
+                        GgmlType::Q4_K => {
+                            blk[0..2].copy_from_slice(&h(rng, 0.0, 0.01));
+                            blk[2..4].copy_from_slice(&h(rng, 0.0, 0.01));
+                        }
+                        GgmlType::Q6_K => blk[208..210].copy_from_slice(&h(rng, -0.01, 0.01)),
+                        _ => unreachable!(),
+                    }
+                    if ty == GgmlType::Q8_0 {
+                        // ggml never produces -128 in Q8_0 weights.
+                        for q in &mut blk[2..] {
+                            if *q == 0x80 {
+                                *q = 0x81;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        data
+    }
+
+    fn rand_x(n: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-1.5f32..1.5)).collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    fn run(isa: Isa, w: &QMatrix<'_>, x: &[f32], m: usize) -> Vec<f32> {
+        let mut out = vec![f32::NAN; m * w.rows];
+        matmul_with_isa(isa, w, x, m, &mut out).expect("matmul");
+        out
+    }
+
+    /// f64 reference from dequantised weights and dequantised activations.
+    fn reference_f64(w: &QMatrix<'_>, x: &[f32], m: usize) -> Vec<f64> {
+        let mut wf = vec![0.0f32; w.cols];
+        let mut out = vec![0.0f64; m * w.rows];
+        let vt = w.ty.vec_dot_type();
+        let mut xq = vec![0u8; vt.row_bytes(w.cols).expect("aligned")];
+        let mut xf = vec![0.0f32; w.cols];
+        for i in 0..m {
+            quant::quantize_row(vt, &x[i * w.cols..(i + 1) * w.cols], &mut xq).expect("q");
+            quant::dequantize_row(vt, &xq, &mut xf).expect("dq");
+            for r in 0..w.rows {
+                quant::dequantize_row(w.ty, w.row(r), &mut wf).expect("dq");
+                out[i * w.rows + r] = wf.iter().zip(&xf).map(|(&a, &b)| a as f64 * b as f64).sum();
+            }
+        }
+        out
+    }
+
+    fn shapes(ty: GgmlType) -> Vec<(usize, usize, usize)> {
+        let bl = ty.block_len().max(16);
+        let mut v = vec![
+            (1, bl, 1),
+            (3, bl, 5),
+            (7, bl * 3, 0),
+            (5, bl * 5, 4),
+            (13, bl * 2, 9),
+            (1, bl * 9, 33),
+            (64, bl * 2, 8),
+        ];
+        if ty.block_len() == 1 {
+            v.push((6, 37, 3)); // tail handling
+            v.push((4, 1, 2));
+        } else {
+            v.push((9, ty.block_len() * 18, 3));
+        }
+        v
+    }
+
+    #[test]
+    fn all_isas_match_scalar_bitwise() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.is_supported()).collect();
+        for ty in TYPES {
+            for (rows, cols, m) in shapes(ty) {
+                let data = rand_weights(ty, rows, cols, &mut rng);
+                let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
+                let x = rand_x(m * cols, &mut rng);
+                let want = run(Isa::Scalar, &w, &x, m);
+                for &isa in &isas {
+                    let got = run(isa, &w, &x, m);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{ty:?} {isa} rows={rows} cols={cols} m={m}"
+                    );
+                }
+                // Sanity against an f64 reference of the same quantised data.
+                let r = reference_f64(&w, &x, m);
+                for (g, r) in want.iter().zip(&r) {
+                    let tol = 1e-4 * (cols as f64).sqrt() * (1.0 + r.abs());
+                    assert!((*g as f64 - r).abs() <= tol, "{ty:?} {g} vs {r}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batch_invariance() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for ty in TYPES {
+            let (rows, cols) = (37, ty.block_len().max(32) * 4);
+            let data = rand_weights(ty, rows, cols, &mut rng);
+            let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
+            let m = 19;
+            let x = rand_x(m * cols, &mut rng);
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+                let all = run(isa, &w, &x, m);
+                for i in 0..m {
+                    let one = run(isa, &w, &x[i * cols..(i + 1) * cols], 1);
+                    assert_eq!(
+                        bits(&one),
+                        bits(&all[i * rows..(i + 1) * rows]),
+                        "{ty:?} {isa} i={i}"
+                    );
+                }
+                // Prefix batches.
+                for mm in [2, 4, 5, 8] {
+                    let part = run(isa, &w, &x[..mm * cols], mm);
+                    assert_eq!(bits(&part), bits(&all[..mm * rows]), "{ty:?} {isa} m={mm}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn large_parallel_is_deterministic() {
+        // Big enough to take the parallel path; compare with the scalar ISA
+        // and against m=1 rows.
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+            let (rows, cols, m) = (300, 576, 6);
+            let data = rand_weights(ty, rows, cols, &mut rng);
+            let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
+            let x = rand_x(m * cols, &mut rng);
+            let a = run(crate::isa(), &w, &x, m);
+            let b = run(Isa::Scalar, &w, &x, m);
+            assert_eq!(bits(&a), bits(&b));
+            let last = run(crate::isa(), &w, &x[(m - 1) * cols..], 1);
+            assert_eq!(bits(&last), bits(&a[(m - 1) * rows..]));
+        }
+    }
+
+    #[test]
+    fn thread_partition_invariance() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        for ty in TYPES {
+            let (rows, cols, m) = (203, ty.block_len().max(32) * 12, 5);
+            let data = rand_weights(ty, rows, cols, &mut rng);
+            let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
+            let x = rand_x(m * cols, &mut rng);
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+                let mut base = vec![0.0f32; m * rows];
+                matmul_impl(isa, &w, &x, m, &mut base, 1).expect("matmul");
+                for threads in [2, 3, 7, 64] {
+                    for mm in [1, m] {
+                        let mut o = vec![0.0f32; mm * rows];
+                        matmul_impl(isa, &w, &x[..mm * cols], mm, &mut o, threads).expect("matmul");
+                        assert_eq!(
+                            bits(&o),
+                            bits(&base[..mm * rows]),
+                            "{ty:?} {isa} t={threads} m={mm}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_inputs_return_errors() {
+        let data = vec![0u8; 20 * 2 * 3];
+        let w = QMatrix::new(GgmlType::Q4_1, &data, 3, 64).expect("shape");
+        let x = vec![0.0f32; 64 * 2];
+        let mut out = vec![0.0f32; 3 * 2];
+        assert!(matmul(&w, &x, 2, &mut out).is_ok());
+        assert!(matmul(&w, &x[1..], 2, &mut out).is_err());
+        assert!(matmul(&w, &x, 2, &mut out[1..]).is_err());
+        assert!(matmul(&w, &x, 3, &mut out).is_err());
+        assert!(matmul(&w, &x, usize::MAX, &mut out).is_err());
+        assert!(QMatrix::new(GgmlType::Q4_1, &data, 3, 65).is_err());
+        assert!(QMatrix::new(GgmlType::Q4_1, &data, 4, 64).is_err());
+        assert!(QMatrix::new(GgmlType::Q4_1, &data[1..], 3, 64).is_err());
+        // Inconsistent hand-built matrix.
+        let bad = QMatrix {
+            ty: GgmlType::Q4_1,
+            data: &data,
+            rows: 2,
+            cols: 64,
+        };
+        assert!(matmul(&bad, &x, 2, &mut out[..4]).is_err());
+        let k = QMatrix::new(GgmlType::Q8_K, &[0u8; 292], 1, 256).expect("shape");
+        assert!(matches!(
+            matmul(&k, &[0.0; 256], 1, &mut [0.0]),
+            Err(KernelError::UnsupportedType { .. })
+        ));
+        // Empty shapes.
+        let e = QMatrix::new(GgmlType::Q4_1, &[], 0, 64).expect("shape");
+        assert!(matmul(&e, &x, 2, &mut []).is_ok());
+        assert!(matmul(&w, &[], 0, &mut []).is_ok());
+        let z = QMatrix::new(GgmlType::F32, &[], 3, 0).expect("shape");
+        let mut o = vec![1.0; 6];
+        matmul(&z, &[], 2, &mut o).expect("zero cols");
+        assert_eq!(o, vec![0.0; 6]);
+        assert_eq!(w.row(1).len(), 40);
+    }
+
+    #[test]
+    fn isa_and_threads() {
+        let best = crate::isa();
+        assert!(best.is_supported());
+        assert!(!best.to_string().is_empty());
+        assert!(crate::num_threads() >= 1);
+        assert!(crate::set_num_threads(0).is_err());
+        let n = crate::num_threads();
+        assert!(crate::set_num_threads(n).is_ok());
+        assert!(crate::set_num_threads(n + 1).is_err());
+        if best < Isa::Avx512Vnni {
+            let data = vec![0u8; 20];
+            let w = QMatrix::new(GgmlType::Q4_1, &data, 1, 32).expect("shape");
+            assert!(matmul_with_isa(Isa::Avx512Vnni, &w, &[0.0; 32], 1, &mut [0.0]).is_err());
+        }
+    }
+
+    #[test]
+    fn known_small_product() {
+        // Q8_0 weights with d = 1 and qs = k - 16; activations all 1.0 quantise
+        // to d = 1/127 (f16), q = 127.
+        let mut blk = f32_to_f16_bits(1.0).to_le_bytes().to_vec();
+        blk.extend((0..32).map(|k| (k as i8 - 16) as u8));
+        let w = QMatrix::new(GgmlType::Q8_0, &blk, 1, 32).expect("shape");
+        let x = vec![1.0f32; 32];
+        let mut out = [0.0f32];
+        for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            matmul_with_isa(isa, &w, &x, 1, &mut out).expect("matmul");
+            let d = quant::f16_bits_to_f32(f32_to_f16_bits(1.0 / 127.0));
+            let want = (0..32).map(|k| (k - 16) * 127).sum::<i32>() as f32 * d;
+            assert!((out[0] - want).abs() < 1e-3, "{isa}: {} vs {want}", out[0]);
+        }
+        // F32 exact small product.
+        let wf: Vec<u8> = [1.0f32, 2.0, 3.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let w = QMatrix::new(GgmlType::F32, &wf, 1, 3).expect("shape");
+        matmul(&w, &[4.0, 5.0, 6.0], 1, &mut out).expect("matmul");
+        assert_eq!(out[0], 32.0);
+    }
+}
