@@ -1,1 +1,20 @@
-//! Tandem's engine: model loading, tokenizer, forward pass, KV cache, sampler.
+//! Tandem's engine: model loading (GGUF, HF safetensors), tokenizer and chat
+//! template, the Llama-family forward pass over a paged KV cache, and the
+//! sampler. It knows nothing of HTTP or gRPC.
+
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod fetch;
+pub mod generate;
+pub mod gguf;
+pub mod kv_cache;
+pub mod loader;
+pub mod model;
+pub mod safetensors_loader;
+pub mod sampler;
+pub mod storage;
+pub mod tokenizer;
+
+pub use error::{ModelError, RequestError};
+pub use loader::{LoadedModel, load};

@@ -1,0 +1,196 @@
+//! Model hyper-parameters, read from GGUF metadata or an HF `config.json`,
+//! validated once at load.
+
+use serde::Deserialize;
+use tandem_kernels::ops::RopeStyle;
+
+use crate::error::ModelError;
+use crate::gguf::GgufFile;
+
+/// Hyper-parameters of a Llama-family decoder.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub n_layers: usize,
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn_dim: usize,
+    pub vocab_size: usize,
+    pub rope_theta: f32,
+    pub rope_dims: usize,
+    pub rope_style: RopeStyle,
+    pub rms_eps: f32,
+    /// Longest sequence the model was trained for (prompt + generation).
+    pub context_length: usize,
+}
+
+impl LlamaConfig {
+    /// Reads `llama.*` metadata from a GGUF file.
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
+        let arch = g.get_str("general.architecture")?;
+        if arch != "llama" {
+            return Err(ModelError::UnsupportedArchitecture(arch.to_string()));
+        }
+        let u = |k: &str| g.get_u32(&format!("llama.{k}")).map(|v| v as usize);
+        let n_heads = u("attention.head_count")?;
+        let d_model = u("embedding_length")?;
+        let head_dim = d_model.checked_div(n_heads).unwrap_or(0);
+        let vocab_size = match u("vocab_size") {
+            Ok(v) => v,
+            Err(_) => g.get_str_array("tokenizer.ggml.tokens")?.len(),
+        };
+        let config = Self {
+            n_layers: u("block_count")?,
+            d_model,
+            n_heads,
+            n_kv_heads: u("attention.head_count_kv").unwrap_or(n_heads),
+            head_dim,
+            ffn_dim: u("feed_forward_length")?,
+            vocab_size,
+            rope_theta: g.get_f32("llama.rope.freq_base").unwrap_or(10_000.0),
+            rope_dims: u("rope.dimension_count").unwrap_or(head_dim),
+            rope_style: RopeStyle::Interleaved,
+            rms_eps: g.get_f32("llama.attention.layer_norm_rms_epsilon")?,
+            context_length: u("context_length")?,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads an HF `config.json` of a `LlamaForCausalLM`.
+    pub fn from_hf_json(json: &str) -> Result<Self, ModelError> {
+        #[derive(Deserialize)]
+        struct Hf {
+            architectures: Option<Vec<String>>,
+            hidden_size: usize,
+            intermediate_size: usize,
+            num_attention_heads: usize,
+            num_hidden_layers: usize,
+            num_key_value_heads: Option<usize>,
+            head_dim: Option<usize>,
+            vocab_size: usize,
+            rms_norm_eps: f32,
+            rope_theta: Option<f32>,
+            max_position_embeddings: usize,
+            rope_scaling: Option<serde_json::Value>,
+        }
+        let hf: Hf = serde_json::from_str(json)
+            .map_err(|e| ModelError::InvalidConfig(format!("config.json: {e}")))?;
+        let archs = hf.architectures.unwrap_or_default();
+        if !archs.iter().any(|a| a == "LlamaForCausalLM") {
+            return Err(ModelError::UnsupportedArchitecture(archs.join(",")));
+        }
+        if hf.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ModelError::InvalidConfig(
+                "config.json: rope_scaling is not supported yet".into(),
+            ));
+        }
+        let head_dim = hf.head_dim.unwrap_or(
+            hf.hidden_size
+                .checked_div(hf.num_attention_heads)
+                .unwrap_or(0),
+        );
+        let config = Self {
+            n_layers: hf.num_hidden_layers,
+            d_model: hf.hidden_size,
+            n_heads: hf.num_attention_heads,
+            n_kv_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
+            head_dim,
+            ffn_dim: hf.intermediate_size,
+            vocab_size: hf.vocab_size,
+            rope_theta: hf.rope_theta.unwrap_or(10_000.0),
+            rope_dims: head_dim,
+            rope_style: RopeStyle::Neox,
+            rms_eps: hf.rms_norm_eps,
+            context_length: hf.max_position_embeddings,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Rejects shapes the forward pass cannot run, with the offending value.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::InvalidConfig(m));
+        if self.n_layers == 0 || self.d_model == 0 || self.ffn_dim == 0 || self.vocab_size == 0 {
+            return bad(format!("zero-sized model dimension in {self:?}"));
+        }
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
+            return bad(format!(
+                "head_count {} must be a positive multiple of head_count_kv {}",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) || self.head_dim > 512 {
+            return bad(format!(
+                "head_dim {} must be even and at most 512",
+                self.head_dim
+            ));
+        }
+        if self.rope_dims == 0
+            || self.rope_dims > self.head_dim
+            || !self.rope_dims.is_multiple_of(2)
+        {
+            return bad(format!(
+                "rope dimension {} must be even and at most head_dim {}",
+                self.rope_dims, self.head_dim
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return bad(format!("rope theta {} must be positive", self.rope_theta));
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
+            return bad(format!("rms epsilon {} must be non-negative", self.rms_eps));
+        }
+        if self.context_length == 0 {
+            return bad("context length must be > 0".into());
+        }
+        if self.vocab_size > u32::MAX as usize {
+            return bad(format!("vocab size {} too large", self.vocab_size));
+        }
+        Ok(())
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMOL: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":576,
+        "intermediate_size":1536,"num_attention_heads":9,"num_hidden_layers":30,
+        "num_key_value_heads":3,"vocab_size":49152,"rms_norm_eps":1e-5,
+        "rope_theta":100000.0,"max_position_embeddings":8192,"rope_scaling":null}"#;
+
+    #[test]
+    fn hf_config_parses() {
+        let c = LlamaConfig::from_hf_json(SMOL).expect("valid");
+        assert_eq!(c.head_dim, 64);
+        assert_eq!(c.kv_dim(), 192);
+        assert_eq!(c.rope_style, RopeStyle::Neox);
+    }
+
+    #[test]
+    fn bad_configs_name_the_problem() {
+        let e = LlamaConfig::from_hf_json(
+            &SMOL.replace("\"num_key_value_heads\":3", "\"num_key_value_heads\":4"),
+        )
+        .expect_err("9 heads / 4 kv heads");
+        assert!(e.to_string().contains("head_count 9"), "{e}");
+        let e = LlamaConfig::from_hf_json(&SMOL.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
+            .expect_err("arch");
+        assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+        assert!(LlamaConfig::from_hf_json("{").is_err());
+        assert!(LlamaConfig::from_hf_json(&SMOL.replace("8192", "0")).is_err());
+    }
+}

@@ -1,0 +1,375 @@
+//! Paged KV cache: fixed-size blocks, a refcounting block allocator, and
+//! per-sequence block tables.
+//!
+//! # Block layout
+//! One block holds `block_size` token slots for every layer, both K and V,
+//! every KV head, stored as `f16`, laid out
+//! `[layer][k|v][kv_head][slot][head_dim]` inside the block, blocks back to back.
+//! Chosen so that
+//! - a whole block is one contiguous byte range (one transfer moves a block),
+//! - one layer of a block is contiguous (layer-by-layer transfer as prefill
+//!   finishes each layer),
+//! - one KV head of one layer is contiguous (a tensor-parallel prefill rank
+//!   that owns a subset of KV heads writes its head slice directly),
+//! - attention for one head scans contiguous `slot x head_dim` rows.
+
+use half::f16;
+
+/// Index of a block in the cache pool.
+pub type BlockId = u32;
+
+/// Shape of a KV cache pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvCacheConfig {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvCacheConfig {
+    /// `f16` elements in one (layer, k|v, head) slice of a block.
+    pub fn head_slice_len(&self) -> usize {
+        self.block_size * self.head_dim
+    }
+
+    /// `f16` elements in one layer of a block (K and V, all heads).
+    pub fn layer_len(&self) -> usize {
+        2 * self.n_kv_heads * self.head_slice_len()
+    }
+
+    /// `f16` elements in one block.
+    pub fn block_len(&self) -> usize {
+        self.n_layers * self.layer_len()
+    }
+
+    /// Bytes in one block.
+    pub fn block_bytes(&self) -> usize {
+        self.block_len() * std::mem::size_of::<f16>()
+    }
+
+    /// Number of blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+}
+
+/// Why a KV cache operation was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KvCacheError {
+    #[error("KV cache config invalid: {0}")]
+    InvalidConfig(&'static str),
+    #[error("KV cache exhausted: need {needed} blocks, {free} free")]
+    OutOfBlocks { needed: usize, free: usize },
+    #[error("block {0} is not allocated")]
+    NotAllocated(BlockId),
+    #[error("block {block} out of range (pool has {num_blocks})")]
+    OutOfRange { block: BlockId, num_blocks: usize },
+}
+
+/// Hands out blocks and counts references to them. A block returns to the
+/// free list when its last reference is released.
+#[derive(Debug, Clone)]
+pub struct BlockAllocator {
+    free: Vec<BlockId>,
+    refcount: Vec<u32>,
+}
+
+impl BlockAllocator {
+    pub fn new(num_blocks: usize) -> Self {
+        // Reverse so that block 0 is handed out first.
+        let free = (0..num_blocks as BlockId).rev().collect();
+        Self {
+            free,
+            refcount: vec![0; num_blocks],
+        }
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.refcount.len()
+    }
+
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn num_used(&self) -> usize {
+        self.num_blocks() - self.num_free()
+    }
+
+    pub fn refcount(&self, block: BlockId) -> u32 {
+        self.refcount.get(block as usize).copied().unwrap_or(0)
+    }
+
+    /// Allocates `n` blocks with refcount 1, all or nothing.
+    pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, KvCacheError> {
+        if n > self.free.len() {
+            return Err(KvCacheError::OutOfBlocks {
+                needed: n,
+                free: self.free.len(),
+            });
+        }
+        let blocks = self.free.split_off(self.free.len() - n);
+        for &b in &blocks {
+            self.refcount[b as usize] = 1;
+        }
+        Ok(blocks)
+    }
+
+    /// Adds a reference to an allocated block (sharing it).
+    pub fn retain(&mut self, block: BlockId) -> Result<(), KvCacheError> {
+        let rc = self.slot(block)?;
+        if *rc == 0 {
+            return Err(KvCacheError::NotAllocated(block));
+        }
+        *rc += 1;
+        Ok(())
+    }
+
+    /// Drops a reference; returns true if the block became free.
+    pub fn release(&mut self, block: BlockId) -> Result<bool, KvCacheError> {
+        let rc = self.slot(block)?;
+        if *rc == 0 {
+            return Err(KvCacheError::NotAllocated(block));
+        }
+        *rc -= 1;
+        let freed = *rc == 0;
+        if freed {
+            self.free.push(block);
+        }
+        Ok(freed)
+    }
+
+    /// Releases every block of a table, leaving it empty.
+    pub fn release_all(&mut self, blocks: &mut Vec<BlockId>) -> Result<(), KvCacheError> {
+        for b in blocks.drain(..) {
+            self.release(b)?;
+        }
+        Ok(())
+    }
+
+    fn slot(&mut self, block: BlockId) -> Result<&mut u32, KvCacheError> {
+        let num_blocks = self.refcount.len();
+        self.refcount
+            .get_mut(block as usize)
+            .ok_or(KvCacheError::OutOfRange { block, num_blocks })
+    }
+}
+
+/// The KV storage pool plus its allocator.
+#[derive(Debug)]
+pub struct KvCache {
+    config: KvCacheConfig,
+    data: Vec<f16>,
+    allocator: BlockAllocator,
+}
+
+impl KvCache {
+    pub fn new(config: KvCacheConfig) -> Result<Self, KvCacheError> {
+        if config.block_size == 0 || config.num_blocks == 0 {
+            return Err(KvCacheError::InvalidConfig(
+                "block_size and num_blocks must be > 0",
+            ));
+        }
+        if config.n_layers == 0 || config.n_kv_heads == 0 || config.head_dim == 0 {
+            return Err(KvCacheError::InvalidConfig(
+                "layers, kv heads and head dim must be > 0",
+            ));
+        }
+        if config.num_blocks > BlockId::MAX as usize {
+            return Err(KvCacheError::InvalidConfig("too many blocks"));
+        }
+        let len = config
+            .block_len()
+            .checked_mul(config.num_blocks)
+            .ok_or(KvCacheError::InvalidConfig("pool size overflows"))?;
+        Ok(Self {
+            config,
+            data: vec![f16::ZERO; len],
+            allocator: BlockAllocator::new(config.num_blocks),
+        })
+    }
+
+    pub fn config(&self) -> &KvCacheConfig {
+        &self.config
+    }
+
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.allocator
+    }
+
+    pub fn allocator_mut(&mut self) -> &mut BlockAllocator {
+        &mut self.allocator
+    }
+
+    /// Grows `table` so that it can hold `tokens` tokens.
+    pub fn reserve(&mut self, table: &mut Vec<BlockId>, tokens: usize) -> Result<(), KvCacheError> {
+        let needed = self.config.blocks_for(tokens);
+        if needed > table.len() {
+            let new = self.allocator.allocate(needed - table.len())?;
+            table.extend(new);
+        }
+        Ok(())
+    }
+
+    fn head_offset(&self, block: BlockId, layer: usize, kv: usize, head: usize) -> usize {
+        let c = &self.config;
+        block as usize * c.block_len()
+            + layer * c.layer_len()
+            + (kv * c.n_kv_heads + head) * c.head_slice_len()
+    }
+
+    /// K (kv = 0) or V (kv = 1) rows of one head of one layer of a block:
+    /// `block_size x head_dim` values.
+    pub fn head_slice(&self, block: BlockId, layer: usize, kv: usize, head: usize) -> &[f16] {
+        let off = self.head_offset(block, layer, kv, head);
+        &self.data[off..off + self.config.head_slice_len()]
+    }
+
+    /// Stores one token's K and V (each `n_kv_heads * head_dim` values) for a layer.
+    pub fn write(&mut self, layer: usize, block: BlockId, slot: usize, k: &[f32], v: &[f32]) {
+        let hd = self.config.head_dim;
+        for (kv, src) in [k, v].into_iter().enumerate() {
+            for (head, row) in src.chunks_exact(hd).enumerate() {
+                let off = self.head_offset(block, layer, kv, head) + slot * hd;
+                for (d, &s) in self.data[off..off + hd].iter_mut().zip(row) {
+                    *d = f16::from_f32(s);
+                }
+            }
+        }
+    }
+
+    /// The raw bytes of one block (what a transfer engine moves).
+    pub fn block_bytes(&self, block: BlockId) -> &[u8] {
+        let len = self.config.block_len();
+        let start = block as usize * len;
+        bytemuck::cast_slice(&self.data[start..start + len])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn cfg() -> KvCacheConfig {
+        KvCacheConfig {
+            block_size: 4,
+            num_blocks: 8,
+            n_layers: 2,
+            n_kv_heads: 3,
+            head_dim: 2,
+        }
+    }
+
+    #[test]
+    fn layout_places_head_slices_contiguously() {
+        let mut cache = KvCache::new(cfg()).expect("valid config");
+        let mut table = Vec::new();
+        cache.reserve(&mut table, 5).expect("space");
+        assert_eq!(table.len(), 2);
+        let k = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let v = [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0];
+        cache.write(1, table[1], 2, &k, &v);
+        let k_head2 = cache.head_slice(table[1], 1, 0, 2);
+        assert_eq!(k_head2[4].to_f32(), 5.0);
+        assert_eq!(k_head2[5].to_f32(), 6.0);
+        let v_head0 = cache.head_slice(table[1], 1, 1, 0);
+        assert_eq!(v_head0[4].to_f32(), -1.0);
+        // Layer 0 of the same block is untouched.
+        assert!(
+            cache
+                .head_slice(table[1], 0, 0, 2)
+                .iter()
+                .all(|x| x.to_f32() == 0.0)
+        );
+        assert_eq!(cache.block_bytes(table[1]).len(), cfg().block_bytes());
+    }
+
+    #[test]
+    fn allocation_is_all_or_nothing() {
+        let mut a = BlockAllocator::new(3);
+        let got = a.allocate(2).expect("fits");
+        assert_eq!(
+            a.allocate(2),
+            Err(KvCacheError::OutOfBlocks { needed: 2, free: 1 })
+        );
+        assert_eq!(a.num_free(), 1);
+        for b in got {
+            assert!(a.release(b).expect("allocated"));
+        }
+        assert_eq!(a.num_free(), 3);
+        assert_eq!(a.release(0), Err(KvCacheError::NotAllocated(0)));
+        assert!(matches!(a.retain(7), Err(KvCacheError::OutOfRange { .. })));
+    }
+
+    #[test]
+    fn invalid_configs_are_rejected() {
+        let mut c = cfg();
+        c.block_size = 0;
+        assert!(KvCache::new(c).is_err());
+        let mut c = cfg();
+        c.num_blocks = usize::MAX / 2;
+        assert!(KvCache::new(c).is_err());
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc(usize),
+        Share(usize),
+        Free(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0usize..4).prop_map(Op::Alloc),
+            (0usize..64).prop_map(Op::Share),
+            (0usize..64).prop_map(Op::Free),
+        ]
+    }
+
+    proptest! {
+        /// Any interleaving of allocate / share / free keeps refcounts equal
+        /// to the references held, never double-frees, and returns every
+        /// block once all references are dropped.
+        #[test]
+        fn refcounts_balance(ops in proptest::collection::vec(op(), 0..200)) {
+            const N: usize = 16;
+            let mut a = BlockAllocator::new(N);
+            let mut held: Vec<BlockId> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc(n) => {
+                        let before = a.num_free();
+                        match a.allocate(n) {
+                            Ok(bs) => { prop_assert_eq!(bs.len(), n); held.extend(bs); }
+                            Err(_) => prop_assert!(n > before),
+                        }
+                    }
+                    Op::Share(i) if !held.is_empty() => {
+                        let b = held[i % held.len()];
+                        a.retain(b).expect("held block is allocated");
+                        held.push(b);
+                    }
+                    Op::Free(i) if !held.is_empty() => {
+                        let b = held.swap_remove(i % held.len());
+                        let freed = a.release(b).expect("held block is allocated");
+                        prop_assert_eq!(freed, !held.contains(&b));
+                    }
+                    _ => {}
+                }
+                for b in 0..N as BlockId {
+                    let refs = held.iter().filter(|&&h| h == b).count() as u32;
+                    prop_assert_eq!(a.refcount(b), refs);
+                }
+                let distinct: std::collections::HashSet<_> = held.iter().collect();
+                prop_assert_eq!(a.num_used(), distinct.len());
+            }
+            a.release_all(&mut held).expect("all held");
+            prop_assert_eq!(a.num_free(), N);
+        }
+    }
+}

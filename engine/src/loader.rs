@@ -1,0 +1,194 @@
+//! Loads a model from a GGUF file or an HF-style directory into a
+//! [`LlamaModel`] plus its tokenizer and chat template.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_kernels::GgmlType;
+
+use crate::chat::ChatTemplate;
+use crate::config::LlamaConfig;
+use crate::error::ModelError;
+use crate::gguf::GgufFile;
+use crate::model::{LayerWeights, LlamaModel, LlamaWeights, Weight};
+use crate::safetensors_loader;
+use crate::tokenizer::{self, Tokenizer};
+
+/// A model with everything needed to turn text into tokens and back.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub model: LlamaModel,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    /// A human-readable name (GGUF `general.name` or the directory name).
+    pub name: String,
+    pub path: PathBuf,
+    pub load_time: LoadTimes,
+}
+
+/// Where load time went (reported as `tandem.model_load_time{phase}`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadTimes {
+    /// Opening and parsing the file(s), mapping tensor data.
+    pub read: Duration,
+    /// Converting small tensors (norms) to f32.
+    pub dequantize: Duration,
+    /// Tokenizer and chat template construction, shape checks.
+    pub init: Duration,
+    pub total: Duration,
+}
+
+/// Loads `path`: a `.gguf` file or a directory with `config.json`.
+pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
+    if path.is_dir() {
+        safetensors_loader::load_dir(path)
+    } else if path.is_file() {
+        load_gguf(path)
+    } else {
+        Err(ModelError::NotFound(path.display().to_string()))
+    }
+}
+
+/// Loads a GGUF model file.
+pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
+    let t0 = Instant::now();
+    let g = GgufFile::open(path)?;
+    let config = LlamaConfig::from_gguf(&g)?;
+    let read = t0.elapsed();
+
+    let t1 = Instant::now();
+    let weights = gguf_weights(&g, &config)?;
+    let dequantize = t1.elapsed();
+
+    let t2 = Instant::now();
+    let spec = tokenizer::spec_from_gguf(&g)?;
+    let tokenizer = Tokenizer::from_spec(spec)?;
+    if tokenizer.vocab_size() != config.vocab_size {
+        return Err(ModelError::InvalidConfig(format!(
+            "tokenizer has {} tokens but the model's vocabulary is {}",
+            tokenizer.vocab_size(),
+            config.vocab_size
+        )));
+    }
+    let chat_template = match g.get_str("tokenizer.chat_template") {
+        Ok(src) => {
+            let name = |id: Option<u32>| {
+                id.and_then(|i| tokenizer.token_str(i))
+                    .unwrap_or_default()
+                    .to_string()
+            };
+            Some(ChatTemplate::new(
+                src,
+                &name(tokenizer.bos_id()),
+                &name(tokenizer.eos_id()),
+            )?)
+        }
+        Err(_) => None,
+    };
+    let model = LlamaModel::new(config, weights)?;
+    let init = t2.elapsed();
+    let name = g
+        .get_str("general.name")
+        .map(str::to_string)
+        .unwrap_or_else(|_| file_stem(path));
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+        name,
+        path: path.to_path_buf(),
+        load_time: LoadTimes {
+            read,
+            dequantize,
+            init,
+            total: t0.elapsed(),
+        },
+    })
+}
+
+pub(crate) fn file_stem(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
+}
+
+fn gguf_weights(g: &GgufFile, c: &LlamaConfig) -> Result<LlamaWeights, ModelError> {
+    let backing = g.backing().clone();
+    let matrix = |name: &str| -> Result<Weight, ModelError> {
+        let info = g
+            .tensor(name)
+            .map_err(|_| ModelError::MissingTensor(name.to_string()))?;
+        let (cols, rows) = match info.dims.as_slice() {
+            [cols, rows] => (*cols as usize, *rows as usize),
+            dims => {
+                return Err(ModelError::BadTensor {
+                    name: name.to_string(),
+                    problem: format!("expected 2 dimensions, found {dims:?}"),
+                });
+            }
+        };
+        Weight::new(
+            name,
+            info.ty,
+            rows,
+            cols,
+            Arc::clone(&backing),
+            g.tensor_range(info),
+        )
+    };
+    let vector = |name: &str| -> Result<Vec<f32>, ModelError> {
+        let info = g
+            .tensor(name)
+            .map_err(|_| ModelError::MissingTensor(name.to_string()))?;
+        let n = info.n_elements() as usize;
+        if info.dims.len() != 1 {
+            return Err(ModelError::BadTensor {
+                name: name.to_string(),
+                problem: format!("expected 1 dimension, found {:?}", info.dims),
+            });
+        }
+        to_f32(name, info.ty, g.tensor_data(name)?, n)
+    };
+    let mut layers = Vec::with_capacity(c.n_layers);
+    for i in 0..c.n_layers {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        layers.push(LayerWeights {
+            attn_norm: vector(&n("attn_norm.weight"))?,
+            wq: matrix(&n("attn_q.weight"))?,
+            wk: matrix(&n("attn_k.weight"))?,
+            wv: matrix(&n("attn_v.weight"))?,
+            wo: matrix(&n("attn_output.weight"))?,
+            ffn_norm: vector(&n("ffn_norm.weight"))?,
+            w_gate: matrix(&n("ffn_gate.weight"))?,
+            w_up: matrix(&n("ffn_up.weight"))?,
+            w_down: matrix(&n("ffn_down.weight"))?,
+        });
+    }
+    let output = if g.tensor("output.weight").is_ok() {
+        Some(matrix("output.weight")?)
+    } else {
+        None
+    };
+    Ok(LlamaWeights {
+        token_embd: matrix("token_embd.weight")?,
+        layers,
+        output_norm: vector("output_norm.weight")?,
+        output,
+    })
+}
+
+/// Converts a small tensor (a norm weight) to `f32`.
+pub(crate) fn to_f32(
+    name: &str,
+    ty: GgmlType,
+    bytes: &[u8],
+    n: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let mut out = vec![0.0f32; n];
+    tandem_kernels::dequantize_row(ty, bytes, &mut out).map_err(|e| ModelError::BadTensor {
+        name: name.to_string(),
+        problem: e.to_string(),
+    })?;
+    Ok(out)
+}

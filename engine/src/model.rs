@@ -1,0 +1,414 @@
+//! The Llama-family decoder forward pass over the paged KV cache.
+//!
+//! One call runs a batch of sequence chunks: prefill chunks (many tokens)
+//! and decode steps (one token) mixed. Linear layers run once over all
+//! tokens of the batch; attention runs per token over that token's own
+//! sequence. Every kernel computes each row independently of the others, so
+//! a sequence's logits are bitwise the same alone or inside any batch.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use half::f16;
+use rayon::prelude::*;
+use tandem_kernels::ops::{self, Rope};
+use tandem_kernels::{GgmlType, QMatrix};
+
+use crate::config::LlamaConfig;
+use crate::error::{ModelError, RequestError};
+use crate::kv_cache::{BlockId, KvCache, KvCacheConfig};
+use crate::storage::Backing;
+
+/// A weight matrix held in its stored (possibly quantized) form.
+#[derive(Debug, Clone)]
+pub struct Weight {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    backing: Arc<Backing>,
+    range: Range<usize>,
+}
+
+impl Weight {
+    /// Checks that `range` of `backing` holds exactly `rows x cols` values of `ty`.
+    pub fn new(
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        backing: Arc<Backing>,
+        range: Range<usize>,
+    ) -> Result<Self, ModelError> {
+        let bad = |problem: String| ModelError::BadTensor {
+            name: name.to_string(),
+            problem,
+        };
+        let row_bytes = ty
+            .row_bytes(cols)
+            .ok_or_else(|| bad(format!("{cols} columns do not fit {} blocks", ty.name())))?;
+        let want = row_bytes
+            .checked_mul(rows)
+            .ok_or_else(|| bad("size overflows".into()))?;
+        if range.len() != want || range.end > backing.len() {
+            return Err(bad(format!(
+                "expected {want} bytes for {rows}x{cols} {}, found {} (file has {})",
+                ty.name(),
+                range.len(),
+                backing.len()
+            )));
+        }
+        Ok(Self {
+            ty,
+            rows,
+            cols,
+            backing,
+            range,
+        })
+    }
+
+    pub fn matrix(&self) -> QMatrix<'_> {
+        QMatrix {
+            ty: self.ty,
+            data: &self.backing[self.range.clone()],
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Dequantizes one row (used for the embedding lookup).
+    fn row_into(&self, row: usize, out: &mut [f32]) -> Result<(), RequestError> {
+        let m = self.matrix();
+        tandem_kernels::dequantize_row(self.ty, m.row(row), out)?;
+        Ok(())
+    }
+
+    fn expect_shape(self, name: &str, rows: usize, cols: usize) -> Result<Self, ModelError> {
+        if (self.rows, self.cols) != (rows, cols) {
+            return Err(ModelError::BadTensor {
+                name: name.to_string(),
+                problem: format!(
+                    "shape {}x{} (out x in), expected {rows}x{cols}",
+                    self.rows, self.cols
+                ),
+            });
+        }
+        Ok(self)
+    }
+}
+
+/// Weights of one decoder layer.
+#[derive(Debug)]
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub wq: Weight,
+    pub wk: Weight,
+    pub wv: Weight,
+    pub wo: Weight,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: Weight,
+    pub w_up: Weight,
+    pub w_down: Weight,
+}
+
+/// All weights, as found by a loader (GGUF or safetensors).
+#[derive(Debug)]
+pub struct LlamaWeights {
+    pub token_embd: Weight,
+    pub layers: Vec<LayerWeights>,
+    pub output_norm: Vec<f32>,
+    /// `None` when the output head is tied to the token embedding.
+    pub output: Option<Weight>,
+}
+
+/// A loaded Llama-family model, ready to run.
+#[derive(Debug)]
+pub struct LlamaModel {
+    config: LlamaConfig,
+    weights: LlamaWeights,
+    rope: Rope,
+}
+
+/// One sequence's share of a forward batch.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    /// New tokens to run, at positions `start_pos..start_pos + tokens.len()`.
+    pub tokens: &'a [u32],
+    /// Tokens of this sequence already in the KV cache.
+    pub start_pos: usize,
+    /// The sequence's blocks, covering at least `start_pos + tokens.len()` tokens.
+    pub block_table: &'a [BlockId],
+    /// Whether to return logits for the chunk's last token.
+    pub want_logits: bool,
+}
+
+impl LlamaModel {
+    /// Checks every weight's shape against the config.
+    pub fn new(config: LlamaConfig, weights: LlamaWeights) -> Result<Self, ModelError> {
+        config.validate()?;
+        let c = &config;
+        let check_norm = |name: &str, v: &[f32], n: usize| {
+            if v.len() == n {
+                Ok(())
+            } else {
+                Err(ModelError::BadTensor {
+                    name: name.to_string(),
+                    problem: format!("{} values, expected {n}", v.len()),
+                })
+            }
+        };
+        if weights.layers.len() != c.n_layers {
+            return Err(ModelError::InvalidConfig(format!(
+                "{} layers of weights for {} layers",
+                weights.layers.len(),
+                c.n_layers
+            )));
+        }
+        let LlamaWeights {
+            token_embd,
+            layers,
+            output_norm,
+            output,
+        } = weights;
+        let token_embd = token_embd.expect_shape("token_embd", c.vocab_size, c.d_model)?;
+        check_norm("output_norm", &output_norm, c.d_model)?;
+        let output = output
+            .map(|w| w.expect_shape("output", c.vocab_size, c.d_model))
+            .transpose()?;
+        let mut checked = Vec::with_capacity(layers.len());
+        for (i, l) in layers.into_iter().enumerate() {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            check_norm(&n("attn_norm"), &l.attn_norm, c.d_model)?;
+            check_norm(&n("ffn_norm"), &l.ffn_norm, c.d_model)?;
+            checked.push(LayerWeights {
+                attn_norm: l.attn_norm,
+                wq: l.wq.expect_shape(&n("attn_q"), c.q_dim(), c.d_model)?,
+                wk: l.wk.expect_shape(&n("attn_k"), c.kv_dim(), c.d_model)?,
+                wv: l.wv.expect_shape(&n("attn_v"), c.kv_dim(), c.d_model)?,
+                wo: l.wo.expect_shape(&n("attn_output"), c.d_model, c.q_dim())?,
+                ffn_norm: l.ffn_norm,
+                w_gate: l
+                    .w_gate
+                    .expect_shape(&n("ffn_gate"), c.ffn_dim, c.d_model)?,
+                w_up: l.w_up.expect_shape(&n("ffn_up"), c.ffn_dim, c.d_model)?,
+                w_down: l
+                    .w_down
+                    .expect_shape(&n("ffn_down"), c.d_model, c.ffn_dim)?,
+            });
+        }
+        let rope = Rope::new(c.rope_style, c.rope_dims, c.rope_theta);
+        Ok(Self {
+            config,
+            weights: LlamaWeights {
+                token_embd,
+                layers: checked,
+                output_norm,
+                output,
+            },
+            rope,
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    pub fn weights(&self) -> &LlamaWeights {
+        &self.weights
+    }
+
+    /// A KV cache shape for this model.
+    pub fn kv_cache_config(&self, block_size: usize, num_blocks: usize) -> KvCacheConfig {
+        KvCacheConfig {
+            block_size,
+            num_blocks,
+            n_layers: self.config.n_layers,
+            n_kv_heads: self.config.n_kv_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    fn output_head(&self) -> &Weight {
+        self.weights
+            .output
+            .as_ref()
+            .unwrap_or(&self.weights.token_embd)
+    }
+
+    /// Runs one batch step. Writes the new tokens' K/V into `cache` and
+    /// returns `vocab_size` logits for each chunk with `want_logits`, in order.
+    pub fn forward(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, RequestError> {
+        let c = &self.config;
+        let kvc = *cache.config();
+        if (kvc.n_layers, kvc.n_kv_heads, kvc.head_dim) != (c.n_layers, c.n_kv_heads, c.head_dim) {
+            return Err(RequestError::KvCache(
+                crate::kv_cache::KvCacheError::InvalidConfig(
+                    "KV cache shape does not match the model",
+                ),
+            ));
+        }
+        // Where each token of the flattened batch lives: (chunk, position).
+        let mut token_ids = Vec::new();
+        let mut placement = Vec::new();
+        for (ci, ch) in chunks.iter().enumerate() {
+            let end = ch.start_pos + ch.tokens.len();
+            if ch.block_table.len() < kvc.blocks_for(end) {
+                return Err(RequestError::BlockTableTooShort {
+                    have: ch.block_table.len(),
+                    tokens: end,
+                });
+            }
+            if let Some(&b) = ch
+                .block_table
+                .iter()
+                .find(|&&b| b as usize >= kvc.num_blocks)
+            {
+                return Err(crate::kv_cache::KvCacheError::OutOfRange {
+                    block: b,
+                    num_blocks: kvc.num_blocks,
+                }
+                .into());
+            }
+            for (i, &t) in ch.tokens.iter().enumerate() {
+                if t as usize >= c.vocab_size {
+                    return Err(RequestError::TokenOutOfRange {
+                        id: t,
+                        vocab: c.vocab_size,
+                    });
+                }
+                token_ids.push(t);
+                placement.push((ci, ch.start_pos + i));
+            }
+        }
+        let n_tok = token_ids.len();
+        let d = c.d_model;
+        let mut x = vec![0.0f32; n_tok * d];
+        for (row, &t) in x.chunks_exact_mut(d).zip(&token_ids) {
+            self.weights.token_embd.row_into(t as usize, row)?;
+        }
+
+        let mut xn = vec![0.0f32; n_tok * d];
+        let mut q = vec![0.0f32; n_tok * c.q_dim()];
+        let mut k = vec![0.0f32; n_tok * c.kv_dim()];
+        let mut v = vec![0.0f32; n_tok * c.kv_dim()];
+        let mut attn = vec![0.0f32; n_tok * c.q_dim()];
+        let mut proj = vec![0.0f32; n_tok * d];
+        let mut gate = vec![0.0f32; n_tok * c.ffn_dim];
+        let mut up = vec![0.0f32; n_tok * c.ffn_dim];
+
+        for (li, layer) in self.weights.layers.iter().enumerate() {
+            for (o, xi) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+                ops::rms_norm(xi, &layer.attn_norm, c.rms_eps, o);
+            }
+            tandem_kernels::matmul(&layer.wq.matrix(), &xn, n_tok, &mut q)?;
+            tandem_kernels::matmul(&layer.wk.matrix(), &xn, n_tok, &mut k)?;
+            tandem_kernels::matmul(&layer.wv.matrix(), &xn, n_tok, &mut v)?;
+            for (t, &(ci, pos)) in placement.iter().enumerate() {
+                self.rope
+                    .apply(&mut q[t * c.q_dim()..(t + 1) * c.q_dim()], c.head_dim, pos);
+                self.rope.apply(
+                    &mut k[t * c.kv_dim()..(t + 1) * c.kv_dim()],
+                    c.head_dim,
+                    pos,
+                );
+                let table = chunks[ci].block_table;
+                cache.write(
+                    li,
+                    table[pos / kvc.block_size],
+                    pos % kvc.block_size,
+                    &k[t * c.kv_dim()..(t + 1) * c.kv_dim()],
+                    &v[t * c.kv_dim()..(t + 1) * c.kv_dim()],
+                );
+            }
+            self.attention(li, chunks, &placement, &q, cache, &mut attn);
+            tandem_kernels::matmul(&layer.wo.matrix(), &attn, n_tok, &mut proj)?;
+            ops::add_assign(&mut x, &proj);
+
+            for (o, xi) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+                ops::rms_norm(xi, &layer.ffn_norm, c.rms_eps, o);
+            }
+            tandem_kernels::matmul(&layer.w_gate.matrix(), &xn, n_tok, &mut gate)?;
+            tandem_kernels::matmul(&layer.w_up.matrix(), &xn, n_tok, &mut up)?;
+            ops::silu_mul(&mut gate, &up);
+            tandem_kernels::matmul(&layer.w_down.matrix(), &gate, n_tok, &mut proj)?;
+            ops::add_assign(&mut x, &proj);
+        }
+
+        // Final norm and output head only for the rows whose logits are wanted.
+        let mut rows = Vec::new();
+        let mut t0 = 0;
+        for ch in chunks {
+            t0 += ch.tokens.len();
+            if ch.want_logits && !ch.tokens.is_empty() {
+                rows.push(t0 - 1);
+            }
+        }
+        let mut last = vec![0.0f32; rows.len() * d];
+        for (o, &r) in last.chunks_exact_mut(d).zip(&rows) {
+            ops::rms_norm(
+                &x[r * d..(r + 1) * d],
+                &self.weights.output_norm,
+                c.rms_eps,
+                o,
+            );
+        }
+        let mut logits = vec![0.0f32; rows.len() * c.vocab_size];
+        tandem_kernels::matmul(&self.output_head().matrix(), &last, rows.len(), &mut logits)?;
+        Ok(logits)
+    }
+
+    /// Causal attention of every new token over its own sequence's cache.
+    fn attention(
+        &self,
+        layer: usize,
+        chunks: &[SeqChunk<'_>],
+        placement: &[(usize, usize)],
+        q: &[f32],
+        cache: &KvCache,
+        out: &mut [f32],
+    ) {
+        let c = &self.config;
+        let hd = c.head_dim;
+        let bs = cache.config().block_size;
+        let group = c.n_heads / c.n_kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        out.par_chunks_mut(hd).enumerate().for_each(|(i, out_h)| {
+            let (t, h) = (i / c.n_heads, i % c.n_heads);
+            let (ci, pos) = placement[t];
+            let table = chunks[ci].block_table;
+            let kv_head = h / group;
+            // ggml rounds the query to the K cache's type (f16) before the dot.
+            let qh: Vec<f32> = q[i * hd..(i + 1) * hd]
+                .iter()
+                .map(|&x| f16::from_f32(x).to_f32())
+                .collect();
+            let n_ctx = pos + 1;
+            let mut scores = Vec::with_capacity(n_ctx);
+            for j in 0..n_ctx {
+                let kb = cache.head_slice(table[j / bs], layer, 0, kv_head);
+                let slot = j % bs;
+                scores.push(ops::dot_f32_f16(&qh, &kb[slot * hd..(slot + 1) * hd]) * scale);
+            }
+            ops::softmax(&mut scores);
+            out_h.fill(0.0);
+            for (j, &p) in scores.iter().enumerate() {
+                // ggml multiplies V (f16) by the probabilities converted to f16.
+                let p = f16::from_f32(p).to_f32();
+                let vb = cache.head_slice(table[j / bs], layer, 1, kv_head);
+                let slot = j % bs;
+                ops::axpy_f16(out_h, p, &vb[slot * hd..(slot + 1) * hd]);
+            }
+        });
+    }
+}

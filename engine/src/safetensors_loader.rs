@@ -1,0 +1,229 @@
+//! Loads an HF-style `LlamaForCausalLM` directory: `config.json`,
+//! `tokenizer.json`, `tokenizer_config.json` (chat template, special tokens)
+//! and one or more `*.safetensors` files with F32, F16 or BF16 tensors.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use safetensors::{Dtype, SafeTensors};
+use serde::Deserialize;
+use tandem_kernels::GgmlType;
+
+use crate::chat::ChatTemplate;
+use crate::config::LlamaConfig;
+use crate::error::ModelError;
+use crate::loader::{LoadTimes, LoadedModel, file_stem, to_f32};
+use crate::model::{LayerWeights, LlamaModel, LlamaWeights, Weight};
+use crate::storage::Backing;
+use crate::tokenizer::Tokenizer;
+
+/// Where one tensor lives: which file's bytes, at which range.
+struct Located {
+    backing: Arc<Backing>,
+    range: std::ops::Range<usize>,
+    ty: GgmlType,
+    shape: Vec<usize>,
+}
+
+/// Loads a model directory.
+pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
+    let t0 = Instant::now();
+    let read_text = |name: &str| {
+        let p = dir.join(name);
+        std::fs::read_to_string(&p).map_err(|source| ModelError::Io {
+            path: p.display().to_string(),
+            source,
+        })
+    };
+    let config = LlamaConfig::from_hf_json(&read_text("config.json")?)?;
+    let tie = serde_json::from_str::<serde_json::Value>(&read_text("config.json")?)
+        .ok()
+        .and_then(|v| v.get("tie_word_embeddings").and_then(|t| t.as_bool()))
+        .unwrap_or(false);
+
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|source| ModelError::Io {
+            path: dir.display().to_string(),
+            source,
+        })?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(ModelError::NotFound(format!(
+            "{}: no *.safetensors files",
+            dir.display()
+        )));
+    }
+    let mut tensors: HashMap<String, Located> = HashMap::new();
+    for f in &files {
+        index_file(f, &mut tensors)?;
+    }
+    let read = t0.elapsed();
+
+    let t1 = Instant::now();
+    let weights = hf_weights(&tensors, &config, tie)?;
+    let dequantize = t1.elapsed();
+
+    let t2 = Instant::now();
+    #[derive(Deserialize, Default)]
+    struct TokCfg {
+        chat_template: Option<serde_json::Value>,
+        bos_token: Option<serde_json::Value>,
+        eos_token: Option<serde_json::Value>,
+        add_bos_token: Option<bool>,
+    }
+    let tok_cfg: TokCfg = match read_text("tokenizer_config.json") {
+        Ok(s) => serde_json::from_str(&s)
+            .map_err(|e| ModelError::InvalidConfig(format!("tokenizer_config.json: {e}")))?,
+        Err(_) => TokCfg::default(),
+    };
+    let tokenizer = Tokenizer::from_hf_file(&dir.join("tokenizer.json"), tok_cfg.add_bos_token)?;
+    // Special tokens are either plain strings or {"content": ...} objects.
+    let token_text = |v: &Option<serde_json::Value>| -> String {
+        match v {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Object(o)) => o
+                .get("content")
+                .and_then(|c| c.as_str())
+                .unwrap_or_default()
+                .to_string(),
+            _ => String::new(),
+        }
+    };
+    let chat_template = match &tok_cfg.chat_template {
+        Some(serde_json::Value::String(src)) => Some(ChatTemplate::new(
+            src,
+            &token_text(&tok_cfg.bos_token),
+            &token_text(&tok_cfg.eos_token),
+        )?),
+        Some(other) if !other.is_null() => {
+            return Err(ModelError::InvalidConfig(
+                "tokenizer_config.json: only a single string chat_template is supported".into(),
+            ));
+        }
+        _ => None,
+    };
+    let model = LlamaModel::new(config, weights)?;
+    let init = t2.elapsed();
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+        name: file_stem(dir),
+        path: dir.to_path_buf(),
+        load_time: LoadTimes {
+            read,
+            dequantize,
+            init,
+            total: t0.elapsed(),
+        },
+    })
+}
+
+fn index_file(path: &Path, out: &mut HashMap<String, Located>) -> Result<(), ModelError> {
+    let bad = |problem: String| ModelError::Safetensors {
+        path: path.display().to_string(),
+        problem,
+    };
+    let file = std::fs::File::open(path).map_err(|source| ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    // SAFETY: the map is read-only; a file truncated by another process
+    // underneath us is outside what we can defend against (as for GGUF).
+    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let backing = Arc::new(Backing::Mmap(mmap));
+    let st = SafeTensors::deserialize(&backing).map_err(|e| bad(e.to_string()))?;
+    let base = backing.as_ptr() as usize;
+    for (name, view) in st.tensors() {
+        let ty = match view.dtype() {
+            Dtype::F32 => GgmlType::F32,
+            Dtype::F16 => GgmlType::F16,
+            Dtype::BF16 => GgmlType::BF16,
+            other => return Err(bad(format!("tensor {name}: unsupported dtype {other:?}"))),
+        };
+        let start = view.data().as_ptr() as usize - base;
+        let located = Located {
+            backing: Arc::clone(&backing),
+            range: start..start + view.data().len(),
+            ty,
+            shape: view.shape().to_vec(),
+        };
+        if out.insert(name.clone(), located).is_some() {
+            return Err(bad(format!("tensor {name} appears in more than one file")));
+        }
+    }
+    Ok(())
+}
+
+fn hf_weights(
+    t: &HashMap<String, Located>,
+    c: &LlamaConfig,
+    tie: bool,
+) -> Result<LlamaWeights, ModelError> {
+    let get = |name: &str| {
+        t.get(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+    };
+    let matrix = |name: &str| -> Result<Weight, ModelError> {
+        let l = get(name)?;
+        let [rows, cols] = l.shape[..] else {
+            return Err(ModelError::BadTensor {
+                name: name.to_string(),
+                problem: format!("expected 2 dimensions, found {:?}", l.shape),
+            });
+        };
+        Weight::new(
+            name,
+            l.ty,
+            rows,
+            cols,
+            Arc::clone(&l.backing),
+            l.range.clone(),
+        )
+    };
+    let vector = |name: &str| -> Result<Vec<f32>, ModelError> {
+        let l = get(name)?;
+        let [n] = l.shape[..] else {
+            return Err(ModelError::BadTensor {
+                name: name.to_string(),
+                problem: format!("expected 1 dimension, found {:?}", l.shape),
+            });
+        };
+        to_f32(name, l.ty, &l.backing[l.range.clone()], n)
+    };
+    let mut layers = Vec::with_capacity(c.n_layers);
+    for i in 0..c.n_layers {
+        let n = |s: &str| format!("model.layers.{i}.{s}.weight");
+        layers.push(LayerWeights {
+            attn_norm: vector(&n("input_layernorm"))?,
+            wq: matrix(&n("self_attn.q_proj"))?,
+            wk: matrix(&n("self_attn.k_proj"))?,
+            wv: matrix(&n("self_attn.v_proj"))?,
+            wo: matrix(&n("self_attn.o_proj"))?,
+            ffn_norm: vector(&n("post_attention_layernorm"))?,
+            w_gate: matrix(&n("mlp.gate_proj"))?,
+            w_up: matrix(&n("mlp.up_proj"))?,
+            w_down: matrix(&n("mlp.down_proj"))?,
+        });
+    }
+    let output = if !tie && t.contains_key("lm_head.weight") {
+        Some(matrix("lm_head.weight")?)
+    } else {
+        None
+    };
+    Ok(LlamaWeights {
+        token_embd: matrix("model.embed_tokens.weight")?,
+        layers,
+        output_norm: vector("model.norm.weight")?,
+        output,
+    })
+}

