@@ -1,0 +1,356 @@
+//! The forward pass on the real SmolLM2 GGUF against independent references
+//! (llama.cpp greedy output, a numpy float32 forward pass), and batched vs
+//! single-sequence equivalence.
+//!
+//! Needs `TANDEM_TEST_GGUF` pointing at SmolLM2-135M-Instruct.Q4_1.gguf
+//! (`scripts/test.sh` fetches it and sets the variable).
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use serde_json::Value;
+use tandem_engine::generate::{GenerateRequest, generate};
+use tandem_engine::kv_cache::KvCache;
+use tandem_engine::model::SeqChunk;
+use tandem_engine::sampler::{SamplingParams, log_softmax};
+use tandem_engine::{LoadedModel, load};
+
+fn model() -> &'static LoadedModel {
+    static M: OnceLock<LoadedModel> = OnceLock::new();
+    M.get_or_init(|| {
+        let path = std::env::var_os("TANDEM_TEST_GGUF").expect(
+            "set TANDEM_TEST_GGUF to the SmolLM2-135M-Instruct Q4_1 GGUF (scripts/test.sh does this)",
+        );
+        load(&PathBuf::from(path)).expect("model loads")
+    })
+}
+
+fn data(name: &str) -> Value {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name);
+    let s = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&s).expect("valid JSON")
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Vec<u32> {
+    let m = model();
+    let req = GenerateRequest {
+        prompt,
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        stop_token_ids: m.tokenizer.stop_ids(),
+        stop_strings: Vec::new(),
+        prefill_chunk: 512,
+    };
+    generate(m, &req, |_| {}).expect("generates").tokens
+}
+
+/// Two implementations with the same weights agree on a greedy token only
+/// when the top two logits are further apart than their numeric noise. Both
+/// engines quantize activations to 8 bits, and a single low-bit difference
+/// upstream of a quantization point flips roundings that grow through the
+/// layers: llama.cpp's own two attention paths (flash attention on and off)
+/// disagree within 64 tokens on 9 of these 13 prompts. So the rule is:
+/// - tokens match exactly up to the first divergence from a llama.cpp variant;
+/// - a divergence is only allowed at a near-tie: llama.cpp's token is among
+///   our top 5, at most `NEAR_TIE` below ours in log-probability
+///   (logprobs of llama.cpp and ours differ by up to 0.31 at the first
+///   position, measured in `last_position_logits_match_references`);
+/// - at least 5 prompts match one llama.cpp variant for all 64 tokens.
+#[test]
+fn greedy_decoding_matches_llama_cpp() {
+    const NEAR_TIE: f32 = 0.35;
+    let refs = data("greedy_refs.json");
+    let prompts = refs["prompts"].as_array().expect("prompts");
+    let n_predict = refs["n_predict"].as_u64().expect("n") as usize;
+    let m = model();
+    let mut full_matches = 0;
+    let mut failures = Vec::new();
+    for p in prompts {
+        let text = p["text"].as_str().expect("text");
+        let prompt = m.tokenizer.encode(text, false).expect("tokenizes");
+        assert_eq!(prompt, ids(&p["prompt_ids"]), "prompt tokens for {text:?}");
+        let req = GenerateRequest {
+            prompt,
+            sampling: SamplingParams {
+                logprobs: true,
+                top_logprobs: 5,
+                ..SamplingParams::greedy()
+            },
+            max_tokens: n_predict,
+            stop_token_ids: m.tokenizer.stop_ids(),
+            stop_strings: Vec::new(),
+            prefill_chunk: 512,
+        };
+        let out = generate(m, &req, |_| {}).expect("generates");
+        let mut matched_fully = false;
+        let mut summary = Vec::new();
+        for variant in ["flash_attn_off", "flash_attn_on"] {
+            let want = ids(&p[variant]["tokens"]);
+            let agree = out
+                .tokens
+                .iter()
+                .zip(&want)
+                .take_while(|(a, b)| a == b)
+                .count();
+            if out.tokens == want {
+                matched_fully = true;
+                summary.push(format!("{variant}: all {agree}"));
+                continue;
+            }
+            summary.push(format!("{variant}: {agree}/{}", want.len()));
+            let (Some(step), Some(&theirs)) = (out.sampled.get(agree), want.get(agree)) else {
+                failures.push(format!(
+                    "{text:?} vs {variant}: lengths differ after {agree} equal tokens"
+                ));
+                continue;
+            };
+            let ours = step.logprob.expect("logprobs requested");
+            let near_tie = step
+                .top
+                .iter()
+                .any(|&(id, lp)| id == theirs && ours - lp <= NEAR_TIE);
+            if !near_tie {
+                failures.push(format!(
+                    "{text:?} vs {variant}: diverges at token {agree} where llama.cpp chose {theirs}, \
+                     not a near-tie (ours {} lp {ours:.3}, top {:?})",
+                    step.token, step.top
+                ));
+            }
+        }
+        full_matches += usize::from(matched_fully);
+        eprintln!(
+            "{:5} {}",
+            p["kind"].as_str().unwrap_or("?"),
+            summary.join(", ")
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    eprintln!(
+        "{full_matches}/{} prompts match llama.cpp for all tokens",
+        prompts.len()
+    );
+    assert!(
+        full_matches >= 5,
+        "only {full_matches} prompts match llama.cpp fully"
+    );
+}
+
+/// Our last-position logits against two independent references: a numpy
+/// float32 forward pass, and llama.cpp's top-20 log-probabilities.
+///
+/// Like llama.cpp we quantize activations to 8 bits before each integer dot
+/// product and keep K/V in f16, so neither engine equals the float
+/// reference, and the two engines' rounding noise is independent: llama.cpp's
+/// top-20 log-probabilities sit up to 0.43 from the float reference on these
+/// prompts (measured when the references were made), ours up to 0.25. We
+/// require the float reference's argmax, a full-vocabulary max |logit diff|
+/// of at most 1.0 (2.5% of the ~40-wide logit range; measured 0.60-0.86),
+/// and log-probabilities within 0.35 of llama.cpp's (measured 0.12-0.31).
+/// The forward pass itself is checked tightly where no quantization
+/// interferes: the F32 safetensors path agrees with the float reference to
+/// ~0.01 (tests/hf_dir.rs).
+#[test]
+fn last_position_logits_match_references() {
+    let refs = data("logits_refs.json");
+    let mut report = Vec::new();
+    for p in refs["prompts"].as_array().expect("prompts") {
+        let prompt = ids(&p["prompt_ids"]);
+        let want: Vec<f32> = p["numpy_f32_logits"]
+            .as_array()
+            .expect("logits")
+            .iter()
+            .map(|x| x.as_f64().expect("f") as f32)
+            .collect();
+        let got = last_logits(&prompt);
+        assert_eq!(got.len(), want.len());
+        let vs_float = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let lp = log_softmax(&got);
+        let vs_llama = p["llama_cpp_top_logprobs"]
+            .as_array()
+            .expect("top")
+            .iter()
+            .map(|pair| {
+                let id = pair[0].as_u64().expect("id") as usize;
+                (lp[id] - pair[1].as_f64().expect("lp") as f32).abs()
+            })
+            .fold(0.0f32, f32::max);
+        let same_argmax =
+            tandem_engine::sampler::argmax(&got) == tandem_engine::sampler::argmax(&want);
+        eprintln!(
+            "{:3} prompt tokens: max |logit diff| vs float {vs_float:.4}, max |logprob diff| vs llama.cpp top-20 {vs_llama:.4}, same argmax {same_argmax}",
+            prompt.len()
+        );
+        report.push((vs_float, vs_llama, same_argmax));
+    }
+    for (vs_float, vs_llama, same_argmax) in report {
+        assert!(same_argmax, "argmax differs from the float reference");
+        assert!(
+            vs_float <= 1.0,
+            "max abs logit diff vs float reference {vs_float}"
+        );
+        assert!(vs_llama <= 0.35, "max logprob diff vs llama.cpp {vs_llama}");
+    }
+}
+
+fn last_logits(prompt: &[u32]) -> Vec<f32> {
+    let m = &model().model;
+    let mut cache = KvCache::new(m.kv_cache_config(16, prompt.len().div_ceil(16))).expect("cache");
+    let mut table = Vec::new();
+    cache.reserve(&mut table, prompt.len()).expect("space");
+    m.forward(
+        &[SeqChunk {
+            tokens: prompt,
+            start_pos: 0,
+            block_table: &table,
+            want_logits: true,
+        }],
+        &mut cache,
+    )
+    .expect("forward")
+}
+
+/// Prefill chunks and decode tokens of several sequences in one step give
+/// bitwise the same logits as each sequence run alone.
+#[test]
+fn batched_forward_equals_single_sequence_forward() {
+    let m = &model().model;
+    let tok = &model().tokenizer;
+    let texts = [
+        "The quick brown fox jumps over the lazy dog because",
+        "In 1905, Albert Einstein published",
+        "fn main() { println!(\"hello\"); }",
+        "Paris",
+    ];
+    let seqs: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| tok.encode(t, false).expect("tok"))
+        .collect();
+    let bs = 4; // small blocks so sequences span several, non-contiguous blocks
+    let mut cache = KvCache::new(m.kv_cache_config(bs, 64)).expect("cache");
+
+    // Reference: each sequence alone, in its own cache, all tokens at once.
+    let alone: Vec<Vec<f32>> = seqs.iter().map(|s| last_logits(s)).collect();
+
+    // Batched: sequences 0 and 1 prefill a first part alone, then one step
+    // mixes: seq 0 decodes its last token, seq 1 prefills its remaining
+    // chunk, seq 2 prefills entirely, seq 3 (one token) too.
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); seqs.len()];
+    // Interleave allocation so block tables are not contiguous ranges.
+    for len in 1..=seqs.iter().map(Vec::len).max().expect("non-empty") {
+        for (s, t) in seqs.iter().zip(tables.iter_mut()) {
+            if len <= s.len() {
+                cache.reserve(t, len).expect("space");
+            }
+        }
+    }
+    let split0 = seqs[0].len() - 1;
+    let split1 = seqs[1].len() / 2;
+    m.forward(
+        &[
+            SeqChunk {
+                tokens: &seqs[0][..split0],
+                start_pos: 0,
+                block_table: &tables[0],
+                want_logits: false,
+            },
+            SeqChunk {
+                tokens: &seqs[1][..split1],
+                start_pos: 0,
+                block_table: &tables[1],
+                want_logits: true,
+            },
+        ],
+        &mut cache,
+    )
+    .expect("first step");
+    let batched = m
+        .forward(
+            &[
+                SeqChunk {
+                    tokens: &seqs[0][split0..],
+                    start_pos: split0,
+                    block_table: &tables[0],
+                    want_logits: true,
+                },
+                SeqChunk {
+                    tokens: &seqs[1][split1..],
+                    start_pos: split1,
+                    block_table: &tables[1],
+                    want_logits: true,
+                },
+                SeqChunk {
+                    tokens: &seqs[2],
+                    start_pos: 0,
+                    block_table: &tables[2],
+                    want_logits: true,
+                },
+                SeqChunk {
+                    tokens: &seqs[3],
+                    start_pos: 0,
+                    block_table: &tables[3],
+                    want_logits: true,
+                },
+            ],
+            &mut cache,
+        )
+        .expect("mixed step");
+    let vocab = m.config().vocab_size;
+    for (i, want) in alone.iter().enumerate() {
+        let got = &batched[i * vocab..(i + 1) * vocab];
+        assert!(got == want.as_slice(), "sequence {i} differs in a batch");
+    }
+}
+
+#[test]
+fn bad_requests_are_rejected_not_panicked() {
+    let m = &model().model;
+    let mut cache = KvCache::new(m.kv_cache_config(16, 2)).expect("cache");
+    let mut table = Vec::new();
+    cache.reserve(&mut table, 8).expect("space");
+    let run = |tokens: &[u32], start_pos: usize, table: &[u32], cache: &mut KvCache| {
+        m.forward(
+            &[SeqChunk {
+                tokens,
+                start_pos,
+                block_table: table,
+                want_logits: true,
+            }],
+            cache,
+        )
+    };
+    let e = run(&[49152], 0, &table, &mut cache).expect_err("token out of range");
+    assert!(e.to_string().contains("out of range"), "{e}");
+    let e = run(&[1; 20], 0, &table, &mut cache).expect_err("table too short");
+    assert!(e.to_string().contains("block table"), "{e}");
+    let e = run(&[1], 0, &[99], &mut cache).expect_err("block id out of range");
+    assert!(e.to_string().contains("out of range"), "{e}");
+    let long = vec![1u32; model().model.config().context_length];
+    let req = GenerateRequest {
+        prompt: long,
+        sampling: SamplingParams::greedy(),
+        max_tokens: 1,
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+        prefill_chunk: 512,
+    };
+    let e = generate(model(), &req, |_| {}).expect_err("too long");
+    assert!(
+        e.to_string()
+            .starts_with("Prompt is too long: 8192 tokens exceeds"),
+        "{e}"
+    );
+}
