@@ -1,0 +1,145 @@
+//! `tandem generate`: one prompt, streamed to stdout, speed to stderr.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use tandem_engine::chat::ChatMessage;
+use tandem_engine::fetch;
+use tandem_engine::generate::{GenerateRequest, generate};
+use tandem_engine::sampler::SamplingParams;
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// A .gguf file, an HF model directory, or the alias smollm2-135m.
+    #[arg(long, env = "TANDEM_MODEL", default_value = fetch::DEFAULT_MODEL)]
+    model: String,
+    /// The prompt text.
+    #[arg(long, env = "TANDEM_PROMPT")]
+    prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long, env = "TANDEM_CHAT")]
+    chat: bool,
+    /// System message (with --chat).
+    #[arg(long, env = "TANDEM_SYSTEM")]
+    system: Option<String>,
+    #[arg(long, env = "TANDEM_MAX_TOKENS", default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, env = "TANDEM_TEMPERATURE", default_value_t = 0.8)]
+    temperature: f32,
+    /// 0 disables top-k.
+    #[arg(long, env = "TANDEM_TOP_K", default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, env = "TANDEM_TOP_P", default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, env = "TANDEM_MIN_P", default_value_t = 0.05)]
+    min_p: f32,
+    #[arg(long, env = "TANDEM_REPETITION_PENALTY", default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, env = "TANDEM_FREQUENCY_PENALTY", default_value_t = 0.0)]
+    frequency_penalty: f32,
+    #[arg(long, env = "TANDEM_PRESENCE_PENALTY", default_value_t = 0.0)]
+    presence_penalty: f32,
+    #[arg(long, env = "TANDEM_SEED")]
+    seed: Option<u64>,
+    /// Stop when the text contains this string (repeatable).
+    #[arg(long, env = "TANDEM_STOP")]
+    stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long, env = "TANDEM_IGNORE_EOS")]
+    ignore_eos: bool,
+    /// Worker threads for the kernels (default: all cores).
+    #[arg(long, env = "TANDEM_THREADS")]
+    threads: Option<usize>,
+    /// Where fetched models are cached (default: $XDG_CACHE_HOME/tandem).
+    #[arg(long, env = "TANDEM_CACHE")]
+    cache_dir: Option<PathBuf>,
+    /// Longest prompt slice run in one forward pass.
+    #[arg(long, env = "TANDEM_PREFILL_CHUNK", default_value_t = 512)]
+    prefill_chunk: usize,
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    if let Some(n) = args.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        tandem_kernels::set_num_threads(n).context("setting --threads")?;
+    }
+    let cache = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
+    let path = fetch::resolve(&args.model, &cache)?;
+    let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    eprintln!(
+        "tandem: loaded {} ({} layers) in {:.0} ms; kernels: {}, {} threads",
+        m.name,
+        m.model.config().n_layers,
+        m.load_time.total.as_secs_f64() * 1e3,
+        tandem_kernels::isa(),
+        tandem_kernels::num_threads()
+    );
+
+    let text = if args.chat {
+        let template = m
+            .chat_template
+            .as_ref()
+            .context("--chat: this model has no chat template")?;
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(ChatMessage::new("system", s.as_str()));
+        }
+        messages.push(ChatMessage::new("user", args.prompt.as_str()));
+        template.render(&messages, true)?
+    } else {
+        args.prompt.clone()
+    };
+    // A chat template writes its own BOS where the model wants one.
+    let prompt = m.tokenizer.encode(&text, !args.chat)?;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        seed: args.seed,
+        frequency_penalty: args.frequency_penalty,
+        presence_penalty: args.presence_penalty,
+        repetition_penalty: args.repetition_penalty,
+        ..SamplingParams::default()
+    };
+    let req = GenerateRequest {
+        prompt,
+        sampling,
+        max_tokens: args.max_tokens,
+        stop_token_ids: if args.ignore_eos {
+            Vec::new()
+        } else {
+            m.tokenizer.stop_ids()
+        },
+        stop_strings: args.stop.clone(),
+        prefill_chunk: args.prefill_chunk,
+    };
+    let mut stdout = std::io::stdout().lock();
+    let out = generate(&m, &req, |piece| {
+        // A closed stdout (e.g. piped into `head`) just ends the output.
+        let _ = stdout.write_all(piece.as_bytes());
+        let _ = stdout.flush();
+    })?;
+    let _ = writeln!(stdout);
+    let n_prompt = req.prompt.len();
+    let n_gen = out.tokens.len();
+    let rate = |n: usize, d: std::time::Duration| n as f64 / d.as_secs_f64().max(1e-9);
+    eprintln!(
+        "tandem: prompt {n_prompt} tokens in {:.1} ms ({:.1} tok/s); generated {n_gen} tokens in {:.1} ms ({:.1} tok/s); finish: {:?}",
+        out.prefill_time.as_secs_f64() * 1e3,
+        rate(n_prompt, out.prefill_time),
+        out.decode_time.as_secs_f64() * 1e3,
+        // The first token comes from the prefill's logits: n - 1 decode steps.
+        rate(n_gen.saturating_sub(1), out.decode_time),
+        out.finish
+    );
+    Ok(())
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The one command that sets up a fresh machine and runs every test:
+#   scripts/test.sh
+# Installs what is missing (system packages, the default model), checks
+# formatting and lints, builds in release mode (the model is far too slow
+# unoptimised), and runs the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*" >&2; }
+
+# System packages the build and tests need (none beyond the base image yet:
+# later issues add etcd, UCX and protoc here).
+apt_packages=()
+missing=()
+for p in "${apt_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if ((${#missing[@]})); then
+  log "installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+
+log "formatting and lints"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --release -- -D warnings
+
+log "building"
+cargo build --workspace --release
+
+# Fetch the default model through the same code path users hit (cached after
+# the first run), and smoke-test the binary on it.
+log "default model"
+export TANDEM_CACHE=${TANDEM_CACHE:-$HOME/.cache/tandem}
+./target/release/tandem generate --model smollm2-135m --prompt "Hello" --max-tokens 4 --temperature 0 >/dev/null
+export TANDEM_TEST_GGUF=$TANDEM_CACHE/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+
+log "tests"
+cargo test --workspace --release
