@@ -383,32 +383,41 @@ impl LlamaModel {
         let bs = cache.config().block_size;
         let group = c.n_heads / c.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
-        out.par_chunks_mut(hd).enumerate().for_each(|(i, out_h)| {
-            let (t, h) = (i / c.n_heads, i % c.n_heads);
-            let (ci, pos) = placement[t];
-            let table = chunks[ci].block_table;
-            let kv_head = h / group;
-            // ggml rounds the query to the K cache's type (f16) before the dot.
-            let qh: Vec<f32> = q[i * hd..(i + 1) * hd]
-                .iter()
-                .map(|&x| f16::from_f32(x).to_f32())
-                .collect();
-            let n_ctx = pos + 1;
-            let mut scores = Vec::with_capacity(n_ctx);
-            for j in 0..n_ctx {
-                let kb = cache.head_slice(table[j / bs], layer, 0, kv_head);
-                let slot = j % bs;
-                scores.push(ops::dot_f32_f16(&qh, &kb[slot * hd..(slot + 1) * hd]) * scale);
-            }
-            ops::softmax(&mut scores);
-            out_h.fill(0.0);
-            for (j, &p) in scores.iter().enumerate() {
-                // ggml multiplies V (f16) by the probabilities converted to f16.
-                let p = f16::from_f32(p).to_f32();
-                let vb = cache.head_slice(table[j / bs], layer, 1, kv_head);
-                let slot = j % bs;
-                ops::axpy_f16(out_h, p, &vb[slot * hd..(slot + 1) * hd]);
-            }
-        });
+        // Each sequence's per-head K and V block slices, gathered once per layer.
+        let slices = |ch: &SeqChunk<'_>, kv: usize| -> Vec<Vec<&[f16]>> {
+            let n_blocks = kvc_blocks(ch, bs);
+            (0..c.n_kv_heads)
+                .map(|g| {
+                    ch.block_table[..n_blocks]
+                        .iter()
+                        .map(|&b| cache.head_slice(b, layer, kv, g))
+                        .collect()
+                })
+                .collect()
+        };
+        let k_slices: Vec<_> = chunks.iter().map(|ch| slices(ch, 0)).collect();
+        let v_slices: Vec<_> = chunks.iter().map(|ch| slices(ch, 1)).collect();
+        out.par_chunks_mut(hd)
+            .enumerate()
+            .for_each_init(Vec::new, |scores, (i, out_h)| {
+                let (t, h) = (i / c.n_heads, i % c.n_heads);
+                let (ci, pos) = placement[t];
+                let g = h / group;
+                tandem_kernels::attention::attend(
+                    &q[i * hd..(i + 1) * hd],
+                    &k_slices[ci][g],
+                    &v_slices[ci][g],
+                    bs,
+                    pos + 1,
+                    scale,
+                    scores,
+                    out_h,
+                );
+            });
     }
+}
+
+/// Blocks holding the chunk's context after this step.
+fn kvc_blocks(ch: &SeqChunk<'_>, block_size: usize) -> usize {
+    (ch.start_pos + ch.tokens.len()).div_ceil(block_size)
 }

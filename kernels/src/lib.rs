@@ -6,6 +6,7 @@
 //! produce bitwise identical results, independent of batch size and thread
 //! count.
 
+pub mod attention;
 pub mod ops;
 
 mod cpu;

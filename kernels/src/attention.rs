@@ -1,0 +1,271 @@
+//! Attention of one query head over a paged f16 KV context.
+//!
+//! The caller hands the head's K and V slices of each block of the sequence,
+//! in order (each `block_size x head_dim` f16 values), so the kernel knows
+//! nothing of how blocks are stored. Numerics (shared by every ISA, bitwise):
+//! - the query is rounded to f16 (ggml rounds it to the K cache's type);
+//! - each score is a dot product with eight partial sums (lane `i % 8`),
+//!   multiply then add, the lanes summed in order, then scaled;
+//! - softmax subtracts the max, uses `expf`, sums in f64;
+//! - probabilities are rounded to f16 (ggml multiplies V by f16
+//!   probabilities) and accumulated over positions in order, multiply then add.
+
+use half::f16;
+
+use crate::Isa;
+
+/// Computes `out = softmax(scale * q . K^T) V` for one head over the first
+/// `n_ctx` positions of the context. `scores` is scratch space.
+///
+/// # Panics
+/// If the blocks do not cover `n_ctx` positions or a slice is shorter than
+/// `block_size * head_dim` (callers build these from validated block tables).
+#[allow(clippy::too_many_arguments)]
+pub fn attend(
+    q: &[f32],
+    k_blocks: &[&[f16]],
+    v_blocks: &[&[f16]],
+    block_size: usize,
+    n_ctx: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    attend_with_isa(
+        crate::isa(),
+        q,
+        k_blocks,
+        v_blocks,
+        block_size,
+        n_ctx,
+        scale,
+        scores,
+        out,
+    );
+}
+
+/// [`attend`] with an explicit instruction set (tests compare them).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_with_isa(
+    isa: Isa,
+    q: &[f32],
+    k_blocks: &[&[f16]],
+    v_blocks: &[&[f16]],
+    block_size: usize,
+    n_ctx: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    assert_eq!(out.len(), hd, "output length must equal head_dim");
+    assert!(
+        k_blocks.len() * block_size >= n_ctx && v_blocks.len() * block_size >= n_ctx,
+        "blocks cover fewer than {n_ctx} positions"
+    );
+    let mut qh = [0.0f32; 512];
+    assert!(hd <= qh.len(), "head_dim above 512");
+    for (d, &s) in qh.iter_mut().zip(q) {
+        *d = f16::from_f32(s).to_f32();
+    }
+    let qh = &qh[..hd];
+    let simd = isa >= Isa::Avx2 && Isa::Avx2.is_supported() && hd % 8 == 0;
+
+    scores.clear();
+    for k in context_rows(k_blocks, hd, block_size, n_ctx) {
+        let dot = if simd {
+            // SAFETY: AVX2/F16C support was checked above; lengths are equal.
+            unsafe { avx2::dot_f32_f16(qh, k) }
+        } else {
+            crate::ops::dot_f32_f16(qh, k)
+        };
+        scores.push(dot * scale);
+    }
+    crate::ops::softmax(scores);
+
+    out.fill(0.0);
+    for (&p, v) in scores
+        .iter()
+        .zip(context_rows(v_blocks, hd, block_size, n_ctx))
+    {
+        let p = f16::from_f32(p).to_f32();
+        if simd {
+            // SAFETY: AVX2/F16C support was checked above; lengths are equal.
+            unsafe { avx2::axpy_f16(out, p, v) }
+        } else {
+            crate::ops::axpy_f16(out, p, v);
+        }
+    }
+}
+
+/// The first `n_ctx` rows (`head_dim` values each) of a paged context, in order.
+fn context_rows<'a>(
+    blocks: &'a [&'a [f16]],
+    hd: usize,
+    block_size: usize,
+    n_ctx: usize,
+) -> impl Iterator<Item = &'a [f16]> + 'a {
+    blocks
+        .iter()
+        .flat_map(move |b| b.chunks_exact(hd).take(block_size))
+        .take(n_ctx)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    /// Same arithmetic as `ops::dot_f32_f16`: lane `i % 8`, mul then add,
+    /// lanes summed left to right. `q.len()` must be a multiple of 8.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn dot_f32_f16(q: &[f32], k: &[f16]) -> f32 {
+        debug_assert_eq!(q.len(), k.len());
+        debug_assert_eq!(q.len() % 8, 0);
+        let mut acc = _mm256_setzero_ps();
+        for (qc, kc) in q.chunks_exact(8).zip(k.chunks_exact(8)) {
+            // SAFETY: both chunks hold exactly 8 elements; unaligned loads.
+            let (qv, kv) = unsafe {
+                (
+                    _mm256_loadu_ps(qc.as_ptr()),
+                    _mm256_cvtph_ps(_mm_loadu_si128(kc.as_ptr().cast())),
+                )
+            };
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(qv, kv));
+        }
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        lanes.iter().sum::<f32>()
+    }
+
+    /// `acc[i] += w * v[i]`, mul then add. `acc.len()` must be a multiple of 8.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn axpy_f16(acc: &mut [f32], w: f32, v: &[f16]) {
+        debug_assert_eq!(acc.len(), v.len());
+        let wv = _mm256_set1_ps(w);
+        for (ac, vc) in acc.chunks_exact_mut(8).zip(v.chunks_exact(8)) {
+            // SAFETY: both chunks hold exactly 8 elements; unaligned loads/stores.
+            unsafe {
+                let x = _mm256_cvtph_ps(_mm_loadu_si128(vc.as_ptr().cast()));
+                let a = _mm256_loadu_ps(ac.as_ptr());
+                _mm256_storeu_ps(ac.as_mut_ptr(), _mm256_add_ps(a, _mm256_mul_ps(wv, x)));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn blocks(rng: &mut ChaCha8Rng, n: usize, len: usize) -> Vec<Vec<f16>> {
+        (0..n)
+            .map(|_| {
+                (0..len)
+                    .map(|_| f16::from_f32(rng.random_range(-2.0..2.0)))
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_isa_matches_the_scalar_reference_bitwise() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for &(hd, bs, n_ctx) in &[
+            (64usize, 16usize, 1usize),
+            (64, 16, 37),
+            (64, 4, 64),
+            (8, 3, 10),
+            (128, 16, 200),
+            (6, 2, 5),
+        ] {
+            let n_blocks = n_ctx.div_ceil(bs) + 1;
+            let kb = blocks(&mut rng, n_blocks, bs * hd);
+            let vb = blocks(&mut rng, n_blocks, bs * hd);
+            let ks: Vec<&[f16]> = kb.iter().map(Vec::as_slice).collect();
+            let vs: Vec<&[f16]> = vb.iter().map(Vec::as_slice).collect();
+            let q: Vec<f32> = (0..hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut scratch = Vec::new();
+            let mut want = vec![0.0; hd];
+            attend_with_isa(
+                Isa::Scalar,
+                &q,
+                &ks,
+                &vs,
+                bs,
+                n_ctx,
+                0.125,
+                &mut scratch,
+                &mut want,
+            );
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+                let mut got = vec![0.0; hd];
+                attend_with_isa(isa, &q, &ks, &vs, bs, n_ctx, 0.125, &mut scratch, &mut got);
+                assert_eq!(got, want, "{isa} hd {hd} bs {bs} n_ctx {n_ctx}");
+            }
+        }
+    }
+
+    #[test]
+    fn matches_a_direct_float_computation() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let (hd, bs, n_ctx) = (16, 4, 11);
+        let kb = blocks(&mut rng, 3, bs * hd);
+        let vb = blocks(&mut rng, 3, bs * hd);
+        let ks: Vec<&[f16]> = kb.iter().map(Vec::as_slice).collect();
+        let vs: Vec<&[f16]> = vb.iter().map(Vec::as_slice).collect();
+        let q: Vec<f32> = (0..hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let row = |b: &[Vec<f16>], j: usize| -> Vec<f64> {
+            b[j / bs][(j % bs) * hd..(j % bs + 1) * hd]
+                .iter()
+                .map(|x| f64::from(x.to_f32()))
+                .collect()
+        };
+        let s: Vec<f64> = (0..n_ctx)
+            .map(|j| {
+                row(&kb, j)
+                    .iter()
+                    .zip(&q)
+                    .map(|(k, &q)| k * f64::from(q))
+                    .sum::<f64>()
+                    * 0.25
+            })
+            .collect();
+        let max = s.iter().copied().fold(f64::MIN, f64::max);
+        let z: f64 = s.iter().map(|x| (x - max).exp()).sum();
+        let mut want = vec![0.0f64; hd];
+        for (j, sj) in s.iter().enumerate() {
+            for (w, v) in want.iter_mut().zip(row(&vb, j)) {
+                *w += (sj - max).exp() / z * v;
+            }
+        }
+        let mut got = vec![0.0; hd];
+        attend(&q, &ks, &vs, bs, n_ctx, 0.25, &mut Vec::new(), &mut got);
+        for (g, w) in got.iter().zip(&want) {
+            // f16 rounding of the query and the probabilities bounds the error.
+            assert!((f64::from(*g) - w).abs() < 5e-3, "{g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn single_position_returns_its_value_row() {
+        let v = vec![f16::from_f32(0.5); 8];
+        let k = vec![f16::from_f32(1.0); 8];
+        let mut out = vec![0.0; 8];
+        attend(
+            &[1.0; 8],
+            &[&k],
+            &[&v],
+            1,
+            1,
+            1.0,
+            &mut Vec::new(),
+            &mut out,
+        );
+        assert_eq!(out, vec![0.5; 8]);
+    }
+}
