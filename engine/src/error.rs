@@ -51,6 +51,10 @@ pub enum RequestError {
     PromptTooLong { prompt: usize, max: usize },
     #[error("empty prompt: at least one token is required")]
     EmptyPrompt,
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error("service unavailable: {0}")]
+    Unavailable(&'static str),
     #[error("block table too short: {have} blocks for {tokens} tokens")]
     BlockTableTooShort { have: usize, tokens: usize },
     #[error(transparent)]

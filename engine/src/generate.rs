@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use crate::error::RequestError;
-use crate::kv_cache::{KvCache, KvCacheError};
+use crate::kv_cache::KvCache;
 use crate::loader::LoadedModel;
 use crate::model::SeqChunk;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
@@ -149,10 +149,7 @@ pub fn generate(
         on_text(&rest);
     }
     out.decode_time = t1.elapsed();
-    cache
-        .allocator_mut()
-        .release_all(&mut table)
-        .map_err(|e: KvCacheError| RequestError::KvCache(e))?;
+    cache.blocks_mut().release(&mut table)?;
     Ok(out)
 }
 

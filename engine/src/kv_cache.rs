@@ -15,6 +15,8 @@
 
 use half::f16;
 
+use crate::block_manager::BlockManager;
+
 /// Index of a block in the cache pool.
 pub type BlockId = u32;
 
@@ -159,16 +161,22 @@ impl BlockAllocator {
     }
 }
 
-/// The KV storage pool plus its allocator.
+/// The KV storage pool plus the manager of its blocks.
 #[derive(Debug)]
 pub struct KvCache {
     config: KvCacheConfig,
     data: Vec<f16>,
-    allocator: BlockAllocator,
+    blocks: BlockManager,
 }
 
 impl KvCache {
+    /// A pool without prefix caching.
     pub fn new(config: KvCacheConfig) -> Result<Self, KvCacheError> {
+        Self::with_prefix_caching(config, false)
+    }
+
+    /// A pool whose full blocks can be cached and shared across sequences.
+    pub fn with_prefix_caching(config: KvCacheConfig, caching: bool) -> Result<Self, KvCacheError> {
         if config.block_size == 0 || config.num_blocks == 0 {
             return Err(KvCacheError::InvalidConfig(
                 "block_size and num_blocks must be > 0",
@@ -189,7 +197,7 @@ impl KvCache {
         Ok(Self {
             config,
             data: vec![f16::ZERO; len],
-            allocator: BlockAllocator::new(config.num_blocks),
+            blocks: BlockManager::new(config.num_blocks, caching),
         })
     }
 
@@ -197,19 +205,19 @@ impl KvCache {
         &self.config
     }
 
-    pub fn allocator(&self) -> &BlockAllocator {
-        &self.allocator
+    pub fn blocks(&self) -> &BlockManager {
+        &self.blocks
     }
 
-    pub fn allocator_mut(&mut self) -> &mut BlockAllocator {
-        &mut self.allocator
+    pub fn blocks_mut(&mut self) -> &mut BlockManager {
+        &mut self.blocks
     }
 
     /// Grows `table` so that it can hold `tokens` tokens.
     pub fn reserve(&mut self, table: &mut Vec<BlockId>, tokens: usize) -> Result<(), KvCacheError> {
         let needed = self.config.blocks_for(tokens);
         if needed > table.len() {
-            let new = self.allocator.allocate(needed - table.len())?;
+            let new = self.blocks.allocate(needed - table.len())?;
             table.extend(new);
         }
         Ok(())

@@ -2,6 +2,7 @@
 //! template, the Llama-family forward pass over a paged KV cache, and the
 //! sampler. It knows nothing of HTTP or gRPC.
 
+pub mod block_manager;
 pub mod chat;
 pub mod config;
 pub mod error;
@@ -13,6 +14,7 @@ pub mod loader;
 pub mod model;
 pub mod safetensors_loader;
 pub mod sampler;
+pub mod scheduler;
 pub mod storage;
 pub mod tokenizer;
 

@@ -41,19 +41,6 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Vec<u32> {
-    let m = model();
-    let req = GenerateRequest {
-        prompt,
-        sampling: SamplingParams::greedy(),
-        max_tokens,
-        stop_token_ids: m.tokenizer.stop_ids(),
-        stop_strings: Vec::new(),
-        prefill_chunk: 512,
-    };
-    generate(m, &req, |_| {}).expect("generates").tokens
-}
-
 /// Two implementations with the same weights agree on a greedy token only
 /// when the top two logits are further apart than their numeric noise. Both
 /// engines quantize activations to 8 bits, and a single low-bit difference

@@ -1,0 +1,655 @@
+//! The batch scheduler: an actor that owns the KV cache and every sequence,
+//! and runs the model in continuous batches.
+//!
+//! Each step packs, within `max_batch_size` sequences and
+//! `max_batch_input_tokens` tokens: one token for every decoding sequence,
+//! then the next prompt chunk of sequences still prefilling, then new
+//! requests in arrival order (a request that does not fit waits at the head
+//! of the queue, so long prompts are never starved by short ones behind
+//! them). A request is admitted only when blocks for its chunk are
+//! available; when a decoding sequence needs a block and none is left, the
+//! most recently admitted sequence is preempted (its blocks freed, its
+//! tokens recomputed later). Full blocks are registered in the prefix cache
+//! as they fill, so later requests sharing a prefix skip that work.
+//!
+//! The actor runs on its own OS thread (the forward pass is CPU-bound);
+//! callers talk to it through a [`SchedulerHandle`] and receive [`Event`]s on
+//! a tokio channel. Dropping a [`RequestStream`] cancels the request and
+//! frees its blocks at the next step.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use tokio::sync::mpsc as tmpsc;
+
+use crate::block_manager::{BlockHash, KvEvent, block_hashes, chain_hash};
+use crate::error::RequestError;
+use crate::generate::FinishReason;
+use crate::kv_cache::{BlockId, KvCache, KvCacheError};
+use crate::loader::LoadedModel;
+use crate::model::SeqChunk;
+use crate::sampler::{Sampled, Sampler, SamplingParams};
+
+/// Limits of the scheduler, validated at startup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most sequences in one step.
+    pub max_batch_size: usize,
+    /// Most tokens (prompt chunks plus decode tokens) in one step.
+    pub max_batch_input_tokens: usize,
+    /// Longest sequence (prompt plus generated tokens).
+    pub max_length: usize,
+    /// Tokens per KV block (`--kv-cache-page-size`).
+    pub block_size: usize,
+    /// Blocks in the KV pool.
+    pub num_blocks: usize,
+    pub prefix_caching: bool,
+}
+
+/// A configuration value the scheduler cannot run with.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid scheduler config: {0}")]
+pub struct ConfigError(pub String);
+
+impl SchedulerConfig {
+    pub fn validate(&self, model_context: usize) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError(m));
+        if self.max_batch_size == 0 {
+            return bad("max_batch_size must be at least 1".into());
+        }
+        if self.max_batch_input_tokens < self.max_batch_size {
+            return bad(format!(
+                "max_batch_input_tokens ({}) must be at least max_batch_size ({}) so every running sequence can decode",
+                self.max_batch_input_tokens, self.max_batch_size
+            ));
+        }
+        if self.max_length < 2 || self.max_length > model_context {
+            return bad(format!(
+                "max_length {} must be between 2 and the model's context length {model_context}",
+                self.max_length
+            ));
+        }
+        if self.block_size == 0 || self.block_size > 1024 {
+            return bad(format!(
+                "block size {} must be between 1 and 1024",
+                self.block_size
+            ));
+        }
+        if self.num_blocks < self.max_length.div_ceil(self.block_size) {
+            return bad(format!(
+                "{} KV blocks of {} tokens cannot hold one sequence of max_length {}",
+                self.num_blocks, self.block_size, self.max_length
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One generation request, already tokenized.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Sampling one of these ends the request; it is not reported as text.
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// What the scheduler tells a request's caller.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A generated token (not a stop token).
+    Token(Sampled),
+    /// The request is done; no more events follow.
+    Finished(Usage),
+    /// The request failed; no more events follow.
+    Failed(String),
+}
+
+/// Token accounting of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+    pub finish: FinishReason,
+}
+
+/// Live counters, readable from any thread (for metrics and tests).
+#[derive(Debug, Default)]
+pub struct SchedulerStats {
+    pub waiting: AtomicUsize,
+    pub running: AtomicUsize,
+    pub kv_blocks_total: AtomicUsize,
+    pub kv_blocks_in_use: AtomicUsize,
+    pub kv_blocks_cached: AtomicUsize,
+    pub steps: AtomicU64,
+    pub preemptions: AtomicU64,
+    pub prefix_hit_tokens: AtomicU64,
+    pub prefix_miss_tokens: AtomicU64,
+}
+
+enum Command {
+    Submit(Box<(u64, Request, tmpsc::UnboundedSender<Event>)>),
+    Cancel(u64),
+    TakeKvEvents(mpsc::Sender<Vec<KvEvent>>),
+}
+
+/// The caller's side of the actor. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct SchedulerHandle {
+    tx: mpsc::Sender<Command>,
+    next_id: Arc<AtomicU64>,
+    stats: Arc<SchedulerStats>,
+    vocab: usize,
+    config: SchedulerConfig,
+}
+
+/// Events of one request. Dropping it cancels the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: u64,
+    rx: tmpsc::UnboundedReceiver<Event>,
+    tx: mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    /// The next event; `None` after `Finished`/`Failed` or if the scheduler stopped.
+    pub async fn next(&mut self) -> Option<Event> {
+        let ev = self.rx.recv().await;
+        self.note(&ev);
+        ev
+    }
+
+    /// Blocking variant of [`RequestStream::next`] for synchronous callers.
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        let ev = self.rx.blocking_recv();
+        self.note(&ev);
+        ev
+    }
+
+    fn note(&mut self, ev: &Option<Event>) {
+        if matches!(ev, None | Some(Event::Finished(_)) | Some(Event::Failed(_))) {
+            self.done = true;
+        }
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            // The scheduler may already be gone; then there is nothing to free.
+            let _ = self.tx.send(Command::Cancel(self.id));
+        }
+    }
+}
+
+/// Owns the scheduler thread; dropping it (after all handles) stops it.
+#[derive(Debug)]
+pub struct Scheduler {
+    handle: SchedulerHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Scheduler {
+    /// Starts the actor on its own thread.
+    pub fn spawn(model: Arc<LoadedModel>, config: SchedulerConfig) -> Result<Self, ConfigError> {
+        config.validate(model.model.config().context_length)?;
+        let kv_config = model
+            .model
+            .kv_cache_config(config.block_size, config.num_blocks);
+        let cache = KvCache::with_prefix_caching(kv_config, config.prefix_caching)
+            .map_err(|e| ConfigError(e.to_string()))?;
+        let stats = Arc::new(SchedulerStats::default());
+        stats
+            .kv_blocks_total
+            .store(config.num_blocks, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel();
+        let handle = SchedulerHandle {
+            tx,
+            next_id: Arc::new(AtomicU64::new(0)),
+            stats: Arc::clone(&stats),
+            vocab: model.model.config().vocab_size,
+            config: config.clone(),
+        };
+        let actor = Actor {
+            model,
+            config,
+            cache,
+            rx,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            stats,
+            admitted: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("tandem-scheduler".into())
+            .spawn(move || actor.run())
+            .map_err(|e| ConfigError(format!("spawning the scheduler thread: {e}")))?;
+        Ok(Self {
+            handle,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn handle(&self) -> &SchedulerHandle {
+        &self.handle
+    }
+
+    /// Stops the actor once every handle clone is dropped, and waits for it.
+    /// In-flight requests end with `Failed("scheduler stopped")`.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        // Replace our sender with a dangling one so the channel can close.
+        let (dead, _) = mpsc::channel();
+        self.handle.tx = dead;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl SchedulerHandle {
+    /// Validates and queues a request. Errors here are the caller's (4xx).
+    pub fn submit(&self, req: Request) -> Result<RequestStream, RequestError> {
+        if req.prompt.is_empty() {
+            return Err(RequestError::EmptyPrompt);
+        }
+        if let Some(&id) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(RequestError::TokenOutOfRange {
+                id,
+                vocab: self.vocab,
+            });
+        }
+        if req.prompt.len() >= self.config.max_length {
+            return Err(RequestError::PromptTooLong {
+                prompt: req.prompt.len(),
+                max: self.config.max_length,
+            });
+        }
+        if req.max_tokens == 0 {
+            return Err(RequestError::ZeroMaxTokens);
+        }
+        req.sampling.validate()?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (etx, erx) = tmpsc::unbounded_channel();
+        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        if self
+            .tx
+            .send(Command::Submit(Box::new((id, req, etx))))
+            .is_err()
+        {
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(RequestError::Unavailable("scheduler stopped"));
+        }
+        Ok(RequestStream {
+            id,
+            rx: erx,
+            tx: self.tx.clone(),
+            done: false,
+        })
+    }
+
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.stats
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Prefix-cache events since the last call (for KV-aware routing).
+    pub fn take_kv_events(&self) -> Vec<KvEvent> {
+        let (tx, rx) = mpsc::channel();
+        if self.tx.send(Command::TakeKvEvents(tx)).is_err() {
+            return Vec::new();
+        }
+        rx.recv().unwrap_or_default()
+    }
+}
+
+/// One sequence owned by the actor.
+struct Seq {
+    id: u64,
+    /// Prompt followed by generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose K/V are in the cache.
+    computed: usize,
+    table: Vec<BlockId>,
+    /// Hashes of the full blocks registered in the prefix cache so far.
+    hashes: Vec<BlockHash>,
+    sampler: Sampler,
+    max_tokens: usize,
+    stop_token_ids: Vec<u32>,
+    cached_tokens: usize,
+    /// Admission order; the latest admitted is preempted first.
+    admitted: u64,
+    events: tmpsc::UnboundedSender<Event>,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+struct Actor {
+    model: Arc<LoadedModel>,
+    config: SchedulerConfig,
+    cache: KvCache,
+    rx: mpsc::Receiver<Command>,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    stats: Arc<SchedulerStats>,
+    admitted: u64,
+}
+
+/// A sequence's share of one step.
+struct Planned {
+    /// Index into `running`.
+    seq: usize,
+    len: usize,
+}
+
+impl Actor {
+    fn run(mut self) {
+        loop {
+            // Block for a command only when there is nothing to compute.
+            let idle = self.waiting.is_empty() && self.running.is_empty();
+            if idle {
+                match self.rx.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => break,
+                }
+            }
+            let mut closed = false;
+            loop {
+                match self.rx.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        closed = true;
+                        break;
+                    }
+                }
+            }
+            if closed {
+                break;
+            }
+            self.step();
+            self.publish_stats();
+        }
+        for seq in self.waiting.drain(..).chain(self.running.drain(..)) {
+            let _ = seq.events.send(Event::Failed("scheduler stopped".into()));
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(b) => {
+                let (id, req, events) = *b;
+                let sampler = match Sampler::new(req.sampling, &req.prompt) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+                        let _ = events.send(Event::Failed(e.to_string()));
+                        return;
+                    }
+                };
+                let max_tokens = req
+                    .max_tokens
+                    .min(self.config.max_length - req.prompt.len());
+                self.waiting.push_back(Seq {
+                    id,
+                    prompt_len: req.prompt.len(),
+                    tokens: req.prompt,
+                    computed: 0,
+                    table: Vec::new(),
+                    hashes: Vec::new(),
+                    sampler,
+                    max_tokens,
+                    stop_token_ids: req.stop_token_ids,
+                    cached_tokens: 0,
+                    admitted: 0,
+                    events,
+                });
+            }
+            Command::Cancel(id) => {
+                if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+                    if let Some(mut s) = self.waiting.remove(i) {
+                        self.free(&mut s);
+                    }
+                } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                    let mut s = self.running.swap_remove(i);
+                    self.free(&mut s);
+                }
+            }
+            Command::TakeKvEvents(reply) => {
+                let _ = reply.send(self.cache.blocks_mut().take_events());
+            }
+        }
+    }
+
+    fn free(&mut self, seq: &mut Seq) {
+        if let Err(e) = self.cache.blocks_mut().release(&mut seq.table) {
+            tracing::error!(seq = seq.id, error = %e, "releasing KV blocks");
+        }
+        seq.hashes.clear();
+    }
+
+    /// Plans and runs one batch, then samples and retires sequences.
+    fn step(&mut self) {
+        let plan = self.plan();
+        if plan.is_empty() {
+            return;
+        }
+        let logits = {
+            let chunks: Vec<SeqChunk<'_>> = plan
+                .iter()
+                .map(|p| {
+                    let s = &self.running[p.seq];
+                    SeqChunk {
+                        tokens: &s.tokens[s.computed..s.computed + p.len],
+                        start_pos: s.computed,
+                        block_table: &s.table,
+                        want_logits: s.computed + p.len == s.tokens.len(),
+                    }
+                })
+                .collect();
+            self.model.model.forward(&chunks, &mut self.cache)
+        };
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                // Inputs are validated at submit, so this is a bug: fail the
+                // batch's sequences rather than the whole server.
+                tracing::error!(error = %e, "forward pass failed");
+                let mut idx: Vec<usize> = plan.iter().map(|p| p.seq).collect();
+                idx.sort_unstable_by(|a, b| b.cmp(a));
+                for i in idx {
+                    let mut s = self.running.swap_remove(i);
+                    let _ = s.events.send(Event::Failed(format!("internal error: {e}")));
+                    self.free(&mut s);
+                }
+                return;
+            }
+        };
+        let vocab = self.model.model.config().vocab_size;
+        let mut row = 0;
+        let mut finished = Vec::new();
+        for p in &plan {
+            let s = &mut self.running[p.seq];
+            s.computed += p.len;
+            register_full_blocks(&mut self.cache, s, self.config.block_size);
+            if s.computed < s.tokens.len() {
+                continue;
+            }
+            let mut l = logits[row * vocab..(row + 1) * vocab].to_vec();
+            row += 1;
+            let sampled = s.sampler.sample(&mut l);
+            let token = sampled.token;
+            let finish = if s.stop_token_ids.contains(&token) {
+                Some(FinishReason::Stop)
+            } else {
+                s.tokens.push(token);
+                // A caller that went away is cancelled via its stream's drop.
+                let _ = s.events.send(Event::Token(sampled));
+                (s.generated() >= s.max_tokens).then_some(FinishReason::Length)
+            };
+            if let Some(finish) = finish {
+                finished.push((p.seq, finish));
+            }
+        }
+        finished.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        for (i, finish) in finished {
+            let mut s = self.running.swap_remove(i);
+            let usage = Usage {
+                prompt_tokens: s.prompt_len,
+                completion_tokens: s.generated(),
+                cached_tokens: s.cached_tokens,
+                finish,
+            };
+            let _ = s.events.send(Event::Finished(usage));
+            self.free(&mut s);
+        }
+    }
+
+    /// Chooses this step's work; reserves the KV blocks it needs.
+    fn plan(&mut self) -> Vec<Planned> {
+        let mut tokens_left = self.config.max_batch_input_tokens;
+        let mut plan: Vec<Planned> = Vec::new();
+
+        // 1. Running sequences: decode tokens and continuing prefill chunks,
+        //    oldest first. Preempt the newest when blocks run out.
+        self.running.sort_by_key(|s| s.admitted);
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() {
+            if plan.len() == self.config.max_batch_size || tokens_left == 0 {
+                break;
+            }
+            let s = &self.running[i];
+            let len = (s.tokens.len() - s.computed).min(tokens_left);
+            let need = s.computed + len;
+            let mut table = std::mem::take(&mut self.running[i].table);
+            let reserved = self.cache.reserve(&mut table, need);
+            self.running[i].table = table;
+            match reserved {
+                Ok(()) => {
+                    plan.push(Planned { seq: i, len });
+                    tokens_left -= len;
+                    i += 1;
+                }
+                Err(KvCacheError::OutOfBlocks { .. }) => {
+                    // Free the newest sequence not yet planned (possibly this one).
+                    let victim = self.running.len() - 1;
+                    let mut s = self.running.remove(victim);
+                    self.free(&mut s);
+                    s.computed = 0;
+                    self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+                    self.waiting.push_front(s);
+                    preempted = true;
+                    // Retry the same index (unless it was the victim).
+                }
+                Err(e) => {
+                    let mut s = self.running.remove(i);
+                    let _ = s.events.send(Event::Failed(e.to_string()));
+                    self.free(&mut s);
+                }
+            }
+        }
+
+        // 2. New (or preempted) requests in arrival order; none in a step that
+        //    had to preempt, or the victim would be readmitted and evicted again.
+        while !preempted && plan.len() < self.config.max_batch_size && tokens_left > 0 {
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
+            let first_admission = s.admitted == 0;
+            if s.table.is_empty() {
+                // Reuse cached full blocks, leaving at least one token to run
+                // so the step produces logits.
+                let hashes = block_hashes(&s.tokens[..s.tokens.len() - 1], self.config.block_size);
+                s.table = self.cache.blocks_mut().match_prefix(&hashes);
+                s.computed = s.table.len() * self.config.block_size;
+                s.hashes = hashes[..s.table.len()].to_vec();
+                if first_admission {
+                    s.cached_tokens = s.computed.min(s.prompt_len);
+                }
+            }
+            let len = (s.tokens.len() - s.computed).min(tokens_left);
+            if self.cache.reserve(&mut s.table, s.computed + len).is_err() {
+                // Not enough blocks now: keep its place at the head of the queue.
+                self.free(&mut s);
+                s.computed = 0;
+                self.waiting.push_front(s);
+                break;
+            }
+            if first_admission {
+                let hit = s.cached_tokens as u64;
+                self.stats
+                    .prefix_hit_tokens
+                    .fetch_add(hit, Ordering::Relaxed);
+                self.stats
+                    .prefix_miss_tokens
+                    .fetch_add(s.prompt_len as u64 - hit, Ordering::Relaxed);
+            }
+            self.admitted += 1;
+            s.admitted = self.admitted;
+            tokens_left -= len;
+            plan.push(Planned {
+                seq: self.running.len(),
+                len,
+            });
+            self.running.push(s);
+        }
+        plan
+    }
+
+    fn publish_stats(&self) {
+        let b = self.cache.blocks();
+        self.stats
+            .waiting
+            .store(self.waiting.len(), Ordering::Relaxed);
+        self.stats
+            .running
+            .store(self.running.len(), Ordering::Relaxed);
+        self.stats
+            .kv_blocks_in_use
+            .store(b.num_in_use(), Ordering::Relaxed);
+        self.stats
+            .kv_blocks_cached
+            .store(b.num_cached(), Ordering::Relaxed);
+    }
+}
+
+/// Registers the sequence's newly completed full blocks in the prefix cache.
+fn register_full_blocks(cache: &mut KvCache, s: &mut Seq, block_size: usize) {
+    let full = s.computed / block_size;
+    while s.hashes.len() < full {
+        let i = s.hashes.len();
+        let parent = s.hashes.last().copied();
+        let block = &s.tokens[i * block_size..(i + 1) * block_size];
+        let hash = chain_hash(parent.unwrap_or(0), block);
+        if let Err(e) = cache.blocks_mut().register(s.table[i], hash, parent) {
+            tracing::error!(seq = s.id, error = %e, "registering a cached block");
+        }
+        s.hashes.push(hash);
+    }
+}

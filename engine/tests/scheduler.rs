@@ -1,0 +1,260 @@
+//! The batch scheduler on the real SmolLM2 GGUF: batching, chunked prefill,
+//! preemption and prefix caching never change greedy outputs; cancellation
+//! and completion free every block. Needs `TANDEM_TEST_GGUF`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tandem_engine::generate::{FinishReason, GenerateRequest, generate};
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::scheduler::{
+    Event, Request, Scheduler, SchedulerConfig, SchedulerHandle, Usage,
+};
+use tandem_engine::{LoadedModel, RequestError, load};
+
+fn model() -> Arc<LoadedModel> {
+    static M: std::sync::OnceLock<Arc<LoadedModel>> = std::sync::OnceLock::new();
+    Arc::clone(M.get_or_init(|| {
+        let path = std::env::var_os("TANDEM_TEST_GGUF").expect(
+            "set TANDEM_TEST_GGUF to the SmolLM2-135M-Instruct Q4_1 GGUF (scripts/test.sh does this)",
+        );
+        Arc::new(load(&PathBuf::from(path)).expect("model loads"))
+    }))
+}
+
+fn config() -> SchedulerConfig {
+    SchedulerConfig {
+        max_batch_size: 16,
+        max_batch_input_tokens: 256,
+        max_length: 256,
+        block_size: 16,
+        num_blocks: 256,
+        prefix_caching: true,
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    let m = model();
+    [
+        "The capital of France is",
+        "List of prime numbers: 2, 3, 5, 7,",
+        "Once upon a time, in a small village at the edge of a great forest, there lived",
+        "def fibonacci(n):",
+        "Water boils at 100 degrees Celsius at sea level. At higher altitudes,",
+        "The theory of relativity, developed by Albert Einstein, states that",
+    ]
+    .iter()
+    .map(|t| m.tokenizer.encode(t, false).expect("tokenizes"))
+    .collect()
+}
+
+fn request(prompt: &[u32], max_tokens: usize) -> Request {
+    Request {
+        prompt: prompt.to_vec(),
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        stop_token_ids: model().tokenizer.stop_ids(),
+    }
+}
+
+/// Tokens `generate` produces for the prompt alone: the reference.
+fn alone(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let m = model();
+    let req = GenerateRequest {
+        prompt: prompt.to_vec(),
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        stop_token_ids: m.tokenizer.stop_ids(),
+        stop_strings: Vec::new(),
+        prefill_chunk: 512,
+    };
+    generate(&m, &req, |_| {}).expect("generates").tokens
+}
+
+fn collect(mut stream: tandem_engine::scheduler::RequestStream) -> (Vec<u32>, Usage) {
+    let mut tokens = Vec::new();
+    loop {
+        match stream.blocking_next() {
+            Some(Event::Token(s)) => tokens.push(s.token),
+            Some(Event::Finished(u)) => return (tokens, u),
+            Some(Event::Failed(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without Finished"),
+        }
+    }
+}
+
+fn run_all(h: &SchedulerHandle, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<(Vec<u32>, Usage)> {
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| h.submit(request(p, max_tokens)).expect("accepted"))
+        .collect();
+    streams.into_iter().map(collect).collect()
+}
+
+fn wait_idle(h: &SchedulerHandle) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let s = h.stats();
+    while s.running.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed) > 0
+        || s.kv_blocks_in_use.load(Ordering::Relaxed) > 0
+    {
+        assert!(Instant::now() < deadline, "scheduler did not go idle");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn concurrent_requests_match_single_sequence_generation() {
+    let sched = Scheduler::spawn(model(), config()).expect("spawns");
+    let prompts = prompts();
+    let results = run_all(sched.handle(), &prompts, 24);
+    for (p, (tokens, usage)) in prompts.iter().zip(&results) {
+        assert_eq!(tokens, &alone(p, 24), "batched output differs");
+        assert_eq!(usage.prompt_tokens, p.len());
+        assert_eq!(usage.completion_tokens, tokens.len());
+        assert!(usage.finish == FinishReason::Length || tokens.len() < 24);
+    }
+    wait_idle(sched.handle());
+}
+
+#[test]
+fn chunked_prefill_and_preemption_do_not_change_outputs() {
+    // 8-token steps force chunked prefill; 20 blocks of 8 tokens for six
+    // sequences of up to ~50 tokens force preemption.
+    let cfg = SchedulerConfig {
+        max_batch_input_tokens: 8,
+        max_batch_size: 8,
+        block_size: 8,
+        num_blocks: 20,
+        max_length: 128,
+        prefix_caching: false,
+    };
+    let sched = Scheduler::spawn(model(), cfg).expect("spawns");
+    let prompts = prompts();
+    let results = run_all(sched.handle(), &prompts, 32);
+    for (p, (tokens, _)) in prompts.iter().zip(&results) {
+        assert_eq!(
+            tokens,
+            &alone(p, 32),
+            "output changed under chunking/preemption"
+        );
+    }
+    assert!(
+        sched.handle().stats().preemptions.load(Ordering::Relaxed) > 0,
+        "the pool was meant to be too small to avoid preemption"
+    );
+    wait_idle(sched.handle());
+    assert_eq!(
+        sched
+            .handle()
+            .stats()
+            .kv_blocks_in_use
+            .load(Ordering::Relaxed),
+        0
+    );
+}
+
+#[test]
+fn repeated_prompt_hits_the_prefix_cache() {
+    let sched = Scheduler::spawn(model(), config()).expect("spawns");
+    let h = sched.handle();
+    let m = model();
+    let long = m
+        .tokenizer
+        .encode(
+            &"A long shared system prompt about many things. ".repeat(8),
+            false,
+        )
+        .expect("tokenizes");
+    let (first, u1) = collect(h.submit(request(&long, 8)).expect("accepted"));
+    let (second, u2) = collect(h.submit(request(&long, 8)).expect("accepted"));
+    assert_eq!(u1.cached_tokens, 0);
+    assert_eq!(
+        u2.cached_tokens,
+        (long.len() - 1) / 16 * 16,
+        "full blocks reused"
+    );
+    assert!(u2.cached_tokens > 0);
+    assert_eq!(first, second, "cached prefix changes nothing");
+    assert_eq!(first, alone(&long, 8));
+    let events = h.take_kv_events();
+    assert!(!events.is_empty(), "stored events for the cached blocks");
+    assert!(events.windows(2).all(|w| w[1].id == w[0].id + 1));
+    wait_idle(h);
+}
+
+#[test]
+fn dropping_a_stream_cancels_and_frees_blocks() {
+    let sched = Scheduler::spawn(model(), config()).expect("spawns");
+    let h = sched.handle();
+    let p = prompts();
+    let mut stream = h.submit(request(&p[2], 200)).expect("accepted");
+    for _ in 0..2 {
+        assert!(matches!(stream.blocking_next(), Some(Event::Token(_))));
+    }
+    // Another request keeps running while the first is cancelled.
+    let other = h.submit(request(&p[0], 6)).expect("accepted");
+    drop(stream);
+    let (tokens, _) = collect(other);
+    assert_eq!(tokens, alone(&p[0], 6));
+    wait_idle(h);
+}
+
+#[test]
+fn invalid_requests_are_rejected_at_submit() {
+    let sched = Scheduler::spawn(model(), config()).expect("spawns");
+    let h = sched.handle();
+    let reject = |r: Request| h.submit(r).expect_err("rejected");
+    assert!(matches!(reject(request(&[], 4)), RequestError::EmptyPrompt));
+    assert!(matches!(
+        reject(request(&[49152], 4)),
+        RequestError::TokenOutOfRange { .. }
+    ));
+    assert!(matches!(
+        reject(request(&[1; 256], 4)),
+        RequestError::PromptTooLong {
+            prompt: 256,
+            max: 256
+        }
+    ));
+    assert!(matches!(
+        reject(request(&[1], 0)),
+        RequestError::ZeroMaxTokens
+    ));
+    let mut bad = request(&[1], 4);
+    bad.sampling.temperature = -1.0;
+    assert!(matches!(reject(bad), RequestError::Sampling(_)));
+    // And the scheduler still serves.
+    let (tokens, _) = collect(h.submit(request(&prompts()[0], 3)).expect("accepted"));
+    assert_eq!(tokens.len(), 3);
+}
+
+#[test]
+fn bad_configs_fail_loudly() {
+    let m = model();
+    for bad in [
+        SchedulerConfig {
+            max_batch_size: 0,
+            ..config()
+        },
+        SchedulerConfig {
+            max_batch_input_tokens: 4,
+            ..config()
+        },
+        SchedulerConfig {
+            max_length: 100_000,
+            ..config()
+        },
+        SchedulerConfig {
+            block_size: 0,
+            ..config()
+        },
+        SchedulerConfig {
+            num_blocks: 2,
+            ..config()
+        },
+    ] {
+        assert!(Scheduler::spawn(Arc::clone(&m), bad).is_err());
+    }
+}
