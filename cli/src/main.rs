@@ -1,5 +1,6 @@
 //! The `tandem` binary.
 
+mod bench_engine;
 mod generate;
 
 use anyhow::Result;
@@ -16,6 +17,9 @@ struct Cli {
 enum Command {
     /// Generate text for one prompt and print tokens/s.
     Generate(generate::GenerateArgs),
+    /// Measure raw engine throughput (prompt processing, single and batched decode)
+    #[command(name = "bench-engine")]
+    BenchEngine(bench_engine::BenchEngineArgs),
 }
 
 fn main() -> Result<()> {
@@ -28,5 +32,6 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::Generate(args) => generate::run(args),
+        Command::BenchEngine(args) => bench_engine::run(args),
     }
 }

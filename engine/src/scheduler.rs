@@ -516,7 +516,7 @@ impl Actor {
                 finished.push((p.seq, finish));
             }
         }
-        finished.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, finish) in finished {
             let mut s = self.running.swap_remove(i);
             let usage = Usage {

@@ -69,7 +69,7 @@ pub fn attend_with_isa(
         *d = f16::from_f32(s).to_f32();
     }
     let qh = &qh[..hd];
-    let simd = isa >= Isa::Avx2 && Isa::Avx2.is_supported() && hd % 8 == 0;
+    let simd = isa >= Isa::Avx2 && Isa::Avx2.is_supported() && hd.is_multiple_of(8);
 
     scores.clear();
     for k in context_rows(k_blocks, hd, block_size, n_ctx) {

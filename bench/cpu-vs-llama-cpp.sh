@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# Tandem vs llama.cpp on the CPU, same GGUF, same thread count, one run.
+#   usage: bench/cpu-vs-llama-cpp.sh [THREADS]        (default 2)
+# Environment:
+#   GGUF=path       model (default: SmolLM2-135M-Instruct Q4_1, fetched by tandem)
+#   ROUNDS=n        alternating llama.cpp/tandem rounds (default 2); best wins
+#   BENCH_OUT=dir   where raw outputs go (default: a new /tmp/tandem-bench.*)
+#   LLAMA_CPP_VERSION  llama-cpp-python version whose llama.cpp is built (0.3.36)
+# See bench/README.md.
+set -euo pipefail
+
+threads=${1:-2}
+rounds=${ROUNDS:-2}
+[[ $threads =~ ^[1-9][0-9]*$ ]] || { echo "THREADS must be a positive integer" >&2; exit 2; }
+[[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a positive integer" >&2; exit 2; }
+repo=$(git -C "$(dirname "${BASH_SOURCE[0]}")" rev-parse --show-toplevel)
+shared=$repo/../shared
+out=${BENCH_OUT:-$(mktemp -d /tmp/tandem-bench.XXXXXX)}
+mkdir -p "$out"
+say() { echo "== $*" >&2; }
+
+# --- llama.cpp --------------------------------------------------------------
+say "building llama.cpp (shared/tools/build-llama-cpp.sh)"
+bin=$("$shared/tools/build-llama-cpp.sh" ${LLAMA_CPP_VERSION:+"$LLAMA_CPP_VERSION"} | tail -n1)
+build=$(dirname "$bin")
+src=$(dirname "$build")
+[[ -x $bin/llama-bench ]] || { echo "no llama-bench in $bin" >&2; exit 1; }
+
+# --- tandem -----------------------------------------------------------------
+say "building tandem (release)"
+(cd "$repo" && cargo build --release -q -p tandem-cli >&2)
+tandem=${CARGO_TARGET_DIR:-$repo/target}/release/tandem
+# cargo resolves a relative CARGO_TARGET_DIR against the workspace root.
+[[ $tandem == /* ]] || tandem=$repo/$tandem
+
+# --- the model ----------------------------------------------------------------
+if [[ -n ${GGUF:-} ]]; then
+  gguf=$GGUF
+else
+  # Same lookup as tandem_engine::fetch::cache_dir.
+  if [[ -n ${TANDEM_CACHE:-} ]]; then cache=$TANDEM_CACHE
+  elif [[ -n ${XDG_CACHE_HOME:-} ]]; then cache=$XDG_CACHE_HOME/tandem
+  else cache=$HOME/.cache/tandem; fi
+  gguf=$cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [[ ! -f $gguf ]]; then
+    say "fetching smollm2-135m"
+    "$tandem" generate --model smollm2-135m --prompt hi --max-tokens 1 --temperature 0 >/dev/null
+  fi
+fi
+[[ -f $gguf ]] || { echo "model not found: $gguf" >&2; exit 1; }
+
+# --- AMX: GGML_NATIVE=ON compiles AMX tile code on CPUs that advertise it, ---
+# --- which dies (SIGILL / GPF on ldtilecfg) where the VM doesn't enable tiles --
+cpuflags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+has() { [[ $cpuflags == *" $1 "* ]]; }
+onoff() { if has "$1"; then echo ON; else echo OFF; fi; }
+smoke() {
+  # A 32-token prompt takes the batched matmul path, where AMX kernels live.
+  "$bin/llama-bench" -m "$gguf" -t "$threads" -p 32 -n 1 -r 1 -o json \
+    >"$out/smoke.json" 2>"$out/smoke.err"
+}
+reason=""
+if grep -q '^GGML_NATIVE:BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null && has amx_tile; then
+  reason="GGML_NATIVE=ON on a CPU that advertises amx_tile"
+elif grep -qE '^GGML_AMX_(TILE|INT8|BF16):BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null; then
+  reason="built with GGML_AMX_*=ON"
+else
+  rc=0; smoke || rc=$?
+  # 132 SIGILL, 139 SIGSEGV (a GPF on ldtilecfg shows up as one), ...
+  ((rc == 0)) || reason="llama-bench smoke test failed (exit $rc; see $out/smoke.err)"
+fi
+if [[ -n $reason ]]; then
+  say "rebuilding llama.cpp without AMX: $reason"
+  isa=(-DGGML_NATIVE=OFF
+    -DGGML_AVX="$(onoff avx)" -DGGML_AVX2="$(onoff avx2)" -DGGML_FMA="$(onoff fma)"
+    -DGGML_F16C="$(onoff f16c)" -DGGML_BMI2="$(onoff bmi2)" -DGGML_AVX_VNNI="$(onoff avx_vnni)"
+    -DGGML_AVX512="$(onoff avx512f)" -DGGML_AVX512_VNNI="$(onoff avx512_vnni)"
+    -DGGML_AVX512_BF16="$(onoff avx512_bf16)" -DGGML_AVX512_VBMI="$(onoff avx512vbmi)"
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  say "cmake ${isa[*]}"
+  cmake -S "$src" -B "$build" "${isa[@]}" >&2
+  cmake --build "$build" -j"$(nproc)" --target llama-bench llama-batched-bench llama-server >&2
+  smoke || { echo "llama-bench still fails after the rebuild; see $out/smoke.err" >&2; exit 1; }
+elif [[ ! -x $bin/llama-batched-bench ]]; then
+  say "building llama-batched-bench"
+  cmake --build "$build" -j"$(nproc)" --target llama-batched-bench >&2
+fi
+llama_flags=$(grep -E '^GGML_(NATIVE|AVX[A-Z0-9_]*|AMX[A-Z_]*):BOOL=ON' "$build/CMakeCache.txt" \
+  | cut -d: -f1 | tr '\n' ' ' || true)
+
+say "model $gguf, $threads threads, $rounds rounds, raw output in $out"
+say "llama.cpp $bin (ON: $llama_flags)"
+say "tandem $tandem"
+
+# --- the runs: llama.cpp and tandem alternate, the machine is noisy ----------
+for r in $(seq 1 "$rounds"); do
+  say "round $r/$rounds: llama-bench pp512 tg128 (-fa on,off)"
+  "$bin/llama-bench" -m "$gguf" -t "$threads" -p 512 -n 128 -r 3 -fa on,off -o json \
+    >"$out/llama-bench.$r.json" 2>"$out/llama-bench.$r.err"
+  for fa in on off; do
+    say "round $r/$rounds: llama-batched-bench npp128 ntg128 npl 1,8,32 -fa $fa"
+    "$bin/llama-batched-bench" -m "$gguf" -t "$threads" -c 16384 -npp 128 -ntg 128 \
+      -npl 1,8,32 -fa "$fa" --output-format jsonl \
+      >"$out/llama-batched.$r.fa-$fa.jsonl" 2>"$out/llama-batched.$r.fa-$fa.err"
+  done
+  say "round $r/$rounds: tandem bench-engine"
+  "$tandem" bench-engine --model "$gguf" --threads "$threads" --pp 512 --tg 128 \
+    --batch 1,8,32 --npp 128 --ntg 128 --reps 3 --json "$out/tandem.$r.json" \
+    2>"$out/tandem.$r.err" | tee "$out/tandem.$r.txt"
+done
+
+# --- summary --------------------------------------------------------------------
+python3 - "$out" "$rounds" "$threads" "$gguf" <<'PY'
+import glob, json, os, sys
+
+out, rounds, threads, gguf = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+# metric -> list of (tokens/s, round, detail)
+llama, tandem = {}, {}
+
+def add(d, key, ts, r, detail):
+    d.setdefault(key, []).append((ts, r, detail))
+
+for r in range(1, rounds + 1):
+    with open(f"{out}/llama-bench.{r}.json") as f:
+        for t in json.load(f):
+            fa = "fa on" if t["flash_attn"] == 1 else "fa off"
+            key = (f"pp{t['n_prompt']}" if t["n_gen"] == 0 else
+                   f"tg{t['n_gen']}" if t["n_prompt"] == 0 else None)
+            if key:
+                for ts in t["samples_ts"]:
+                    add(llama, key, ts, r, fa)
+    for fa in ("on", "off"):
+        with open(f"{out}/llama-batched.{r}.fa-{fa}.jsonl") as f:
+            for line in f:
+                line = line.strip()
+                if not line.startswith("{"):
+                    continue
+                t = json.loads(line)
+                add(llama, f"B={t['pl']} gen", t["speed_tg"], r, f"fa {fa}")
+                add(llama, f"B={t['pl']} prefill", t["speed_pp"], r, f"fa {fa}")
+    with open(f"{out}/tandem.{r}.json") as f:
+        tj = json.load(f)
+    for t in tj["results"]:
+        key = {"pp": t["test"], "tg": t["test"],
+               "batched_gen": f"B={t['batch']} gen",
+               "batched_prefill": f"B={t['batch']} prefill"}[t["kind"]]
+        for ms in t["ms_samples"]:
+            add(tandem, key, t["n_tokens"] / (ms / 1e3), r, "")
+
+rows = [  # metric, target ratio (None: reported only)
+    ("pp512", 1.0), ("tg128", 1.25),
+    ("B=1 gen", None), ("B=8 gen", None), ("B=32 gen", 3.0),
+    ("B=1 prefill", None), ("B=8 prefill", None), ("B=32 prefill", None),
+]
+print()
+print(f"# Tandem vs llama.cpp: {os.path.basename(gguf)}, {threads} threads, "
+      f"{rounds} rounds, best sample per engine (tokens/s)")
+print(f"# tandem kernels: {tj['isa']}; raw outputs: {out}")
+print()
+hdr = ("metric", "llama.cpp best", "llama.cpp median", "tandem best", "tandem median",
+       "tandem/llama", "target", "")
+fmt = "| {:<12} | {:>14} | {:>16} | {:>11} | {:>13} | {:>12} | {:>7} | {:<4} |"
+print(fmt.format(*hdr))
+print(fmt.format(*["-" * 12, "-" * 14, "-" * 16, "-" * 11, "-" * 13, "-" * 12, "-" * 7, "-" * 4]))
+summary = []
+for key, target in rows:
+    if key not in llama or key not in tandem:
+        continue
+    lb = max(llama[key])
+    tb = max(tandem[key])
+    med = lambda xs: sorted(x[0] for x in xs)[len(xs) // 2]
+    ratio = tb[0] / lb[0]
+    ok = "" if target is None else ("ok" if ratio >= target else "MISS")
+    print(fmt.format(key, f"{lb[0]:.1f}" + (f" ({lb[2]})" if lb[2] else ""),
+                     f"{med(llama[key]):.1f}", f"{tb[0]:.1f}", f"{med(tandem[key]):.1f}",
+                     f"{ratio:.2f}x", "-" if target is None else f">={target:g}x", ok))
+    summary.append({"metric": key, "llama_cpp_best": lb[0], "llama_cpp_best_config": lb[2],
+                    "tandem_best": tb[0], "ratio": ratio, "target": target,
+                    "llama_cpp_samples": [x[0] for x in llama[key]],
+                    "tandem_samples": [x[0] for x in tandem[key]]})
+with open(f"{out}/summary.json", "w") as f:
+    json.dump({"model": gguf, "threads": int(threads), "rounds": rounds,
+               "tandem_isa": tj["isa"], "rows": summary}, f, indent=2)
+print()
+print("llama.cpp B=N rows: llama-batched-bench S_TG / S_PP (best of -fa on/off); "
+      "tandem B=N prefill: whole sequences batched up to 512 tokens per forward call.")
+PY

@@ -1,0 +1,583 @@
+//! `tandem bench-engine`: raw engine throughput, measured with the engine API
+//! directly (no HTTP, no scheduler), in the spirit of `llama-bench` and
+//! `llama-batched-bench`.
+//!
+//! * `pp<N>`: prefill of N random tokens of one sequence, in forward calls of
+//!   at most `--prefill-chunk` tokens.
+//! * `tg<N>`: one sequence, a 1-token prompt (not timed), then N decode
+//!   forward passes of one token each, greedy (argmax) on the logits.
+//! * batched: B sequences are prefilled with `--npp` tokens each (forward
+//!   calls batch whole sequences up to `--prefill-chunk` tokens per call),
+//!   then `--ntg` decode steps, each ONE forward call with B single-token
+//!   chunks, as continuous batching runs them. Generation speed is
+//!   `B * ntg / decode time`.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use tandem_engine::LoadedModel;
+use tandem_engine::fetch;
+use tandem_engine::kv_cache::KvCache;
+use tandem_engine::model::SeqChunk;
+use tandem_engine::sampler::argmax;
+
+const BLOCK_SIZE: usize = 16;
+
+#[derive(Debug, Args)]
+pub struct BenchEngineArgs {
+    /// A .gguf file, an HF model directory, or the alias smollm2-135m.
+    #[arg(long, env = "TANDEM_MODEL", default_value = fetch::DEFAULT_MODEL)]
+    model: String,
+    /// Worker threads for the kernels (default: all cores).
+    #[arg(long, env = "TANDEM_THREADS")]
+    threads: Option<usize>,
+    /// Where fetched models are cached (default: $XDG_CACHE_HOME/tandem).
+    #[arg(long, env = "TANDEM_CACHE")]
+    cache_dir: Option<PathBuf>,
+    /// Prompt-processing test: tokens of one sequence (0 skips it).
+    #[arg(long, env = "TANDEM_BENCH_PP", default_value_t = 512)]
+    pp: usize,
+    /// Single-sequence generation test: decode steps (0 skips it).
+    #[arg(long, env = "TANDEM_BENCH_TG", default_value_t = 128)]
+    tg: usize,
+    /// Batch sizes for the batched test, comma-separated (empty skips it).
+    #[arg(
+        long,
+        env = "TANDEM_BENCH_BATCH",
+        value_delimiter = ',',
+        default_value = "1,8,32"
+    )]
+    batch: Vec<usize>,
+    /// Batched test: prompt tokens per sequence.
+    #[arg(long, env = "TANDEM_BENCH_NPP", default_value_t = 128)]
+    npp: usize,
+    /// Batched test: decode steps (tokens generated per sequence).
+    #[arg(long, env = "TANDEM_BENCH_NTG", default_value_t = 128)]
+    ntg: usize,
+    /// Repetitions of each test (after one untimed warm-up).
+    #[arg(long, env = "TANDEM_BENCH_REPS", default_value_t = 3)]
+    reps: usize,
+    /// Most prompt tokens run in one forward call.
+    #[arg(long, env = "TANDEM_PREFILL_CHUNK", default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Seed for the random prompt token ids.
+    #[arg(long, env = "TANDEM_SEED", default_value_t = 1234)]
+    seed: u64,
+    /// Also write the results as JSON to this file.
+    #[arg(long, env = "TANDEM_BENCH_JSON")]
+    json: Option<PathBuf>,
+}
+
+/// One row of the report.
+#[derive(Debug)]
+struct Row {
+    test: String,
+    /// `pp`, `tg`, `batched_prefill` or `batched_gen`.
+    kind: &'static str,
+    batch: usize,
+    /// Tokens processed (or generated) per repetition.
+    n_tokens: usize,
+    /// Forward calls per repetition.
+    n_calls: usize,
+    samples: Vec<Duration>,
+}
+
+impl Row {
+    fn rates(&self) -> Vec<f64> {
+        self.samples
+            .iter()
+            .map(|d| self.n_tokens as f64 / d.as_secs_f64().max(1e-9))
+            .collect()
+    }
+    fn best(&self) -> f64 {
+        self.rates().into_iter().fold(0.0, f64::max)
+    }
+    fn mean(&self) -> f64 {
+        let r = self.rates();
+        r.iter().sum::<f64>() / r.len().max(1) as f64
+    }
+    fn stddev(&self) -> f64 {
+        let r = self.rates();
+        if r.len() < 2 {
+            return 0.0;
+        }
+        let m = self.mean();
+        (r.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (r.len() - 1) as f64).sqrt()
+    }
+    fn mean_ms(&self) -> f64 {
+        self.samples.iter().map(|d| d.as_secs_f64()).sum::<f64>() * 1e3
+            / self.samples.len().max(1) as f64
+    }
+}
+
+/// SplitMix64: enough randomness for prompt token ids, no dependency.
+#[derive(Debug)]
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
+        (0..n)
+            .map(|_| (self.next() % vocab as u64) as u32)
+            .collect()
+    }
+}
+
+struct Bench<'a> {
+    m: &'a LoadedModel,
+    vocab: usize,
+    prefill_chunk: usize,
+    rng: Rng,
+}
+
+impl Bench<'_> {
+    /// A cache holding `tokens` tokens (block size 16).
+    fn cache(&self, tokens: usize) -> Result<KvCache> {
+        let blocks = tokens.div_ceil(BLOCK_SIZE).max(1);
+        KvCache::new(self.m.model.kv_cache_config(BLOCK_SIZE, blocks)).context("creating KV cache")
+    }
+
+    /// A cache holding one sequence of `tokens` tokens, and its block table.
+    /// Repetitions reuse both: each run overwrites the K/V it reads.
+    fn cache_one(&self, tokens: usize) -> Result<(KvCache, Vec<u32>)> {
+        let mut cache = self.cache(tokens)?;
+        let mut table = Vec::new();
+        cache.reserve(&mut table, tokens)?;
+        Ok((cache, table))
+    }
+
+    /// Prefills one sequence of `n` tokens from position 0; returns the time
+    /// and the forward-call count.
+    fn prefill_one(
+        &mut self,
+        cache: &mut KvCache,
+        table: &[u32],
+        n: usize,
+    ) -> Result<(Duration, usize)> {
+        let prompt = self.rng.tokens(n, self.vocab);
+        let t0 = Instant::now();
+        let mut calls = 0;
+        for (i, piece) in prompt.chunks(self.prefill_chunk).enumerate() {
+            let start_pos = i * self.prefill_chunk;
+            let logits = self.m.model.forward(
+                &[SeqChunk {
+                    tokens: piece,
+                    start_pos,
+                    block_table: table,
+                    want_logits: start_pos + piece.len() == n,
+                }],
+                cache,
+            )?;
+            std::hint::black_box(&logits);
+            calls += 1;
+        }
+        Ok((t0.elapsed(), calls))
+    }
+
+    /// A 1-token prompt (untimed), then `n` greedy decode steps (timed).
+    fn decode_one(&mut self, cache: &mut KvCache, table: &[u32], n: usize) -> Result<Duration> {
+        let first = self.rng.tokens(1, self.vocab);
+        let logits = self.m.model.forward(
+            &[SeqChunk {
+                tokens: &first,
+                start_pos: 0,
+                block_table: table,
+                want_logits: true,
+            }],
+            cache,
+        )?;
+        let mut tok = argmax(logits.get(..self.vocab).context("short logits")?);
+        let t0 = Instant::now();
+        for pos in 1..=n {
+            let logits = self.m.model.forward(
+                &[SeqChunk {
+                    tokens: &[tok],
+                    start_pos: pos,
+                    block_table: table,
+                    want_logits: true,
+                }],
+                cache,
+            )?;
+            tok = argmax(logits.get(..self.vocab).context("short logits")?);
+        }
+        Ok(t0.elapsed())
+    }
+
+    /// B sequences: prefill `npp` tokens each, then `ntg` batched decode
+    /// steps. Returns (prefill time, prefill calls, decode time).
+    fn batched(
+        &mut self,
+        cache: &mut KvCache,
+        tables: &[Vec<u32>],
+        npp: usize,
+        ntg: usize,
+    ) -> Result<(Duration, usize, Duration)> {
+        let b = tables.len();
+        let prompts: Vec<Vec<u32>> = (0..b).map(|_| self.rng.tokens(npp, self.vocab)).collect();
+        let mut next = vec![0u32; b];
+
+        // Prefill: whole sequences grouped so that a call holds at most
+        // `prefill_chunk` tokens (at least one sequence); a sequence longer
+        // than that runs alone, in pieces.
+        let per_call = (self.prefill_chunk / npp.max(1)).max(1);
+        let t0 = Instant::now();
+        let mut calls = 0;
+        if npp > self.prefill_chunk {
+            for (s, prompt) in prompts.iter().enumerate() {
+                for (i, piece) in prompt.chunks(self.prefill_chunk).enumerate() {
+                    let start_pos = i * self.prefill_chunk;
+                    let last = start_pos + piece.len() == npp;
+                    let logits = self.m.model.forward(
+                        &[SeqChunk {
+                            tokens: piece,
+                            start_pos,
+                            block_table: &tables[s],
+                            want_logits: last,
+                        }],
+                        cache,
+                    )?;
+                    calls += 1;
+                    if last {
+                        next[s] = argmax(logits.get(..self.vocab).context("short logits")?);
+                    }
+                }
+            }
+        } else {
+            for first in (0..b).step_by(per_call) {
+                let group = first..(first + per_call).min(b);
+                let chunks: Vec<SeqChunk<'_>> = group
+                    .clone()
+                    .map(|s| SeqChunk {
+                        tokens: &prompts[s],
+                        start_pos: 0,
+                        block_table: &tables[s],
+                        want_logits: true,
+                    })
+                    .collect();
+                let logits = self.m.model.forward(&chunks, cache)?;
+                calls += 1;
+                for (s, row) in group.zip(logits.chunks_exact(self.vocab)) {
+                    next[s] = argmax(row);
+                }
+            }
+        }
+        let t_pp = t0.elapsed();
+
+        let t1 = Instant::now();
+        for step in 0..ntg {
+            let toks = next.clone();
+            let chunks: Vec<SeqChunk<'_>> = (0..b)
+                .map(|s| SeqChunk {
+                    tokens: std::slice::from_ref(&toks[s]),
+                    start_pos: npp + step,
+                    block_table: &tables[s],
+                    want_logits: true,
+                })
+                .collect();
+            let logits = self.m.model.forward(&chunks, cache)?;
+            if logits.len() != b * self.vocab {
+                bail!(
+                    "forward returned {} logits, want {}",
+                    logits.len(),
+                    b * self.vocab
+                );
+            }
+            for (n, row) in next.iter_mut().zip(logits.chunks_exact(self.vocab)) {
+                *n = argmax(row);
+            }
+        }
+        Ok((t_pp, calls, t1.elapsed()))
+    }
+}
+
+pub fn run(args: BenchEngineArgs) -> Result<()> {
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    if args.reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    if args.batch.contains(&0) {
+        bail!("--batch sizes must be at least 1");
+    }
+    if !args.batch.is_empty() && (args.npp == 0 || args.ntg == 0) {
+        bail!("--npp and --ntg must be at least 1 for the batched test");
+    }
+    if let Some(n) = args.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        tandem_kernels::set_num_threads(n).context("setting --threads")?;
+    }
+    let cache_dir = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
+    let path = fetch::resolve(&args.model, &cache_dir)?;
+    let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let cfg = m.model.config();
+    let vocab = cfg.vocab_size;
+    let longest = args.pp.max(args.tg + 1).max(if args.batch.is_empty() {
+        0
+    } else {
+        args.npp + args.ntg
+    });
+    if longest > cfg.context_length && cfg.context_length > 0 {
+        bail!(
+            "a test needs {longest} positions; the model's context is {}",
+            cfg.context_length
+        );
+    }
+    let isa = tandem_kernels::isa().to_string();
+    let threads = tandem_kernels::num_threads();
+    println!(
+        "model: {} ({}), {} layers, vocab {vocab}",
+        m.name,
+        path.display(),
+        cfg.n_layers
+    );
+    println!(
+        "kernels: {isa}, threads: {threads}, reps: {}, prefill chunk: {}",
+        args.reps, args.prefill_chunk
+    );
+
+    let mut bench = Bench {
+        m: &m,
+        vocab,
+        prefill_chunk: args.prefill_chunk,
+        rng: Rng(args.seed),
+    };
+    let mut rows = Vec::new();
+
+    // Warm-up: page in the weights, spin up the thread pool, size buffers.
+    {
+        let (mut cache, table) = bench.cache_one(64)?;
+        bench.prefill_one(&mut cache, &table, 32)?;
+        bench.decode_one(&mut cache, &table, 8)?;
+    }
+
+    if args.pp > 0 {
+        let (mut cache, table) = bench.cache_one(args.pp)?;
+        let mut row = Row {
+            test: format!("pp{}", args.pp),
+            kind: "pp",
+            batch: 1,
+            n_tokens: args.pp,
+            n_calls: 0,
+            samples: Vec::new(),
+        };
+        for _ in 0..args.reps {
+            let (dt, calls) = bench.prefill_one(&mut cache, &table, args.pp)?;
+            row.samples.push(dt);
+            row.n_calls = calls;
+        }
+        eprintln!("{}: {:.1} t/s", row.test, row.best());
+        rows.push(row);
+    }
+
+    if args.tg > 0 {
+        let (mut cache, table) = bench.cache_one(args.tg + 1)?;
+        let mut row = Row {
+            test: format!("tg{}", args.tg),
+            kind: "tg",
+            batch: 1,
+            n_tokens: args.tg,
+            n_calls: args.tg,
+            samples: Vec::new(),
+        };
+        for _ in 0..args.reps {
+            row.samples
+                .push(bench.decode_one(&mut cache, &table, args.tg)?);
+        }
+        eprintln!("{}: {:.1} t/s", row.test, row.best());
+        rows.push(row);
+    }
+
+    for &b in &args.batch {
+        let per_seq = args.npp + args.ntg;
+        let mut cache = bench.cache(b * per_seq.div_ceil(BLOCK_SIZE) * BLOCK_SIZE)?;
+        let mut tables = Vec::with_capacity(b);
+        for _ in 0..b {
+            let mut t = Vec::new();
+            cache.reserve(&mut t, per_seq)?;
+            tables.push(t);
+        }
+        let name = format!("B={b} npp{} ntg{}", args.npp, args.ntg);
+        let mut pre = Row {
+            test: format!("{name} prefill"),
+            kind: "batched_prefill",
+            batch: b,
+            n_tokens: b * args.npp,
+            n_calls: 0,
+            samples: Vec::new(),
+        };
+        let mut gen_row = Row {
+            test: format!("{name} gen"),
+            kind: "batched_gen",
+            batch: b,
+            n_tokens: b * args.ntg,
+            n_calls: args.ntg,
+            samples: Vec::new(),
+        };
+        for _ in 0..args.reps {
+            let (t_pp, calls, t_tg) = bench.batched(&mut cache, &tables, args.npp, args.ntg)?;
+            pre.samples.push(t_pp);
+            pre.n_calls = calls;
+            gen_row.samples.push(t_tg);
+        }
+        eprintln!(
+            "{name}: prefill {:.1} t/s, gen {:.1} t/s",
+            pre.best(),
+            gen_row.best()
+        );
+        rows.push(pre);
+        rows.push(gen_row);
+    }
+
+    print!("{}", table(&rows));
+    if let Some(file) = &args.json {
+        let json = to_json(
+            &m.name,
+            &path.display().to_string(),
+            &isa,
+            threads,
+            &args,
+            &rows,
+        );
+        std::fs::write(file, json).with_context(|| format!("writing {}", file.display()))?;
+        eprintln!("wrote {}", file.display());
+    }
+    Ok(())
+}
+
+fn table(rows: &[Row]) -> String {
+    let w = rows.iter().map(|r| r.test.len()).max().unwrap_or(4).max(4);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| {:<w$} | {:>7} | {:>5} | {:>12} | {:>20} | {:>10} |",
+        "test", "tokens", "calls", "best t/s", "mean t/s", "mean ms"
+    );
+    let _ = writeln!(
+        s,
+        "| {:-<w$} | {:->7} | {:->5} | {:->12} | {:->20} | {:->10} |",
+        "", "", "", "", "", ""
+    );
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "| {:<w$} | {:>7} | {:>5} | {:>12.2} | {:>20} | {:>10.2} |",
+            r.test,
+            r.n_tokens,
+            r.n_calls,
+            r.best(),
+            format!("{:.2} ± {:.2}", r.mean(), r.stddev()),
+            r.mean_ms()
+        );
+    }
+    s
+}
+
+fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn to_json(
+    name: &str,
+    path: &str,
+    isa: &str,
+    threads: usize,
+    args: &BenchEngineArgs,
+    rows: &[Row],
+) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "{{");
+    let _ = writeln!(s, "  \"engine\": \"tandem\",");
+    let _ = writeln!(s, "  \"model\": {},", json_str(name));
+    let _ = writeln!(s, "  \"model_path\": {},", json_str(path));
+    let _ = writeln!(s, "  \"isa\": {},", json_str(isa));
+    let _ = writeln!(s, "  \"threads\": {threads},");
+    let _ = writeln!(s, "  \"reps\": {},", args.reps);
+    let _ = writeln!(s, "  \"prefill_chunk\": {},", args.prefill_chunk);
+    let _ = writeln!(s, "  \"results\": [");
+    for (i, r) in rows.iter().enumerate() {
+        let ms: Vec<String> = r
+            .samples
+            .iter()
+            .map(|d| format!("{:.3}", d.as_secs_f64() * 1e3))
+            .collect();
+        let _ = writeln!(
+            s,
+            "    {{\"test\": {}, \"kind\": \"{}\", \"batch\": {}, \"n_tokens\": {}, \"n_calls\": {}, \
+             \"tokens_per_s_best\": {:.3}, \"tokens_per_s_mean\": {:.3}, \"tokens_per_s_stddev\": {:.3}, \
+             \"ms_mean\": {:.3}, \"ms_samples\": [{}]}}{}",
+            json_str(&r.test),
+            r.kind,
+            r.batch,
+            r.n_tokens,
+            r.n_calls,
+            r.best(),
+            r.mean(),
+            r.stddev(),
+            r.mean_ms(),
+            ms.join(", "),
+            if i + 1 < rows.len() { "," } else { "" }
+        );
+    }
+    let _ = writeln!(s, "  ]");
+    let _ = writeln!(s, "}}");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_strings_are_escaped() {
+        assert_eq!(json_str("a\"b\\c\n\u{1}"), "\"a\\\"b\\\\c\\n\\u0001\"");
+    }
+
+    #[test]
+    fn rng_stays_in_vocab() {
+        let mut r = Rng(7);
+        assert!(r.tokens(1000, 49152).iter().all(|&t| t < 49152));
+    }
+
+    #[test]
+    fn row_stats() {
+        let r = Row {
+            test: "pp2".into(),
+            kind: "pp",
+            batch: 1,
+            n_tokens: 100,
+            n_calls: 1,
+            samples: vec![Duration::from_millis(100), Duration::from_millis(200)],
+        };
+        assert!((r.best() - 1000.0).abs() < 1e-6);
+        assert!((r.mean() - 750.0).abs() < 1e-6);
+        assert!((r.mean_ms() - 150.0).abs() < 1e-6);
+    }
+}
