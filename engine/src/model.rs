@@ -10,7 +10,6 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use half::f16;
-use rayon::prelude::*;
 use tandem_kernels::ops::{self, Rope};
 use tandem_kernels::{GgmlType, QMatrix};
 
@@ -397,12 +396,11 @@ impl LlamaModel {
         };
         let k_slices: Vec<_> = chunks.iter().map(|ch| slices(ch, 0)).collect();
         let v_slices: Vec<_> = chunks.iter().map(|ch| slices(ch, 1)).collect();
-        out.par_chunks_mut(hd)
-            .enumerate()
-            .for_each_init(Vec::new, |scores, (i, out_h)| {
-                let (t, h) = (i / c.n_heads, i % c.n_heads);
-                let (ci, pos) = placement[t];
-                let g = h / group;
+        tandem_kernels::parallel_chunks_mut(out, hd, &|i, out_h| {
+            let (t, h) = (i / c.n_heads, i % c.n_heads);
+            let (ci, pos) = placement[t];
+            let g = h / group;
+            SCORES.with_borrow_mut(|scores| {
                 tandem_kernels::attention::attend(
                     &q[i * hd..(i + 1) * hd],
                     &k_slices[ci][g],
@@ -414,7 +412,13 @@ impl LlamaModel {
                     out_h,
                 );
             });
+        });
     }
+}
+
+thread_local! {
+    /// Attention score scratch, reused across calls on each pool thread.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Blocks holding the chunk's context after this step.

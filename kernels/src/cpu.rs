@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::OnceLock;
 
 use crate::error::KernelError;
+use crate::pool::Pool;
 
 /// The instruction set a kernel implementation uses. Ordered: a CPU that
 /// supports an ISA supports every smaller one.
@@ -69,15 +70,7 @@ pub fn isa() -> Isa {
     *ISA.get_or_init(detect)
 }
 
-static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
-
-fn build_pool(n: usize) -> Result<rayon::ThreadPool, KernelError> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .thread_name(|i| format!("tandem-kernels-{i}"))
-        .build()
-        .map_err(|e| KernelError::ThreadPool(e.to_string()))
-}
+static POOL: OnceLock<Pool> = OnceLock::new();
 
 fn default_threads() -> usize {
     std::thread::available_parallelism()
@@ -85,37 +78,36 @@ fn default_threads() -> usize {
         .unwrap_or(1)
 }
 
-/// The matmul pool, built on first use with the default size. `None` only if
-/// the pool could not be built, in which case matmul runs on the caller's
-/// thread.
-pub(crate) fn pool() -> Option<&'static rayon::ThreadPool> {
-    POOL.get_or_init(|| build_pool(default_threads()).ok())
-        .as_ref()
+/// The worker pool, built on first use with the default size. If the workers
+/// cannot be spawned, work runs on the caller's thread.
+pub(crate) fn pool() -> &'static Pool {
+    POOL.get_or_init(|| Pool::new(default_threads()).unwrap_or_else(|_| Pool::single()))
 }
 
-/// Sets the number of matmul worker threads.
+/// Sets the number of kernel worker threads (the calling thread counts as
+/// one of them).
 ///
 /// The pool is built once per process. Call this before the first `matmul`
-/// (or `num_threads`) to choose its size; afterwards a call with the same
-/// count is a no-op returning `Ok`, and a call with a different count returns
-/// [`KernelError::ThreadPoolAlreadyInitialized`] and changes nothing.
-/// `n == 0` is rejected.
+/// (or `num_threads`, `parallel_for`) to choose its size; afterwards a call
+/// with the same count is a no-op returning `Ok`, and a call with a different
+/// count returns [`KernelError::ThreadPoolAlreadyInitialized`] and changes
+/// nothing. `n == 0` is rejected.
 pub fn set_num_threads(n: usize) -> Result<(), KernelError> {
     if n == 0 {
         return Err(KernelError::InvalidThreadCount(n));
     }
     let mut err = None;
-    let got = POOL.get_or_init(|| match build_pool(n) {
-        Ok(p) => Some(p),
+    let got = POOL.get_or_init(|| match Pool::new(n) {
+        Ok(p) => p,
         Err(e) => {
             err = Some(e);
-            None
+            Pool::single()
         }
     });
     if let Some(e) = err {
         return Err(e);
     }
-    let current = got.as_ref().map_or(1, |p| p.current_num_threads());
+    let current = got.threads();
     if current == n {
         Ok(())
     } else {
@@ -126,7 +118,7 @@ pub fn set_num_threads(n: usize) -> Result<(), KernelError> {
     }
 }
 
-/// Number of worker threads matmul uses (builds the default pool if needed).
+/// Number of kernel worker threads (builds the default pool if needed).
 pub fn num_threads() -> usize {
-    pool().map_or(1, |p| p.current_num_threads())
+    pool().threads()
 }

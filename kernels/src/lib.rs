@@ -13,9 +13,11 @@ mod cpu;
 mod dot;
 mod error;
 mod matmul;
+mod pool;
 pub mod quant;
 
 pub use cpu::{Isa, isa, num_threads, set_num_threads};
 pub use error::KernelError;
 pub use matmul::{QMatrix, matmul, matmul_with_isa};
+pub use pool::{parallel_chunks_mut, parallel_for, parallel_ranges};
 pub use quant::{GgmlType, dequantize_row, quantize_row};

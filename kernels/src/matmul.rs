@@ -1,10 +1,12 @@
 //! Quantised matrix × activation products.
 
-use rayon::prelude::*;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::cpu::{self, Isa};
 use crate::dot;
 use crate::error::KernelError;
+use crate::pool;
 use crate::quant::GgmlType;
 
 /// A row-major weight matrix: `rows` rows of `cols` elements, each row
@@ -75,6 +77,8 @@ pub fn matmul(w: &QMatrix<'_>, x: &[f32], m: usize, out: &mut [f32]) -> Result<(
 const TILE_BYTES: usize = 48 * 1024;
 /// Below this many multiply-adds the product runs on the calling thread.
 const PAR_MIN_WORK: usize = 1 << 16;
+/// Activation rows computed against a weight tile per output buffer fill.
+const ACT_BLOCK: usize = 64;
 
 /// As [`matmul`], with a forced instruction set (which must not exceed what
 /// the CPU supports). Results are bitwise identical for every ISA, every `m`
@@ -89,14 +93,15 @@ pub fn matmul_with_isa(
     matmul_impl(isa, w, x, m, out, cpu::num_threads())
 }
 
-/// `threads` only shapes the row partition; results never depend on it.
+/// `parts` only shapes the row partition (one contiguous part per pool
+/// worker in production); results never depend on it.
 fn matmul_impl(
     isa: Isa,
     w: &QMatrix<'_>,
     x: &[f32],
     m: usize,
     out: &mut [f32],
-    threads: usize,
+    parts: usize,
 ) -> Result<(), KernelError> {
     if !isa.is_supported() {
         return Err(KernelError::UnsupportedIsa {
@@ -139,57 +144,118 @@ fn matmul_impl(
         return Ok(());
     }
 
-    let acts = dot::prepare_acts(w.ty, x, m, w.cols);
-    let rows = w.rows;
-    let work = rows.saturating_mul(w.cols).saturating_mul(m);
-    let parallel = threads > 1 && work >= PAR_MIN_WORK;
-
-    // Rows per task: enough tasks to balance, but for batches keep a task's
-    // weights cache-resident so they are reused across activation rows.
-    let mut chunk = if parallel {
-        rows.div_ceil(threads * 4)
-    } else {
-        rows
-    };
-    if m > 1 {
-        chunk = chunk.min((TILE_BYTES / row_bytes.max(1)).max(4));
-    }
-    let chunk = chunk.max(4).next_multiple_of(4).min(rows);
-
-    let run = |ci: usize, o: &mut [f32]| {
-        let r0 = ci * chunk;
-        let nr = o.len() / m;
-        let wblk = &w.data[r0 * row_bytes..(r0 + nr) * row_bytes];
-        dot::compute_block(isa, w.ty, wblk, row_bytes, nr, w.cols, &acts, 0, m, o, m);
-    };
-
-    if m == 1 {
-        // out is already row-major over weight rows.
-        exec(parallel, out, chunk, &run);
-    } else {
-        // Compute out^T (rows × m) by row chunks, then transpose.
-        let mut out_t = vec![0.0f32; on];
-        exec(parallel, &mut out_t, chunk * m, &run);
-        for (r, row) in out_t.chunks_exact(m).enumerate() {
-            for (i, &v) in row.iter().enumerate() {
-                out[i * rows + r] = v;
-            }
-        }
-    }
+    let work = w.rows.saturating_mul(w.cols).saturating_mul(m);
+    let parts = if work >= PAR_MIN_WORK { parts } else { 1 };
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => run_parts(isa, w, row_bytes, x, m, out, parts, &mut scratch),
+        // Only reachable if a matmul re-entered itself on this thread.
+        Err(_) => run_parts(isa, w, row_bytes, x, m, out, parts, &mut Default::default()),
+    });
     Ok(())
 }
 
-fn exec(parallel: bool, buf: &mut [f32], chunk: usize, run: &(dyn Fn(usize, &mut [f32]) + Sync)) {
-    match cpu::pool() {
-        Some(pool) if parallel => pool.install(|| {
-            buf.par_chunks_mut(chunk)
-                .enumerate()
-                .for_each(|(ci, o)| run(ci, o))
-        }),
-        _ => buf
-            .chunks_mut(chunk)
-            .enumerate()
-            .for_each(|(ci, o)| run(ci, o)),
+thread_local! {
+    /// Quantised activations of the current call (the calling thread's).
+    static SCRATCH: RefCell<dot::ActScratch> = RefCell::new(dot::ActScratch::default());
+    /// A worker's output tile for batched products.
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A raw output pointer shared by the parts, which write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: parts write pairwise disjoint elements of the output, and the
+// caller of `run_parts` holds the unique borrow until all parts finished.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// Pointer to element `i` (a method, so closures capture the whole
+    /// `Sync` wrapper rather than the raw field).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_parts(
+    isa: Isa,
+    w: &QMatrix<'_>,
+    row_bytes: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    parts: usize,
+    scratch: &mut dot::ActScratch,
+) {
+    // Quantised once, on the calling thread; shared read-only by the parts.
+    let acts = dot::prepare_acts(w.ty, x, m, w.cols, scratch);
+    let rows = w.rows;
+    let groups = rows.div_ceil(4);
+    let parts = parts.clamp(1, groups);
+    // Rows per weight tile for batches: the tile stays cache-resident while
+    // every activation row passes over it.
+    let tile_rows = (TILE_BYTES / row_bytes.max(1)).max(4).next_multiple_of(4);
+    let op = OutPtr(out.as_mut_ptr());
+    let acts = &acts;
+    // m = 1: one contiguous range of rows per part (in units of 4 rows), so
+    // each thread streams its own slice of the weights.
+    let single = |p: usize| {
+        let g = pool::split(groups, parts, p);
+        let (r0, r1) = (g.start * 4, (g.end * 4).min(rows));
+        if r0 >= r1 {
+            return;
+        }
+        // SAFETY: rows r0..r1 of the single output row belong to this part
+        // only; `out` has `rows` elements (checked by the caller).
+        let o = unsafe { std::slice::from_raw_parts_mut(op.at(r0), r1 - r0) };
+        let wblk = &w.data[r0 * row_bytes..r1 * row_bytes];
+        let nr = r1 - r0;
+        dot::compute_block(isa, w.ty, wblk, row_bytes, nr, w.cols, acts, 0, 1, o, 1);
+    };
+    // Batches: weight tiles of `tile_rows` rows, claimed dynamically (the
+    // machine may be shared, so a static split would wait on the slowest
+    // core); each tile's weights stay cache-resident while every activation
+    // row passes over them.
+    let ntiles = rows.div_ceil(tile_rows);
+    let next = AtomicUsize::new(0);
+    let tile = |ti: usize, t: &mut Vec<f32>| {
+        let t0 = ti * tile_rows;
+        let nr = tile_rows.min(rows - t0);
+        let wblk = &w.data[t0 * row_bytes..(t0 + nr) * row_bytes];
+        t.resize(tile_rows * m.min(ACT_BLOCK), 0.0);
+        for i0 in (0..m).step_by(ACT_BLOCK) {
+            let n = ACT_BLOCK.min(m - i0);
+            let buf = &mut t[..nr * n];
+            dot::compute_block(isa, w.ty, wblk, row_bytes, nr, w.cols, acts, i0, n, buf, n);
+            for j in 0..n {
+                // SAFETY: elements (i0+j, t0..t0+nr) lie inside `out`
+                // (m × rows) and tile `ti` is claimed by one worker only.
+                let o = unsafe { std::slice::from_raw_parts_mut(op.at((i0 + j) * rows + t0), nr) };
+                for (r, v) in o.iter_mut().enumerate() {
+                    *v = buf[r * n + j];
+                }
+            }
+        }
+    };
+    let batched = |_: usize| {
+        TILE.with(|t| {
+            let mut t = t.borrow_mut();
+            loop {
+                let ti = next.fetch_add(1, Ordering::Relaxed);
+                if ti >= ntiles {
+                    break;
+                }
+                tile(ti, &mut t);
+            }
+        })
+    };
+    let part: &(dyn Fn(usize) + Sync) = if m == 1 { &single } else { &batched };
+    if parts == 1 {
+        part(0);
+    } else {
+        pool::parallel_for(parts, part);
     }
 }
 
@@ -407,6 +473,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn matmul_inside_parallel_for_and_concurrently() {
+        // Nested use runs inline; concurrent callers fall back to inline
+        // execution. Both must give the same bits as a plain call.
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let (rows, cols) = (257, 576);
+        let data = rand_weights(GgmlType::Q4_1, rows, cols, &mut rng);
+        let w = QMatrix::new(GgmlType::Q4_1, &data, rows, cols).expect("shape");
+        let x = rand_x(8 * cols, &mut rng);
+        let want: Vec<Vec<u32>> = [1, 8]
+            .iter()
+            .map(|&m| bits(&run(crate::isa(), &w, &x[..m * cols], m)))
+            .collect();
+        crate::parallel_for(4, &|i| {
+            let m = if i % 2 == 0 { 1 } else { 8 };
+            let got = run(crate::isa(), &w, &x[..m * cols], m);
+            assert_eq!(bits(&got), want[i % 2]);
+        });
+        std::thread::scope(|s| {
+            for t in 0..3 {
+                let (w, x, want) = (&w, &x, &want);
+                s.spawn(move || {
+                    for k in 0..20 {
+                        let m = if (t + k) % 2 == 0 { 1 } else { 8 };
+                        let got = run(crate::isa(), w, &x[..m * cols], m);
+                        assert_eq!(bits(&got), want[(t + k) % 2]);
+                    }
+                });
+            }
+        });
     }
 
     #[test]

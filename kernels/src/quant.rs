@@ -337,7 +337,7 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), K
 
 /// Max |x| over a block, with `maxps` semantics (a NaN operand yields the
 /// other operand, as in ggml's `_mm256_max_ps(maxAbs, |v|)` chain).
-#[inline]
+#[inline(always)]
 fn block_amax(x: &[f32]) -> f32 {
     x.iter()
         .fold(0.0f32, |m, v| if v.abs() > m { v.abs() } else { m })
@@ -347,7 +347,7 @@ fn block_amax(x: &[f32]) -> f32 {
 /// x86 `quantize_row_q8_0` (AVX2 path): d = amax/127 stored as f16,
 /// q = round_half_even(x * (127/amax)), saturated to i8.
 /// Returns (d as stored f16 bits, sum of the quants as i32, d as f32 unrounded).
-#[inline]
+#[inline(always)]
 pub(crate) fn quantize_block_q8(x: &[f32], qs: &mut [i8]) -> (u16, i32, f32) {
     let amax = block_amax(x);
     let d = amax / 127.0;
@@ -370,7 +370,7 @@ pub(crate) fn quantize_block_q8(x: &[f32], qs: &mut [i8]) -> (u16, i32, f32) {
 /// Q8_K quantisation of one 256-element block exactly as ggml's
 /// `quantize_row_q8_K_ref` (the x86 build uses the reference).
 /// Returns d; fills `qs` and `bsums`.
-#[inline]
+#[inline(always)]
 pub(crate) fn quantize_block_q8_k(x: &[f32], qs: &mut [i8], bsums: &mut [i16]) -> f32 {
     let mut max = 0.0f32;
     let mut amax = 0.0f32;

@@ -20,6 +20,9 @@ pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+
 use crate::cpu::Isa;
 use crate::quant::{self, GgmlType, QK, QK_K};
 
@@ -41,62 +44,136 @@ pub(crate) struct ActQ8 {
 pub(crate) enum Acts<'a> {
     F32(&'a [f32]),
     /// f16 or bf16 bits.
-    Half(Vec<u16>),
-    Q8(ActQ8),
+    Half(&'a [u16]),
+    Q8(&'a ActQ8),
 }
 
-/// Quantises `m` rows of `cols` activations for weights of type `ty`.
-pub(crate) fn prepare_acts(ty: GgmlType, x: &[f32], m: usize, cols: usize) -> Acts<'_> {
+/// Reusable buffers for [`prepare_acts`] (kept per thread by the matmul so a
+/// call allocates nothing once the buffers have grown).
+#[derive(Debug, Default)]
+pub(crate) struct ActScratch {
+    q8: ActQ8,
+    half: Vec<u16>,
+}
+
+/// Clears `v` and resizes it to `n` copies of `x`, keeping its capacity.
+fn reset<T: Clone>(v: &mut Vec<T>, n: usize, x: T) {
+    v.clear();
+    v.resize(n, x);
+}
+
+/// Quantises `m` rows of `cols` activations for weights of type `ty`, into
+/// `scratch`.
+pub(crate) fn prepare_acts<'a>(
+    ty: GgmlType,
+    x: &'a [f32],
+    m: usize,
+    cols: usize,
+    scratch: &'a mut ActScratch,
+) -> Acts<'a> {
     match ty.vec_dot_type() {
         GgmlType::F32 => Acts::F32(x),
-        GgmlType::F16 => Acts::Half(x.iter().map(|&v| quant::f32_to_f16_bits(v)).collect()),
-        GgmlType::BF16 => Acts::Half(x.iter().map(|&v| quant::f32_to_bf16_bits(v)).collect()),
+        GgmlType::F16 => {
+            let h = &mut scratch.half;
+            h.clear();
+            h.extend(x.iter().map(|&v| quant::f32_to_f16_bits(v)));
+            Acts::Half(h)
+        }
+        GgmlType::BF16 => {
+            let h = &mut scratch.half;
+            h.clear();
+            h.extend(x.iter().map(|&v| quant::f32_to_bf16_bits(v)));
+            Acts::Half(h)
+        }
         GgmlType::Q8_K => {
             let nb = cols / QK_K;
-            let mut a = ActQ8 {
-                qs: vec![0; m * cols],
-                d: vec![0.0; m * nb],
-                s: Vec::new(),
-                bsums: vec![0; m * nb * 16],
-                nb,
-            };
-            for ((xb, qb), (d, bs)) in x
-                .chunks_exact(QK_K)
-                .zip(a.qs.chunks_exact_mut(QK_K))
-                .zip(a.d.iter_mut().zip(a.bsums.chunks_exact_mut(16)))
-            {
-                *d = quant::quantize_block_q8_k(xb, qb, bs);
-            }
+            let a = &mut scratch.q8;
+            reset(&mut a.qs, m * cols, 0);
+            reset(&mut a.d, m * nb, 0.0);
+            a.s.clear();
+            reset(&mut a.bsums, m * nb * 16, 0);
+            a.nb = nb;
+            quantize_q8_k(x, a);
             Acts::Q8(a)
         }
         vt => {
             let with_s = vt == GgmlType::Q8_1;
             let nb = cols / QK;
-            let mut a = ActQ8 {
-                qs: vec![0; m * cols],
-                d: vec![0.0; m * nb],
-                s: if with_s {
-                    vec![0.0; m * nb]
-                } else {
-                    Vec::new()
-                },
-                bsums: Vec::new(),
-                nb,
-            };
-            for (b, (xb, qb)) in x
-                .chunks_exact(QK)
-                .zip(a.qs.chunks_exact_mut(QK))
-                .enumerate()
-            {
-                let (dh, sum, df) = quant::quantize_block_q8(xb, qb);
-                a.d[b] = quant::f16_bits_to_f32(dh);
-                if with_s {
-                    a.s[b] = quant::f16_bits_to_f32(quant::f32_to_f16_bits(df * sum as f32));
-                }
+            let a = &mut scratch.q8;
+            reset(&mut a.qs, m * cols, 0);
+            reset(&mut a.d, m * nb, 0.0);
+            if with_s {
+                reset(&mut a.s, m * nb, 0.0);
+            } else {
+                a.s.clear();
             }
+            a.bsums.clear();
+            a.nb = nb;
+            quantize_q8(x, a, with_s);
             Acts::Q8(a)
         }
     }
+}
+
+/// Q8_0 / Q8_1 quantisation of `x` into `a` (sized by the caller).
+#[inline(always)]
+fn quantize_q8_body(x: &[f32], a: &mut ActQ8, with_s: bool) {
+    for (b, (xb, qb)) in x
+        .chunks_exact(QK)
+        .zip(a.qs.chunks_exact_mut(QK))
+        .enumerate()
+    {
+        let (dh, sum, df) = quant::quantize_block_q8(xb, qb);
+        a.d[b] = quant::f16_bits_to_f32(dh);
+        if with_s {
+            a.s[b] = quant::f16_bits_to_f32(quant::f32_to_f16_bits(df * sum as f32));
+        }
+    }
+}
+
+/// Q8_K quantisation of `x` into `a` (sized by the caller).
+#[inline(always)]
+fn quantize_q8_k_body(x: &[f32], a: &mut ActQ8) {
+    for ((xb, qb), (d, bs)) in x
+        .chunks_exact(QK_K)
+        .zip(a.qs.chunks_exact_mut(QK_K))
+        .zip(a.d.iter_mut().zip(a.bsums.chunks_exact_mut(16)))
+    {
+        *d = quant::quantize_block_q8_k(xb, qb, bs);
+    }
+}
+
+// The same source compiled with AVX2 enabled, so `round_ties_even` becomes
+// `vroundps` instead of a libm `rintf` call. Identical results by
+// construction (IEEE round-half-even either way).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quantize_q8_avx2(x: &[f32], a: &mut ActQ8, with_s: bool) {
+    quantize_q8_body(x, a, with_s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quantize_q8_k_avx2(x: &[f32], a: &mut ActQ8) {
+    quantize_q8_k_body(x, a)
+}
+
+fn quantize_q8(x: &[f32], a: &mut ActQ8, with_s: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx2.is_supported() {
+        // SAFETY: AVX2/FMA/F16C support checked at runtime.
+        return unsafe { quantize_q8_avx2(x, a, with_s) };
+    }
+    quantize_q8_body(x, a, with_s)
+}
+
+fn quantize_q8_k(x: &[f32], a: &mut ActQ8) {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx2.is_supported() {
+        // SAFETY: AVX2/FMA/F16C support checked at runtime.
+        return unsafe { quantize_q8_k_avx2(x, a) };
+    }
+    quantize_q8_k_body(x, a)
 }
 
 /// Computes `out[r * ldo + j] = dot(w row r, activation row i0 + j)` for
@@ -203,6 +280,26 @@ pub(crate) trait QKernel {
     ) -> [[f32; N]; R];
 }
 
+/// How many rows beyond the next 4-row group the m = 1 path prefetches.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_ROWS: usize = 4;
+
+/// Software prefetch of `w[start..start + len]` (clamped to `w`) into L1:
+/// with one activation row the kernels stream weights, and the hardware
+/// prefetchers alone keep too few lines in flight from L3/DRAM.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_rows(w: &[u8], start: usize, len: usize) {
+    let end = (start + len).min(w.len());
+    let mut off = start;
+    while off < end {
+        // SAFETY: `off < w.len()`, so the pointer is in bounds; prefetch
+        // never faults and has no architectural effect.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(off).cast()) };
+        off += 64;
+    }
+}
+
 /// Drives a [`QKernel`] over an `nrows × n` block with 2×4 / 1×4 / 4×1 / 1×1
 /// tiles. Tiling never changes results (each element is computed alone).
 ///
@@ -245,6 +342,7 @@ pub(crate) unsafe fn drive<K: QKernel>(
         let x = [ActPtr::new(a, cols, i0 + j)];
         let mut r = 0;
         while r + 4 <= nrows {
+            prefetch_rows(w, (r + 4 + PREFETCH_ROWS) * row_bytes, 4 * row_bytes);
             // SAFETY: forwarded from the caller.
             let res = unsafe { K::run::<4, 1>([wp(r), wp(r + 1), wp(r + 2), wp(r + 3)], x, nb) };
             for (dr, v) in res.iter().enumerate() {

@@ -1,0 +1,168 @@
+//! Memory-bandwidth probe plus cold-weight (m = 1) and batched matmul
+//! throughput, best of N (the machine is shared, so minima are what count).
+//!
+//! `TANDEM_THREADS=2 cargo bench -p tandem-kernels --bench decode`
+//! (`TANDEM_BENCH=membw|cold|batch` runs one section).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use tandem_kernels::{GgmlType, QMatrix, matmul};
+
+fn best_of(budget: Duration, min_iters: usize, mut f: impl FnMut()) -> f64 {
+    let start = Instant::now();
+    let mut best = f64::MAX;
+    let mut iters = 0;
+    while start.elapsed() < budget || iters < min_iters {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed().as_secs_f64());
+        iters += 1;
+    }
+    best
+}
+
+/// Sums `v` with 8 independent u64 accumulators (vectorises; memory bound).
+fn sum(v: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    for c in v.chunks_exact(8) {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a = a.wrapping_add(*x);
+        }
+    }
+    acc.iter().fold(0, |a, &b| a.wrapping_add(b))
+}
+
+fn membw() {
+    let threads = tandem_kernels::num_threads();
+    for mb in [64usize, 256, 1024] {
+        let n = mb * 1024 * 1024 / 8;
+        let v: Vec<u64> = (0..n as u64).collect();
+        for t in [1, threads] {
+            let total = std::sync::atomic::AtomicU64::new(0);
+            let secs = best_of(Duration::from_millis(1500), 3, || {
+                if t == 1 {
+                    total.fetch_add(sum(black_box(&v)), std::sync::atomic::Ordering::Relaxed);
+                } else {
+                    // Plain scoped threads, so the probe measures the
+                    // machine rather than the pool.
+                    std::thread::scope(|sc| {
+                        for s in v.chunks(n.div_ceil(t)) {
+                            let total = &total;
+                            sc.spawn(move || {
+                                total.fetch_add(
+                                    sum(black_box(s)),
+                                    std::sync::atomic::Ordering::Relaxed,
+                                );
+                            });
+                        }
+                    });
+                }
+            });
+            black_box(total.into_inner());
+            println!(
+                "membw {mb:>5} MB  threads={t}  {:>6.2} GB/s",
+                (n * 8) as f64 / secs / 1e9
+            );
+        }
+    }
+}
+
+fn weights(ty: GgmlType, rows: usize, cols: usize, salt: usize) -> Vec<u8> {
+    let bytes = ty.row_bytes(cols).expect("aligned") * rows;
+    let mut data: Vec<u8> = (0..bytes)
+        .map(|i| (((i + salt) * 2654435761usize) >> 7) as u8)
+        .collect();
+    for blk in data.chunks_exact_mut(ty.block_bytes()) {
+        blk[0..2].copy_from_slice(&0x211Eu16.to_le_bytes());
+        if ty == GgmlType::Q4_1 {
+            blk[2..4].copy_from_slice(&0xA11Eu16.to_le_bytes());
+        }
+    }
+    data
+}
+
+fn acts(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect()
+}
+
+/// m = 1 over copies of the matrix totalling ~768 MB (beyond the L3), so
+/// every call streams its weights from DRAM; plus the cache-hot figure.
+fn cold() {
+    for (ty, rows, cols) in [
+        (GgmlType::Q4_1, 1536, 576),
+        (GgmlType::Q4_1, 576, 1536),
+        (GgmlType::Q8_0, 49152, 576),
+    ] {
+        let bytes = ty.row_bytes(cols).expect("aligned") * rows;
+        let copies = (768 << 20) / bytes + 1;
+        let data: Vec<Vec<u8>> = (0..copies).map(|c| weights(ty, rows, cols, c)).collect();
+        let ws: Vec<QMatrix<'_>> = data
+            .iter()
+            .map(|d| QMatrix::new(ty, d, rows, cols).expect("shape"))
+            .collect();
+        let x = acts(cols);
+        let mut out = vec![0.0f32; rows];
+        let mut k = 0;
+        let cold = best_of(Duration::from_millis(1500), 20, || {
+            k = (k + 1) % copies;
+            matmul(&ws[k], black_box(&x), 1, &mut out).expect("matmul");
+        });
+        let hot = best_of(Duration::from_millis(500), 20, || {
+            matmul(&ws[0], black_box(&x), 1, &mut out).expect("matmul");
+        });
+        println!(
+            "m=1 {ty:>5} {rows:>6}x{cols:<5} threads={}  cold {:>8.1} us {:>6.2} GB/s   hot {:>8.1} us {:>6.2} GB/s",
+            tandem_kernels::num_threads(),
+            cold * 1e6,
+            bytes as f64 / cold / 1e9,
+            hot * 1e6,
+            bytes as f64 / hot / 1e9
+        );
+    }
+}
+
+fn batch() {
+    for (ty, rows, cols) in [
+        (GgmlType::Q4_1, 1536, 576),
+        (GgmlType::Q4_1, 576, 1536),
+        (GgmlType::Q8_0, 49152, 576),
+    ] {
+        let data = weights(ty, rows, cols, 0);
+        let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
+        for m in [8usize, 32, 128, 512] {
+            let x = acts(m * cols);
+            let mut out = vec![0.0f32; m * rows];
+            let budget = Duration::from_millis(if rows * m > 1 << 24 { 3000 } else { 800 });
+            let secs = best_of(budget, 3, || {
+                matmul(&w, black_box(&x), m, &mut out).expect("matmul");
+            });
+            println!(
+                "batch {ty:>5} {rows:>6}x{cols:<5} m={m:<4} threads={}  {:>9.1} us  {:>7.2} GMAC/s",
+                tandem_kernels::num_threads(),
+                secs * 1e6,
+                (rows * cols * m) as f64 / secs / 1e9
+            );
+        }
+    }
+}
+
+fn main() {
+    let threads = std::env::var("TANDEM_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    tandem_kernels::set_num_threads(threads).expect("thread pool");
+    let which = std::env::var("TANDEM_BENCH").unwrap_or_default();
+    if which.is_empty() || which == "membw" {
+        membw();
+    }
+    if which.is_empty() || which == "cold" {
+        cold();
+    }
+    if which.is_empty() || which == "batch" {
+        batch();
+    }
+}
