@@ -34,5 +34,12 @@ export TANDEM_CACHE=${TANDEM_CACHE:-$HOME/.cache/tandem}
 ./target/release/tandem generate --model smollm2-135m --prompt "Hello" --max-tokens 4 --temperature 0 >/dev/null
 export TANDEM_TEST_GGUF=$TANDEM_CACHE/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 
+# An HF-style directory converted from the GGUF by an independent Python
+# script, for the safetensors loader's tests (cached after the first run).
+log "HF fixture"
+export TANDEM_TEST_HF_DIR=$TANDEM_CACHE/test-fixtures/smollm2-135m-hf-f32
+scripts/make-hf-fixture.sh "$TANDEM_TEST_HF_DIR"
+
+# A hang must fail the run, not eat CI's whole time budget.
 log "tests"
-cargo test --workspace --release
+timeout 1800 cargo test --workspace --release

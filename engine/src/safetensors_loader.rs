@@ -83,6 +83,14 @@ pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
         Err(_) => TokCfg::default(),
     };
     let tokenizer = Tokenizer::from_hf_file(&dir.join("tokenizer.json"), tok_cfg.add_bos_token)?;
+    // HF vocabularies may be padded past the tokenizer, never the reverse.
+    if tokenizer.vocab_size() > config.vocab_size {
+        return Err(ModelError::InvalidConfig(format!(
+            "tokenizer has {} tokens but config.json's vocab_size is {}",
+            tokenizer.vocab_size(),
+            config.vocab_size
+        )));
+    }
     // Special tokens are either plain strings or {"content": ...} objects.
     let token_text = |v: &Option<serde_json::Value>| -> String {
         match v {
