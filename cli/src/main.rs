@@ -2,6 +2,7 @@
 
 mod bench_engine;
 mod generate;
+mod serve;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -20,6 +21,8 @@ enum Command {
     /// Measure raw engine throughput (prompt processing, single and batched decode)
     #[command(name = "bench-engine")]
     BenchEngine(bench_engine::BenchEngineArgs),
+    /// Serve the OpenAI API with all roles in one process
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> Result<()> {
@@ -33,5 +36,6 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Generate(args) => generate::run(args),
         Command::BenchEngine(args) => bench_engine::run(args),
+        Command::Serve(args) => serve::run(args),
     }
 }

