@@ -1,5 +1,6 @@
 //! The `tandem` binary.
 
+mod bench;
 mod bench_engine;
 mod generate;
 mod serve;
@@ -16,6 +17,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Benchmark an OpenAI-compatible server (TTFT, TPOT, ITL, throughput, goodput)
+    Bench(bench::BenchArgs),
     /// Generate text for one prompt and print tokens/s.
     Generate(generate::GenerateArgs),
     /// Measure raw engine throughput (prompt processing, single and batched decode)
@@ -34,6 +37,7 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(args),
         Command::BenchEngine(args) => bench_engine::run(args),
         Command::Serve(args) => serve::run(args),

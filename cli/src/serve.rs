@@ -9,9 +9,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+use prometheus::{Encoder, TextEncoder};
 use tandem_engine::fetch;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
-use tandem_router::{AppState, ServerConfig};
+use tandem_router::{AppState, MetricsRenderer, ServerConfig};
 
 /// How long in-flight requests may run on after SIGINT/SIGTERM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -160,9 +162,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if let Some(n) = args.threads {
         tandem_kernels::set_num_threads(n).context("setting --threads")?;
     }
+    // Before anything records: instruments made earlier would be no-ops.
+    let (meter_provider, render) = install_metrics()?;
     let cache = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
     let path = fetch::resolve(&args.model, &cache)?;
     let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    tandem_engine::metrics::record_load_times(&m.load_time);
     let context = m.model.config().context_length;
     let config = ServeConfig::new(&args, context, served_name(&args.model, &path))?;
     eprintln!(
@@ -185,6 +190,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let model = Arc::new(m);
     let scheduler = Scheduler::spawn(Arc::clone(&model), config.scheduler.clone())?;
     let state = AppState::new(model, scheduler.handle().clone(), config.server.clone());
+    state.set_metrics_renderer(render);
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().min(4)))
@@ -213,8 +219,33 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // so the scheduler can stop.
     runtime.shutdown_timeout(Duration::from_secs(1));
     scheduler.shutdown();
+    if let Err(e) = meter_provider.shutdown() {
+        tracing::warn!("stopping metrics: {e}");
+    }
     eprintln!("tandem: stopped");
     result
+}
+
+/// Installs the global OpenTelemetry meter provider, exporting to a
+/// Prometheus registry; returns it and the `/metrics` renderer.
+fn install_metrics() -> Result<(SdkMeterProvider, MetricsRenderer)> {
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .scope_info_enabled(false)
+        .without_target_info()
+        .build()
+        .context("building the Prometheus exporter")?;
+    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+    opentelemetry::global::set_meter_provider(provider.clone());
+    let render: MetricsRenderer = Arc::new(move || {
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&registry.gather(), &mut out) {
+            tracing::warn!("encoding metrics: {e}");
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    });
+    Ok((provider, render))
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -11,6 +11,7 @@ pub mod generate;
 pub mod gguf;
 pub mod kv_cache;
 pub mod loader;
+pub mod metrics;
 pub mod model;
 pub mod safetensors_loader;
 pub mod sampler;

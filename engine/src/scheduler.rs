@@ -22,6 +22,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
+use std::time::Instant;
+
+use opentelemetry::KeyValue;
 
 use tokio::sync::mpsc as tmpsc;
 
@@ -30,6 +33,7 @@ use crate::error::RequestError;
 use crate::generate::FinishReason;
 use crate::kv_cache::{BlockId, KvCache, KvCacheError};
 use crate::loader::LoadedModel;
+use crate::metrics::{BatchType, metrics};
 use crate::model::SeqChunk;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 
@@ -133,8 +137,22 @@ pub struct SchedulerStats {
     pub prefix_miss_tokens: AtomicU64,
 }
 
+/// An event and when the scheduler sent it (for egress metrics).
+type Stamped = (Instant, Event);
+type EventTx = tmpsc::UnboundedSender<Stamped>;
+
+/// Sends `ev`, counting it as buffered until the reader takes it. A reader
+/// that went away is not an error: its stream's drop cancels the request.
+fn emit(tx: &EventTx, ev: Event) {
+    let m = &metrics().num_responses_buffered;
+    m.add(1, &[]);
+    if tx.send((Instant::now(), ev)).is_err() {
+        m.add(-1, &[]);
+    }
+}
+
 enum Command {
-    Submit(Box<(u64, Request, tmpsc::UnboundedSender<Event>)>),
+    Submit(Box<(u64, Request, EventTx)>),
     Cancel(u64),
     TakeKvEvents(mpsc::Sender<Vec<KvEvent>>),
 }
@@ -153,7 +171,7 @@ pub struct SchedulerHandle {
 #[derive(Debug)]
 pub struct RequestStream {
     id: u64,
-    rx: tmpsc::UnboundedReceiver<Event>,
+    rx: tmpsc::UnboundedReceiver<Stamped>,
     tx: mpsc::Sender<Command>,
     done: bool,
 }
@@ -162,26 +180,41 @@ impl RequestStream {
     /// The next event; `None` after `Finished`/`Failed` or if the scheduler stopped.
     pub async fn next(&mut self) -> Option<Event> {
         let ev = self.rx.recv().await;
-        self.note(&ev);
-        ev
+        self.note(ev)
     }
 
     /// Blocking variant of [`RequestStream::next`] for synchronous callers.
     pub fn blocking_next(&mut self) -> Option<Event> {
         let ev = self.rx.blocking_recv();
-        self.note(&ev);
-        ev
+        self.note(ev)
     }
 
-    fn note(&mut self, ev: &Option<Event>) {
+    fn note(&mut self, ev: Option<Stamped>) -> Option<Event> {
+        if let Some((sent, _)) = &ev {
+            let m = metrics();
+            m.num_responses_buffered.add(-1, &[]);
+            m.response_queue_time
+                .record(sent.elapsed().as_secs_f64() * 1e3, &[]);
+        }
+        let ev = ev.map(|(_, e)| e);
         if matches!(ev, None | Some(Event::Finished(_)) | Some(Event::Failed(_))) {
             self.done = true;
         }
+        ev
     }
 }
 
 impl Drop for RequestStream {
     fn drop(&mut self) {
+        // Events never read are no longer buffered.
+        self.rx.close();
+        let mut unread = 0;
+        while self.rx.try_recv().is_ok() {
+            unread += 1;
+        }
+        if unread > 0 {
+            metrics().num_responses_buffered.add(-unread, &[]);
+        }
         if !self.done {
             // The scheduler may already be gone; then there is nothing to free.
             let _ = self.tx.send(Command::Cancel(self.id));
@@ -206,6 +239,11 @@ impl Scheduler {
         let cache = KvCache::with_prefix_caching(kv_config, config.prefix_caching)
             .map_err(|e| ConfigError(e.to_string()))?;
         let stats = Arc::new(SchedulerStats::default());
+        // Export the counters from the start, not from their first event.
+        let m = metrics();
+        for c in [&m.preemptions, &m.prefix_cache_hits, &m.prefix_cache_misses] {
+            c.add(0, &[]);
+        }
         stats
             .kv_blocks_total
             .store(config.num_blocks, Ordering::Relaxed);
@@ -339,7 +377,7 @@ struct Seq {
     cached_tokens: usize,
     /// Admission order; the latest admitted is preempted first.
     admitted: u64,
-    events: tmpsc::UnboundedSender<Event>,
+    events: EventTx,
 }
 
 impl Seq {
@@ -395,7 +433,7 @@ impl Actor {
             self.publish_stats();
         }
         for seq in self.waiting.drain(..).chain(self.running.drain(..)) {
-            let _ = seq.events.send(Event::Failed("scheduler stopped".into()));
+            emit(&seq.events, Event::Failed("scheduler stopped".into()));
         }
     }
 
@@ -407,7 +445,7 @@ impl Actor {
                     Ok(s) => s,
                     Err(e) => {
                         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-                        let _ = events.send(Event::Failed(e.to_string()));
+                        emit(&events, Event::Failed(e.to_string()));
                         return;
                     }
                 };
@@ -458,6 +496,7 @@ impl Actor {
         if plan.is_empty() {
             return;
         }
+        self.record_batch(&plan);
         let logits = {
             let chunks: Vec<SeqChunk<'_>> = plan
                 .iter()
@@ -484,7 +523,7 @@ impl Actor {
                 idx.sort_unstable_by(|a, b| b.cmp(a));
                 for i in idx {
                     let mut s = self.running.swap_remove(i);
-                    let _ = s.events.send(Event::Failed(format!("internal error: {e}")));
+                    emit(&s.events, Event::Failed(format!("internal error: {e}")));
                     self.free(&mut s);
                 }
                 return;
@@ -508,8 +547,7 @@ impl Actor {
                 Some(FinishReason::Stop)
             } else {
                 s.tokens.push(token);
-                // A caller that went away is cancelled via its stream's drop.
-                let _ = s.events.send(Event::Token(sampled));
+                emit(&s.events, Event::Token(sampled));
                 (s.generated() >= s.max_tokens).then_some(FinishReason::Length)
             };
             if let Some(finish) = finish {
@@ -525,7 +563,7 @@ impl Actor {
                 cached_tokens: s.cached_tokens,
                 finish,
             };
-            let _ = s.events.send(Event::Finished(usage));
+            emit(&s.events, Event::Finished(usage));
             self.free(&mut s);
         }
     }
@@ -563,13 +601,14 @@ impl Actor {
                     self.free(&mut s);
                     s.computed = 0;
                     self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+                    metrics().preemptions.add(1, &[]);
                     self.waiting.push_front(s);
                     preempted = true;
                     // Retry the same index (unless it was the victim).
                 }
                 Err(e) => {
                     let mut s = self.running.remove(i);
-                    let _ = s.events.send(Event::Failed(e.to_string()));
+                    emit(&s.events, Event::Failed(e.to_string()));
                     self.free(&mut s);
                 }
             }
@@ -609,6 +648,10 @@ impl Actor {
                 self.stats
                     .prefix_miss_tokens
                     .fetch_add(s.prompt_len as u64 - hit, Ordering::Relaxed);
+                metrics().prefix_cache_hits.add(hit, &[]);
+                metrics()
+                    .prefix_cache_misses
+                    .add(s.prompt_len as u64 - hit, &[]);
             }
             self.admitted += 1;
             s.admitted = self.admitted;
@@ -622,8 +665,30 @@ impl Actor {
         plan
     }
 
+    /// Records the size and kind of a planned step.
+    fn record_batch(&self, plan: &[Planned]) {
+        let kind = BatchType::classify(plan.iter().map(|p| {
+            let s = &self.running[p.seq];
+            (s.computed, s.prompt_len, p.len)
+        }));
+        let tokens: usize = plan.iter().map(|p| p.len).sum();
+        let labels = [KeyValue::new("batch_type", kind.label())];
+        let m = metrics();
+        m.batch_size.record(plan.len() as u64, &labels);
+        m.batch_input_tokens.record(tokens as u64, &labels);
+    }
+
     fn publish_stats(&self) {
         let b = self.cache.blocks();
+        let m = metrics();
+        m.num_requests_queued.record(self.waiting.len() as u64, &[]);
+        m.num_requests_running
+            .record(self.running.len() as u64, &[]);
+        m.kv_blocks_used.record(b.num_in_use() as u64, &[]);
+        m.kv_blocks_free.record(
+            self.config.num_blocks.saturating_sub(b.num_in_use()) as u64,
+            &[],
+        );
         self.stats
             .waiting
             .store(self.waiting.len(), Ordering::Relaxed);

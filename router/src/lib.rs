@@ -3,8 +3,10 @@
 //! issues.
 
 pub mod error;
+pub mod metrics;
 pub mod openai;
 pub mod server;
 
 pub use error::ApiError;
+pub use metrics::MetricsRenderer;
 pub use server::{AppState, ServerConfig, app, serve};

@@ -4,16 +4,16 @@
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -29,6 +29,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::ApiError;
+use crate::metrics::{MetricsRenderer, RequestTracker, record_rejected};
 use crate::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChatRequest,
     ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Delta,
@@ -63,6 +64,16 @@ struct Inner {
     created: u64,
     next_id: AtomicU64,
     draining: AtomicBool,
+    metrics: OnceLock<Renderer>,
+}
+
+/// The `/metrics` renderer (a newtype for `Debug`).
+struct Renderer(MetricsRenderer);
+
+impl std::fmt::Debug for Renderer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Renderer")
+    }
 }
 
 fn unix_now() -> u64 {
@@ -83,8 +94,15 @@ impl AppState {
                 created: unix_now(),
                 next_id: AtomicU64::new(0),
                 draining: AtomicBool::new(false),
+                metrics: OnceLock::new(),
             }),
         }
+    }
+
+    /// Serves `/metrics` with `render` (Prometheus text format). Without
+    /// it, `/metrics` answers 404. Only the first call takes effect.
+    pub fn set_metrics_renderer(&self, render: MetricsRenderer) {
+        let _ = self.inner.metrics.set(Renderer(render));
     }
 
     /// Marks the server as shutting down (`/health` then answers 503).
@@ -133,6 +151,7 @@ impl AppState {
         prompt: Vec<u32>,
         params: &GenParams,
         permit: OwnedSemaphorePermit,
+        arrived: Instant,
     ) -> Result<Generation, ApiError> {
         let prompt_tokens = prompt.len();
         let max_length = self.inner.scheduler.config().max_length;
@@ -152,6 +171,7 @@ impl AppState {
             stop: params.stop.clone(),
             logprobs: params.sampling.logprobs,
             permit,
+            tracker: RequestTracker::new(arrived, prompt_tokens),
         })
     }
 }
@@ -164,6 +184,7 @@ struct Generation {
     stop: Vec<String>,
     logprobs: bool,
     permit: OwnedSemaphorePermit,
+    tracker: RequestTracker,
 }
 
 /// What a generation produces, in order: text pieces, then `Done` or `Error`.
@@ -204,7 +225,9 @@ fn token_logprob(tok: &Tokenizer, s: &Sampled) -> TokenLogprob {
 impl Generation {
     /// Detokenizes the scheduler's events, applying stop strings. Dropping
     /// the stream (client gone, stop string hit) cancels the request.
-    fn pieces(self) -> impl Stream<Item = Piece> + Send + 'static {
+    /// Errors are counted in `tandem.requests` only if `count_errors` (a
+    /// non-streaming handler counts the error it returns itself).
+    fn pieces(self, count_errors: bool) -> impl Stream<Item = Piece> + Send + 'static {
         let Generation {
             model,
             mut stream,
@@ -212,6 +235,7 @@ impl Generation {
             stop,
             logprobs,
             permit,
+            mut tracker,
         } = self;
         async_stream::stream! {
             let _permit = permit;
@@ -223,6 +247,7 @@ impl Generation {
             loop {
                 match stream.next().await {
                     Some(Event::Token(s)) => {
+                        tracker.token();
                         generated += 1;
                         if logprobs {
                             lps.push(token_logprob(tok, &s));
@@ -230,7 +255,9 @@ impl Generation {
                         let piece = match decoder.push(s.token) {
                             Ok(p) => p,
                             Err(e) => {
-                                yield Piece::Error(ApiError::Internal(e.to_string()));
+                                let e = ApiError::Internal(e.to_string());
+                                tracker.finish(Some(&e), count_errors);
+                                yield Piece::Error(e);
                                 return;
                             }
                         };
@@ -241,6 +268,7 @@ impl Generation {
                             // `Finished`, which a cancelled request never gets.
                             let usage = UsageInfo::new(prompt_tokens, generated, 0);
                             drop(stream);
+                            tracker.finish(None, count_errors);
                             yield Piece::Done(FinishReason::Stop, usage);
                             return;
                         }
@@ -255,6 +283,7 @@ impl Generation {
                         }
                         let usage =
                             UsageInfo::new(u.prompt_tokens, u.completion_tokens, u.cached_tokens);
+                        tracker.finish(None, count_errors);
                         yield Piece::Done(u.finish, usage);
                         return;
                     }
@@ -264,13 +293,15 @@ impl Generation {
                         } else {
                             ApiError::Internal(format!("generation failed: {m}"))
                         };
+                        tracker.finish(Some(&err), count_errors);
                         yield Piece::Error(err);
                         return;
                     }
                     None => {
-                        yield Piece::Error(ApiError::Unavailable(
-                            "request aborted: scheduler stopped".into(),
-                        ));
+                        let err =
+                            ApiError::Unavailable("request aborted: scheduler stopped".into());
+                        tracker.finish(Some(&err), count_errors);
+                        yield Piece::Error(err);
                         return;
                     }
                 }
@@ -282,7 +313,7 @@ impl Generation {
     async fn collect(
         self,
     ) -> Result<(String, Vec<TokenLogprob>, FinishReason, UsageInfo), ApiError> {
-        let mut pieces = std::pin::pin!(self.pieces());
+        let mut pieces = std::pin::pin!(self.pieces(false));
         let mut text = String::new();
         let mut lps = Vec::new();
         while let Some(p) = pieces.next().await {
@@ -326,9 +357,33 @@ fn body_error(limit: usize, e: BytesRejection) -> ApiError {
     }
 }
 
+/// Counts a request that ended with `r` before (or without) streaming; a
+/// streaming response's outcome is counted by its [`RequestTracker`].
+fn counted(r: Result<Response, ApiError>) -> Result<Response, ApiError> {
+    if let Err(e) = &r {
+        record_rejected(e);
+    }
+    r
+}
+
 async fn chat_completions(
+    state: State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    counted(chat_completions_inner(state, body, Instant::now()).await)
+}
+
+async fn completions(
+    state: State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    counted(completions_inner(state, body, Instant::now()).await)
+}
+
+async fn chat_completions_inner(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
+    arrived: Instant,
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| body_error(state.config().max_body_bytes, e))?;
     let req = ChatRequest::parse(&body, state.config().allow_extra_request_fields)?;
@@ -351,7 +406,7 @@ async fn chat_completions(
         .encode(&text, false)
         .map_err(tandem_engine::RequestError::from)?;
     let permit = state.permit()?;
-    let generation = state.submit(prompt, &params, permit)?;
+    let generation = state.submit(prompt, &params, permit, arrived)?;
     let id = state.new_id("chatcmpl");
     let created = unix_now();
     let name = state.config().model_name.clone();
@@ -402,7 +457,7 @@ async fn chat_completions(
     let events = async_stream::stream! {
         let first = Delta { role: Some("assistant"), content: Some(String::new()) };
         yield sse_json(&chunk(first, None, None));
-        let mut pieces = std::pin::pin!(generation.pieces());
+        let mut pieces = std::pin::pin!(generation.pieces(true));
         while let Some(p) = pieces.next().await {
             match p {
                 Piece::Text(t, l) => {
@@ -430,9 +485,10 @@ async fn chat_completions(
     Ok(Sse::new(events).into_response())
 }
 
-async fn completions(
+async fn completions_inner(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
+    arrived: Instant,
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| body_error(state.config().max_body_bytes, e))?;
     let req = CompletionRequest::parse(&body, state.config().allow_extra_request_fields)?;
@@ -458,7 +514,7 @@ async fn completions(
         Prompt::TokenLists(v) => return Err(one(v.len())),
     };
     let permit = state.permit()?;
-    let generation = state.submit(prompt, &params, permit)?;
+    let generation = state.submit(prompt, &params, permit, arrived)?;
     let id = state.new_id("cmpl");
     let created = unix_now();
     let name = state.config().model_name.clone();
@@ -498,7 +554,7 @@ async fn completions(
     };
     let events = async_stream::stream! {
         let mut offset = 0;
-        let mut pieces = std::pin::pin!(generation.pieces());
+        let mut pieces = std::pin::pin!(generation.pieces(true));
         while let Some(p) = pieces.next().await {
             match p {
                 Piece::Text(t, l) => {
@@ -562,6 +618,21 @@ async fn health(State(state): State<AppState>) -> Response {
     (status, Json(body)).into_response()
 }
 
+/// `/metrics`: the Prometheus text exposition, when a renderer is set.
+async fn metrics_text(State(state): State<AppState>) -> Response {
+    match state.inner.metrics.get() {
+        Some(r) => (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            (r.0)(),
+        )
+            .into_response(),
+        None => ApiError::NotFound("Not found: metrics are not enabled".into()).into_response(),
+    }
+}
+
 async fn not_found() -> ApiError {
     ApiError::NotFound("Not found: no such route".into())
 }
@@ -574,6 +645,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)

@@ -605,6 +605,15 @@ fn client_disconnect_frees_blocks() {
         let h = server.health();
         h["kv_blocks_in_use"] == 0 && h["running"] == 0 && h["requests_in_flight"] == 0
     });
+    let m = server.get("/metrics").body;
+    let cancelled = sample(&m, "tandem_requests_total", &[r#"status="cancelled""#]);
+    assert_eq!(cancelled, Some(1.0), "{m}");
+    // Events the scheduler sent after the client left are no longer buffered.
+    assert_eq!(
+        sample(&m, "tandem_num_responses_buffered", &[]),
+        Some(0.0),
+        "{m}"
+    );
     // The server still works.
     let r = server.post("/v1/chat/completions", &chat_body("hi", 4));
     assert_eq!(r.status, 200, "{}", r.body);
@@ -660,4 +669,111 @@ fn sigterm_lets_in_flight_requests_finish() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+}
+
+/// The value of the first sample of `name` whose labels include every one of
+/// `labels` (`key="value"`), in Prometheus text format.
+fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let (n, rest) = series.split_once('{').unwrap_or((series, ""));
+        (n == name && labels.iter().all(|lb| rest.contains(lb))).then(|| value.parse().ok())?
+    })
+}
+
+#[test]
+fn metrics_endpoint_reports_engine_and_request_metrics() {
+    let server = Server::start(&[]);
+    let chat = server.post("/v1/chat/completions", &chat_body("Say hello.", 6));
+    assert_eq!(chat.status, 200, "{}", chat.body);
+    let body = json!({
+        "prompt": "The capital of France is", "temperature": 0, "max_tokens": 6,
+        "stream": true, "stream_options": {"include_usage": true},
+    });
+    let streamed = server.post("/v1/completions", &body);
+    assert_eq!(streamed.status, 200, "{}", streamed.body);
+    let usage: Value = streamed
+        .events()
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .find(|v| !v["usage"].is_null())
+        .map(|v| v["usage"].clone())
+        .unwrap_or_else(|| panic!("no usage chunk: {}", streamed.body));
+    let generated = chat.json()["usage"]["completion_tokens"].as_u64().unwrap()
+        + usage["completion_tokens"].as_u64().unwrap();
+
+    let metrics = || {
+        let r = server.get("/metrics");
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(
+            r.headers.contains("content-type: text/plain"),
+            "{}",
+            r.headers
+        );
+        r.body
+    };
+    // The scheduler publishes its gauges just after the last event.
+    wait_until("KV blocks to be released", || {
+        sample(&metrics(), "tandem_kv_blocks_used", &[]) == Some(0.0)
+    });
+    let m = metrics();
+    let get = |name: &str, labels: &[&str]| {
+        sample(&m, name, labels).unwrap_or_else(|| panic!("no {name}{labels:?} in:\n{m}"))
+    };
+    assert!(get("tandem_batch_size_count", &[r#"batch_type="CE""#]) >= 2.0);
+    assert!(get("tandem_batch_size_count", &[r#"batch_type="TG""#]) >= 1.0);
+    assert!(get("tandem_batch_input_tokens_sum", &[r#"batch_type="CE""#]) >= 10.0);
+    assert!(get("tandem_time_to_first_token_milliseconds_count", &[]) >= 2.0);
+    assert!(get("tandem_time_to_first_token_milliseconds_sum", &[]) > 0.0);
+    assert!(get("tandem_inter_token_latency_milliseconds_count", &[]) >= 1.0);
+    assert!(get("tandem_time_per_output_token_milliseconds_count", &[]) >= 1.0);
+    assert_eq!(get("tandem_request_latency_milliseconds_count", &[]), 2.0);
+    assert!(get("tandem_output_tokens_total", &[]) >= generated as f64);
+    assert!(get("tandem_input_tokens_total", &[]) >= 10.0);
+    assert_eq!(get("tandem_requests_total", &[r#"status="ok""#]), 2.0);
+    assert_eq!(get("tandem_kv_blocks_used", &[]), 0.0);
+    assert_eq!(get("tandem_kv_blocks_free", &[]), 1024.0);
+    assert_eq!(get("tandem_num_requests_running", &[]), 0.0);
+    assert_eq!(get("tandem_num_requests_queued", &[]), 0.0);
+    assert_eq!(get("tandem_num_responses_buffered", &[]), 0.0);
+    assert!(get("tandem_response_queue_time_milliseconds_count", &[]) >= generated as f64);
+    assert_eq!(
+        get(
+            "tandem_model_load_time_milliseconds_count",
+            &[r#"phase="total""#]
+        ),
+        1.0
+    );
+    assert!(
+        get(
+            "tandem_model_load_time_milliseconds_sum",
+            &[r#"phase="total""#]
+        ) > 0.0
+    );
+    assert_eq!(get("tandem_preemptions_total", &[]), 0.0);
+    assert!(!m.contains("otel_scope_name"), "{m}");
+
+    // A repeated long prompt is served from the prefix cache.
+    let hits = |m: &str| sample(m, "tandem_prefix_cache_hits_total", &[]).unwrap_or(0.0);
+    let before = hits(&m);
+    let text = "The history of the printing press begins in the fifteenth century. ".repeat(12);
+    let body = json!({"prompt": text, "temperature": 0, "max_tokens": 2});
+    for _ in 0..2 {
+        let r = server.post("/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let m = metrics();
+    assert!(hits(&m) >= before + 64.0, "{m}");
+    assert!(sample(&m, "tandem_prefix_cache_misses_total", &[]).unwrap() > 64.0);
+
+    // A refused request counts as a client error.
+    let r = server.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 0}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    let m = metrics();
+    assert_eq!(
+        sample(&m, "tandem_requests_total", &[r#"status="client_error""#]),
+        Some(1.0),
+        "{m}"
+    );
 }

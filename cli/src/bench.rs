@@ -1,0 +1,1263 @@
+//! `tandem bench`: a serving benchmark for any OpenAI-compatible server
+//! (tandem serve, llama-server, vLLM, ...), in the spirit of vLLM's
+//! `benchmark_serving.py`.
+//!
+//! Every request is a streaming `/v1/chat/completions` (or `/v1/completions`)
+//! call with `stream_options.include_usage`, sent over a plain HTTP/1.1
+//! connection (one per request, `Connection: close`; no TLS). Per request it
+//! records TTFT (time to the first non-empty content delta), ITL (gaps
+//! between content deltas), TPOT (`(e2e - ttft) / (output tokens - 1)`), the
+//! end-to-end latency and the token counts the server reports in `usage`
+//! (deltas are counted when it reports none).
+//!
+//! Prompts are random words from a fixed built-in list (seeded, so two runs
+//! with the same flags send the same prompts), about one token per word.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::{Args, ValueEnum};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Endpoint {
+    /// `/v1/chat/completions` with one user message.
+    Chat,
+    /// `/v1/completions` with a raw prompt.
+    Completions,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Base URL of the server (http only).
+    #[arg(
+        long,
+        env = "TANDEM_BENCH_URL",
+        default_value = "http://127.0.0.1:8000"
+    )]
+    url: String,
+    /// Model name sent in requests (default: the first id of /v1/models).
+    #[arg(long, env = "TANDEM_BENCH_MODEL")]
+    model: Option<String>,
+    /// API endpoint to exercise.
+    #[arg(
+        long,
+        env = "TANDEM_BENCH_ENDPOINT",
+        value_enum,
+        default_value = "chat"
+    )]
+    endpoint: Endpoint,
+    /// Requests per run (per sweep point).
+    #[arg(long, env = "TANDEM_BENCH_NUM_REQUESTS", default_value_t = 64)]
+    num_requests: usize,
+    /// Requests in flight at once (default 8; with --request-rate: no cap
+    /// unless given).
+    #[arg(long, env = "TANDEM_BENCH_CONCURRENCY")]
+    concurrency: Option<usize>,
+    /// Open-loop load: Poisson arrivals at this many requests per second.
+    #[arg(long, env = "TANDEM_BENCH_REQUEST_RATE")]
+    request_rate: Option<f64>,
+    /// Run once per concurrency in this comma-separated list (e.g. 1,8,32).
+    #[arg(long, env = "TANDEM_BENCH_SWEEP_CONCURRENCY", value_delimiter = ',')]
+    sweep_concurrency: Vec<usize>,
+    /// Prompt length in words (about one token each).
+    #[arg(long, env = "TANDEM_BENCH_INPUT_LEN", default_value_t = 128)]
+    input_len: usize,
+    /// Uniformly random prompt length per request, LO:HI (inclusive);
+    /// overrides --input-len.
+    #[arg(long, env = "TANDEM_BENCH_INPUT_LEN_RANGE", value_parser = parse_range)]
+    input_len_range: Option<(usize, usize)>,
+    /// max_tokens of every request.
+    #[arg(long, env = "TANDEM_BENCH_OUTPUT_LEN", default_value_t = 64)]
+    output_len: usize,
+    /// Uniformly random max_tokens per request, LO:HI (inclusive); overrides
+    /// --output-len.
+    #[arg(long, env = "TANDEM_BENCH_OUTPUT_LEN_RANGE", value_parser = parse_range)]
+    output_len_range: Option<(usize, usize)>,
+    /// Number of distinct shared prompt prefixes (request i uses prefix i % G).
+    #[arg(long, env = "TANDEM_BENCH_SHARED_PREFIX_GROUPS", default_value_t = 0)]
+    shared_prefix_groups: usize,
+    /// Words in each shared prefix (part of the input length).
+    #[arg(long, env = "TANDEM_BENCH_SHARED_PREFIX_LEN", default_value_t = 0)]
+    shared_prefix_len: usize,
+    /// Seed of the prompts, lengths and arrival times.
+    #[arg(long, env = "TANDEM_BENCH_SEED", default_value_t = 0)]
+    seed: u64,
+    /// Sampling temperature sent with every request.
+    #[arg(long, env = "TANDEM_BENCH_TEMPERATURE", default_value_t = 0.0)]
+    temperature: f64,
+    /// Service-level objectives for goodput, e.g. ttft:500,tpot:50 (ms;
+    /// keys ttft, tpot, e2e).
+    #[arg(long, env = "TANDEM_BENCH_GOODPUT", value_parser = parse_slo)]
+    goodput: Option<Slo>,
+    /// Also write all aggregates (per sweep point) as JSON to this file.
+    #[arg(long, env = "TANDEM_BENCH_JSON")]
+    json: Option<PathBuf>,
+    /// Send `ignore_eos: true` (llama-server accepts it; tandem serve only
+    /// with --allow-extra-request-fields).
+    #[arg(long, env = "TANDEM_BENCH_IGNORE_EOS")]
+    ignore_eos: bool,
+    /// Per-request timeout in seconds.
+    #[arg(long, env = "TANDEM_BENCH_TIMEOUT", default_value_t = 600)]
+    timeout: u64,
+    /// No live progress line on stderr.
+    #[arg(long, env = "TANDEM_BENCH_QUIET")]
+    quiet: bool,
+}
+
+fn parse_range(s: &str) -> Result<(usize, usize), String> {
+    let (lo, hi) = s.split_once(':').ok_or("expected LO:HI")?;
+    let lo: usize = lo.trim().parse().map_err(|e| format!("LO: {e}"))?;
+    let hi: usize = hi.trim().parse().map_err(|e| format!("HI: {e}"))?;
+    if lo == 0 || lo > hi {
+        return Err("need 1 <= LO <= HI".into());
+    }
+    Ok((lo, hi))
+}
+
+/// Goodput service-level objectives, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Slo {
+    ttft_ms: Option<f64>,
+    tpot_ms: Option<f64>,
+    e2e_ms: Option<f64>,
+}
+
+fn parse_slo(s: &str) -> Result<Slo, String> {
+    let mut slo = Slo::default();
+    for part in s.split(',').filter(|p| !p.trim().is_empty()) {
+        let (k, v) = part.split_once(':').ok_or("expected KEY:MS")?;
+        let v: f64 = v.trim().parse().map_err(|e| format!("{k}: {e}"))?;
+        if v.is_nan() || v <= 0.0 {
+            return Err(format!("{k}: must be positive"));
+        }
+        match k.trim() {
+            "ttft" => slo.ttft_ms = Some(v),
+            "tpot" => slo.tpot_ms = Some(v),
+            "e2e" => slo.e2e_ms = Some(v),
+            other => return Err(format!("unknown SLO {other:?} (ttft, tpot, e2e)")),
+        }
+    }
+    Ok(slo)
+}
+
+// --- prompts ------------------------------------------------------------------
+
+/// Short, common words: about one token each (with the leading space) for
+/// byte-level BPE tokenizers.
+const WORDS: &[&str] = &[
+    "the", "of", "and", "to", "in", "is", "was", "that", "for", "on", "with", "as", "by", "at",
+    "from", "his", "her", "an", "are", "not", "be", "or", "had", "this", "one", "all", "but",
+    "they", "which", "were", "there", "been", "has", "more", "new", "who", "can", "time", "some",
+    "other", "when", "first", "two", "into", "city", "year", "school", "world", "house", "water",
+    "light", "music", "river", "game", "book", "story", "night", "road", "small", "large", "old",
+    "young", "long", "high", "great", "good", "last", "own", "war", "work", "life", "day", "way",
+    "man", "state", "team", "film", "name", "part", "place", "point", "hand", "home", "side",
+    "end", "family", "group", "power", "line", "head", "land", "early", "late", "red", "blue",
+    "green", "black", "white", "king", "church", "army", "party", "club", "town", "car", "ship",
+    "train", "field", "tree", "fire", "stone", "song", "law", "art", "food", "money", "market",
+];
+
+/// SplitMix64: small, seedable, good enough for prompts and arrivals.
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `lo..=hi`.
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+    /// Uniform in (0, 1].
+    fn unit(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    }
+    fn words(&mut self, n: usize, out: &mut String) {
+        for _ in 0..n {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+            out.push_str(WORDS[self.range(0, WORDS.len() - 1)]);
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Spec {
+    prompt: String,
+    input_words: usize,
+    max_tokens: usize,
+}
+
+fn make_specs(args: &BenchArgs) -> Vec<Spec> {
+    let mut rng = Rng(args.seed);
+    let groups = if args.shared_prefix_len > 0 {
+        args.shared_prefix_groups
+    } else {
+        0
+    };
+    let prefixes: Vec<String> = (0..groups)
+        .map(|_| {
+            let mut s = String::new();
+            rng.words(args.shared_prefix_len, &mut s);
+            s
+        })
+        .collect();
+    (0..args.num_requests)
+        .map(|i| {
+            let input = match args.input_len_range {
+                Some((lo, hi)) => rng.range(lo, hi),
+                None => args.input_len.max(1),
+            };
+            let max_tokens = match args.output_len_range {
+                Some((lo, hi)) => rng.range(lo, hi),
+                None => args.output_len.max(1),
+            };
+            let mut prompt = String::new();
+            let mut words = input;
+            let mut input_words = input;
+            if !prefixes.is_empty() {
+                prompt.push_str(&prefixes[i % prefixes.len()]);
+                words = input.saturating_sub(args.shared_prefix_len).max(1);
+                input_words = args.shared_prefix_len + words;
+            }
+            rng.words(words, &mut prompt);
+            Spec {
+                prompt,
+                input_words,
+                max_tokens,
+            }
+        })
+        .collect()
+}
+
+// --- HTTP and SSE -----------------------------------------------------------------
+
+/// Incremental decoder of `Transfer-Encoding: chunked` bodies.
+#[derive(Debug, Default)]
+struct Dechunker {
+    buf: Vec<u8>,
+    state: ChunkState,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+enum ChunkState {
+    #[default]
+    Size,
+    Data(usize),
+    DataEnd,
+    Done,
+}
+
+impl Dechunker {
+    fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<()> {
+        self.buf.extend_from_slice(input);
+        let mut pos = 0;
+        loop {
+            match self.state {
+                ChunkState::Size => {
+                    let Some(nl) = find(&self.buf[pos..], b"\r\n") else {
+                        break;
+                    };
+                    let line = std::str::from_utf8(&self.buf[pos..pos + nl])?;
+                    let hex = line.split(';').next().unwrap_or("").trim();
+                    let n = usize::from_str_radix(hex, 16)
+                        .with_context(|| format!("bad chunk size {line:?}"))?;
+                    pos += nl + 2;
+                    self.state = if n == 0 {
+                        ChunkState::Done
+                    } else {
+                        ChunkState::Data(n)
+                    };
+                }
+                ChunkState::Data(n) => {
+                    let take = n.min(self.buf.len() - pos);
+                    out.extend_from_slice(&self.buf[pos..pos + take]);
+                    pos += take;
+                    if take == n {
+                        self.state = ChunkState::DataEnd;
+                    } else {
+                        self.state = ChunkState::Data(n - take);
+                        break;
+                    }
+                }
+                ChunkState::DataEnd => {
+                    if self.buf.len() - pos < 2 {
+                        break;
+                    }
+                    pos += 2;
+                    self.state = ChunkState::Size;
+                }
+                ChunkState::Done => break,
+            }
+        }
+        self.buf.drain(..pos);
+        Ok(())
+    }
+
+    fn done(&self) -> bool {
+        self.state == ChunkState::Done
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Incremental server-sent-events parser: yields the `data` of each event.
+#[derive(Debug, Default)]
+struct SseParser {
+    buf: Vec<u8>,
+    data: Option<String>,
+}
+
+impl SseParser {
+    fn feed(&mut self, input: &[u8], events: &mut Vec<String>) {
+        self.buf.extend_from_slice(input);
+        let mut pos = 0;
+        while let Some(nl) = self.buf[pos..].iter().position(|&b| b == b'\n') {
+            let mut line = &self.buf[pos..pos + nl];
+            pos += nl + 1;
+            if let [rest @ .., b'\r'] = line {
+                line = rest;
+            }
+            if line.is_empty() {
+                if let Some(d) = self.data.take() {
+                    events.push(d);
+                }
+            } else if let Some(v) = line.strip_prefix(b"data:") {
+                let v = v.strip_prefix(b" ").unwrap_or(v);
+                let v = String::from_utf8_lossy(v);
+                match &mut self.data {
+                    Some(d) => {
+                        d.push('\n');
+                        d.push_str(&v);
+                    }
+                    None => self.data = Some(v.into_owned()),
+                }
+            }
+            // Comments (":...") and other fields are ignored.
+        }
+        self.buf.drain(..pos);
+    }
+
+    /// An event not terminated by a blank line before the stream ended.
+    fn finish(&mut self, events: &mut Vec<String>) {
+        self.feed(b"\n\n", events);
+    }
+}
+
+/// What one streamed chunk says.
+#[derive(Debug, Default, PartialEq)]
+struct Chunk {
+    /// Non-empty generated text in this chunk.
+    content: bool,
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    error: Option<String>,
+    done: bool,
+}
+
+fn parse_event(data: &str) -> Chunk {
+    let data = data.trim();
+    if data == "[DONE]" {
+        return Chunk {
+            done: true,
+            ..Chunk::default()
+        };
+    }
+    let v: Value = match serde_json::from_str(data) {
+        Ok(v) => v,
+        Err(e) => {
+            return Chunk {
+                error: Some(format!("bad event JSON: {e}")),
+                ..Chunk::default()
+            };
+        }
+    };
+    let mut c = Chunk::default();
+    if let Some(err) = v.get("error") {
+        c.error = Some(
+            err.get("message")
+                .and_then(Value::as_str)
+                .map_or_else(|| err.to_string(), str::to_owned),
+        );
+    }
+    if let Some(choices) = v.get("choices").and_then(Value::as_array) {
+        c.content = choices.iter().any(|ch| {
+            let text = ch
+                .pointer("/delta/content")
+                .or_else(|| ch.pointer("/delta/reasoning_content"))
+                .or_else(|| ch.get("text"));
+            text.and_then(Value::as_str).is_some_and(|s| !s.is_empty())
+        });
+    }
+    if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+        c.prompt_tokens = u.get("prompt_tokens").and_then(Value::as_u64);
+        c.completion_tokens = u.get("completion_tokens").and_then(Value::as_u64);
+    }
+    c
+}
+
+#[derive(Debug, Clone)]
+struct Target {
+    host: String,
+    port: u16,
+    /// Path prefix of the URL, without a trailing slash.
+    base: String,
+}
+
+fn parse_url(url: &str) -> Result<Target> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| anyhow!("--url must start with http:// (no TLS): {url}"))?;
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(']') || authority.starts_with('[') => {
+            (h.to_string(), p.parse().context("port in --url")?)
+        }
+        _ => (authority.to_string(), 80),
+    };
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    let mut base = format!("/{path}");
+    while base.ends_with('/') {
+        base.pop();
+    }
+    // Accept URLs given with the /v1 suffix too.
+    if base.ends_with("/v1") {
+        base.truncate(base.len() - 3);
+    }
+    Ok(Target { host, port, base })
+}
+
+/// Sends one request; returns the status and the reader positioned after the
+/// response head, with any body bytes already read.
+async fn send(
+    t: &Target,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> Result<(u16, bool, TcpStream, Vec<u8>)> {
+    let mut s = TcpStream::connect((t.host.as_str(), t.port))
+        .await
+        .with_context(|| format!("connecting to {}:{}", t.host, t.port))?;
+    s.set_nodelay(true)?;
+    let host = if t.host.contains(':') {
+        format!("[{}]:{}", t.host, t.port)
+    } else {
+        format!("{}:{}", t.host, t.port)
+    };
+    let req = format!(
+        "{method} {}{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\
+         Accept: text/event-stream\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        t.base,
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await?;
+    let mut buf = Vec::with_capacity(8192);
+    let mut tmp = [0u8; 8192];
+    let head_end = loop {
+        if let Some(i) = find(&buf, b"\r\n\r\n") {
+            break i;
+        }
+        let n = s.read(&mut tmp).await?;
+        if n == 0 {
+            bail!("connection closed before the response head");
+        }
+        buf.extend_from_slice(&tmp[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow!("bad status line"))?;
+    let chunked = head
+        .lines()
+        .any(|l| l.starts_with("transfer-encoding:") && l.contains("chunked"));
+    let rest = buf[head_end + 4..].to_vec();
+    Ok((status, chunked, s, rest))
+}
+
+/// Reads a whole (small) response body.
+async fn read_body(chunked: bool, mut s: TcpStream, first: Vec<u8>) -> Result<String> {
+    let mut raw = first;
+    s.read_to_end(&mut raw).await?;
+    if chunked {
+        let mut d = Dechunker::default();
+        let mut out = Vec::new();
+        d.feed(&raw, &mut out)?;
+        raw = out;
+    }
+    Ok(String::from_utf8_lossy(&raw).into_owned())
+}
+
+async fn default_model(t: &Target) -> Result<String> {
+    let (status, chunked, s, first) = send(t, "GET", "/v1/models", "").await?;
+    let body = read_body(chunked, s, first).await?;
+    if status != 200 {
+        bail!("GET /v1/models: HTTP {status}: {body}");
+    }
+    let v: Value = serde_json::from_str(&body).context("GET /v1/models: not JSON")?;
+    v.pointer("/data/0/id")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .ok_or_else(|| anyhow!("GET /v1/models lists no model"))
+}
+
+// --- one request ------------------------------------------------------------------
+
+#[derive(Debug, Clone, Default)]
+struct Outcome {
+    ok: bool,
+    error: Option<String>,
+    /// Seconds since the request was sent.
+    ttft: Option<f64>,
+    e2e: f64,
+    /// Gaps between content deltas, seconds.
+    itl: Vec<f64>,
+    output_tokens: u64,
+    prompt_tokens: Option<u64>,
+    input_words: usize,
+}
+
+impl Outcome {
+    fn tpot(&self) -> Option<f64> {
+        let ttft = self.ttft?;
+        (self.output_tokens > 1).then(|| (self.e2e - ttft) / (self.output_tokens - 1) as f64)
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    target: Target,
+    path: &'static str,
+    model: String,
+    endpoint: Endpoint,
+    temperature: f64,
+    ignore_eos: bool,
+    timeout: Duration,
+}
+
+fn request_body(sh: &Shared, spec: &Spec) -> String {
+    let mut body = json!({
+        "model": sh.model,
+        "max_tokens": spec.max_tokens,
+        "temperature": sh.temperature,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    match sh.endpoint {
+        Endpoint::Chat => {
+            body["messages"] = json!([{"role": "user", "content": spec.prompt}]);
+        }
+        Endpoint::Completions => body["prompt"] = json!(spec.prompt),
+    }
+    if sh.ignore_eos {
+        body["ignore_eos"] = json!(true);
+    }
+    body.to_string()
+}
+
+async fn run_one(sh: &Shared, spec: &Spec) -> Outcome {
+    let start = Instant::now();
+    let mut o = Outcome {
+        input_words: spec.input_words,
+        ..Outcome::default()
+    };
+    let r = tokio::time::timeout(sh.timeout, stream_one(sh, spec, start, &mut o)).await;
+    o.e2e = start.elapsed().as_secs_f64();
+    let err = match r {
+        Ok(Ok(())) => o.error.take(),
+        Ok(Err(e)) => Some(format!("{e:#}")),
+        Err(_) => Some(format!("timed out after {:?}", sh.timeout)),
+    };
+    o.ok = err.is_none();
+    o.error = err;
+    o
+}
+
+async fn stream_one(sh: &Shared, spec: &Spec, start: Instant, o: &mut Outcome) -> Result<()> {
+    let body = request_body(sh, spec);
+    let (status, chunked, mut s, first) = send(&sh.target, "POST", sh.path, &body).await?;
+    if status != 200 {
+        let body = read_body(chunked, s, first).await.unwrap_or_default();
+        bail!("HTTP {status}: {}", body.trim());
+    }
+    let mut dechunk = Dechunker::default();
+    let mut sse = SseParser::default();
+    let mut events = Vec::new();
+    let mut plain = Vec::new();
+    let mut deltas = 0u64;
+    let mut last: Option<Instant> = None;
+    let mut tmp = vec![0u8; 16384];
+    let mut input = first;
+    let mut eof = false;
+    let mut done = false;
+    while !done {
+        if input.is_empty() {
+            let n = s.read(&mut tmp).await?;
+            if n == 0 {
+                eof = true;
+            }
+            input.extend_from_slice(&tmp[..n]);
+        }
+        let now = Instant::now();
+        plain.clear();
+        if chunked {
+            dechunk.feed(&input, &mut plain)?;
+        } else {
+            plain.extend_from_slice(&input);
+        }
+        input.clear();
+        sse.feed(&plain, &mut events);
+        if eof || dechunk.done() {
+            sse.finish(&mut events);
+        }
+        for ev in events.drain(..) {
+            let c = parse_event(&ev);
+            if let Some(e) = c.error {
+                o.error.get_or_insert(e);
+            }
+            if c.content {
+                deltas += 1;
+                match last {
+                    None => o.ttft = Some((now - start).as_secs_f64()),
+                    Some(prev) => o.itl.push((now - prev).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+            if c.completion_tokens.is_some() {
+                o.completion_tokens_from_usage(c.completion_tokens, c.prompt_tokens);
+            }
+            done |= c.done;
+        }
+        if eof || dechunk.done() {
+            break;
+        }
+    }
+    if o.output_tokens == 0 {
+        o.output_tokens = deltas;
+    }
+    if !done && o.error.is_none() {
+        bail!("stream ended without [DONE]");
+    }
+    if o.ttft.is_none() && o.error.is_none() {
+        bail!("no content in the response");
+    }
+    Ok(())
+}
+
+impl Outcome {
+    fn completion_tokens_from_usage(&mut self, completion: Option<u64>, prompt: Option<u64>) {
+        if let Some(n) = completion {
+            self.output_tokens = n;
+        }
+        if prompt.is_some() {
+            self.prompt_tokens = prompt;
+        }
+    }
+}
+
+// --- statistics -------------------------------------------------------------------
+
+/// Percentile `p` (0..=100) of sorted values, linearly interpolated (numpy's
+/// default).
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    match sorted.len() {
+        0 => f64::NAN,
+        1 => sorted[0],
+        n => {
+            let rank = p.clamp(0.0, 100.0) / 100.0 * (n - 1) as f64;
+            let lo = rank.floor() as usize;
+            let hi = (lo + 1).min(n - 1);
+            sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Summary {
+    mean: f64,
+    p50: f64,
+    p90: f64,
+    p99: f64,
+    max: f64,
+    n: usize,
+}
+
+fn summarize(mut v: Vec<f64>) -> Summary {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let mean = if n == 0 {
+        f64::NAN
+    } else {
+        v.iter().sum::<f64>() / n as f64
+    };
+    Summary {
+        mean,
+        p50: percentile(&v, 50.0),
+        p90: percentile(&v, 90.0),
+        p99: percentile(&v, 99.0),
+        max: v.last().copied().unwrap_or(f64::NAN),
+        n,
+    }
+}
+
+impl Summary {
+    /// In milliseconds, as JSON (NaN becomes null).
+    fn json_ms(&self) -> Value {
+        let ms = |x: f64| {
+            if x.is_finite() {
+                json!(x * 1e3)
+            } else {
+                Value::Null
+            }
+        };
+        json!({
+            "mean_ms": ms(self.mean), "p50_ms": ms(self.p50), "p90_ms": ms(self.p90),
+            "p99_ms": ms(self.p99), "max_ms": ms(self.max), "count": self.n,
+        })
+    }
+}
+
+/// Whether a successful request meets the SLOs (an unmeasurable TPOT, for a
+/// one-token output, does not count against it).
+fn meets(o: &Outcome, slo: &Slo) -> bool {
+    if !o.ok {
+        return false;
+    }
+    let ok = |v: Option<f64>, lim: Option<f64>| match (v, lim) {
+        (_, None) | (None, Some(_)) => true,
+        (Some(v), Some(l)) => v * 1e3 <= l,
+    };
+    ok(o.ttft, slo.ttft_ms) && ok(o.tpot(), slo.tpot_ms) && ok(Some(o.e2e), slo.e2e_ms)
+}
+
+#[derive(Debug)]
+struct Report {
+    label: String,
+    concurrency: Option<usize>,
+    request_rate: Option<f64>,
+    duration: f64,
+    completed: usize,
+    errors: usize,
+    first_errors: Vec<String>,
+    prompt_tokens: u64,
+    prompt_tokens_from_usage: bool,
+    output_tokens: u64,
+    ttft: Summary,
+    tpot: Summary,
+    itl: Summary,
+    e2e: Summary,
+    good: Option<usize>,
+}
+
+fn aggregate(
+    label: String,
+    concurrency: Option<usize>,
+    request_rate: Option<f64>,
+    duration: f64,
+    outs: &[Outcome],
+    slo: Option<&Slo>,
+) -> Report {
+    let ok: Vec<&Outcome> = outs.iter().filter(|o| o.ok).collect();
+    let mut first_errors: Vec<String> = Vec::new();
+    for o in outs.iter().filter(|o| !o.ok) {
+        if let Some(e) = &o.error
+            && first_errors.len() < 5
+            && !first_errors.contains(e)
+        {
+            first_errors.push(e.clone());
+        }
+    }
+    let prompt_tokens_from_usage = ok.iter().all(|o| o.prompt_tokens.is_some());
+    Report {
+        label,
+        concurrency,
+        request_rate,
+        duration,
+        completed: ok.len(),
+        errors: outs.len() - ok.len(),
+        first_errors,
+        prompt_tokens: ok
+            .iter()
+            .map(|o| o.prompt_tokens.unwrap_or(o.input_words as u64))
+            .sum(),
+        prompt_tokens_from_usage,
+        output_tokens: ok.iter().map(|o| o.output_tokens).sum(),
+        ttft: summarize(ok.iter().filter_map(|o| o.ttft).collect()),
+        tpot: summarize(ok.iter().filter_map(|o| o.tpot()).collect()),
+        itl: summarize(ok.iter().flat_map(|o| o.itl.iter().copied()).collect()),
+        e2e: summarize(ok.iter().map(|o| o.e2e).collect()),
+        good: slo.map(|s| ok.iter().filter(|o| meets(o, s)).count()),
+    }
+}
+
+impl Report {
+    fn per_s(&self, x: f64) -> f64 {
+        if self.duration > 0.0 {
+            x / self.duration
+        } else {
+            f64::NAN
+        }
+    }
+
+    fn text(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "==== {} ====", self.label);
+        let _ = writeln!(
+            s,
+            "requests: {} ok, {} errors in {:.2} s",
+            self.completed, self.errors, self.duration
+        );
+        for e in &self.first_errors {
+            let _ = writeln!(s, "  error: {e}");
+        }
+        let _ = writeln!(
+            s,
+            "tokens: {} prompt{}, {} output",
+            self.prompt_tokens,
+            if self.prompt_tokens_from_usage {
+                ""
+            } else {
+                " (estimated)"
+            },
+            self.output_tokens
+        );
+        let _ = writeln!(
+            s,
+            "throughput: {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s",
+            self.per_s(self.completed as f64),
+            self.per_s(self.output_tokens as f64),
+            self.per_s((self.prompt_tokens + self.output_tokens) as f64)
+        );
+        if let Some(g) = self.good {
+            let _ = writeln!(
+                s,
+                "goodput: {:.2} req/s ({g} of {} requests meet the SLOs)",
+                self.per_s(g as f64),
+                self.completed + self.errors
+            );
+        }
+        let _ = writeln!(
+            s,
+            "{:<6} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "(ms)", "mean", "p50", "p90", "p99", "max"
+        );
+        for (name, m) in [
+            ("TTFT", &self.ttft),
+            ("TPOT", &self.tpot),
+            ("ITL", &self.itl),
+            ("E2E", &self.e2e),
+        ] {
+            let _ = writeln!(
+                s,
+                "{name:<6} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+                m.mean * 1e3,
+                m.p50 * 1e3,
+                m.p90 * 1e3,
+                m.p99 * 1e3,
+                m.max * 1e3
+            );
+        }
+        s
+    }
+
+    fn json(&self) -> Value {
+        let num = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
+        json!({
+            "label": self.label,
+            "concurrency": self.concurrency,
+            "request_rate": self.request_rate,
+            "duration_s": self.duration,
+            "completed": self.completed,
+            "errors": self.errors,
+            "error_samples": self.first_errors,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_from_usage": self.prompt_tokens_from_usage,
+            "output_tokens": self.output_tokens,
+            "request_throughput": num(self.per_s(self.completed as f64)),
+            "output_throughput": num(self.per_s(self.output_tokens as f64)),
+            "total_token_throughput":
+                num(self.per_s((self.prompt_tokens + self.output_tokens) as f64)),
+            "goodput": self.good.map(|g| num(self.per_s(g as f64))),
+            "good_requests": self.good,
+            "ttft": self.ttft.json_ms(),
+            "tpot": self.tpot.json_ms(),
+            "itl": self.itl.json_ms(),
+            "e2e": self.e2e.json_ms(),
+        })
+    }
+}
+
+// --- driver -------------------------------------------------------------------------
+
+async fn run_point(
+    sh: Arc<Shared>,
+    specs: &[Spec],
+    concurrency: Option<usize>,
+    rate: Option<f64>,
+    seed: u64,
+    quiet: bool,
+) -> (f64, Vec<Outcome>) {
+    let total = specs.len();
+    let sem = concurrency.map(|c| Arc::new(Semaphore::new(c.max(1))));
+    let done = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(AtomicUsize::new(0));
+    let mut arrivals = Rng(seed ^ 0xA5A5_5A5A_DEAD_BEEF);
+    let start = Instant::now();
+    let mut next_at = 0.0f64;
+    let mut handles = Vec::with_capacity(total);
+    let progress = move |done: usize, errors: usize| {
+        if !quiet {
+            eprint!("\r  {done}/{total} done, {errors} errors ");
+        }
+    };
+    progress(0, 0);
+    for spec in specs {
+        if let Some(r) = rate {
+            tokio::time::sleep_until((start + Duration::from_secs_f64(next_at)).into()).await;
+            next_at += -arrivals.unit().ln() / r;
+        }
+        let permit = match &sem {
+            Some(sem) => Some(Arc::clone(sem).acquire_owned().await),
+            None => None,
+        };
+        let spec = spec.clone();
+        let sh = Arc::clone(&sh);
+        let (done, errors) = (Arc::clone(&done), Arc::clone(&errors));
+        handles.push(tokio::spawn(async move {
+            let o = run_one(&sh, &spec).await;
+            drop(permit);
+            let e = errors.fetch_add(usize::from(!o.ok), Ordering::Relaxed) + usize::from(!o.ok);
+            let d = done.fetch_add(1, Ordering::Relaxed) + 1;
+            progress(d, e);
+            o
+        }));
+    }
+    let mut outs = Vec::with_capacity(total);
+    for h in handles {
+        outs.push(h.await.unwrap_or_else(|e| Outcome {
+            error: Some(format!("task failed: {e}")),
+            ..Outcome::default()
+        }));
+    }
+    let dur = start.elapsed().as_secs_f64();
+    if !quiet {
+        eprintln!();
+    }
+    (dur, outs)
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    if args.num_requests == 0 {
+        bail!("--num-requests must be at least 1");
+    }
+    if let Some(r) = args.request_rate
+        && !(r > 0.0 && r.is_finite())
+    {
+        bail!("--request-rate must be positive");
+    }
+    if args.concurrency == Some(0) || args.sweep_concurrency.contains(&0) {
+        bail!("concurrency must be at least 1");
+    }
+    if args.shared_prefix_groups > 0 && args.shared_prefix_len == 0 {
+        bail!("--shared-prefix-groups needs --shared-prefix-len");
+    }
+    let target = parse_url(&args.url)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let model = match &args.model {
+            Some(m) => m.clone(),
+            None => default_model(&target)
+                .await
+                .context("finding the model name (or pass --model)")?,
+        };
+        let sh = Arc::new(Shared {
+            target,
+            path: match args.endpoint {
+                Endpoint::Chat => "/v1/chat/completions",
+                Endpoint::Completions => "/v1/completions",
+            },
+            model: model.clone(),
+            endpoint: args.endpoint,
+            temperature: args.temperature,
+            ignore_eos: args.ignore_eos,
+            timeout: Duration::from_secs(args.timeout.max(1)),
+        });
+        let specs = make_specs(&args);
+        let points: Vec<Option<usize>> = if args.sweep_concurrency.is_empty() {
+            vec![match args.request_rate {
+                Some(_) => args.concurrency,
+                None => Some(args.concurrency.unwrap_or(8)),
+            }]
+        } else {
+            args.sweep_concurrency.iter().map(|&c| Some(c)).collect()
+        };
+        eprintln!(
+            "tandem bench: {} ({model}), {} requests per point",
+            args.url,
+            specs.len()
+        );
+        let mut reports = Vec::new();
+        for c in points {
+            let label = match (c, args.request_rate) {
+                (Some(c), Some(r)) => format!("rate {r} req/s, concurrency <= {c}"),
+                (None, Some(r)) => format!("rate {r} req/s"),
+                (Some(c), None) => format!("concurrency {c}"),
+                (None, None) => "unbounded".to_string(),
+            };
+            if !args.quiet {
+                eprintln!("{label}:");
+            }
+            let (dur, outs) = run_point(
+                Arc::clone(&sh),
+                &specs,
+                c,
+                args.request_rate,
+                args.seed,
+                args.quiet,
+            )
+            .await;
+            let r = aggregate(
+                label,
+                c,
+                args.request_rate,
+                dur,
+                &outs,
+                args.goodput.as_ref(),
+            );
+            print!("{}", r.text());
+            reports.push(r);
+        }
+        if let Some(path) = &args.json {
+            let slo = args
+                .goodput
+                .map(|s| json!({"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "e2e_ms": s.e2e_ms}));
+            let v = json!({
+                "url": args.url,
+                "model": model,
+                "endpoint": sh.path,
+                "num_requests": specs.len(),
+                "input_len": args.input_len,
+                "input_len_range": args.input_len_range.map(|(a, b)| [a, b]),
+                "output_len": args.output_len,
+                "output_len_range": args.output_len_range.map(|(a, b)| [a, b]),
+                "shared_prefix_groups": args.shared_prefix_groups,
+                "shared_prefix_len": args.shared_prefix_len,
+                "seed": args.seed,
+                "temperature": args.temperature,
+                "ignore_eos": args.ignore_eos,
+                "goodput_slo": slo,
+                "results": reports.iter().map(Report::json).collect::<Vec<_>>(),
+            });
+            std::fs::write(path, serde_json::to_string_pretty(&v)? + "\n")
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_interpolate() {
+        let v = [1.0, 2.0, 3.0, 4.0, 5.0];
+        assert_eq!(percentile(&v, 0.0), 1.0);
+        assert_eq!(percentile(&v, 50.0), 3.0);
+        assert_eq!(percentile(&v, 100.0), 5.0);
+        assert!((percentile(&v, 90.0) - 4.6).abs() < 1e-12);
+        assert!((percentile(&v, 99.0) - 4.96).abs() < 1e-12);
+        assert_eq!(percentile(&[7.0], 99.0), 7.0);
+        assert!(percentile(&[], 50.0).is_nan());
+        let s = summarize(vec![4.0, 1.0, 3.0, 2.0]);
+        assert_eq!(s.mean, 2.5);
+        assert_eq!(s.p50, 2.5);
+        assert_eq!(s.max, 4.0);
+        assert_eq!(s.n, 4);
+    }
+
+    fn outcome(ttft: f64, e2e: f64, n: u64) -> Outcome {
+        Outcome {
+            ok: true,
+            ttft: Some(ttft),
+            e2e,
+            output_tokens: n,
+            ..Outcome::default()
+        }
+    }
+
+    #[test]
+    fn tpot_and_goodput() {
+        let a = outcome(0.1, 1.1, 11); // tpot 100 ms
+        assert!((a.tpot().unwrap() - 0.1).abs() < 1e-12);
+        assert_eq!(outcome(0.1, 0.1, 1).tpot(), None);
+        let slo = parse_slo("ttft:200,tpot:50").unwrap();
+        assert_eq!(slo.ttft_ms, Some(200.0));
+        assert!(!meets(&a, &slo)); // tpot too slow
+        let b = outcome(0.1, 0.6, 11); // tpot 50 ms
+        assert!(meets(&b, &slo));
+        let c = outcome(0.3, 0.8, 11); // ttft too slow
+        assert!(!meets(&c, &slo));
+        let d = outcome(0.1, 0.1, 1); // one token: tpot not measurable
+        assert!(meets(&d, &slo));
+        let e = Outcome {
+            ok: false,
+            error: Some("x".into()),
+            ..b.clone()
+        };
+        assert!(!meets(&e, &slo));
+        let r = aggregate("t".into(), Some(1), None, 2.0, &[a, b, c, d, e], Some(&slo));
+        assert_eq!(r.good, Some(2));
+        assert_eq!(r.errors, 1);
+        assert_eq!(r.completed, 4);
+        assert_eq!(r.per_s(2.0), 1.0);
+        assert_eq!(r.output_tokens, 34);
+        assert!(parse_slo("foo:1").is_err());
+        assert!(parse_slo("ttft:-1").is_err());
+        assert_eq!(parse_range("16:256"), Ok((16, 256)));
+        assert!(parse_range("9:3").is_err());
+    }
+
+    #[test]
+    fn dechunk_across_splits() {
+        let raw = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n";
+        for split in 0..raw.len() {
+            let mut d = Dechunker::default();
+            let mut out = Vec::new();
+            d.feed(&raw[..split], &mut out).unwrap();
+            d.feed(&raw[split..], &mut out).unwrap();
+            assert_eq!(out, b"hello, world", "split at {split}");
+            assert!(d.done());
+        }
+        let mut d = Dechunker::default();
+        let mut out = Vec::new();
+        for b in raw {
+            d.feed(&[*b], &mut out).unwrap();
+        }
+        assert_eq!(out, b"hello, world");
+        assert!(Dechunker::default().feed(b"zz\r\n", &mut out).is_err());
+    }
+
+    #[test]
+    fn sse_events() {
+        let raw =
+            b": comment\r\ndata: {\"a\":1}\r\n\r\ndata:x\ndata: y\n\nevent: e\ndata: [DONE]\n\n";
+        for split in 0..raw.len() {
+            let mut p = SseParser::default();
+            let mut ev = Vec::new();
+            p.feed(&raw[..split], &mut ev);
+            p.feed(&raw[split..], &mut ev);
+            assert_eq!(ev, ["{\"a\":1}", "x\ny", "[DONE]"], "split at {split}");
+        }
+        let mut p = SseParser::default();
+        let mut ev = Vec::new();
+        p.feed(b"data: tail", &mut ev);
+        assert!(ev.is_empty());
+        p.finish(&mut ev);
+        assert_eq!(ev, ["tail"]);
+    }
+
+    #[test]
+    fn events_parse() {
+        let chat = r#"{"choices":[{"index":0,"delta":{"content":"Hi"}}]}"#;
+        assert!(parse_event(chat).content);
+        let role = r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
+        assert!(!parse_event(role).content);
+        let text = r#"{"choices":[{"index":0,"text":" a"}]}"#;
+        assert!(parse_event(text).content);
+        let usage = r#"{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":5}}"#;
+        let c = parse_event(usage);
+        assert!(!c.content);
+        assert_eq!((c.prompt_tokens, c.completion_tokens), (Some(12), Some(5)));
+        let null_usage = r#"{"choices":[{"delta":{"content":"x"}}],"usage":null}"#;
+        assert_eq!(parse_event(null_usage).completion_tokens, None);
+        assert!(parse_event(" [DONE]").done);
+        let err = r#"{"error":{"message":"boom","type":"x"}}"#;
+        assert_eq!(parse_event(err).error.as_deref(), Some("boom"));
+        assert!(parse_event("not json").error.is_some());
+    }
+
+    #[test]
+    fn urls() {
+        let t = parse_url("http://127.0.0.1:8000").unwrap();
+        assert_eq!(
+            (t.host.as_str(), t.port, t.base.as_str()),
+            ("127.0.0.1", 8000, "")
+        );
+        let t = parse_url("http://localhost/v1/").unwrap();
+        assert_eq!(
+            (t.host.as_str(), t.port, t.base.as_str()),
+            ("localhost", 80, "")
+        );
+        let t = parse_url("http://[::1]:9/api").unwrap();
+        assert_eq!(
+            (t.host.as_str(), t.port, t.base.as_str()),
+            ("::1", 9, "/api")
+        );
+        assert!(parse_url("https://x").is_err());
+    }
+
+    #[test]
+    fn prompts_are_seeded() {
+        let args = BenchArgs {
+            url: String::new(),
+            model: None,
+            endpoint: Endpoint::Chat,
+            num_requests: 6,
+            concurrency: None,
+            request_rate: None,
+            sweep_concurrency: vec![],
+            input_len: 10,
+            input_len_range: None,
+            output_len: 4,
+            output_len_range: Some((2, 9)),
+            shared_prefix_groups: 2,
+            shared_prefix_len: 4,
+            seed: 3,
+            temperature: 0.0,
+            goodput: None,
+            json: None,
+            ignore_eos: false,
+            timeout: 1,
+            quiet: true,
+        };
+        let a = make_specs(&args);
+        let b = make_specs(&args);
+        assert_eq!(a.len(), 6);
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(x.prompt, y.prompt);
+            assert_eq!(x.prompt.split(' ').count(), 10);
+            assert!((2..=9).contains(&x.max_tokens));
+        }
+        fn prefix(s: &Spec) -> Vec<&str> {
+            s.prompt.split(' ').take(4).collect()
+        }
+        assert_eq!(prefix(&a[0]), prefix(&a[2]));
+        assert_eq!(prefix(&a[1]), prefix(&a[3]));
+    }
+}
