@@ -396,27 +396,46 @@ fn streaming_chat_equals_non_streaming() {
     assert!(usage.is_none());
 }
 
+/// 32 concurrent streams (twice the batch size, so some queue) with mixed
+/// prompt lengths and output lengths: every greedy text equals what the
+/// engine produces for that prompt alone, so batch composition never
+/// changes outputs.
 #[test]
-fn sixteen_concurrent_streams_complete() {
+fn thirty_two_concurrent_streams_match_single_sequence_outputs() {
     let server = Server::start(&[]);
     let port = server.port;
-    let handles: Vec<_> = (0..16)
+    let question = |i: usize| {
+        format!(
+            "Tell me a fact about the number {i}.{}",
+            " Please be precise.".repeat(i % 5)
+        )
+    };
+    let max_tokens = |i: usize| if i.is_multiple_of(2) { 16 } else { 7 };
+    let handles: Vec<_> = (0..32)
         .map(|i| {
             std::thread::spawn(move || {
-                let mut body = chat_body(&format!("Tell me a fact about the number {i}."), 16);
+                let mut body = chat_body(&question(i), max_tokens(i));
                 body["stream"] = json!(true);
                 body["stream_options"] = json!({"include_usage": true});
                 let r = http(port, "POST", "/v1/chat/completions", &body.to_string());
                 assert_eq!(r.status, 200, "{}", r.body);
-                let (_, finish, usage) = read_chat_stream(&r.events());
+                let (text, finish, usage) = read_chat_stream(&r.events());
                 assert!(finish.is_some());
-                let usage = usage.unwrap();
-                assert!(usage["completion_tokens"].as_u64().unwrap() >= 1);
+                assert!(usage.unwrap()["completion_tokens"].as_u64().unwrap() >= 1);
+                text
             })
         })
         .collect();
-    for h in handles {
-        h.join().unwrap();
+    let texts: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (i, text) in texts.iter().enumerate() {
+        let want = reference(
+            chat_prompt(&[ChatMessage::new("user", question(i))]),
+            max_tokens(i),
+        );
+        assert_eq!(
+            text, &want,
+            "request {i} differs from its single-sequence output"
+        );
     }
     assert_eq!(server.health()["running"], 0);
 }
