@@ -14,79 +14,13 @@ rounds=${ROUNDS:-2}
 [[ $threads =~ ^[1-9][0-9]*$ ]] || { echo "THREADS must be a positive integer" >&2; exit 2; }
 [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a positive integer" >&2; exit 2; }
 repo=$(git -C "$(dirname "${BASH_SOURCE[0]}")" rev-parse --show-toplevel)
-shared=$repo/../shared
 out=${BENCH_OUT:-$(mktemp -d /tmp/tandem-bench.XXXXXX)}
 mkdir -p "$out"
-say() { echo "== $*" >&2; }
-
-# --- llama.cpp --------------------------------------------------------------
-say "building llama.cpp (shared/tools/build-llama-cpp.sh)"
-bin=$("$shared/tools/build-llama-cpp.sh" ${LLAMA_CPP_VERSION:+"$LLAMA_CPP_VERSION"} | tail -n1)
-build=$(dirname "$bin")
-src=$(dirname "$build")
-[[ -x $bin/llama-bench ]] || { echo "no llama-bench in $bin" >&2; exit 1; }
-
-# --- tandem -----------------------------------------------------------------
-say "building tandem (release)"
-(cd "$repo" && cargo build --release -q -p tandem-cli >&2)
-tandem=${CARGO_TARGET_DIR:-$repo/target}/release/tandem
-# cargo resolves a relative CARGO_TARGET_DIR against the workspace root.
-[[ $tandem == /* ]] || tandem=$repo/$tandem
-
-# --- the model ----------------------------------------------------------------
-if [[ -n ${GGUF:-} ]]; then
-  gguf=$GGUF
-else
-  # Same lookup as tandem_engine::fetch::cache_dir.
-  if [[ -n ${TANDEM_CACHE:-} ]]; then cache=$TANDEM_CACHE
-  elif [[ -n ${XDG_CACHE_HOME:-} ]]; then cache=$XDG_CACHE_HOME/tandem
-  else cache=$HOME/.cache/tandem; fi
-  gguf=$cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [[ ! -f $gguf ]]; then
-    say "fetching smollm2-135m"
-    "$tandem" generate --model smollm2-135m --prompt hi --max-tokens 1 --temperature 0 >/dev/null
-  fi
-fi
-[[ -f $gguf ]] || { echo "model not found: $gguf" >&2; exit 1; }
-
-# --- AMX: GGML_NATIVE=ON compiles AMX tile code on CPUs that advertise it, ---
-# --- which dies (SIGILL / GPF on ldtilecfg) where the VM doesn't enable tiles --
-cpuflags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-has() { [[ $cpuflags == *" $1 "* ]]; }
-onoff() { if has "$1"; then echo ON; else echo OFF; fi; }
-smoke() {
-  # A 32-token prompt takes the batched matmul path, where AMX kernels live.
-  "$bin/llama-bench" -m "$gguf" -t "$threads" -p 32 -n 1 -r 1 -o json \
-    >"$out/smoke.json" 2>"$out/smoke.err"
-}
-reason=""
-if grep -q '^GGML_NATIVE:BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null && has amx_tile; then
-  reason="GGML_NATIVE=ON on a CPU that advertises amx_tile"
-elif grep -qE '^GGML_AMX_(TILE|INT8|BF16):BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null; then
-  reason="built with GGML_AMX_*=ON"
-else
-  rc=0; smoke || rc=$?
-  # 132 SIGILL, 139 SIGSEGV (a GPF on ldtilecfg shows up as one), ...
-  ((rc == 0)) || reason="llama-bench smoke test failed (exit $rc; see $out/smoke.err)"
-fi
-if [[ -n $reason ]]; then
-  say "rebuilding llama.cpp without AMX: $reason"
-  isa=(-DGGML_NATIVE=OFF
-    -DGGML_AVX="$(onoff avx)" -DGGML_AVX2="$(onoff avx2)" -DGGML_FMA="$(onoff fma)"
-    -DGGML_F16C="$(onoff f16c)" -DGGML_BMI2="$(onoff bmi2)" -DGGML_AVX_VNNI="$(onoff avx_vnni)"
-    -DGGML_AVX512="$(onoff avx512f)" -DGGML_AVX512_VNNI="$(onoff avx512_vnni)"
-    -DGGML_AVX512_BF16="$(onoff avx512_bf16)" -DGGML_AVX512_VBMI="$(onoff avx512vbmi)"
-    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-  say "cmake ${isa[*]}"
-  cmake -S "$src" -B "$build" "${isa[@]}" >&2
-  cmake --build "$build" -j"$(nproc)" --target llama-bench llama-batched-bench llama-server >&2
-  smoke || { echo "llama-bench still fails after the rebuild; see $out/smoke.err" >&2; exit 1; }
-elif [[ ! -x $bin/llama-batched-bench ]]; then
-  say "building llama-batched-bench"
-  cmake --build "$build" -j"$(nproc)" --target llama-batched-bench >&2
-fi
-llama_flags=$(grep -E '^GGML_(NATIVE|AVX[A-Z0-9_]*|AMX[A-Z_]*):BOOL=ON' "$build/CMakeCache.txt" \
-  | cut -d: -f1 | tr '\n' ' ' || true)
+# shellcheck source=bench/lib.sh
+source "$repo/bench/lib.sh"
+bench_build_tandem
+bench_resolve_gguf
+bench_llama_cpp
 
 say "model $gguf, $threads threads, $rounds rounds, raw output in $out"
 say "llama.cpp $bin (ON: $llama_flags)"

@@ -21,65 +21,16 @@ output_len=${OUTPUT_LEN:-64}
 seed=${SEED:-0}
 port=${PORT:-18431}
 repo=$(git -C "$(dirname "${BASH_SOURCE[0]}")" rev-parse --show-toplevel)
-shared=$repo/../shared
 out=${BENCH_OUT:-$(mktemp -d /tmp/tandem-serve-bench.XXXXXX)}
 mkdir -p "$out"
-say() { echo "== $*" >&2; }
-
-# --- tandem -----------------------------------------------------------------
-say "building tandem (release)"
-(cd "$repo" && cargo build --release -q -p tandem-cli >&2)
-tandem=${CARGO_TARGET_DIR:-$repo/target}/release/tandem
-[[ $tandem == /* ]] || tandem=$repo/$tandem
-
-# --- the model ----------------------------------------------------------------
-if [[ -n ${GGUF:-} ]]; then
-  gguf=$GGUF
-else
-  # Same lookup as tandem_engine::fetch::cache_dir.
-  if [[ -n ${TANDEM_CACHE:-} ]]; then cache=$TANDEM_CACHE
-  elif [[ -n ${XDG_CACHE_HOME:-} ]]; then cache=$XDG_CACHE_HOME/tandem
-  else cache=$HOME/.cache/tandem; fi
-  gguf=$cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [[ ! -f $gguf ]]; then
-    say "fetching smollm2-135m"
-    "$tandem" generate --model smollm2-135m --prompt hi --max-tokens 1 --temperature 0 >/dev/null
-  fi
-fi
-[[ -f $gguf ]] || { echo "model not found: $gguf" >&2; exit 1; }
-
-# --- llama-server (built as bench/cpu-vs-llama-cpp.sh does, AMX off where ----
-# --- the CPU advertises tiles the VM may not enable) ------------------------
+# shellcheck source=bench/lib.sh
+source "$repo/bench/lib.sh"
+bench_build_tandem
+bench_resolve_gguf
 if [[ -n ${LLAMA_SERVER:-} ]]; then
   server=$LLAMA_SERVER
 else
-  say "building llama.cpp (shared/tools/build-llama-cpp.sh)"
-  bin=$("$shared/tools/build-llama-cpp.sh" ${LLAMA_CPP_VERSION:+"$LLAMA_CPP_VERSION"} | tail -n1)
-  build=$(dirname "$bin")
-  src=$(dirname "$build")
-  cpuflags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-  has() { [[ $cpuflags == *" $1 "* ]]; }
-  onoff() { if has "$1"; then echo ON; else echo OFF; fi; }
-  reason=""
-  if grep -q '^GGML_NATIVE:BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null && has amx_tile; then
-    reason="GGML_NATIVE=ON on a CPU that advertises amx_tile"
-  elif grep -qE '^GGML_AMX_(TILE|INT8|BF16):BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null; then
-    reason="built with GGML_AMX_*=ON"
-  fi
-  if [[ -n $reason ]]; then
-    say "rebuilding llama.cpp without AMX: $reason"
-    isa=(-DGGML_NATIVE=OFF
-      -DGGML_AVX="$(onoff avx)" -DGGML_AVX2="$(onoff avx2)" -DGGML_FMA="$(onoff fma)"
-      -DGGML_F16C="$(onoff f16c)" -DGGML_BMI2="$(onoff bmi2)" -DGGML_AVX_VNNI="$(onoff avx_vnni)"
-      -DGGML_AVX512="$(onoff avx512f)" -DGGML_AVX512_VNNI="$(onoff avx512_vnni)"
-      -DGGML_AVX512_BF16="$(onoff avx512_bf16)" -DGGML_AVX512_VBMI="$(onoff avx512vbmi)"
-      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-    cmake -S "$src" -B "$build" "${isa[@]}" >&2
-    cmake --build "$build" -j"$(nproc)" --target llama-bench llama-batched-bench llama-server >&2
-  elif [[ ! -x $bin/llama-server ]]; then
-    say "building llama-server"
-    cmake --build "$build" -j"$(nproc)" --target llama-server >&2
-  fi
+  bench_llama_cpp
   server=$bin/llama-server
 fi
 [[ -x $server ]] || { echo "no llama-server at $server" >&2; exit 1; }
