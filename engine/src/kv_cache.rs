@@ -13,6 +13,10 @@
 //!   that owns a subset of KV heads writes its head slice directly),
 //! - attention for one head scans contiguous `slot x head_dim` rows.
 
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
 use half::f16;
 
 use crate::block_manager::BlockManager;
@@ -161,11 +165,80 @@ impl BlockAllocator {
     }
 }
 
+/// The memory of a KV pool: one zeroed, page-aligned allocation.
+///
+/// It is a raw allocation rather than a `Vec` because a transfer engine
+/// registers it and writes into it from outside Rust's view (one-sided puts
+/// from a peer). The scheduler's block ownership is what keeps that sound:
+/// a peer writes only blocks that belong to a sequence waiting for its KV,
+/// and nothing reads those blocks until the transfer has completed.
+#[derive(Debug)]
+pub struct KvPool {
+    ptr: NonNull<f16>,
+    len: usize,
+    layout: Layout,
+}
+
+// SAFETY: the pool is plain memory; access is coordinated by the scheduler
+// (see the type's documentation).
+unsafe impl Send for KvPool {}
+unsafe impl Sync for KvPool {}
+
+impl KvPool {
+    const ALIGN: usize = 4096;
+
+    fn new(len: usize) -> Result<Self, KvCacheError> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<f16>())
+            .ok_or(KvCacheError::InvalidConfig("pool size overflows"))?;
+        let layout = Layout::from_size_align(bytes.max(1), Self::ALIGN)
+            .map_err(|_| KvCacheError::InvalidConfig("pool size overflows"))?;
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw.cast::<f16>())
+            .ok_or(KvCacheError::InvalidConfig("cannot allocate the KV pool"))?;
+        Ok(Self { ptr, len, layout })
+    }
+
+    /// Start of the pool (for registration with a transfer engine).
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr().cast()
+    }
+
+    /// Size of the pool in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * std::mem::size_of::<f16>()
+    }
+
+    fn slice(&self, off: usize, len: usize) -> &[f16] {
+        assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
+        // SAFETY: in bounds (checked above); see the type's documentation
+        // for why no one writes this range concurrently.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn slice_mut(&self, off: usize, len: usize) -> &mut [f16] {
+        assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
+        // SAFETY: in bounds; only the scheduler thread that owns the cache
+        // writes through here (`KvCache::write` takes `&mut self`), into
+        // blocks of its own sequences.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
+    }
+}
+
+impl Drop for KvPool {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), self.layout) }
+    }
+}
+
 /// The KV storage pool plus the manager of its blocks.
 #[derive(Debug)]
 pub struct KvCache {
     config: KvCacheConfig,
-    data: Vec<f16>,
+    pool: Arc<KvPool>,
     blocks: BlockManager,
 }
 
@@ -196,13 +269,18 @@ impl KvCache {
             .ok_or(KvCacheError::InvalidConfig("pool size overflows"))?;
         Ok(Self {
             config,
-            data: vec![f16::ZERO; len],
+            pool: Arc::new(KvPool::new(len)?),
             blocks: BlockManager::new(config.num_blocks, caching),
         })
     }
 
     pub fn config(&self) -> &KvCacheConfig {
         &self.config
+    }
+
+    /// The pool's memory, shared with a transfer engine that registers it.
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
     }
 
     pub fn blocks(&self) -> &BlockManager {
@@ -234,7 +312,7 @@ impl KvCache {
     /// `block_size x head_dim` values.
     pub fn head_slice(&self, block: BlockId, layer: usize, kv: usize, head: usize) -> &[f16] {
         let off = self.head_offset(block, layer, kv, head);
-        &self.data[off..off + self.config.head_slice_len()]
+        self.pool.slice(off, self.config.head_slice_len())
     }
 
     /// Stores one token's K and V (each `n_kv_heads * head_dim` values) for a layer.
@@ -243,7 +321,7 @@ impl KvCache {
         for (kv, src) in [k, v].into_iter().enumerate() {
             for (head, row) in src.chunks_exact(hd).enumerate() {
                 let off = self.head_offset(block, layer, kv, head) + slot * hd;
-                for (d, &s) in self.data[off..off + hd].iter_mut().zip(row) {
+                for (d, &s) in self.pool.slice_mut(off, hd).iter_mut().zip(row) {
                     *d = f16::from_f32(s);
                 }
             }
@@ -254,7 +332,7 @@ impl KvCache {
     pub fn block_bytes(&self, block: BlockId) -> &[u8] {
         let len = self.config.block_len();
         let start = block as usize * len;
-        bytemuck::cast_slice(&self.data[start..start + len])
+        bytemuck::cast_slice(self.pool.slice(start, len))
     }
 }
 

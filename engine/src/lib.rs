@@ -7,6 +7,7 @@ pub mod chat;
 pub mod config;
 pub mod error;
 pub mod fetch;
+pub mod fingerprint;
 pub mod generate;
 pub mod gguf;
 pub mod kv_cache;
@@ -20,4 +21,5 @@ pub mod storage;
 pub mod tokenizer;
 
 pub use error::{ModelError, RequestError};
+pub use fingerprint::ModelFingerprint;
 pub use loader::{LoadedModel, load};

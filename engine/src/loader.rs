@@ -10,6 +10,7 @@ use tandem_kernels::GgmlType;
 use crate::chat::ChatTemplate;
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
+use crate::fingerprint::{KV_DTYPE, KV_LAYOUT, ModelFingerprint};
 use crate::gguf::GgufFile;
 use crate::model::{LayerWeights, LlamaModel, LlamaWeights, Weight};
 use crate::safetensors_loader;
@@ -24,7 +25,27 @@ pub struct LoadedModel {
     /// A human-readable name (GGUF `general.name` or the directory name).
     pub name: String,
     pub path: PathBuf,
+    /// xxh3-64 of the weight file bytes: nodes compare it at connect so that
+    /// KV computed by one set of weights is never read by another.
+    pub weights_hash: u64,
     pub load_time: LoadTimes,
+}
+
+impl LoadedModel {
+    /// What a peer must match to share KV blocks of `block_size` tokens.
+    pub fn fingerprint(&self, block_size: usize) -> ModelFingerprint {
+        let c = self.model.config();
+        ModelFingerprint {
+            model_id: self.name.clone(),
+            weights_hash: self.weights_hash,
+            kv_dtype: KV_DTYPE.to_string(),
+            block_size,
+            kv_layout: KV_LAYOUT.to_string(),
+            num_layers: c.n_layers,
+            num_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        }
+    }
 }
 
 /// Where load time went (reported as `tandem.model_load_time{phase}`).
@@ -54,6 +75,7 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
 pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let t0 = Instant::now();
     let g = GgufFile::open(path)?;
+    let weights_hash = xxhash_rust::xxh3::xxh3_64(g.backing());
     let config = LlamaConfig::from_gguf(&g)?;
     let read = t0.elapsed();
 
@@ -98,6 +120,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         chat_template,
         name,
         path: path.to_path_buf(),
+        weights_hash,
         load_time: LoadTimes {
             read,
             dequantize,

@@ -60,8 +60,10 @@ pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
         )));
     }
     let mut tensors: HashMap<String, Located> = HashMap::new();
+    let mut weights_hash = 0u64;
     for f in &files {
-        index_file(f, &mut tensors)?;
+        let h = index_file(f, &mut tensors)?;
+        weights_hash = xxhash_rust::xxh3::xxh3_64_with_seed(&h.to_le_bytes(), weights_hash);
     }
     let read = t0.elapsed();
 
@@ -124,6 +126,7 @@ pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
         chat_template,
         name: file_stem(dir),
         path: dir.to_path_buf(),
+        weights_hash,
         load_time: LoadTimes {
             read,
             dequantize,
@@ -133,7 +136,8 @@ pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
     })
 }
 
-fn index_file(path: &Path, out: &mut HashMap<String, Located>) -> Result<(), ModelError> {
+/// Indexes one file's tensors; returns the hash of its bytes.
+fn index_file(path: &Path, out: &mut HashMap<String, Located>) -> Result<u64, ModelError> {
     let bad = |problem: String| ModelError::Safetensors {
         path: path.display().to_string(),
         problem,
@@ -169,7 +173,7 @@ fn index_file(path: &Path, out: &mut HashMap<String, Located>) -> Result<(), Mod
             return Err(bad(format!("tensor {name} appears in more than one file")));
         }
     }
-    Ok(())
+    Ok(xxhash_rust::xxh3::xxh3_64(&backing))
 }
 
 fn hf_weights(

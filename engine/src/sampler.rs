@@ -179,6 +179,16 @@ impl Sampler {
         &self.params
     }
 
+    /// Records a token sampled elsewhere (the first token of a prompt
+    /// prefilled on another node) as if this sampler had drawn it, so that
+    /// penalties and a seeded generator continue exactly as they would have.
+    pub fn accept_external(&mut self, token: u32) {
+        *self.output_counts.entry(token).or_insert(0) += 1;
+        if self.params.temperature != 0.0 {
+            let _ = self.rng.random::<f64>();
+        }
+    }
+
     /// Picks the next token from `logits` (modified in place) and records it.
     pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
         let p = &self.params;

@@ -31,7 +31,7 @@ use tokio::sync::mpsc as tmpsc;
 use crate::block_manager::{BlockHash, KvEvent, block_hashes, chain_hash};
 use crate::error::RequestError;
 use crate::generate::FinishReason;
-use crate::kv_cache::{BlockId, KvCache, KvCacheError};
+use crate::kv_cache::{BlockId, KvCache, KvCacheConfig, KvCacheError, KvPool};
 use crate::loader::LoadedModel;
 use crate::metrics::{BatchType, metrics};
 use crate::model::SeqChunk;
@@ -100,6 +100,57 @@ pub struct Request {
     pub max_tokens: usize,
     /// Sampling one of these ends the request; it is not reported as text.
     pub stop_token_ids: Vec<u32>,
+    /// Where the prompt's KV comes from or goes to.
+    pub handoff: KvHandoff,
+}
+
+/// The role of a request in a disaggregated prefill/decode handoff.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvHandoff {
+    /// Prefill and decode here.
+    #[default]
+    Local,
+    /// Prefill here, sample the first token, then hold the prompt's blocks
+    /// ([`Event::Exported`]) until the stream is dropped, so a transfer
+    /// engine can copy them to a decode node. Nothing is decoded.
+    Export,
+    /// The prompt's KV arrives from elsewhere: blocks are reserved after the
+    /// local prefix-cache lookup ([`Event::ImportReady`]), and the sequence
+    /// waits, outside the batch, until [`RequestStream::complete_import`].
+    Import,
+}
+
+/// Blocks of an exported prompt, held until the request stream is dropped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exported {
+    /// The prompt's block table, in order.
+    pub blocks: Vec<BlockId>,
+    /// Prompt tokens found in this node's prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// Destination blocks reserved for an imported prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportSlot {
+    /// The prompt's whole block table, in order.
+    pub blocks: Vec<BlockId>,
+    /// Leading blocks already present from the local prefix cache: only
+    /// `blocks[cached_blocks..]` need to be written.
+    pub cached_blocks: usize,
+}
+
+/// How an import ended, told to the scheduler by the transfer's owner.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ImportOutcome {
+    /// The prompt's KV is in place; `first` was sampled by the prefill node.
+    Ready {
+        first: Sampled,
+        /// Prompt tokens the prefill node served from its own cache.
+        remote_cached_tokens: usize,
+    },
+    /// The transfer failed or was abandoned: compute the prompt here,
+    /// starting after the locally cached blocks.
+    PrefillLocally,
 }
 
 /// What the scheduler tells a request's caller.
@@ -111,6 +162,10 @@ pub enum Event {
     Finished(Usage),
     /// The request failed; no more events follow.
     Failed(String),
+    /// An [`KvHandoff::Export`] prompt is computed; its blocks are held.
+    Exported(Exported),
+    /// An [`KvHandoff::Import`] request has its destination blocks.
+    ImportReady(ImportSlot),
 }
 
 /// Token accounting of a finished request.
@@ -135,6 +190,10 @@ pub struct SchedulerStats {
     pub preemptions: AtomicU64,
     pub prefix_hit_tokens: AtomicU64,
     pub prefix_miss_tokens: AtomicU64,
+    /// Sequences waiting for their KV from another node.
+    pub importing: AtomicUsize,
+    /// Exported prompts whose blocks are still held.
+    pub exported: AtomicUsize,
 }
 
 /// An event and when the scheduler sent it (for egress metrics).
@@ -154,6 +213,7 @@ fn emit(tx: &EventTx, ev: Event) {
 enum Command {
     Submit(Box<(u64, Request, EventTx)>),
     Cancel(u64),
+    ImportDone(u64, Box<ImportOutcome>),
     TakeKvEvents(mpsc::Sender<Vec<KvEvent>>),
 }
 
@@ -165,6 +225,8 @@ pub struct SchedulerHandle {
     stats: Arc<SchedulerStats>,
     vocab: usize,
     config: SchedulerConfig,
+    pool: Arc<KvPool>,
+    kv_config: KvCacheConfig,
 }
 
 /// Events of one request. Dropping it cancels the request.
@@ -187,6 +249,14 @@ impl RequestStream {
     pub fn blocking_next(&mut self) -> Option<Event> {
         let ev = self.rx.blocking_recv();
         self.note(ev)
+    }
+
+    /// Ends the wait of an [`KvHandoff::Import`] request after
+    /// [`Event::ImportReady`]. Ignored if the request is gone.
+    pub fn complete_import(&self, outcome: ImportOutcome) {
+        let _ = self
+            .tx
+            .send(Command::ImportDone(self.id, Box::new(outcome)));
     }
 
     fn note(&mut self, ev: Option<Stamped>) -> Option<Event> {
@@ -254,6 +324,8 @@ impl Scheduler {
             stats: Arc::clone(&stats),
             vocab: model.model.config().vocab_size,
             config: config.clone(),
+            pool: Arc::clone(cache.pool()),
+            kv_config,
         };
         let actor = Actor {
             model,
@@ -262,6 +334,8 @@ impl Scheduler {
             rx,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            importing: Vec::new(),
+            held: Vec::new(),
             stats,
             admitted: 0,
         };
@@ -350,6 +424,11 @@ impl SchedulerHandle {
         &self.config
     }
 
+    /// The KV pool's memory (for a transfer engine to register) and shape.
+    pub fn kv_pool(&self) -> (&Arc<KvPool>, &KvCacheConfig) {
+        (&self.pool, &self.kv_config)
+    }
+
     /// Prefix-cache events since the last call (for KV-aware routing).
     pub fn take_kv_events(&self) -> Vec<KvEvent> {
         let (tx, rx) = mpsc::channel();
@@ -377,12 +456,23 @@ struct Seq {
     cached_tokens: usize,
     /// Admission order; the latest admitted is preempted first.
     admitted: u64,
+    handoff: KvHandoff,
     events: EventTx,
 }
 
 impl Seq {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Appends a sampled token; returns why the sequence ends, if it does.
+    fn accept(&mut self, sampled: Sampled) -> Option<FinishReason> {
+        if self.stop_token_ids.contains(&sampled.token) {
+            return Some(FinishReason::Stop);
+        }
+        self.tokens.push(sampled.token);
+        emit(&self.events, Event::Token(sampled));
+        (self.generated() >= self.max_tokens).then_some(FinishReason::Length)
     }
 }
 
@@ -393,6 +483,10 @@ struct Actor {
     rx: mpsc::Receiver<Command>,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// Admitted [`KvHandoff::Import`] sequences waiting for their KV.
+    importing: Vec<Seq>,
+    /// Computed [`KvHandoff::Export`] sequences holding their blocks.
+    held: Vec<Seq>,
     stats: Arc<SchedulerStats>,
     admitted: u64,
 }
@@ -406,9 +500,9 @@ struct Planned {
 
 impl Actor {
     fn run(mut self) {
+        let mut idle = true;
         loop {
             // Block for a command only when there is nothing to compute.
-            let idle = self.waiting.is_empty() && self.running.is_empty();
             if idle {
                 match self.rx.recv() {
                     Ok(cmd) => self.handle(cmd),
@@ -429,10 +523,14 @@ impl Actor {
             if closed {
                 break;
             }
-            self.step();
+            idle = !self.step();
             self.publish_stats();
         }
-        for seq in self.waiting.drain(..).chain(self.running.drain(..)) {
+        let all = self.waiting.drain(..).chain(self.running.drain(..));
+        for seq in all
+            .chain(self.importing.drain(..))
+            .chain(self.held.drain(..))
+        {
             emit(&seq.events, Event::Failed("scheduler stopped".into()));
         }
     }
@@ -449,9 +547,11 @@ impl Actor {
                         return;
                     }
                 };
-                let max_tokens = req
-                    .max_tokens
-                    .min(self.config.max_length - req.prompt.len());
+                let max_tokens = match req.handoff {
+                    KvHandoff::Export => 1,
+                    _ => req.max_tokens,
+                }
+                .min(self.config.max_length - req.prompt.len());
                 self.waiting.push_back(Seq {
                     id,
                     prompt_len: req.prompt.len(),
@@ -464,6 +564,7 @@ impl Actor {
                     stop_token_ids: req.stop_token_ids,
                     cached_tokens: 0,
                     admitted: 0,
+                    handoff: req.handoff,
                     events,
                 });
             }
@@ -472,11 +573,17 @@ impl Actor {
                     if let Some(mut s) = self.waiting.remove(i) {
                         self.free(&mut s);
                     }
-                } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
-                    let mut s = self.running.swap_remove(i);
-                    self.free(&mut s);
+                } else {
+                    for list in [&mut self.running, &mut self.importing, &mut self.held] {
+                        if let Some(i) = list.iter().position(|s| s.id == id) {
+                            let mut s = list.swap_remove(i);
+                            release(&mut self.cache, &mut s);
+                            break;
+                        }
+                    }
                 }
             }
+            Command::ImportDone(id, outcome) => self.finish_import(id, *outcome),
             Command::TakeKvEvents(reply) => {
                 let _ = reply.send(self.cache.blocks_mut().take_events());
             }
@@ -484,17 +591,55 @@ impl Actor {
     }
 
     fn free(&mut self, seq: &mut Seq) {
-        if let Err(e) = self.cache.blocks_mut().release(&mut seq.table) {
-            tracing::error!(seq = seq.id, error = %e, "releasing KV blocks");
+        release(&mut self.cache, seq);
+    }
+
+    /// An import ended: the sequence joins the batch, either decoding after
+    /// the first token from the prefill node or prefilling here.
+    fn finish_import(&mut self, id: u64, outcome: ImportOutcome) {
+        let Some(i) = self.importing.iter().position(|s| s.id == id) else {
+            return; // cancelled meanwhile
+        };
+        let mut s = self.importing.swap_remove(i);
+        s.handoff = KvHandoff::Local;
+        let (first, remote_cached) = match outcome {
+            ImportOutcome::PrefillLocally => {
+                self.running.push(s);
+                return;
+            }
+            ImportOutcome::Ready {
+                first,
+                remote_cached_tokens,
+            } => (first, remote_cached_tokens),
+        };
+        s.computed = s.prompt_len;
+        // Tokens computed by nobody: cached here or on the prefill node.
+        s.cached_tokens = s.cached_tokens.max(remote_cached.min(s.prompt_len));
+        register_full_blocks(&mut self.cache, &mut s, self.config.block_size);
+        s.sampler.accept_external(first.token);
+        match s.accept(first) {
+            Some(finish) => self.retire(s, finish),
+            None => self.running.push(s),
         }
-        seq.hashes.clear();
+    }
+
+    fn retire(&mut self, mut s: Seq, finish: FinishReason) {
+        let usage = Usage {
+            prompt_tokens: s.prompt_len,
+            completion_tokens: s.generated(),
+            cached_tokens: s.cached_tokens,
+            finish,
+        };
+        emit(&s.events, Event::Finished(usage));
+        self.free(&mut s);
     }
 
     /// Plans and runs one batch, then samples and retires sequences.
-    fn step(&mut self) {
+    /// Returns false when there was nothing to run.
+    fn step(&mut self) -> bool {
         let plan = self.plan();
         if plan.is_empty() {
-            return;
+            return false;
         }
         self.record_batch(&plan);
         let logits = {
@@ -526,12 +671,13 @@ impl Actor {
                     emit(&s.events, Event::Failed(format!("internal error: {e}")));
                     self.free(&mut s);
                 }
-                return;
+                return true;
             }
         };
         let vocab = self.model.model.config().vocab_size;
         let mut row = 0;
-        let mut finished = Vec::new();
+        // Sequences leaving the batch: finished (Some) or exported (None).
+        let mut leaving = Vec::new();
         for p in &plan {
             let s = &mut self.running[p.seq];
             s.computed += p.len;
@@ -542,30 +688,32 @@ impl Actor {
             let mut l = logits[row * vocab..(row + 1) * vocab].to_vec();
             row += 1;
             let sampled = s.sampler.sample(&mut l);
-            let token = sampled.token;
-            let finish = if s.stop_token_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else {
-                s.tokens.push(token);
+            if s.handoff == KvHandoff::Export {
+                // The decode node judges stop tokens; report whatever came.
                 emit(&s.events, Event::Token(sampled));
-                (s.generated() >= s.max_tokens).then_some(FinishReason::Length)
-            };
-            if let Some(finish) = finish {
-                finished.push((p.seq, finish));
+                leaving.push((p.seq, None));
+                continue;
+            }
+            if let Some(finish) = s.accept(sampled) {
+                leaving.push((p.seq, Some(finish)));
             }
         }
-        finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
-        for (i, finish) in finished {
-            let mut s = self.running.swap_remove(i);
-            let usage = Usage {
-                prompt_tokens: s.prompt_len,
-                completion_tokens: s.generated(),
-                cached_tokens: s.cached_tokens,
-                finish,
-            };
-            emit(&s.events, Event::Finished(usage));
-            self.free(&mut s);
+        leaving.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
+        for (i, finish) in leaving {
+            let s = self.running.swap_remove(i);
+            match finish {
+                Some(finish) => self.retire(s, finish),
+                None => {
+                    let exported = Exported {
+                        blocks: s.table.clone(),
+                        cached_tokens: s.cached_tokens,
+                    };
+                    emit(&s.events, Event::Exported(exported));
+                    self.held.push(s);
+                }
+            }
         }
+        true
     }
 
     /// Chooses this step's work; reserves the KV blocks it needs.
@@ -632,7 +780,11 @@ impl Actor {
                     s.cached_tokens = s.computed.min(s.prompt_len);
                 }
             }
-            let len = (s.tokens.len() - s.computed).min(tokens_left);
+            let len = match s.handoff {
+                // Room for the whole prompt, written by the prefill node.
+                KvHandoff::Import => s.prompt_len - s.computed,
+                _ => (s.tokens.len() - s.computed).min(tokens_left),
+            };
             if self.cache.reserve(&mut s.table, s.computed + len).is_err() {
                 // Not enough blocks now: keep its place at the head of the queue.
                 self.free(&mut s);
@@ -655,6 +807,15 @@ impl Actor {
             }
             self.admitted += 1;
             s.admitted = self.admitted;
+            if s.handoff == KvHandoff::Import {
+                let slot = ImportSlot {
+                    blocks: s.table.clone(),
+                    cached_blocks: s.computed / self.config.block_size,
+                };
+                emit(&s.events, Event::ImportReady(slot));
+                self.importing.push(s);
+                continue;
+            }
             tokens_left -= len;
             plan.push(Planned {
                 seq: self.running.len(),
@@ -701,7 +862,20 @@ impl Actor {
         self.stats
             .kv_blocks_cached
             .store(b.num_cached(), Ordering::Relaxed);
+        self.stats
+            .importing
+            .store(self.importing.len(), Ordering::Relaxed);
+        self.stats
+            .exported
+            .store(self.held.len(), Ordering::Relaxed);
     }
+}
+
+fn release(cache: &mut KvCache, seq: &mut Seq) {
+    if let Err(e) = cache.blocks_mut().release(&mut seq.table) {
+        tracing::error!(seq = seq.id, error = %e, "releasing KV blocks");
+    }
+    seq.hashes.clear();
 }
 
 /// Registers the sequence's newly completed full blocks in the prefix cache.

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use tandem_engine::generate::{FinishReason, GenerateRequest, generate};
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{
-    Event, Request, Scheduler, SchedulerConfig, SchedulerHandle, Usage,
+    Event, ImportOutcome, KvHandoff, Request, RequestStream, Scheduler, SchedulerConfig,
+    SchedulerHandle, Usage,
 };
 use tandem_engine::{LoadedModel, RequestError, load};
 
@@ -56,6 +57,7 @@ fn request(prompt: &[u32], max_tokens: usize) -> Request {
         sampling: SamplingParams::greedy(),
         max_tokens,
         stop_token_ids: model().tokenizer.stop_ids(),
+        handoff: KvHandoff::Local,
     }
 }
 
@@ -80,6 +82,7 @@ fn collect(mut stream: tandem_engine::scheduler::RequestStream) -> (Vec<u32>, Us
             Some(Event::Token(s)) => tokens.push(s.token),
             Some(Event::Finished(u)) => return (tokens, u),
             Some(Event::Failed(e)) => panic!("request failed: {e}"),
+            Some(other) => panic!("unexpected event {other:?}"),
             None => panic!("stream ended without Finished"),
         }
     }
@@ -257,4 +260,158 @@ fn bad_configs_fail_loudly() {
     ] {
         assert!(Scheduler::spawn(Arc::clone(&m), bad).is_err());
     }
+}
+
+fn handoff_request(prompt: &[u32], max_tokens: usize, handoff: KvHandoff) -> Request {
+    Request {
+        handoff,
+        ..request(prompt, max_tokens)
+    }
+}
+
+/// Copies whole blocks between two pools of the same shape: what the
+/// transfer engine does between a prefill and a decode node.
+fn copy_blocks(from: &SchedulerHandle, src: &[u32], to: &SchedulerHandle, dst: &[u32]) {
+    let (sp, kc) = from.kv_pool();
+    let (dp, _) = to.kv_pool();
+    let bb = kc.block_bytes();
+    assert_eq!(src.len(), dst.len());
+    for (&s, &d) in src.iter().zip(dst) {
+        assert!((s as usize + 1) * bb <= sp.byte_len() && (d as usize + 1) * bb <= dp.byte_len());
+        // SAFETY: in bounds (checked); the destination blocks belong to an
+        // importing sequence nobody reads, the source blocks are held.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                sp.as_mut_ptr().add(s as usize * bb),
+                dp.as_mut_ptr().add(d as usize * bb),
+                bb,
+            );
+        }
+    }
+}
+
+fn expect_import_slot(stream: &mut RequestStream) -> tandem_engine::scheduler::ImportSlot {
+    match stream.blocking_next() {
+        Some(Event::ImportReady(slot)) => slot,
+        other => panic!("expected ImportReady, got {other:?}"),
+    }
+}
+
+/// Prefill on `prefill`, move the blocks the decode side lacks, decode on
+/// `decode`. Returns the decode side's tokens and usage, and how many
+/// blocks moved.
+fn disaggregated(
+    prefill: &SchedulerHandle,
+    decode: &SchedulerHandle,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> (Vec<u32>, Usage, usize) {
+    let mut d = decode
+        .submit(handoff_request(prompt, max_tokens, KvHandoff::Import))
+        .expect("accepted");
+    let slot = expect_import_slot(&mut d);
+    assert_eq!(
+        slot.blocks.len(),
+        prompt.len().div_ceil(config().block_size)
+    );
+    let mut p = prefill
+        .submit(handoff_request(prompt, max_tokens, KvHandoff::Export))
+        .expect("accepted");
+    let first = match p.blocking_next() {
+        Some(Event::Token(s)) => s,
+        other => panic!("expected the first token, got {other:?}"),
+    };
+    let exported = match p.blocking_next() {
+        Some(Event::Exported(e)) => e,
+        other => panic!("expected Exported, got {other:?}"),
+    };
+    assert_eq!(exported.blocks.len(), slot.blocks.len());
+    let skip = slot.cached_blocks;
+    copy_blocks(
+        prefill,
+        &exported.blocks[skip..],
+        decode,
+        &slot.blocks[skip..],
+    );
+    drop(p);
+    d.complete_import(ImportOutcome::Ready {
+        first,
+        remote_cached_tokens: exported.cached_tokens,
+    });
+    let (tokens, usage) = collect(d);
+    (tokens, usage, slot.blocks.len() - skip)
+}
+
+fn assert_idle_handoffs(h: &SchedulerHandle) {
+    wait_idle(h);
+    let s = h.stats();
+    assert_eq!(s.importing.load(Ordering::Relaxed), 0);
+    assert_eq!(s.exported.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn disaggregated_handoff_matches_local_generation() {
+    let prefill = Scheduler::spawn(model(), config()).expect("starts");
+    let decode = Scheduler::spawn(model(), config()).expect("starts");
+    let (p, d) = (prefill.handle(), decode.handle());
+    let mut cases: Vec<Vec<u32>> = prompts().into_iter().take(3).collect();
+    cases.push(prompts().concat()); // several full blocks
+    for prompt in &cases {
+        let want = alone(prompt, 12);
+        let (got, usage, moved) = disaggregated(p, d, prompt, 12);
+        assert_eq!(got, want, "prompt of {} tokens", prompt.len());
+        assert_eq!(usage.prompt_tokens, prompt.len());
+        assert_eq!(usage.completion_tokens, want.len());
+        assert_eq!(moved, prompt.len().div_ceil(config().block_size));
+        // Again: the decode side now has the prompt's full blocks cached
+        // (from the first import) and only the rest moves.
+        let (again, usage, moved) = disaggregated(p, d, prompt, 12);
+        assert_eq!(again, want);
+        let full = (prompt.len() - 1) / config().block_size;
+        assert_eq!(moved, prompt.len().div_ceil(config().block_size) - full);
+        assert!(
+            usage.cached_tokens >= full * config().block_size,
+            "{usage:?}"
+        );
+    }
+    assert_idle_handoffs(p);
+    assert_idle_handoffs(d);
+}
+
+#[test]
+fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
+    let sched = Scheduler::spawn(model(), config()).expect("starts");
+    let h = sched.handle();
+    let prompt = &prompts()[1];
+    let want = alone(prompt, 10);
+
+    let mut d = h
+        .submit(handoff_request(prompt, 10, KvHandoff::Import))
+        .expect("accepted");
+    let _ = expect_import_slot(&mut d);
+    assert_eq!(h.stats().importing.load(Ordering::Relaxed), 1);
+    d.complete_import(ImportOutcome::PrefillLocally);
+    assert_eq!(collect(d).0, want);
+    assert_idle_handoffs(h);
+
+    // Cancelled while waiting for its KV: blocks return at once.
+    let mut d = h
+        .submit(handoff_request(prompt, 10, KvHandoff::Import))
+        .expect("accepted");
+    let _ = expect_import_slot(&mut d);
+    assert!(h.stats().kv_blocks_in_use.load(Ordering::Relaxed) > 0);
+    drop(d);
+    assert_idle_handoffs(h);
+
+    // An exported prompt holds its blocks until its stream is dropped.
+    let mut p = h
+        .submit(handoff_request(prompt, 10, KvHandoff::Export))
+        .expect("accepted");
+    assert!(matches!(p.blocking_next(), Some(Event::Token(_))));
+    assert!(matches!(p.blocking_next(), Some(Event::Exported(_))));
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(h.stats().exported.load(Ordering::Relaxed), 1);
+    assert!(h.stats().kv_blocks_in_use.load(Ordering::Relaxed) > 0);
+    drop(p);
+    assert_idle_handoffs(h);
 }

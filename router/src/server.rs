@@ -23,7 +23,7 @@ use serde::Serialize;
 use tandem_engine::LoadedModel;
 use tandem_engine::generate::{FinishReason, StopStrings};
 use tandem_engine::sampler::Sampled;
-use tandem_engine::scheduler::{Event, Request, RequestStream, SchedulerHandle};
+use tandem_engine::scheduler::{Event, KvHandoff, Request, RequestStream, SchedulerHandle};
 use tandem_engine::tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
@@ -163,6 +163,7 @@ impl AppState {
             sampling: params.sampling.clone(),
             max_tokens,
             stop_token_ids: self.inner.model.tokenizer.stop_ids(),
+            handoff: KvHandoff::Local,
         })?;
         Ok(Generation {
             model: Arc::clone(&self.inner.model),
@@ -285,6 +286,13 @@ impl Generation {
                             UsageInfo::new(u.prompt_tokens, u.completion_tokens, u.cached_tokens);
                         tracker.finish(None, count_errors);
                         yield Piece::Done(u.finish, usage);
+                        return;
+                    }
+                    Some(Event::Exported(_) | Event::ImportReady(_)) => {
+                        // Only disaggregated handoffs emit these; a plain request never does.
+                        let err = ApiError::Internal("unexpected KV handoff event".into());
+                        tracker.finish(Some(&err), count_errors);
+                        yield Piece::Error(err);
                         return;
                     }
                     Some(Event::Failed(m)) => {
