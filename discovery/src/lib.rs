@@ -1,0 +1,164 @@
+//! Worker registration (etcd lease + keepalive) and membership watch.
+//!
+//! Workers put their record under `/tandem/<cluster>/workers/<role>/<id>`
+//! attached to a lease they keep alive ([`Registration`]); a crashed worker
+//! stops renewing and etcd deletes its key after the lease TTL. Routers list
+//! and watch that prefix ([`Membership`]). Both survive etcd outages: the
+//! worker keeps serving and re-registers when etcd returns, the router keeps
+//! the last known membership. Values are opaque bytes: the caller encodes
+//! and validates them.
+
+mod client;
+mod membership;
+mod registration;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+pub use client::CONNECT_TIMEOUT;
+pub use membership::{Member, Membership, Snapshot};
+pub use registration::Registration;
+
+/// Where etcd is and how this cluster's keys are scoped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdConfig {
+    /// etcd client URLs (`http://host:port`).
+    pub endpoints: Vec<String>,
+    /// Cluster name: the key prefix segment, so several clusters can share one etcd.
+    pub cluster: String,
+    /// Lease TTL: how long a crashed worker stays visible. Rounded up to whole
+    /// seconds (etcd's unit); etcd may raise it to its own minimum.
+    pub lease_ttl: Duration,
+}
+
+impl EtcdConfig {
+    /// Rejects configs that would produce unusable keys or leases.
+    pub fn validate(&self) -> Result<(), DiscoveryError> {
+        if self.endpoints.is_empty() {
+            return Err(DiscoveryError::InvalidConfig(
+                "no etcd endpoints given".into(),
+            ));
+        }
+        if let Some(e) = self.endpoints.iter().find(|e| e.trim().is_empty()) {
+            return Err(DiscoveryError::InvalidConfig(format!(
+                "empty etcd endpoint {e:?}"
+            )));
+        }
+        if !valid_cluster(&self.cluster) {
+            return Err(DiscoveryError::InvalidConfig(format!(
+                "cluster name {:?} must match [A-Za-z0-9_-]+",
+                self.cluster
+            )));
+        }
+        if self.lease_ttl < Duration::from_secs(1) {
+            return Err(DiscoveryError::InvalidConfig(format!(
+                "lease TTL {:?} is below 1 s",
+                self.lease_ttl
+            )));
+        }
+        if self.lease_ttl > Duration::from_secs(MAX_LEASE_TTL_SECS) {
+            return Err(DiscoveryError::InvalidConfig(format!(
+                "lease TTL {:?} is above {MAX_LEASE_TTL_SECS} s",
+                self.lease_ttl
+            )));
+        }
+        Ok(())
+    }
+
+    /// The TTL in etcd's unit (whole seconds, rounded up).
+    pub(crate) fn ttl_secs(&self) -> i64 {
+        let secs = self.lease_ttl.as_secs() + u64::from(self.lease_ttl.subsec_nanos() > 0);
+        // validate() bounds the TTL, so this never saturates in practice.
+        i64::try_from(secs).unwrap_or(i64::MAX)
+    }
+}
+
+/// etcd's own cap on lease TTLs (9,000,000,000 s) is far above anything useful;
+/// a day keeps typos like milliseconds-as-seconds from going unnoticed.
+const MAX_LEASE_TTL_SECS: u64 = 24 * 3600;
+
+fn valid_cluster(cluster: &str) -> bool {
+    !cluster.is_empty()
+        && cluster
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// A worker id is one key segment: printable ASCII without `/`, so every key
+/// a worker writes is one that watchers can parse back.
+fn valid_id(id: &str) -> bool {
+    !id.is_empty() && id.bytes().all(|b| b.is_ascii_graphic() && b != b'/')
+}
+
+/// The part a worker plays in disaggregated serving.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    /// The key segment for this role.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Role {
+    type Err = DiscoveryError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            _ => Err(DiscoveryError::InvalidConfig(format!(
+                "unknown role {s:?} (expected prefill or decode)"
+            ))),
+        }
+    }
+}
+
+/// The prefix routers watch; the trailing `/` keeps cluster `a` from
+/// matching cluster `ab`.
+pub fn workers_prefix(cluster: &str) -> String {
+    format!("/tandem/{cluster}/workers/")
+}
+
+/// The key one worker registers under.
+pub fn worker_key(cluster: &str, role: Role, id: &str) -> String {
+    format!("{}{}/{id}", workers_prefix(cluster), role.as_str())
+}
+
+/// Inverse of [`worker_key`]; `None` for anything that [`worker_key`] with a
+/// valid id could not have produced.
+pub fn parse_worker_key(cluster: &str, key: &str) -> Option<(Role, String)> {
+    let rest = key.strip_prefix(&workers_prefix(cluster))?;
+    let (role, id) = rest.split_once('/')?;
+    let role = role.parse().ok()?;
+    valid_id(id).then(|| (role, id.to_owned()))
+}
+
+/// Why discovery could not start or do what it was asked.
+#[derive(thiserror::Error, Debug)]
+pub enum DiscoveryError {
+    #[error("invalid discovery config: {0}")]
+    InvalidConfig(String),
+    #[error("etcd unreachable: {0}")]
+    Unreachable(String),
+    #[error("etcd lease {0:x} expired")]
+    LeaseExpired(i64),
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+}
