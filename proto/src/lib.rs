@@ -1,1 +1,470 @@
-//! Wire types (gRPC/protobuf) shared by the router and the nodes. Arrives with the disaggregated-cluster issue.
+//! Wire types (gRPC/protobuf) shared by the router and the nodes, and their
+//! validation into domain types. Every message from the network passes
+//! through a `TryFrom` / `validate_*` here before any other code sees it.
+
+use std::time::Duration;
+
+use tandem_engine::ModelFingerprint;
+use tandem_engine::generate::FinishReason;
+use tandem_engine::sampler::{Sampled, SamplingParams};
+
+/// Generated protobuf and gRPC code.
+#[allow(clippy::all, missing_debug_implementations)]
+pub mod pb {
+    tonic::include_proto!("tandem.v1");
+}
+
+pub mod trace;
+
+/// Bumped on any incompatible change of the messages' meaning.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Longest prompt a message may carry (a bound on allocation; the node's own
+/// `--max-length` is checked after).
+pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
+
+/// Longest prefill deadline a decode node may ask for.
+pub const MAX_DEADLINE: Duration = Duration::from_secs(600);
+
+/// Why a message was rejected.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ProtoError {
+    #[error("protocol version {got} is not supported (this node speaks {PROTOCOL_VERSION})")]
+    Version { got: u32 },
+    #[error("incompatible peer: {0}")]
+    Fingerprint(String),
+    #[error("invalid {field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> ProtoError {
+    ProtoError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+fn check_version(v: u32) -> Result<(), ProtoError> {
+    if v == PROTOCOL_VERSION {
+        Ok(())
+    } else {
+        Err(ProtoError::Version { got: v })
+    }
+}
+
+impl From<&ModelFingerprint> for pb::Fingerprint {
+    fn from(f: &ModelFingerprint) -> Self {
+        Self {
+            model_id: f.model_id.clone(),
+            weights_hash: format!("{:016x}", f.weights_hash),
+            kv_dtype: f.kv_dtype.clone(),
+            block_size: f.block_size as u32,
+            kv_layout: f.kv_layout.clone(),
+            num_layers: f.num_layers as u32,
+            num_kv_heads: f.num_kv_heads as u32,
+            head_dim: f.head_dim as u32,
+        }
+    }
+}
+
+impl TryFrom<pb::Fingerprint> for ModelFingerprint {
+    type Error = ProtoError;
+
+    fn try_from(f: pb::Fingerprint) -> Result<Self, ProtoError> {
+        let weights_hash = u64::from_str_radix(&f.weights_hash, 16)
+            .map_err(|_| invalid("fingerprint.weights_hash", "not a hex u64"))?;
+        for (field, v) in [
+            ("fingerprint.block_size", f.block_size),
+            ("fingerprint.num_layers", f.num_layers),
+            ("fingerprint.num_kv_heads", f.num_kv_heads),
+            ("fingerprint.head_dim", f.head_dim),
+        ] {
+            if v == 0 {
+                return Err(invalid(field, "must be > 0"));
+            }
+        }
+        Ok(Self {
+            model_id: f.model_id,
+            weights_hash,
+            kv_dtype: f.kv_dtype,
+            block_size: f.block_size as usize,
+            kv_layout: f.kv_layout,
+            num_layers: f.num_layers as usize,
+            num_kv_heads: f.num_kv_heads as usize,
+            head_dim: f.head_dim as usize,
+        })
+    }
+}
+
+/// Checks a peer's fingerprint against ours.
+pub fn check_fingerprint(
+    ours: &ModelFingerprint,
+    theirs: Option<pb::Fingerprint>,
+) -> Result<(), ProtoError> {
+    let theirs =
+        ModelFingerprint::try_from(theirs.ok_or_else(|| invalid("fingerprint", "missing"))?)?;
+    match ours.mismatch(&theirs) {
+        None => Ok(()),
+        Some(m) => Err(ProtoError::Fingerprint(m)),
+    }
+}
+
+impl From<&SamplingParams> for pb::SamplingParams {
+    fn from(p: &SamplingParams) -> Self {
+        Self {
+            temperature: p.temperature,
+            top_k: p.top_k as u32,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: p.seed,
+            frequency_penalty: p.frequency_penalty,
+            presence_penalty: p.presence_penalty,
+            repetition_penalty: p.repetition_penalty,
+            top_logprobs: p.top_logprobs as u32,
+            logprobs: p.logprobs,
+        }
+    }
+}
+
+impl TryFrom<pb::SamplingParams> for SamplingParams {
+    type Error = ProtoError;
+
+    fn try_from(p: pb::SamplingParams) -> Result<Self, ProtoError> {
+        let s = SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k as usize,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: p.seed,
+            frequency_penalty: p.frequency_penalty,
+            presence_penalty: p.presence_penalty,
+            repetition_penalty: p.repetition_penalty,
+            top_logprobs: p.top_logprobs as usize,
+            logprobs: p.logprobs,
+        };
+        s.validate()
+            .map_err(|e| invalid("sampling", e.to_string()))?;
+        Ok(s)
+    }
+}
+
+impl From<&Sampled> for pb::Token {
+    fn from(s: &Sampled) -> Self {
+        Self {
+            id: s.token,
+            logprob: s.logprob,
+            top: s
+                .top
+                .iter()
+                .map(|&(token, logprob)| pb::TopLogprob { token, logprob })
+                .collect(),
+        }
+    }
+}
+
+impl TryFrom<pb::Token> for Sampled {
+    type Error = ProtoError;
+
+    fn try_from(t: pb::Token) -> Result<Self, ProtoError> {
+        if t.top.len() > tandem_engine::sampler::MAX_TOP_LOGPROBS {
+            return Err(invalid("token.top", "too many alternatives"));
+        }
+        if t.logprob.is_some_and(|l| l.is_nan() || l > 0.0) {
+            return Err(invalid("token.logprob", "not a log-probability"));
+        }
+        Ok(Sampled {
+            token: t.id,
+            logprob: t.logprob,
+            top: t.top.into_iter().map(|a| (a.token, a.logprob)).collect(),
+        })
+    }
+}
+
+pub fn finish_to_pb(f: FinishReason) -> pb::FinishReason {
+    match f {
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
+    }
+}
+
+pub fn finish_from_pb(v: i32) -> Result<FinishReason, ProtoError> {
+    match pb::FinishReason::try_from(v) {
+        Ok(pb::FinishReason::Stop) => Ok(FinishReason::Stop),
+        Ok(pb::FinishReason::Length) => Ok(FinishReason::Length),
+        _ => Err(invalid("finished.finish", format!("unknown reason {v}"))),
+    }
+}
+
+fn check_prompt(prompt: &[u32]) -> Result<(), ProtoError> {
+    if prompt.is_empty() {
+        return Err(invalid("prompt", "empty"));
+    }
+    if prompt.len() > MAX_PROMPT_TOKENS {
+        return Err(invalid("prompt", format!("{} tokens", prompt.len())));
+    }
+    Ok(())
+}
+
+/// A gRPC endpoint a node can dial: `http://host:port`.
+fn check_endpoint(field: &'static str, e: &str) -> Result<(), ProtoError> {
+    let rest = e
+        .strip_prefix("http://")
+        .ok_or_else(|| invalid(field, format!("`{e}` does not start with http://")))?;
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| invalid(field, format!("`{e}` has no port")))?;
+    if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
+        return Err(invalid(field, format!("`{e}` is not host:port")));
+    }
+    Ok(())
+}
+
+/// A prefill worker a decode node may ask.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillTarget {
+    pub worker_id: String,
+    pub endpoint: String,
+}
+
+/// A validated [`pb::GenerateRequest`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateJob {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    /// Prefill workers to try in order; empty means prefill locally.
+    pub prefill: Vec<PrefillTarget>,
+}
+
+impl GenerateJob {
+    pub fn validate(req: pb::GenerateRequest, ours: &ModelFingerprint) -> Result<Self, ProtoError> {
+        check_version(req.version)?;
+        check_fingerprint(ours, req.fingerprint)?;
+        check_prompt(&req.prompt)?;
+        if req.max_tokens == 0 {
+            return Err(invalid("max_tokens", "must be > 0"));
+        }
+        let sampling = req
+            .sampling
+            .ok_or_else(|| invalid("sampling", "missing"))?
+            .try_into()?;
+        let prefill = req
+            .prefill
+            .into_iter()
+            .map(|t| {
+                check_endpoint("prefill.endpoint", &t.endpoint)?;
+                Ok(PrefillTarget {
+                    worker_id: t.worker_id,
+                    endpoint: t.endpoint,
+                })
+            })
+            .collect::<Result<_, ProtoError>>()?;
+        Ok(Self {
+            prompt: req.prompt,
+            sampling,
+            max_tokens: req.max_tokens as usize,
+            stop_token_ids: req.stop_token_ids,
+            prefill,
+        })
+    }
+
+    pub fn to_pb(&self, fingerprint: &ModelFingerprint) -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            version: PROTOCOL_VERSION,
+            fingerprint: Some(fingerprint.into()),
+            prompt: self.prompt.clone(),
+            sampling: Some((&self.sampling).into()),
+            max_tokens: self.max_tokens.min(u32::MAX as usize) as u32,
+            stop_token_ids: self.stop_token_ids.clone(),
+            prefill: self
+                .prefill
+                .iter()
+                .map(|t| pb::PrefillTarget {
+                    worker_id: t.worker_id.clone(),
+                    endpoint: t.endpoint.clone(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Registered remote memory, as sent by a decode node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvRegion {
+    pub worker_address: Vec<u8>,
+    pub rkey: Vec<u8>,
+    pub base: u64,
+    pub len: u64,
+    pub connector: String,
+}
+
+/// A validated [`pb::PrefillRequest`]: `dst_blocks` are checked to lie in
+/// the region, and to be exactly the blocks of the prompt after
+/// `skip_blocks`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillJob {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub skip_blocks: usize,
+    pub dst_blocks: Vec<u32>,
+    pub region: KvRegion,
+    pub deadline: Duration,
+}
+
+impl PrefillJob {
+    pub fn validate(
+        req: pb::PrefillRequest,
+        ours: &ModelFingerprint,
+        block_bytes: u64,
+    ) -> Result<Self, ProtoError> {
+        check_version(req.version)?;
+        check_fingerprint(ours, req.fingerprint)?;
+        check_prompt(&req.prompt)?;
+        let sampling = req
+            .sampling
+            .ok_or_else(|| invalid("sampling", "missing"))?
+            .try_into()?;
+        let r = req.region.ok_or_else(|| invalid("region", "missing"))?;
+        if r.worker_address.is_empty() || r.rkey.is_empty() {
+            return Err(invalid("region", "empty worker address or key"));
+        }
+        if r.base.checked_add(r.len).is_none() {
+            return Err(invalid("region", "base + len overflows"));
+        }
+        let total = req.prompt.len().div_ceil(ours.block_size);
+        let skip = req.skip_blocks as usize;
+        if skip > total || req.dst_blocks.len() != total - skip {
+            return Err(invalid(
+                "dst_blocks",
+                format!(
+                    "{} blocks after skipping {skip} do not cover a prompt of {} tokens ({total} blocks)",
+                    req.dst_blocks.len(),
+                    req.prompt.len()
+                ),
+            ));
+        }
+        let region_blocks = r.len.checked_div(block_bytes).unwrap_or(0);
+        if let Some(&b) = req
+            .dst_blocks
+            .iter()
+            .find(|&&b| u64::from(b) >= region_blocks)
+        {
+            return Err(invalid(
+                "dst_blocks",
+                format!("block {b} lies outside the registered region of {region_blocks} blocks"),
+            ));
+        }
+        let deadline = Duration::from_millis(u64::from(req.deadline_ms));
+        if deadline.is_zero() || deadline > MAX_DEADLINE {
+            return Err(invalid(
+                "deadline_ms",
+                format!(
+                    "{} must be in 1..={}",
+                    req.deadline_ms,
+                    MAX_DEADLINE.as_millis()
+                ),
+            ));
+        }
+        Ok(Self {
+            prompt: req.prompt,
+            sampling,
+            skip_blocks: skip,
+            dst_blocks: req.dst_blocks,
+            region: KvRegion {
+                worker_address: r.worker_address,
+                rkey: r.rkey,
+                base: r.base,
+                len: r.len,
+                connector: r.connector,
+            },
+            deadline,
+        })
+    }
+
+    pub fn to_pb(&self, fingerprint: &ModelFingerprint) -> pb::PrefillRequest {
+        pb::PrefillRequest {
+            version: PROTOCOL_VERSION,
+            fingerprint: Some(fingerprint.into()),
+            prompt: self.prompt.clone(),
+            sampling: Some((&self.sampling).into()),
+            skip_blocks: self.skip_blocks as u32,
+            dst_blocks: self.dst_blocks.clone(),
+            region: Some(pb::KvRegion {
+                worker_address: self.region.worker_address.clone(),
+                rkey: self.region.rkey.clone(),
+                base: self.region.base,
+                len: self.region.len,
+                connector: self.region.connector.clone(),
+            }),
+            deadline_ms: self.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
+        }
+    }
+}
+
+/// Role names in records and keys.
+pub const ROLE_PREFILL: &str = "prefill";
+pub const ROLE_DECODE: &str = "decode";
+
+/// A validated [`pb::WorkerRecord`] (the etcd value of a worker).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerRecord {
+    pub id: String,
+    pub role: String,
+    pub grpc_endpoint: String,
+    pub metrics_endpoint: String,
+    pub fingerprint: ModelFingerprint,
+    pub kv_blocks_total: usize,
+    pub max_batch_size: usize,
+    pub tp: usize,
+    pub dp: usize,
+}
+
+impl WorkerRecord {
+    pub fn decode(bytes: &[u8]) -> Result<Self, ProtoError> {
+        let r = <pb::WorkerRecord as prost::Message>::decode(bytes)
+            .map_err(|e| invalid("worker record", e.to_string()))?;
+        check_version(r.version)?;
+        if r.id.is_empty() {
+            return Err(invalid("worker record id", "empty"));
+        }
+        if r.role != ROLE_PREFILL && r.role != ROLE_DECODE {
+            return Err(invalid("worker record role", format!("`{}`", r.role)));
+        }
+        check_endpoint("grpc_endpoint", &r.grpc_endpoint)?;
+        let fingerprint = r
+            .fingerprint
+            .ok_or_else(|| invalid("fingerprint", "missing"))?
+            .try_into()?;
+        Ok(Self {
+            id: r.id,
+            role: r.role,
+            grpc_endpoint: r.grpc_endpoint,
+            metrics_endpoint: r.metrics_endpoint,
+            fingerprint,
+            kv_blocks_total: r.kv_blocks_total as usize,
+            max_batch_size: r.max_batch_size as usize,
+            tp: (r.tp as usize).max(1),
+            dp: (r.dp as usize).max(1),
+        })
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let r = pb::WorkerRecord {
+            version: PROTOCOL_VERSION,
+            id: self.id.clone(),
+            role: self.role.clone(),
+            grpc_endpoint: self.grpc_endpoint.clone(),
+            metrics_endpoint: self.metrics_endpoint.clone(),
+            fingerprint: Some((&self.fingerprint).into()),
+            kv_blocks_total: self.kv_blocks_total as u32,
+            max_batch_size: self.max_batch_size as u32,
+            tp: self.tp as u32,
+            dp: self.dp as u32,
+        };
+        prost::Message::encode_to_vec(&r)
+    }
+}
+
+#[cfg(test)]
+mod tests;

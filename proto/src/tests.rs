@@ -1,0 +1,192 @@
+use super::*;
+
+fn fp() -> ModelFingerprint {
+    ModelFingerprint {
+        model_id: "m".into(),
+        weights_hash: 0xabc,
+        kv_dtype: "f16".into(),
+        block_size: 16,
+        kv_layout: "layer/kv/head/slot/dim".into(),
+        num_layers: 2,
+        num_kv_heads: 3,
+        head_dim: 4,
+    }
+}
+
+fn prefill_req() -> pb::PrefillRequest {
+    pb::PrefillRequest {
+        version: PROTOCOL_VERSION,
+        fingerprint: Some((&fp()).into()),
+        prompt: vec![1; 40],
+        sampling: Some((&SamplingParams::greedy()).into()),
+        skip_blocks: 1,
+        dst_blocks: vec![7, 9],
+        region: Some(pb::KvRegion {
+            worker_address: vec![1, 2],
+            rkey: vec![3],
+            base: 4096,
+            len: 10 * 1000,
+            connector: "ucx".into(),
+        }),
+        deadline_ms: 5000,
+    }
+}
+
+fn rejected(req: pb::PrefillRequest) -> String {
+    PrefillJob::validate(req, &fp(), 1000)
+        .expect_err("must be rejected")
+        .to_string()
+}
+
+#[test]
+fn prefill_request_round_trips() {
+    let job = PrefillJob::validate(prefill_req(), &fp(), 1000).expect("valid");
+    assert_eq!(job.dst_blocks, vec![7, 9]);
+    assert_eq!(job.skip_blocks, 1);
+    assert_eq!(job.deadline, Duration::from_secs(5));
+    let again = PrefillJob::validate(job.to_pb(&fp()), &fp(), 1000).expect("valid");
+    assert_eq!(again, job);
+}
+
+#[test]
+fn prefill_request_rejections_name_the_problem() {
+    let mut r = prefill_req();
+    r.version = 99;
+    assert!(rejected(r).contains("protocol version 99"));
+
+    let mut r = prefill_req();
+    r.fingerprint = Some(
+        (&ModelFingerprint {
+            block_size: 32,
+            ..fp()
+        })
+            .into(),
+    );
+    assert_eq!(
+        rejected(r),
+        "incompatible peer: KV block size differs: ours 16, peer's 32"
+    );
+
+    let mut r = prefill_req();
+    r.dst_blocks = vec![7, 10];
+    assert!(rejected(r).contains("block 10 lies outside the registered region of 10 blocks"));
+
+    let mut r = prefill_req();
+    r.dst_blocks = vec![7];
+    assert!(rejected(r).contains("do not cover a prompt of 40 tokens"));
+
+    let mut r = prefill_req();
+    r.skip_blocks = 9;
+    assert!(rejected(r).contains("dst_blocks"));
+
+    let mut r = prefill_req();
+    r.deadline_ms = 0;
+    assert!(rejected(r).contains("deadline_ms"));
+
+    let mut r = prefill_req();
+    r.region = None;
+    assert!(rejected(r).contains("region"));
+
+    let mut r = prefill_req();
+    if let Some(reg) = r.region.as_mut() {
+        reg.base = u64::MAX;
+    }
+    assert!(rejected(r).contains("overflows"));
+
+    let mut r = prefill_req();
+    r.prompt.clear();
+    assert!(rejected(r).contains("prompt"));
+
+    let mut r = prefill_req();
+    r.sampling = Some(pb::SamplingParams {
+        temperature: -1.0,
+        ..(&SamplingParams::greedy()).into()
+    });
+    assert!(rejected(r).contains("sampling"));
+
+    let mut r = prefill_req();
+    if let Some(f) = r.fingerprint.as_mut() {
+        f.weights_hash = "zz".into();
+    }
+    assert!(rejected(r).contains("weights_hash"));
+}
+
+#[test]
+fn generate_request_validation() {
+    let job = GenerateJob {
+        prompt: vec![1, 2, 3],
+        sampling: SamplingParams::greedy(),
+        max_tokens: 5,
+        stop_token_ids: vec![2],
+        prefill: vec![PrefillTarget {
+            worker_id: "p0".into(),
+            endpoint: "http://127.0.0.1:5000".into(),
+        }],
+    };
+    let back = GenerateJob::validate(job.to_pb(&fp()), &fp()).expect("valid");
+    assert_eq!(back, job);
+
+    for bad in [
+        "127.0.0.1:5000",
+        "http://:5000",
+        "http://host",
+        "http://h:0",
+        "http://h:x",
+    ] {
+        let mut r = job.to_pb(&fp());
+        r.prefill[0].endpoint = bad.into();
+        let e = GenerateJob::validate(r, &fp()).expect_err(bad);
+        assert!(e.to_string().contains("endpoint"), "{bad}: {e}");
+    }
+    let mut r = job.to_pb(&fp());
+    r.max_tokens = 0;
+    assert!(GenerateJob::validate(r, &fp()).is_err());
+    let mut r = job.to_pb(&fp());
+    r.fingerprint = None;
+    assert!(GenerateJob::validate(r, &fp()).is_err());
+}
+
+#[test]
+fn tokens_and_finish_reasons() {
+    let s = Sampled {
+        token: 5,
+        logprob: Some(-0.5),
+        top: vec![(5, -0.5), (6, -1.0)],
+    };
+    assert_eq!(Sampled::try_from(pb::Token::from(&s)), Ok(s));
+    let bad = pb::Token {
+        id: 1,
+        logprob: Some(0.5),
+        top: vec![],
+    };
+    assert!(Sampled::try_from(bad).is_err());
+    assert_eq!(
+        finish_from_pb(finish_to_pb(FinishReason::Length) as i32),
+        Ok(FinishReason::Length)
+    );
+    assert!(finish_from_pb(0).is_err());
+    assert!(finish_from_pb(77).is_err());
+}
+
+#[test]
+fn worker_records_round_trip_and_garbage_is_rejected() {
+    let rec = WorkerRecord {
+        id: "d0".into(),
+        role: ROLE_DECODE.into(),
+        grpc_endpoint: "http://127.0.0.1:7000".into(),
+        metrics_endpoint: "http://127.0.0.1:7001".into(),
+        fingerprint: fp(),
+        kv_blocks_total: 100,
+        max_batch_size: 8,
+        tp: 1,
+        dp: 1,
+    };
+    assert_eq!(WorkerRecord::decode(&rec.encode()), Ok(rec.clone()));
+    assert!(WorkerRecord::decode(b"\xff\xff\xff garbage").is_err());
+    assert!(WorkerRecord::decode(&[]).is_err());
+    let odd = WorkerRecord {
+        role: "chef".into(),
+        ..rec
+    };
+    assert!(WorkerRecord::decode(&odd.encode()).is_err());
+}
