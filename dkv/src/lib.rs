@@ -1,1 +1,589 @@
-//! dKV: the KV block transfer engine. Arrives with the disaggregated-cluster issue; the engine's KV block layout is already designed for it (see ARCHITECTURE.md).
+//! dKV: the KV block transfer engine. A prefill node writes KV bytes from
+//! its registered memory straight into a decode node's registered memory
+//! with one-sided puts; the decode node's CPU only progresses the transport.
+//!
+//! - [`Dkv`]: one transport instance (UCX, or in-process for tests).
+//! - [`Region`]: registered local memory; its [`RemoteRegion`] descriptor is
+//!   plain data the nodes exchange over gRPC.
+//! - [`Dkv::write`]: validated one-sided writes with a deadline.
+//! - [`KvLayout`]: block ids -> [`WriteOp`]s for the engine's block layout.
+
+mod descriptor;
+mod error;
+pub mod layout;
+mod local;
+mod metrics;
+#[cfg(dkv_ucx)]
+mod ucx;
+
+#[cfg(test)]
+mod tests;
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use opentelemetry::KeyValue;
+
+pub use error::DkvError;
+pub use layout::KvLayout;
+pub use metrics::{DkvMetrics, metrics};
+
+/// Keeps registered memory alive for as long as its `Region` (and any
+/// transfer reading from it) lives.
+pub type Owner = Arc<dyn Any + Send + Sync>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    /// UCX (tcp, shared memory, RDMA where present).
+    Ucx,
+    /// memcpy between `Dkv`s of this process.
+    InProcess,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DkvConfig {
+    pub transport: TransportKind,
+    /// `UCX_TLS` for this instance (e.g. `"tcp"`); `None` lets UCX choose
+    /// (and honours a `UCX_TLS` environment variable).
+    pub ucx_tls: Option<String>,
+}
+
+impl DkvConfig {
+    pub fn ucx() -> Self {
+        Self {
+            transport: TransportKind::Ucx,
+            ucx_tls: None,
+        }
+    }
+
+    pub fn in_process() -> Self {
+        Self {
+            transport: TransportKind::InProcess,
+            ucx_tls: None,
+        }
+    }
+}
+
+/// Where a peer may write: plain data, carried in protobuf by the nodes.
+/// `worker_address` (the owner's UCP worker address: writers connect by
+/// address, so a node needs no listener port for dkv) and `rkey` are
+/// opaque, checksummed blobs; `base`/`len` must match what the rkey was made
+/// for. A descriptor stays valid while its `Region` lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteRegion {
+    pub worker_address: Vec<u8>,
+    pub rkey: Vec<u8>,
+    pub base: u64,
+    pub len: u64,
+}
+
+/// Copy `len` bytes at `local_offset` of the local region to `remote_offset`
+/// of the remote one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteOp {
+    pub local_offset: u64,
+    pub remote_offset: u64,
+    pub len: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferStats {
+    pub bytes: u64,
+    pub ops: usize,
+    pub elapsed: Duration,
+}
+
+/// Ids of `Dkv` instances and regions, unique in the process.
+fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+enum Backend {
+    Local,
+    #[cfg(dkv_ucx)]
+    Ucx(ucx::UcxHandle),
+}
+
+struct DkvInner {
+    id: u64,
+    backend: Backend,
+    /// Registrations not yet undone (UCX: counted by the actor as it maps
+    /// and unmaps).
+    live: Arc<AtomicUsize>,
+    closed: AtomicBool,
+}
+
+impl DkvInner {
+    fn shutdown(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match &self.backend {
+            Backend::Local => local::remove_instance(self.id),
+            #[cfg(dkv_ucx)]
+            Backend::Ucx(h) => h.shutdown(),
+        }
+    }
+}
+
+impl Drop for DkvInner {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A transfer engine instance: `Send + Sync`, cheap to clone. With UCX it
+/// owns an actor thread, stopped and joined by [`Dkv::shutdown`] or the
+/// last drop.
+#[derive(Clone)]
+pub struct Dkv {
+    inner: Arc<DkvInner>,
+}
+
+impl fmt::Debug for Dkv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Dkv")
+            .field("id", &self.inner.id)
+            .field("connector", &self.connector())
+            .finish()
+    }
+}
+
+impl Dkv {
+    pub fn new(cfg: DkvConfig) -> Result<Dkv, DkvError> {
+        let id = next_id();
+        let live = Arc::new(AtomicUsize::new(0));
+        let backend = match cfg.transport {
+            TransportKind::InProcess => {
+                local::add_instance(id);
+                Backend::Local
+            }
+            #[cfg(dkv_ucx)]
+            TransportKind::Ucx => {
+                Backend::Ucx(ucx::UcxHandle::start(cfg.ucx_tls.as_deref(), live.clone())?)
+            }
+            #[cfg(not(dkv_ucx))]
+            TransportKind::Ucx => {
+                return Err(DkvError::UcxUnavailable(
+                    "tandem-dkv was built without UCX (pkg-config found no `ucx`, bindgen failed, or \
+                     TANDEM_DKV_NO_UCX=1); install libucx-dev, pkg-config and libclang-dev and rebuild"
+                        .into(),
+                ));
+            }
+        };
+        Ok(Dkv {
+            inner: Arc::new(DkvInner {
+                id,
+                backend,
+                live,
+                closed: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// The metrics label of this transport: `"ucx"` or `"local"`.
+    pub fn connector(&self) -> &'static str {
+        match self.inner.backend {
+            Backend::Local => "local",
+            #[cfg(dkv_ucx)]
+            Backend::Ucx(_) => "ucx",
+        }
+    }
+
+    /// Stops the transport (joins the UCX thread); in-flight and later
+    /// calls fail with [`DkvError::Shutdown`]. Also happens on the last drop.
+    pub fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+
+    /// Registrations of this instance not yet undone (a leak check).
+    /// Deregistration runs on the transport thread, so a dropped `Region`
+    /// may be counted for a moment longer.
+    pub fn live_registrations(&self) -> usize {
+        self.inner.live.load(Ordering::Relaxed)
+    }
+
+    /// Registers `[ptr, ptr+len)` so remote peers may write into it
+    /// (`ucp_mem_map`) and local writes may read from it.
+    ///
+    /// # Safety
+    /// The memory must stay valid while the returned `Region` lives; `owner`
+    /// is kept alive by the `Region` (and by transfers still reading it), so
+    /// making `owner` own the memory satisfies this. Peers holding the
+    /// descriptor may write into it at any time until the `Region` drops.
+    pub unsafe fn register(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        owner: Owner,
+    ) -> Result<Region, DkvError> {
+        if ptr.is_null() {
+            return Err(DkvError::InvalidRegion("null pointer".into()));
+        }
+        self.add_region(Some(ptr), len, owner)
+    }
+
+    /// Allocates `len` zeroed bytes and registers them; the memory lives as
+    /// long as the `Region` (see [`Region::as_ptr`]). With UCX the transports
+    /// allocate it (a sysv/posix segment when shared memory is enabled), so
+    /// same-host peers write it with one direct copy instead of active
+    /// messages the target must progress: put write targets (the decode
+    /// node's KV cache) here.
+    pub fn alloc(&self, len: usize) -> Result<Region, DkvError> {
+        self.add_region(None, len, Arc::new(()))
+    }
+
+    fn add_region(
+        &self,
+        ptr: Option<*mut u8>,
+        len: usize,
+        owner: Owner,
+    ) -> Result<Region, DkvError> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(DkvError::Shutdown);
+        }
+        if len == 0 || len > isize::MAX as usize {
+            return Err(DkvError::InvalidRegion(format!(
+                "cannot register {len} bytes"
+            )));
+        }
+        let id = next_id();
+        let (ptr, worker_address, rkey, release, owner) = match &self.inner.backend {
+            Backend::Local => {
+                let (ptr, owner) = match ptr {
+                    Some(p) => (p, owner),
+                    None => {
+                        let mem = HostMem::zeroed(len)?;
+                        (mem.ptr, Arc::new(mem) as Owner)
+                    }
+                };
+                (
+                    ptr,
+                    local::address(self.inner.id),
+                    local::rkey(id),
+                    Release::Local,
+                    Some(owner),
+                )
+            }
+            #[cfg(dkv_ucx)]
+            Backend::Ucx(h) => {
+                // The actor keeps the owner with the mapping.
+                let (base, rkey) = h.register(id, ptr.map(|p| p as usize), len, Some(owner))?;
+                (
+                    base as *mut u8,
+                    h.address.clone(),
+                    rkey,
+                    Release::Ucx(h.releaser()),
+                    None,
+                )
+            }
+        };
+        let shared = Arc::new(RegionShared {
+            id,
+            dkv: self.inner.id,
+            ptr,
+            len,
+            descriptor: RemoteRegion {
+                worker_address,
+                rkey,
+                base: ptr as u64,
+                len: len as u64,
+            },
+            release,
+        });
+        if let Some(owner) = owner {
+            local::add_region(&shared, owner, self.inner.live.clone());
+        }
+        Ok(Region { shared })
+    }
+
+    /// One-sided writes from `local` into `remote`; resolves once the bytes
+    /// are visible in the remote memory. Every op is checked against both
+    /// regions before anything is sent. Past `deadline` ->
+    /// [`DkvError::DeadlineExceeded`]. Dropping the future cancels: no more
+    /// puts are issued for it (at most one window already posted still
+    /// lands), and an endpoint that does not drain is force-closed.
+    pub async fn write(
+        &self,
+        local: &Region,
+        remote: &RemoteRegion,
+        ops: &[WriteOp],
+        deadline: Instant,
+    ) -> Result<TransferStats, DkvError> {
+        let start = Instant::now();
+        let labels = [KeyValue::new("connector", self.connector())];
+        let m = metrics();
+        let mut guard = CancelGuard {
+            dkv: self,
+            id: 0,
+            armed: false,
+            labels: &labels,
+        };
+        let r = self
+            .write_inner(local, remote, ops, deadline, &mut guard)
+            .await;
+        guard.armed = false;
+        match &r {
+            Ok(bytes) => {
+                m.bytes_transferred.add(*bytes, &labels);
+                m.transfer_latency
+                    .record(start.elapsed().as_secs_f64() * 1e3, &labels);
+            }
+            Err(e) => m
+                .transfer_failures
+                .add(1, &[labels[0].clone(), KeyValue::new("reason", e.reason())]),
+        }
+        let bytes = r?;
+        Ok(TransferStats {
+            bytes,
+            ops: ops.len(),
+            elapsed: start.elapsed(),
+        })
+    }
+
+    async fn write_inner(
+        &self,
+        local: &Region,
+        remote: &RemoteRegion,
+        ops: &[WriteOp],
+        deadline: Instant,
+        #[cfg_attr(not(dkv_ucx), allow(unused_variables))] guard: &mut CancelGuard<'_>,
+    ) -> Result<u64, DkvError> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(DkvError::Shutdown);
+        }
+        if local.shared.dkv != self.inner.id {
+            return Err(DkvError::InvalidRegion(
+                "local region was registered by another Dkv".into(),
+            ));
+        }
+        if remote.base.checked_add(remote.len).is_none() {
+            return Err(DkvError::InvalidDescriptor(format!(
+                "base {:#x} + len {} overflows",
+                remote.base, remote.len
+            )));
+        }
+        let (ops, bytes) = plan(local.shared.len as u64, remote.len, ops)?;
+        if Instant::now() >= deadline {
+            return Err(DkvError::DeadlineExceeded);
+        }
+        match &self.inner.backend {
+            Backend::Local => {
+                local::write(&local.shared, remote, &ops, deadline)?;
+                Ok(bytes)
+            }
+            #[cfg(dkv_ucx)]
+            Backend::Ucx(h) => {
+                use crate::descriptor::{MAGIC_UCX_ADDRESS, MAGIC_UCX_RKEY};
+                let address =
+                    descriptor::open("worker_address", MAGIC_UCX_ADDRESS, &remote.worker_address)?;
+                let key = descriptor::open("rkey", MAGIC_UCX_RKEY, &remote.rkey)?;
+                let (key_base, key_len) = (
+                    descriptor::read_u64("rkey", key, 0)?,
+                    descriptor::read_u64("rkey", key, 8)?,
+                );
+                if key_base != remote.base || key_len != remote.len {
+                    return Err(DkvError::InvalidDescriptor(format!(
+                        "base {:#x} / len {} do not match the key's {key_base:#x} / {key_len}",
+                        remote.base, remote.len
+                    )));
+                }
+                if ops.is_empty() {
+                    return Ok(0);
+                }
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let id = next_id();
+                h.send(ucx::Cmd::Write(Box::new(ucx::WriteCmd {
+                    id,
+                    region: local.shared.clone(),
+                    address: address.to_vec(),
+                    rkey: key[16..].to_vec(),
+                    remote_base: remote.base,
+                    ops,
+                    deadline,
+                    reply: tx,
+                })))?;
+                guard.id = id;
+                guard.armed = true;
+                rx.await.unwrap_or(Err(DkvError::Shutdown))?;
+                Ok(bytes)
+            }
+        }
+    }
+}
+
+/// Cancels the transfer on the actor if `write`'s future is dropped early.
+struct CancelGuard<'a> {
+    #[cfg_attr(not(dkv_ucx), allow(dead_code))]
+    dkv: &'a Dkv,
+    #[cfg_attr(not(dkv_ucx), allow(dead_code))]
+    id: u64,
+    armed: bool,
+    labels: &'a [KeyValue; 1],
+}
+
+impl Drop for CancelGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        #[cfg(dkv_ucx)]
+        if let Backend::Ucx(h) = &self.dkv.inner.backend {
+            let _ = h.send(ucx::Cmd::Cancel(self.id));
+        }
+        metrics().transfer_failures.add(
+            1,
+            &[self.labels[0].clone(), KeyValue::new("reason", "cancelled")],
+        );
+    }
+}
+
+/// Checks every op against both lengths (checked math; the values come from
+/// the network) and drops empty ones. Returns the ops and total bytes.
+fn plan(local_len: u64, remote_len: u64, ops: &[WriteOp]) -> Result<(Vec<WriteOp>, u64), DkvError> {
+    let mut out = Vec::with_capacity(ops.len());
+    let mut bytes = 0u64;
+    for (i, op) in ops.iter().enumerate() {
+        let check = |side: &str, off: u64, region: u64| match off.checked_add(op.len) {
+            Some(end) if end <= region => Ok(()),
+            _ => Err(DkvError::OutOfBounds(format!(
+                "op {i}: {side} range {off}+{} exceeds the {side} region of {region} bytes",
+                op.len
+            ))),
+        };
+        check("local", op.local_offset, local_len)?;
+        check("remote", op.remote_offset, remote_len)?;
+        if op.len > 0 {
+            bytes = bytes
+                .checked_add(op.len)
+                .ok_or_else(|| DkvError::OutOfBounds(format!("op {i}: total length overflows")))?;
+            out.push(*op);
+        }
+    }
+    Ok((out, bytes))
+}
+
+/// Registered local memory. Dropping it deregisters (on the transport
+/// thread for UCX) once no transfer reads from it any more.
+pub struct Region {
+    shared: Arc<RegionShared>,
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("id", &self.shared.id)
+            .field("ptr", &self.shared.ptr)
+            .field("len", &self.shared.len)
+            .finish()
+    }
+}
+
+impl Region {
+    /// What a peer needs to write into this region.
+    pub fn descriptor(&self) -> RemoteRegion {
+        self.shared.descriptor.clone()
+    }
+
+    pub fn len(&self) -> usize {
+        self.shared.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shared.len == 0
+    }
+
+    /// Start of the memory; valid while the `Region` lives (for
+    /// [`Dkv::alloc`] regions, the memory is freed with it).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.shared.ptr
+    }
+}
+
+pub(crate) struct RegionShared {
+    pub(crate) id: u64,
+    /// The `Dkv` that registered it.
+    pub(crate) dkv: u64,
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+    descriptor: RemoteRegion,
+    release: Release,
+}
+
+// SAFETY: the raw pointer is memory the registrant vouched for (see
+// `Dkv::register`); concurrent access to it is the transfer protocol's
+// business, as with any one-sided RDMA buffer.
+unsafe impl Send for RegionShared {}
+// SAFETY: as above; RegionShared has no interior mutability.
+unsafe impl Sync for RegionShared {}
+
+/// Where the registration (and the memory's owner) lives.
+enum Release {
+    /// The process-wide registry.
+    Local,
+    /// The actor's map.
+    #[cfg(dkv_ucx)]
+    Ucx(ucx::Releaser),
+}
+
+impl Drop for RegionShared {
+    fn drop(&mut self) {
+        match &self.release {
+            Release::Local => local::remove_region(self.id),
+            #[cfg(dkv_ucx)]
+            Release::Ucx(r) => r.release(self.id),
+        }
+    }
+}
+
+#[cfg(all(test, dkv_ucx))]
+impl Dkv {
+    fn ucx(&self) -> &ucx::UcxHandle {
+        match &self.inner.backend {
+            Backend::Ucx(h) => h,
+            Backend::Local => panic!("not a UCX dkv"),
+        }
+    }
+
+    /// Freezes the actor (a peer that stops progressing).
+    fn stall(&self, d: Duration) {
+        self.ucx().send(ucx::Cmd::Stall(d)).expect("stall");
+    }
+
+    fn inspect(&self) -> ucx::Inspect {
+        self.ucx().inspect().expect("inspect")
+    }
+}
+
+/// Zeroed heap memory for in-process `Dkv::alloc`.
+struct HostMem {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain heap bytes owned through a raw pointer.
+unsafe impl Send for HostMem {}
+// SAFETY: as above; HostMem itself never touches the bytes.
+unsafe impl Sync for HostMem {}
+
+impl HostMem {
+    fn zeroed(len: usize) -> Result<Self, DkvError> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(len)
+            .map_err(|e| DkvError::InvalidRegion(format!("allocating {len} bytes: {e}")))?;
+        v.resize(len, 0u8);
+        let ptr = Box::into_raw(v.into_boxed_slice()).cast::<u8>();
+        Ok(Self { ptr, len })
+    }
+}
+
+impl Drop for HostMem {
+    fn drop(&mut self) {
+        // SAFETY: undoes the leak in `zeroed`.
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+    }
+}
