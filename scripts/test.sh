@@ -9,15 +9,17 @@ cd "$(dirname "$0")/.."
 
 log() { printf '\n== %s\n' "$*" >&2; }
 
-# System packages the build and tests need (none beyond the base image yet:
-# later issues add etcd, UCX and protoc here).
-apt_packages=()
+# System packages the build and tests need: UCX (the KV transfer engine's
+# transport, bound with bindgen, hence clang), etcd (worker discovery; the
+# end-to-end tests start their own), protoc (gRPC code generation).
+apt_packages=(libucx-dev ucx-utils etcd-server etcd-client protobuf-compiler clang libclang-dev pkg-config)
 missing=()
 for p in "${apt_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then
   log "installing ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
 fi
 
 log "formatting and lints"

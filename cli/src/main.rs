@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_engine;
+mod cluster;
 mod generate;
 mod serve;
 
@@ -26,6 +27,15 @@ enum Command {
     BenchEngine(bench_engine::BenchEngineArgs),
     /// Serve the OpenAI API with all roles in one process
     Serve(serve::ServeArgs),
+    /// Run a prefill node (gRPC; registers in etcd)
+    Prefill(cluster::PrefillArgs),
+    /// Run a decode node (gRPC; registers in etcd)
+    Decode(cluster::DecodeArgs),
+    /// Run the OpenAI API router in front of prefill and decode nodes found in etcd
+    Router(cluster::RouterArgs),
+    /// Run a whole local cluster as processes
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
 }
 
 fn main() -> Result<()> {
@@ -41,5 +51,9 @@ fn main() -> Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::BenchEngine(args) => bench_engine::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Prefill(args) => cluster::run_prefill(args),
+        Command::Decode(args) => cluster::run_decode(args),
+        Command::Router(args) => cluster::run_router(args),
+        Command::Cluster(cmd) => cluster::run_cluster(cmd),
     }
 }

@@ -16,57 +16,151 @@ use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
 use tandem_router::{AppState, MetricsRenderer, ServerConfig};
 
 /// How long in-flight requests may run on after SIGINT/SIGTERM.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// `--max-length` default cap.
 const DEFAULT_MAX_LENGTH: usize = 8192;
 /// The default KV pool holds `max_batch_size` sequences of this many tokens.
 const DEFAULT_SEQ_TOKENS: usize = 1024;
 
+/// Flags of the model and its scheduler, shared by `serve`, `prefill` and
+/// `decode`.
 #[derive(Debug, Args)]
-pub struct ServeArgs {
+pub struct EngineArgs {
     /// A .gguf file, an HF model directory, or the alias smollm2-135m.
     #[arg(long, env = "TANDEM_MODEL", default_value = fetch::DEFAULT_MODEL)]
-    model: String,
-    /// Address to listen on.
-    #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
-    host: String,
-    /// Port to listen on (0 picks a free one).
-    #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
-    port: u16,
+    pub model: String,
     /// Most sequences in one batch step.
     #[arg(long, env = "TANDEM_MAX_BATCH_SIZE", default_value_t = 32)]
-    max_batch_size: usize,
+    pub max_batch_size: usize,
     /// Most tokens (prompt chunks and decode tokens) in one batch step.
     #[arg(long, env = "TANDEM_MAX_BATCH_INPUT_TOKENS", default_value_t = 2048)]
-    max_batch_input_tokens: usize,
+    pub max_batch_input_tokens: usize,
     /// Longest sequence, prompt plus output (default: the model's context, at most 8192).
     #[arg(long, env = "TANDEM_MAX_LENGTH")]
-    max_length: Option<usize>,
+    pub max_length: Option<usize>,
     /// Tokens per KV-cache block.
     #[arg(long, env = "TANDEM_KV_CACHE_PAGE_SIZE", default_value_t = 16)]
-    kv_cache_page_size: usize,
+    pub kv_cache_page_size: usize,
     /// Blocks in the KV pool (default: max-batch-size sequences of 1024
     /// tokens, and at least one max-length sequence).
     #[arg(long, env = "TANDEM_KV_CACHE_BLOCKS")]
-    kv_cache_blocks: Option<usize>,
+    pub kv_cache_blocks: Option<usize>,
     /// Do not reuse KV blocks of shared prompt prefixes.
     #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
-    no_prefix_caching: bool,
-    /// Drop unknown request fields with a warning instead of answering 400.
-    #[arg(long, env = "TANDEM_ALLOW_EXTRA_REQUEST_FIELDS")]
-    allow_extra_request_fields: bool,
-    /// Requests in flight beyond this are refused with 503.
-    #[arg(long, env = "TANDEM_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
-    max_concurrent_requests: usize,
-    /// Largest accepted request body, in bytes.
-    #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 4 << 20)]
-    max_body_bytes: usize,
+    pub no_prefix_caching: bool,
     /// Worker threads for the kernels (default: all cores).
     #[arg(long, env = "TANDEM_THREADS")]
-    threads: Option<usize>,
+    pub threads: Option<usize>,
     /// Where fetched models are cached (default: $XDG_CACHE_HOME/tandem).
     #[arg(long, env = "TANDEM_CACHE")]
-    cache_dir: Option<PathBuf>,
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// Flags of the OpenAI HTTP front end, shared by `serve` and `router`.
+#[derive(Debug, Args)]
+pub struct HttpArgs {
+    /// Address to listen on.
+    #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Drop unknown request fields with a warning instead of answering 400.
+    #[arg(long, env = "TANDEM_ALLOW_EXTRA_REQUEST_FIELDS")]
+    pub allow_extra_request_fields: bool,
+    /// Requests in flight beyond this are refused with 503.
+    #[arg(long, env = "TANDEM_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
+    pub max_concurrent_requests: usize,
+    /// Largest accepted request body, in bytes.
+    #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub http: HttpArgs,
+}
+
+impl EngineArgs {
+    /// Sets the kernel threads, then fetches (if needed) and loads the model.
+    pub fn load(&self) -> Result<(tandem_engine::LoadedModel, PathBuf)> {
+        if self.threads == Some(0) {
+            bail!("--threads must be at least 1");
+        }
+        if let Some(n) = self.threads {
+            tandem_kernels::set_num_threads(n).context("setting --threads")?;
+        }
+        let cache = self.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
+        let path = fetch::resolve(&self.model, &cache)?;
+        let m =
+            tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
+        tandem_engine::metrics::record_load_times(&m.load_time);
+        Ok((m, path))
+    }
+
+    /// The scheduler's limits for a model with `context` tokens of context.
+    pub fn scheduler_config(&self, context: usize) -> Result<SchedulerConfig> {
+        if self.kv_cache_page_size == 0 {
+            bail!("--kv-cache-page-size must be at least 1");
+        }
+        let max_length = self.max_length.unwrap_or(context.min(DEFAULT_MAX_LENGTH));
+        if max_length > context {
+            bail!(
+                "--max-length {max_length} exceeds the model's context length of {context} tokens"
+            );
+        }
+        let bs = self.kv_cache_page_size;
+        let num_blocks = self.kv_cache_blocks.unwrap_or_else(|| {
+            (self.max_batch_size.max(1) * DEFAULT_SEQ_TOKENS.div_ceil(bs))
+                .max(max_length.div_ceil(bs))
+        });
+        let scheduler = SchedulerConfig {
+            max_batch_size: self.max_batch_size,
+            max_batch_input_tokens: self.max_batch_input_tokens,
+            max_length,
+            block_size: bs,
+            num_blocks,
+            prefix_caching: !self.no_prefix_caching,
+        };
+        scheduler
+            .validate(context)
+            .map_err(|e| anyhow::anyhow!("{e} (check --max-batch-size, --max-batch-input-tokens, --max-length, --kv-cache-page-size, --kv-cache-blocks)"))?;
+        Ok(scheduler)
+    }
+}
+
+impl HttpArgs {
+    pub fn addr(&self) -> Result<SocketAddr> {
+        parse_addr(&self.host, self.port)
+    }
+
+    pub fn server_config(&self, model_name: String) -> Result<ServerConfig> {
+        if self.max_concurrent_requests == 0 {
+            bail!("--max-concurrent-requests must be at least 1");
+        }
+        if self.max_body_bytes == 0 {
+            bail!("--max-body-bytes must be at least 1");
+        }
+        Ok(ServerConfig {
+            allow_extra_request_fields: self.allow_extra_request_fields,
+            max_concurrent_requests: self.max_concurrent_requests,
+            max_body_bytes: self.max_body_bytes,
+            model_name,
+        })
+    }
+}
+
+/// `host:port` for an IP address (IPv6 with or without brackets).
+pub fn parse_addr(host: &str, port: u16) -> Result<SocketAddr> {
+    format!("{host}:{port}")
+        .parse()
+        .or_else(|_| format!("[{host}]:{port}").parse())
+        .with_context(|| {
+            format!("--host {host:?} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)")
+        })
 }
 
 /// Everything `serve` runs with, checked before anything starts.
@@ -81,68 +175,21 @@ struct ServeConfig {
 impl ServeConfig {
     /// Validates `args` against a model with `context` tokens of context.
     fn new(args: &ServeArgs, context: usize, model_name: String) -> Result<Self> {
-        let addr: SocketAddr = format!("{}:{}", args.host, args.port)
-            .parse()
-            .or_else(|_| {
-                // A bracketless IPv6 literal.
-                format!("[{}]:{}", args.host, args.port).parse()
-            })
-            .with_context(|| {
-                format!(
-                    "--host {:?} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)",
-                    args.host
-                )
-            })?;
-        if args.threads == Some(0) {
+        let addr = args.http.addr()?;
+        if args.engine.threads == Some(0) {
             bail!("--threads must be at least 1");
         }
-        if args.max_concurrent_requests == 0 {
-            bail!("--max-concurrent-requests must be at least 1");
-        }
-        if args.max_body_bytes == 0 {
-            bail!("--max-body-bytes must be at least 1");
-        }
-        if args.kv_cache_page_size == 0 {
-            bail!("--kv-cache-page-size must be at least 1");
-        }
-        let max_length = args.max_length.unwrap_or(context.min(DEFAULT_MAX_LENGTH));
-        if max_length > context {
-            bail!(
-                "--max-length {max_length} exceeds the model's context length of {context} tokens"
-            );
-        }
-        let bs = args.kv_cache_page_size;
-        let num_blocks = args.kv_cache_blocks.unwrap_or_else(|| {
-            (args.max_batch_size.max(1) * DEFAULT_SEQ_TOKENS.div_ceil(bs))
-                .max(max_length.div_ceil(bs))
-        });
-        let scheduler = SchedulerConfig {
-            max_batch_size: args.max_batch_size,
-            max_batch_input_tokens: args.max_batch_input_tokens,
-            max_length,
-            block_size: bs,
-            num_blocks,
-            prefix_caching: !args.no_prefix_caching,
-        };
-        scheduler
-            .validate(context)
-            .map_err(|e| anyhow::anyhow!("{e} (check --max-batch-size, --max-batch-input-tokens, --max-length, --kv-cache-page-size, --kv-cache-blocks)"))?;
         Ok(Self {
             addr,
-            threads: args.threads,
-            scheduler,
-            server: ServerConfig {
-                allow_extra_request_fields: args.allow_extra_request_fields,
-                max_concurrent_requests: args.max_concurrent_requests,
-                max_body_bytes: args.max_body_bytes,
-                model_name,
-            },
+            threads: args.engine.threads,
+            scheduler: args.engine.scheduler_config(context)?,
+            server: args.http.server_config(model_name)?,
         })
     }
 }
 
 /// The id clients use: the alias as given, or the file/directory stem.
-fn served_name(model: &str, path: &Path) -> String {
+pub fn served_name(model: &str, path: &Path) -> String {
     if !model.contains('/') && !model.ends_with(".gguf") {
         return model.to_string();
     }
@@ -156,20 +203,12 @@ fn served_name(model: &str, path: &Path) -> String {
 
 pub fn run(args: ServeArgs) -> Result<()> {
     // Flags that need no model are checked before the (slow) load.
-    if args.threads == Some(0) {
-        bail!("--threads must be at least 1");
-    }
-    if let Some(n) = args.threads {
-        tandem_kernels::set_num_threads(n).context("setting --threads")?;
-    }
+    args.http.addr()?;
     // Before anything records: instruments made earlier would be no-ops.
     let (meter_provider, render) = install_metrics()?;
-    let cache = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
-    let path = fetch::resolve(&args.model, &cache)?;
-    let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
-    tandem_engine::metrics::record_load_times(&m.load_time);
+    let (m, path) = args.engine.load()?;
     let context = m.model.config().context_length;
-    let config = ServeConfig::new(&args, context, served_name(&args.model, &path))?;
+    let config = ServeConfig::new(&args, context, served_name(&args.engine.model, &path))?;
     eprintln!(
         "tandem: loaded {} ({} layers) in {:.0} ms; kernels: {}, {} threads; \
          max length {}, {} KV blocks of {} tokens, prefix caching {}",
@@ -228,7 +267,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
 
 /// Installs the global OpenTelemetry meter provider, exporting to a
 /// Prometheus registry; returns it and the `/metrics` renderer.
-fn install_metrics() -> Result<(SdkMeterProvider, MetricsRenderer)> {
+pub fn install_metrics() -> Result<(SdkMeterProvider, MetricsRenderer)> {
     let registry = prometheus::Registry::new();
     let exporter = opentelemetry_prometheus::exporter()
         .with_registry(registry.clone())
@@ -249,7 +288,7 @@ fn install_metrics() -> Result<(SdkMeterProvider, MetricsRenderer)> {
 }
 
 /// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         if let Err(e) = tokio::signal::ctrl_c().await {
             tracing::warn!("listening for SIGINT: {e}");

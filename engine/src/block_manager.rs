@@ -83,7 +83,7 @@ impl BlockManager {
             lru: BTreeMap::new(),
             last_use: HashMap::new(),
             tick: 0,
-            next_event: 0,
+            next_event: 1,
             events: Vec::new(),
         }
     }

@@ -214,8 +214,11 @@ enum Command {
     Submit(Box<(u64, Request, EventTx)>),
     Cancel(u64),
     ImportDone(u64, Box<ImportOutcome>),
-    TakeKvEvents(mpsc::Sender<Vec<KvEvent>>),
 }
+
+/// Receives prefix-cache events after every step that produced some (on
+/// the scheduler thread: keep it quick, e.g. a channel send).
+pub type KvEventSink = Box<dyn FnMut(Vec<KvEvent>) + Send>;
 
 /// The caller's side of the actor. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -302,6 +305,16 @@ pub struct Scheduler {
 impl Scheduler {
     /// Starts the actor on its own thread.
     pub fn spawn(model: Arc<LoadedModel>, config: SchedulerConfig) -> Result<Self, ConfigError> {
+        Self::spawn_with_kv_events(model, config, None)
+    }
+
+    /// Starts the actor, publishing prefix-cache events to `sink` (for
+    /// KV-aware routing); without a sink they are dropped.
+    pub fn spawn_with_kv_events(
+        model: Arc<LoadedModel>,
+        config: SchedulerConfig,
+        sink: Option<KvEventSink>,
+    ) -> Result<Self, ConfigError> {
         config.validate(model.model.config().context_length)?;
         let kv_config = model
             .model
@@ -336,6 +349,7 @@ impl Scheduler {
             running: Vec::new(),
             importing: Vec::new(),
             held: Vec::new(),
+            kv_sink: sink,
             stats,
             admitted: 0,
         };
@@ -428,15 +442,6 @@ impl SchedulerHandle {
     pub fn kv_pool(&self) -> (&Arc<KvPool>, &KvCacheConfig) {
         (&self.pool, &self.kv_config)
     }
-
-    /// Prefix-cache events since the last call (for KV-aware routing).
-    pub fn take_kv_events(&self) -> Vec<KvEvent> {
-        let (tx, rx) = mpsc::channel();
-        if self.tx.send(Command::TakeKvEvents(tx)).is_err() {
-            return Vec::new();
-        }
-        rx.recv().unwrap_or_default()
-    }
 }
 
 /// One sequence owned by the actor.
@@ -487,6 +492,7 @@ struct Actor {
     importing: Vec<Seq>,
     /// Computed [`KvHandoff::Export`] sequences holding their blocks.
     held: Vec<Seq>,
+    kv_sink: Option<KvEventSink>,
     stats: Arc<SchedulerStats>,
     admitted: u64,
 }
@@ -525,6 +531,7 @@ impl Actor {
             }
             idle = !self.step();
             self.publish_stats();
+            self.publish_kv_events();
         }
         let all = self.waiting.drain(..).chain(self.running.drain(..));
         for seq in all
@@ -584,9 +591,6 @@ impl Actor {
                 }
             }
             Command::ImportDone(id, outcome) => self.finish_import(id, *outcome),
-            Command::TakeKvEvents(reply) => {
-                let _ = reply.send(self.cache.blocks_mut().take_events());
-            }
         }
     }
 
@@ -837,6 +841,13 @@ impl Actor {
         let m = metrics();
         m.batch_size.record(plan.len() as u64, &labels);
         m.batch_input_tokens.record(tokens as u64, &labels);
+    }
+
+    fn publish_kv_events(&mut self) {
+        let events = self.cache.blocks_mut().take_events();
+        if let (false, Some(sink)) = (events.is_empty(), self.kv_sink.as_mut()) {
+            sink(events);
+        }
     }
 
     fn publish_stats(&self) {

@@ -160,7 +160,11 @@ fn chunked_prefill_and_preemption_do_not_change_outputs() {
 
 #[test]
 fn repeated_prompt_hits_the_prefix_cache() {
-    let sched = Scheduler::spawn(model(), config()).expect("spawns");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let sink: tandem_engine::scheduler::KvEventSink = Box::new(move |events| {
+        let _ = tx.send(events);
+    });
+    let sched = Scheduler::spawn_with_kv_events(model(), config(), Some(sink)).expect("spawns");
     let h = sched.handle();
     let m = model();
     let long = m
@@ -181,8 +185,9 @@ fn repeated_prompt_hits_the_prefix_cache() {
     assert!(u2.cached_tokens > 0);
     assert_eq!(first, second, "cached prefix changes nothing");
     assert_eq!(first, alone(&long, 8));
-    let events = h.take_kv_events();
+    let events: Vec<_> = rx.try_iter().flatten().collect();
     assert!(!events.is_empty(), "stored events for the cached blocks");
+    assert_eq!(events[0].id, 1, "ids start at 1 (0 means none seen)");
     assert!(events.windows(2).all(|w| w[1].id == w[0].id + 1));
     wait_idle(h);
 }

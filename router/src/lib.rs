@@ -2,6 +2,7 @@
 //! (`tandem serve`). KV-aware routing across nodes arrives with the cluster
 //! issues.
 
+pub mod cluster;
 pub mod error;
 pub mod metrics;
 pub mod openai;
@@ -9,4 +10,4 @@ pub mod server;
 
 pub use error::ApiError;
 pub use metrics::MetricsRenderer;
-pub use server::{AppState, ServerConfig, app, serve};
+pub use server::{AppState, Backend, ServerConfig, app, serve};

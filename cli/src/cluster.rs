@@ -1,0 +1,483 @@
+//! The disaggregated roles: `tandem prefill`, `tandem decode`, `tandem
+//! router`, and `tandem cluster up`, which starts etcd, nodes and a router
+//! as processes on loopback (for people and tests).
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use tandem_decode_node::{DecodeConfig, DecodeService};
+use tandem_discovery::{EtcdConfig, Role};
+use tandem_dkv::TransportKind;
+use tandem_prefill_node::PrefillService;
+use tandem_router::cluster::{ClusterHandle, RoutingConfig};
+use tandem_router::{AppState, Backend};
+use tandem_worker::node::serve as serve_node;
+use tandem_worker::service::WorkerService;
+use tandem_worker::{NodeCore, NodeOptions};
+
+use crate::serve::{
+    EngineArgs, HttpArgs, SHUTDOWN_GRACE, install_metrics, parse_addr, served_name, shutdown_signal,
+};
+
+/// Where the cluster's etcd is and how workers register there.
+#[derive(Debug, Args)]
+pub struct EtcdArgs {
+    /// etcd client URL(s), comma-separated (e.g. http://127.0.0.1:2379).
+    #[arg(long, env = "TANDEM_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Cluster name: workers and routers of one cluster share it.
+    #[arg(long, env = "TANDEM_CLUSTER", default_value = "default")]
+    pub cluster: String,
+    /// Lease TTL in seconds: how long a crashed worker stays listed.
+    #[arg(long, env = "TANDEM_LEASE_TTL", default_value_t = 5)]
+    pub lease_ttl: u64,
+}
+
+impl EtcdArgs {
+    fn config(&self) -> Result<Option<EtcdConfig>> {
+        if self.etcd.is_empty() {
+            return Ok(None);
+        }
+        let c = EtcdConfig {
+            endpoints: self.etcd.clone(),
+            cluster: self.cluster.clone(),
+            lease_ttl: Duration::from_secs(self.lease_ttl),
+        };
+        c.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(Some(c))
+    }
+}
+
+/// Flags of a prefill or decode node.
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    /// Address the gRPC and metrics servers bind.
+    #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// gRPC port (0 picks a free one; the bound port is printed).
+    #[arg(long, env = "TANDEM_PORT", default_value_t = 0)]
+    pub port: u16,
+    /// Port of /metrics and /health (0 picks a free one; printed).
+    #[arg(long, env = "TANDEM_METRICS_PORT", default_value_t = 0)]
+    pub metrics_port: u16,
+    /// Host other processes dial, as advertised in etcd.
+    #[arg(long, env = "TANDEM_ADVERTISE_HOST", default_value = "127.0.0.1")]
+    pub advertise_host: String,
+    /// Worker id in the membership (default: role-pid).
+    #[arg(long, env = "TANDEM_WORKER_ID")]
+    pub id: Option<String>,
+    /// KV transfer connector: ucx (libucp; UCX_TLS picks tcp/shm/rdma) or local (in-process only).
+    #[arg(long, env = "TANDEM_KV_CONNECTOR", default_value = "ucx", value_parser = ["ucx", "local"])]
+    pub kv_connector: String,
+    /// UCX transports (UCX_TLS) for the ucx connector, e.g. tcp or posix,sysv,cma,self.
+    #[arg(long, env = "TANDEM_UCX_TLS")]
+    pub ucx_tls: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct PrefillArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub node: NodeArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub node: NodeArgs,
+    /// Prompts with fewer uncached tokens than this are prefilled here.
+    #[arg(long, env = "TANDEM_REMOTE_PREFILL_MIN_TOKENS", default_value_t = 64)]
+    pub remote_prefill_min_tokens: usize,
+    /// Decode-stall watchdog: a remote prefill taking longer is abandoned
+    /// and the prompt prefilled here.
+    #[arg(long, env = "TANDEM_PREFILL_TIMEOUT_MS", default_value_t = 30_000)]
+    pub prefill_timeout_ms: u64,
+    /// Wait after an abandoned transfer before reusing its blocks.
+    #[arg(long, env = "TANDEM_TRANSFER_GRACE_MS", default_value_t = 500)]
+    pub transfer_grace_ms: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct RouterArgs {
+    /// The model whose tokenizer and chat template the router uses (the
+    /// workers' model: checked against their fingerprints).
+    #[arg(long, env = "TANDEM_MODEL", default_value = tandem_engine::fetch::DEFAULT_MODEL)]
+    pub model: String,
+    /// Where fetched models are cached.
+    #[arg(long, env = "TANDEM_CACHE")]
+    pub cache_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub http: HttpArgs,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    /// Longest sequence admitted (default: the model's context, at most 8192).
+    #[arg(long, env = "TANDEM_MAX_LENGTH")]
+    pub max_length: Option<usize>,
+    /// KV block size of the workers (part of their fingerprint).
+    #[arg(long, env = "TANDEM_KV_CACHE_PAGE_SIZE", default_value_t = 16)]
+    pub kv_cache_page_size: usize,
+    /// Routing cost of one prompt block a worker lacks.
+    #[arg(long, env = "TANDEM_PREFILL_WEIGHT", default_value_t = 1.0)]
+    pub prefill_weight: f64,
+    /// Routing cost of one queued request.
+    #[arg(long, env = "TANDEM_QUEUE_WEIGHT", default_value_t = 8.0)]
+    pub queue_weight: f64,
+    /// Prefill workers named per request, best first (the rest are retries).
+    #[arg(long, env = "TANDEM_PREFILL_CANDIDATES", default_value_t = 2)]
+    pub prefill_candidates: usize,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().min(4)))
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+fn node_options(node: &NodeArgs, role: Role) -> Result<NodeOptions> {
+    let transport = match node.kv_connector.as_str() {
+        "local" => TransportKind::InProcess,
+        _ => TransportKind::Ucx,
+    };
+    Ok(NodeOptions {
+        role,
+        id: node
+            .id
+            .clone()
+            .unwrap_or_else(|| format!("{}-{}", role.as_str(), std::process::id())),
+        grpc_addr: parse_addr(&node.host, node.port)?,
+        metrics_addr: parse_addr(&node.host, node.metrics_port)?,
+        advertise_host: node.advertise_host.clone(),
+        etcd: node.etcd.config()?,
+        transport,
+        ucx_tls: node.ucx_tls.clone(),
+        shutdown_grace: SHUTDOWN_GRACE,
+    })
+}
+
+fn run_node(
+    engine: &EngineArgs,
+    node: &NodeArgs,
+    role: Role,
+    decode: Option<DecodeConfig>,
+) -> Result<()> {
+    let opts = node_options(node, role)?;
+    if let Some(d) = &decode {
+        d.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    let (meter_provider, render) = install_metrics()?;
+    let (m, _) = engine.load()?;
+    let sched = engine.scheduler_config(m.model.config().context_length)?;
+    let model = Arc::new(m);
+    let rt = runtime()?;
+    let result: Result<()> = rt.block_on(async {
+        let (core, scheduler) = NodeCore::start(model, sched, &opts)?;
+        let mut builder = tonic::transport::Server::builder();
+        let worker = WorkerService::new(Arc::clone(&core)).into_server();
+        let r = match decode {
+            None => {
+                let grpc = builder
+                    .add_service(worker)
+                    .add_service(PrefillService::new(Arc::clone(&core)).into_server());
+                serve_node(Arc::clone(&core), &opts, grpc, render, shutdown_signal()).await
+            }
+            Some(cfg) => {
+                let svc = DecodeService::new(Arc::clone(&core), cfg);
+                let grpc = builder
+                    .add_service(worker)
+                    .add_service(svc.clone().into_server());
+                let r = serve_node(Arc::clone(&core), &opts, grpc, render, shutdown_signal()).await;
+                svc.drain(SHUTDOWN_GRACE).await;
+                r
+            }
+        };
+        drop(core);
+        // Every handle is gone with the node's tasks; the actor can stop.
+        tokio::task::spawn_blocking(move || scheduler.shutdown())
+            .await
+            .context("stopping the scheduler")?;
+        r.map_err(anyhow::Error::from)
+    });
+    rt.shutdown_timeout(Duration::from_secs(1));
+    if let Err(e) = meter_provider.shutdown() {
+        tracing::warn!("stopping metrics: {e}");
+    }
+    eprintln!("tandem: {} node stopped", role.as_str());
+    result
+}
+
+pub fn run_prefill(args: PrefillArgs) -> Result<()> {
+    run_node(&args.engine, &args.node, Role::Prefill, None)
+}
+
+pub fn run_decode(args: DecodeArgs) -> Result<()> {
+    let cfg = DecodeConfig {
+        remote_prefill_min_tokens: args.remote_prefill_min_tokens,
+        prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
+        transfer_grace: Duration::from_millis(args.transfer_grace_ms),
+    };
+    run_node(&args.engine, &args.node, Role::Decode, Some(cfg))
+}
+
+pub fn run_router(args: RouterArgs) -> Result<()> {
+    let addr = args.http.addr()?;
+    let Some(etcd) = args.etcd.config()? else {
+        bail!("--etcd is required: the router finds its workers there");
+    };
+    let routing = RoutingConfig {
+        prefill_weight: args.prefill_weight,
+        queue_weight: args.queue_weight,
+        prefill_candidates: args.prefill_candidates,
+        decode_attempts: 2,
+    };
+    routing.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    if args.kv_cache_page_size == 0 {
+        bail!("--kv-cache-page-size must be at least 1");
+    }
+    let (meter_provider, render) = install_metrics()?;
+    let cache = args
+        .cache_dir
+        .clone()
+        .unwrap_or_else(tandem_engine::fetch::cache_dir);
+    let path = tandem_engine::fetch::resolve(&args.model, &cache)?;
+    let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let context = m.model.config().context_length;
+    let max_length = args.max_length.unwrap_or(context.min(8192));
+    if max_length < 2 || max_length > context {
+        bail!(
+            "--max-length {max_length} must be between 2 and the model's context length {context}"
+        );
+    }
+    let fingerprint = m.fingerprint(args.kv_cache_page_size);
+    let server = args.http.server_config(served_name(&args.model, &path))?;
+    let model = Arc::new(m);
+    let rt = runtime()?;
+    let result: Result<()> = rt.block_on(async {
+        let cluster = ClusterHandle::start(&etcd, fingerprint, routing)
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
+        let backend = Backend::Cluster {
+            cluster: Arc::clone(&cluster.cluster),
+            max_length,
+        };
+        let state = AppState::with_backend(model, backend, server.clone());
+        state.set_metrics_renderer(render);
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        let local = listener.local_addr().context("reading the bound address")?;
+        {
+            let mut out = std::io::stdout().lock();
+            writeln!(
+                out,
+                "tandem: router for {} on http://{local} (cluster {})",
+                server.model_name, etcd.cluster
+            )?;
+            out.flush()?;
+        }
+        let r = tandem_router::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE)
+            .await
+            .context("serving HTTP");
+        cluster.shutdown().await;
+        r
+    });
+    rt.shutdown_timeout(Duration::from_secs(1));
+    if let Err(e) = meter_provider.shutdown() {
+        tracing::warn!("stopping metrics: {e}");
+    }
+    eprintln!("tandem: router stopped");
+    result
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ClusterCommand {
+    /// Start etcd, prefill and decode nodes and a router on loopback; stop them all on Ctrl-C.
+    Up(ClusterUpArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ClusterUpArgs {
+    /// Prefill nodes.
+    #[arg(long, env = "TANDEM_CLUSTER_PREFILL", default_value_t = 1)]
+    pub prefill: usize,
+    /// Decode nodes.
+    #[arg(long, env = "TANDEM_CLUSTER_DECODE", default_value_t = 1)]
+    pub decode: usize,
+    /// Router port.
+    #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Model for every process.
+    #[arg(long, env = "TANDEM_MODEL", default_value = tandem_engine::fetch::DEFAULT_MODEL)]
+    pub model: String,
+    /// Use this etcd instead of starting one.
+    #[arg(long, env = "TANDEM_ETCD")]
+    pub etcd: Option<String>,
+    /// Kernel threads per node.
+    #[arg(long, env = "TANDEM_THREADS", default_value_t = 1)]
+    pub threads: usize,
+    /// KV connector of the nodes.
+    #[arg(long, env = "TANDEM_KV_CONNECTOR", default_value = "ucx", value_parser = ["ucx", "local"])]
+    pub kv_connector: String,
+}
+
+/// Children killed (SIGTERM, then SIGKILL) when dropped.
+struct Procs(Vec<(String, Child)>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for (_, c) in self.0.iter_mut().rev() {
+            // SAFETY: plain kill(2) on our own child's pid.
+            unsafe { libc_kill(c.id() as i32, 15) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(15);
+        for (name, c) in self.0.iter_mut().rev() {
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if let Ok(None) = c.try_wait() {
+                eprintln!("tandem cluster: {name} did not stop; killing it");
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Starts `cmd` and waits for its stdout line containing `marker`.
+fn start(procs: &mut Procs, name: &str, mut cmd: Command, marker: &str) -> Result<String> {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {name}"))?;
+    let stdout = child.stdout.take().context("child stdout")?;
+    procs.0.push((name.to_string(), child));
+    let mut lines = BufReader::new(stdout).lines();
+    loop {
+        match lines.next() {
+            Some(Ok(line)) => {
+                println!("[{name}] {line}");
+                if line.contains(marker) {
+                    // Keep draining its stdout so it never blocks on a full pipe.
+                    std::thread::spawn(move || lines.for_each(drop));
+                    return Ok(line);
+                }
+            }
+            _ => bail!("{name} exited before it was ready"),
+        }
+    }
+}
+
+pub fn run_cluster(cmd: ClusterCommand) -> Result<()> {
+    let ClusterCommand::Up(args) = cmd;
+    if args.prefill == 0 && args.decode == 0 {
+        bail!("--decode must be at least 1");
+    }
+    if args.decode == 0 {
+        bail!("--decode must be at least 1 (the router needs a decode node)");
+    }
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut procs = Procs(Vec::new());
+    let data = std::env::temp_dir().join(format!("tandem-cluster-etcd-{}", std::process::id()));
+    let etcd_url = match &args.etcd {
+        Some(u) => u.clone(),
+        None => {
+            let (client, peer) = (free_port()?, free_port()?);
+            let url = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let mut c = Command::new("etcd");
+            c.args(["--data-dir", &data.to_string_lossy()])
+                .args([
+                    "--listen-client-urls",
+                    &url,
+                    "--advertise-client-urls",
+                    &url,
+                ])
+                .args([
+                    "--listen-peer-urls",
+                    &peer_url,
+                    "--initial-advertise-peer-urls",
+                    &peer_url,
+                ])
+                .args(["--initial-cluster", &format!("default={peer_url}")])
+                .stderr(Stdio::null());
+            let child = c
+                .stdout(Stdio::null())
+                .spawn()
+                .context("starting etcd (apt install etcd-server)")?;
+            procs.0.push(("etcd".into(), child));
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+                if Instant::now() > deadline {
+                    bail!("etcd did not start on {url}");
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            println!("tandem cluster: etcd on {url}");
+            url
+        }
+    };
+    let node = |role: &str, i: usize| {
+        let mut c = Command::new(&exe);
+        c.arg(role)
+            .args(["--etcd", &etcd_url, "--model", &args.model])
+            .args(["--id", &format!("{role}-{i}")])
+            .args(["--threads", &args.threads.to_string()])
+            .args(["--kv-connector", &args.kv_connector]);
+        c
+    };
+    for i in 0..args.prefill {
+        start(
+            &mut procs,
+            &format!("prefill-{i}"),
+            node("prefill", i),
+            "serving gRPC",
+        )?;
+    }
+    for i in 0..args.decode {
+        start(
+            &mut procs,
+            &format!("decode-{i}"),
+            node("decode", i),
+            "serving gRPC",
+        )?;
+    }
+    let mut router = Command::new(&exe);
+    router
+        .arg("router")
+        .args(["--etcd", &etcd_url, "--model", &args.model])
+        .args(["--port", &args.port.to_string()]);
+    start(&mut procs, "router", router, "router for")?;
+    println!(
+        "tandem cluster: up ({} prefill, {} decode); Ctrl-C stops it",
+        args.prefill, args.decode
+    );
+    let rt = runtime()?;
+    rt.block_on(shutdown_signal());
+    drop(procs);
+    let _ = std::fs::remove_dir_all(&data);
+    Ok(())
+}

@@ -1,0 +1,69 @@
+//! Errors of a node's request handling, rendered once into gRPC statuses.
+
+use tandem_dkv::DkvError;
+use tandem_engine::RequestError;
+use tandem_proto::ProtoError;
+use tonic::{Code, Status};
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// A malformed or incompatible message.
+    #[error(transparent)]
+    Proto(#[from] ProtoError),
+    /// A request the engine refuses (prompt too long, bad sampling, ...).
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    #[error("KV transfer failed: {0}")]
+    Transfer(#[from] DkvError),
+    /// The KV region was registered by a connector we do not speak.
+    #[error("KV region uses connector `{theirs}` but this node uses `{ours}`")]
+    Connector { ours: String, theirs: String },
+    #[error("deadline exceeded: {0}")]
+    Deadline(String),
+    #[error("the scheduler stopped")]
+    Stopped,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<WorkerError> for Status {
+    fn from(e: WorkerError) -> Status {
+        let code = match &e {
+            WorkerError::Proto(ProtoError::Fingerprint(_)) => Code::FailedPrecondition,
+            WorkerError::Proto(ProtoError::Version { .. }) => Code::FailedPrecondition,
+            WorkerError::Proto(_) | WorkerError::Connector { .. } => Code::InvalidArgument,
+            WorkerError::Request(RequestError::Unavailable(_)) => Code::Unavailable,
+            WorkerError::Request(_) => Code::InvalidArgument,
+            WorkerError::Transfer(DkvError::OutOfBounds(_) | DkvError::InvalidDescriptor(_)) => {
+                Code::InvalidArgument
+            }
+            WorkerError::Transfer(DkvError::DeadlineExceeded) | WorkerError::Deadline(_) => {
+                Code::DeadlineExceeded
+            }
+            WorkerError::Transfer(_) | WorkerError::Stopped => Code::Unavailable,
+            WorkerError::Internal(_) => Code::Internal,
+        };
+        Status::new(code, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_errors_are_invalid_argument_and_incompatibility_is_a_precondition() {
+        let s = Status::from(WorkerError::Request(RequestError::PromptTooLong {
+            prompt: 10,
+            max: 5,
+        }));
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(s.message().starts_with("Prompt is too long: 10 tokens"));
+        let s = Status::from(WorkerError::Proto(ProtoError::Fingerprint("x".into())));
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        let s = Status::from(WorkerError::Transfer(DkvError::DeadlineExceeded));
+        assert_eq!(s.code(), Code::DeadlineExceeded);
+        let s = Status::from(WorkerError::Stopped);
+        assert_eq!(s.code(), Code::Unavailable);
+    }
+}

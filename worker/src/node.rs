@@ -1,0 +1,256 @@
+//! A node's shared state and its serving lifecycle: bind, announce, register
+//! in etcd, serve gRPC and HTTP, then drain and deregister on shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tandem_discovery::{EtcdConfig, Registration};
+use tandem_dkv::{Dkv, DkvConfig, KvLayout, Region, TransportKind};
+use tandem_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerHandle};
+use tandem_engine::{LoadedModel, ModelFingerprint};
+use tandem_proto::{WorkerRecord, pb};
+use tokio::net::TcpListener;
+
+use crate::error::WorkerError;
+use crate::events::EventHub;
+use crate::http::MetricsRenderer;
+
+pub use tandem_discovery::Role;
+
+/// KV events kept for routers that reconnect.
+const EVENT_RING: usize = 65_536;
+/// How often load is broadcast to routers.
+const LOAD_PERIOD: Duration = Duration::from_millis(100);
+
+/// How a node is reached and where it registers.
+#[derive(Debug, Clone)]
+pub struct NodeOptions {
+    pub role: Role,
+    pub id: String,
+    pub grpc_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    /// Host put in the advertised endpoints.
+    pub advertise_host: String,
+    /// `None`: serve without registering (a node addressed directly).
+    pub etcd: Option<EtcdConfig>,
+    pub transport: TransportKind,
+    pub ucx_tls: Option<String>,
+    /// How long in-flight requests may run on after a shutdown signal.
+    pub shutdown_grace: Duration,
+}
+
+/// Everything a node's request handlers share.
+#[derive(Debug)]
+pub struct NodeCore {
+    pub id: String,
+    pub role: Role,
+    pub model: Arc<LoadedModel>,
+    pub scheduler: SchedulerHandle,
+    pub fingerprint: ModelFingerprint,
+    pub dkv: Dkv,
+    /// The whole KV pool, registered for one-sided transfers.
+    pub region: Region,
+    pub layout: KvLayout,
+    pub hub: Arc<EventHub>,
+    draining: AtomicBool,
+    registration: Mutex<Option<Registration>>,
+}
+
+impl NodeCore {
+    /// Starts the scheduler (publishing KV events to the hub) and registers
+    /// its KV pool with the transfer engine. The returned [`Scheduler`] must
+    /// outlive the node's serving and be shut down after it.
+    pub fn start(
+        model: Arc<LoadedModel>,
+        config: SchedulerConfig,
+        opts: &NodeOptions,
+    ) -> Result<(Arc<Self>, Scheduler), WorkerError> {
+        let hub = EventHub::new(EVENT_RING);
+        let fingerprint = model.fingerprint(config.block_size);
+        let scheduler =
+            Scheduler::spawn_with_kv_events(Arc::clone(&model), config, Some(hub.sink()))
+                .map_err(|e| WorkerError::Internal(e.to_string()))?;
+        let handle = scheduler.handle().clone();
+        let dkv = Dkv::new(DkvConfig {
+            transport: opts.transport,
+            ucx_tls: opts.ucx_tls.clone(),
+        })?;
+        let (pool, kv) = handle.kv_pool();
+        let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(pool) as _;
+        // SAFETY: the pool lives as long as `owner`, which the region keeps.
+        let region = unsafe { dkv.register(pool.as_mut_ptr(), pool.byte_len(), owner)? };
+        let head_slice_bytes = (kv.head_slice_len() * 2) as u64;
+        let layout = KvLayout {
+            block_bytes: kv.block_bytes() as u64,
+            layer_bytes: (kv.layer_len() * 2) as u64,
+            head_slice_bytes,
+            num_layers: kv.n_layers as u32,
+            num_kv_heads: kv.n_kv_heads as u32,
+        };
+        let core = Arc::new(Self {
+            id: opts.id.clone(),
+            role: opts.role,
+            model,
+            scheduler: handle,
+            fingerprint,
+            dkv,
+            region,
+            layout,
+            hub,
+            draining: AtomicBool::new(false),
+            registration: Mutex::new(None),
+        });
+        Ok((core, scheduler))
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    pub fn is_registered(&self) -> bool {
+        self.registration
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(Registration::is_registered)
+    }
+
+    fn record(&self, grpc: SocketAddr, metrics: SocketAddr, host: &str) -> WorkerRecord {
+        let c = self.scheduler.config();
+        WorkerRecord {
+            id: self.id.clone(),
+            role: self.role.as_str().to_string(),
+            grpc_endpoint: format!("http://{host}:{}", grpc.port()),
+            metrics_endpoint: format!("http://{host}:{}", metrics.port()),
+            fingerprint: self.fingerprint.clone(),
+            kv_blocks_total: c.num_blocks,
+            max_batch_size: c.max_batch_size,
+            tp: 1,
+            dp: 1,
+        }
+    }
+
+    fn load(&self) -> pb::Load {
+        let s = self.scheduler.stats();
+        let get = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as u32;
+        pb::Load {
+            waiting: get(&s.waiting) + get(&s.importing),
+            running: get(&s.running),
+            kv_blocks_used: get(&s.kv_blocks_in_use),
+            kv_blocks_total: get(&s.kv_blocks_total),
+        }
+    }
+}
+
+/// Serves `grpc` (the role's services plus [`crate::service::WorkerService`])
+/// and the HTTP endpoints until `shutdown` resolves, registered in etcd
+/// meanwhile. Prints the bound addresses on stdout (tests read them).
+pub async fn serve(
+    core: Arc<NodeCore>,
+    opts: &NodeOptions,
+    grpc: tonic::transport::server::Router,
+    render: MetricsRenderer,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), WorkerError> {
+    let bind = |addr: SocketAddr| async move {
+        TcpListener::bind(addr)
+            .await
+            .map_err(|e| WorkerError::Internal(format!("binding {addr}: {e}")))
+    };
+    let grpc_listener = bind(opts.grpc_addr).await?;
+    let http_listener = bind(opts.metrics_addr).await?;
+    let local = |l: &TcpListener| {
+        l.local_addr()
+            .map_err(|e| WorkerError::Internal(format!("reading the bound address: {e}")))
+    };
+    let (grpc_addr, http_addr) = (local(&grpc_listener)?, local(&http_listener)?);
+    let record = core.record(grpc_addr, http_addr, &opts.advertise_host);
+    println!(
+        "tandem: {} node {} serving gRPC on {} and metrics on {} (KV connector {})",
+        core.role.as_str(),
+        core.id,
+        record.grpc_endpoint,
+        record.metrics_endpoint,
+        core.dkv.connector(),
+    );
+
+    if let Some(etcd) = &opts.etcd {
+        let reg = Registration::start(etcd, core.role, &core.id, record.encode())
+            .await
+            .map_err(|e| WorkerError::Internal(format!("registering in etcd: {e}")))?;
+        *core
+            .registration
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(reg);
+    }
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let load_core = Arc::clone(&core);
+    let mut load_stop = stop_rx.clone();
+    let load_task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(LOAD_PERIOD);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => load_core.hub.push_load(load_core.load()),
+                _ = load_stop.changed() => break,
+            }
+        }
+    });
+
+    let mut http_stop = stop_rx.clone();
+    let http = axum::serve(
+        http_listener,
+        crate::http::router(Arc::clone(&core), render),
+    )
+    .with_graceful_shutdown(async move {
+        let _ = http_stop.changed().await;
+    });
+    let http_task = tokio::spawn(async move { http.await });
+
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
+    let incoming = futures_util::StreamExt::map(incoming, |s| {
+        s.inspect(|s| {
+            let _ = s.set_nodelay(true);
+        })
+    });
+    let mut grpc_stop = stop_rx.clone();
+    let grpc_task = tokio::spawn(grpc.serve_with_incoming_shutdown(incoming, async move {
+        let _ = grpc_stop.changed().await;
+    }));
+
+    shutdown.await;
+    core.draining.store(true, Ordering::Relaxed);
+    // Leave the membership first so routers stop sending us work.
+    let reg = core
+        .registration
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    if let Some(reg) = reg {
+        reg.shutdown().await;
+    }
+    let _ = stop_tx.send(true);
+    let grace = opts.shutdown_grace;
+    let grpc_result = match tokio::time::timeout(grace, grpc_task).await {
+        Ok(Ok(r)) => r.map_err(|e| WorkerError::Internal(format!("gRPC server: {e}"))),
+        Ok(Err(e)) => Err(WorkerError::Internal(format!("gRPC server task: {e}"))),
+        Err(_) => {
+            tracing::warn!("in-flight requests did not finish within {grace:?}; stopping");
+            Ok(())
+        }
+    };
+    let _ = load_task.await;
+    if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(1), http_task)
+        .await
+        .map(|r| {
+            r.map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string()))
+        })
+    {
+        tracing::warn!("metrics server: {e}");
+    }
+    grpc_result
+}
