@@ -12,8 +12,25 @@
 //!
 //! Prompts are random words from a fixed built-in list (seeded, so two runs
 //! with the same flags send the same prompts), about one token per word.
+//!
+//! Multi-turn sessions (`--multi-turn-sessions N --turns T`): turn k of a
+//! session sends the whole conversation so far (its earlier user messages and
+//! the answers the server streamed back) plus a new random user message.
+//! Fairness: a session holds a concurrency slot only while one of its turns is
+//! in flight, and ready turns (first turns, and each next turn once the
+//! previous one finished) wait in one FIFO queue, so a session that just
+//! finished queues behind sessions that waited longer and none monopolises a
+//! slot. There is no think time. With `--request-rate` the Poisson arrival
+//! times pace all requests: the j-th request goes out at the j-th arrival, or
+//! later when no turn is ready or no slot is free then (as single requests do
+//! when the concurrency cap is hit). Per turn it reports the server's cached
+//! prefix (`usage.prompt_tokens_details.cached_tokens`) against what the
+//! previous turn could have left in the cache: its prompt plus completion
+//! tokens, rounded down to whole KV blocks.
 
+use std::collections::VecDeque;
 use std::fmt::Write as _;
+use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -57,6 +74,22 @@ pub struct BenchArgs {
     /// Requests per run (per sweep point).
     #[arg(long, env = "TANDEM_BENCH_NUM_REQUESTS", default_value_t = 64)]
     num_requests: usize,
+    /// Multi-turn chat: this many sessions of --turns turns each (N x T
+    /// requests per point, instead of --num-requests).
+    #[arg(
+        long,
+        env = "TANDEM_BENCH_MULTI_TURN_SESSIONS",
+        conflicts_with = "num_requests"
+    )]
+    multi_turn_sessions: Option<usize>,
+    /// Turns per multi-turn session; each turn's new user message takes its
+    /// length from --input-len(-range).
+    #[arg(long, env = "TANDEM_BENCH_TURNS")]
+    turns: Option<usize>,
+    /// The server's KV block size in tokens, for the multi-turn retention
+    /// report (only whole blocks can be reused).
+    #[arg(long, env = "TANDEM_BENCH_KV_BLOCK_SIZE", default_value_t = 16)]
+    kv_block_size: usize,
     /// Requests in flight at once (default 8; with --request-rate: no cap
     /// unless given).
     #[arg(long, env = "TANDEM_BENCH_CONCURRENCY")]
@@ -195,53 +228,188 @@ impl Rng {
     }
 }
 
-#[derive(Debug, Clone)]
-struct Spec {
-    prompt: String,
-    input_words: usize,
-    max_tokens: usize,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    User,
+    Assistant,
 }
 
-fn make_specs(args: &BenchArgs) -> Vec<Spec> {
-    let mut rng = Rng(args.seed);
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Msg {
+    role: Role,
+    content: String,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Spec {
+    /// The prompt, or in a chat the new user message.
+    prompt: String,
+    /// Estimated prompt tokens (words), history included.
+    input_words: usize,
+    max_tokens: usize,
+    /// Earlier messages of a multi-turn session.
+    history: Vec<Msg>,
+    /// 1-based turn of a multi-turn session; 0 for single requests.
+    turn: usize,
+    /// KV tokens the previous turn could have left for this one.
+    carryable: Option<u64>,
+}
+
+fn shared_prefixes(args: &BenchArgs, rng: &mut Rng) -> Vec<String> {
     let groups = if args.shared_prefix_len > 0 {
         args.shared_prefix_groups
     } else {
         0
     };
-    let prefixes: Vec<String> = (0..groups)
+    (0..groups)
         .map(|_| {
             let mut s = String::new();
             rng.words(args.shared_prefix_len, &mut s);
             s
         })
-        .collect();
+        .collect()
+}
+
+/// One random prompt (or user message), optionally after a shared prefix.
+fn draw(args: &BenchArgs, rng: &mut Rng, prefix: Option<&str>) -> Spec {
+    let input = match args.input_len_range {
+        Some((lo, hi)) => rng.range(lo, hi),
+        None => args.input_len.max(1),
+    };
+    let max_tokens = match args.output_len_range {
+        Some((lo, hi)) => rng.range(lo, hi),
+        None => args.output_len.max(1),
+    };
+    let mut prompt = String::new();
+    let mut words = input;
+    let mut input_words = input;
+    if let Some(p) = prefix {
+        prompt.push_str(p);
+        words = input.saturating_sub(args.shared_prefix_len).max(1);
+        input_words = args.shared_prefix_len + words;
+    }
+    rng.words(words, &mut prompt);
+    Spec {
+        prompt,
+        input_words,
+        max_tokens,
+        ..Spec::default()
+    }
+}
+
+fn make_specs(args: &BenchArgs) -> Vec<Spec> {
+    let mut rng = Rng(args.seed);
+    let prefixes = shared_prefixes(args, &mut rng);
     (0..args.num_requests)
         .map(|i| {
-            let input = match args.input_len_range {
-                Some((lo, hi)) => rng.range(lo, hi),
-                None => args.input_len.max(1),
-            };
-            let max_tokens = match args.output_len_range {
-                Some((lo, hi)) => rng.range(lo, hi),
-                None => args.output_len.max(1),
-            };
-            let mut prompt = String::new();
-            let mut words = input;
-            let mut input_words = input;
-            if !prefixes.is_empty() {
-                prompt.push_str(&prefixes[i % prefixes.len()]);
-                words = input.saturating_sub(args.shared_prefix_len).max(1);
-                input_words = args.shared_prefix_len + words;
-            }
-            rng.words(words, &mut prompt);
-            Spec {
-                prompt,
-                input_words,
-                max_tokens,
-            }
+            let prefix = (!prefixes.is_empty()).then(|| prefixes[i % prefixes.len()].as_str());
+            draw(args, &mut rng, prefix)
         })
         .collect()
+}
+
+/// The user messages of `sessions` sessions of `turns` turns (session i's
+/// first message starts with shared prefix i % G). `point` salts the seed so
+/// each sweep point gets fresh conversations: replaying the same ones would
+/// find the previous point's blocks still cached and overstate retention.
+fn make_sessions(args: &BenchArgs, sessions: usize, turns: usize, point: usize) -> Vec<Vec<Spec>> {
+    let mut rng = Rng(args.seed ^ (point as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+    let prefixes = shared_prefixes(args, &mut rng);
+    (0..sessions)
+        .map(|i| {
+            (0..turns)
+                .map(|k| {
+                    let prefix = (k == 0 && !prefixes.is_empty())
+                        .then(|| prefixes[i % prefixes.len()].as_str());
+                    draw(args, &mut rng, prefix)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+const SKIPPED: &str = "skipped: an earlier turn of its session failed";
+
+/// A multi-turn session as it runs: its conversation so far.
+#[derive(Debug)]
+struct Session {
+    /// The user messages (and max_tokens) of all turns.
+    turns: Vec<Spec>,
+    /// Index of the next turn to send.
+    next: usize,
+    history: Vec<Msg>,
+    /// Estimated tokens of the history, when the server reports no usage.
+    history_words: usize,
+    carryable: Option<u64>,
+    failed: bool,
+}
+
+impl Session {
+    fn new(turns: Vec<Spec>) -> Self {
+        Session {
+            turns,
+            next: 0,
+            history: Vec::new(),
+            history_words: 0,
+            carryable: None,
+            failed: false,
+        }
+    }
+
+    fn pending(&self) -> bool {
+        !self.failed && self.next < self.turns.len()
+    }
+
+    /// The request of the next turn: the whole history plus its message.
+    fn next_spec(&self) -> Spec {
+        let mut s = self.turns[self.next].clone();
+        s.input_words += self.history_words;
+        s.history = self.history.clone();
+        s.turn = self.next + 1;
+        s.carryable = self.carryable;
+        s
+    }
+
+    /// Records the outcome of the turn sent last (taking its answer text).
+    fn finish(&mut self, o: &mut Outcome, block_size: usize) {
+        let user = self.turns[self.next].prompt.clone();
+        self.next += 1;
+        if !o.ok {
+            self.failed = true;
+            return;
+        }
+        self.history.push(Msg {
+            role: Role::User,
+            content: user,
+        });
+        self.history.push(Msg {
+            role: Role::Assistant,
+            content: std::mem::take(&mut o.text),
+        });
+        self.history_words =
+            o.prompt_tokens.map_or(o.input_words, |p| p as usize) + o.output_tokens as usize;
+        self.carryable = carryable(o.prompt_tokens, o.output_tokens, block_size);
+    }
+
+    /// Error outcomes for the turns a failure left unsent.
+    fn skip_rest(&mut self) -> Vec<Outcome> {
+        let skipped = (self.next..self.turns.len())
+            .map(|k| Outcome {
+                turn: k + 1,
+                error: Some(SKIPPED.into()),
+                ..Outcome::default()
+            })
+            .collect();
+        self.next = self.turns.len();
+        skipped
+    }
+}
+
+/// The prefix a turn can leave in the KV cache for the next one: its prompt
+/// and completion, in whole blocks (unknown without the server's usage).
+fn carryable(prompt_tokens: Option<u64>, completion_tokens: u64, block_size: usize) -> Option<u64> {
+    let b = block_size.max(1) as u64;
+    prompt_tokens.map(|p| (p + completion_tokens) / b * b)
 }
 
 // --- HTTP and SSE -----------------------------------------------------------------
@@ -363,10 +531,13 @@ impl SseParser {
 /// What one streamed chunk says.
 #[derive(Debug, Default, PartialEq)]
 struct Chunk {
-    /// Non-empty generated text in this chunk.
+    /// Non-empty generated text (or reasoning) in this chunk.
     content: bool,
+    /// The answer text (reasoning left out, as chat clients do in history).
+    text: String,
     prompt_tokens: Option<u64>,
     completion_tokens: Option<u64>,
+    cached_tokens: Option<u64>,
     error: Option<String>,
     done: bool,
 }
@@ -397,17 +568,24 @@ fn parse_event(data: &str) -> Chunk {
         );
     }
     if let Some(choices) = v.get("choices").and_then(Value::as_array) {
-        c.content = choices.iter().any(|ch| {
-            let text = ch
-                .pointer("/delta/content")
-                .or_else(|| ch.pointer("/delta/reasoning_content"))
-                .or_else(|| ch.get("text"));
-            text.and_then(Value::as_str).is_some_and(|s| !s.is_empty())
-        });
+        for ch in choices {
+            let s = |p: &str| ch.pointer(p).and_then(Value::as_str).unwrap_or("");
+            let (content, reasoning, text) = (
+                s("/delta/content"),
+                s("/delta/reasoning_content"),
+                s("/text"),
+            );
+            c.content |= !content.is_empty() || !reasoning.is_empty() || !text.is_empty();
+            c.text.push_str(content);
+            c.text.push_str(text);
+        }
     }
     if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
         c.prompt_tokens = u.get("prompt_tokens").and_then(Value::as_u64);
         c.completion_tokens = u.get("completion_tokens").and_then(Value::as_u64);
+        c.cached_tokens = u
+            .pointer("/prompt_tokens_details/cached_tokens")
+            .and_then(Value::as_u64);
     }
     c
 }
@@ -536,6 +714,13 @@ struct Outcome {
     output_tokens: u64,
     prompt_tokens: Option<u64>,
     input_words: usize,
+    /// As in `Spec`.
+    turn: usize,
+    carryable: Option<u64>,
+    /// Prompt tokens the server says it took from its prefix cache.
+    cached_tokens: Option<u64>,
+    /// The streamed answer (kept for multi-turn requests only).
+    text: String,
 }
 
 impl Outcome {
@@ -566,7 +751,17 @@ fn request_body(sh: &Shared, spec: &Spec) -> String {
     });
     match sh.endpoint {
         Endpoint::Chat => {
-            body["messages"] = json!([{"role": "user", "content": spec.prompt}]);
+            let msg = |role: &str, content: &str| json!({"role": role, "content": content});
+            let mut messages: Vec<Value> = spec
+                .history
+                .iter()
+                .map(|m| match m.role {
+                    Role::User => msg("user", &m.content),
+                    Role::Assistant => msg("assistant", &m.content),
+                })
+                .collect();
+            messages.push(msg("user", &spec.prompt));
+            body["messages"] = Value::Array(messages);
         }
         Endpoint::Completions => body["prompt"] = json!(spec.prompt),
     }
@@ -580,6 +775,8 @@ async fn run_one(sh: &Shared, spec: &Spec) -> Outcome {
     let start = Instant::now();
     let mut o = Outcome {
         input_words: spec.input_words,
+        turn: spec.turn,
+        carryable: spec.carryable,
         ..Outcome::default()
     };
     let r = tokio::time::timeout(sh.timeout, stream_one(sh, spec, start, &mut o)).await;
@@ -636,6 +833,9 @@ async fn stream_one(sh: &Shared, spec: &Spec, start: Instant, o: &mut Outcome) -
             if let Some(e) = c.error {
                 o.error.get_or_insert(e);
             }
+            if spec.turn > 0 {
+                o.text.push_str(&c.text);
+            }
             if c.content {
                 deltas += 1;
                 match last {
@@ -646,6 +846,9 @@ async fn stream_one(sh: &Shared, spec: &Spec, start: Instant, o: &mut Outcome) -
             }
             if c.completion_tokens.is_some() {
                 o.completion_tokens_from_usage(c.completion_tokens, c.prompt_tokens);
+            }
+            if c.cached_tokens.is_some() {
+                o.cached_tokens = c.cached_tokens;
             }
             done |= c.done;
         }
@@ -768,6 +971,7 @@ struct Report {
     itl: Summary,
     e2e: Summary,
     good: Option<usize>,
+    multi_turn: Option<MultiTurn>,
 }
 
 fn aggregate(
@@ -808,6 +1012,185 @@ fn aggregate(
         itl: summarize(ok.iter().flat_map(|o| o.itl.iter().copied()).collect()),
         e2e: summarize(ok.iter().map(|o| o.e2e).collect()),
         good: slo.map(|s| ok.iter().filter(|o| meets(o, s)).count()),
+        multi_turn: None,
+    }
+}
+
+/// Per-turn statistics of a multi-turn run.
+#[derive(Debug, Clone, PartialEq)]
+struct TurnStats {
+    turn: usize,
+    completed: usize,
+    errors: usize,
+    /// Means over the completed requests that know them; None is n/a.
+    cached: Option<f64>,
+    carryable: Option<f64>,
+    /// Mean of cached / carryable over requests with both (carryable > 0).
+    retention: Option<f64>,
+    retention_n: usize,
+    ttft: Summary,
+    tpot: Summary,
+    e2e: Summary,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct MultiTurn {
+    sessions: usize,
+    turns: usize,
+    block_size: usize,
+    per_turn: Vec<TurnStats>,
+    /// Mean retention over all requests of turns 2+ that have one.
+    retention: Option<f64>,
+    retention_n: usize,
+}
+
+/// Retention of one request: None when the server reported no cached
+/// tokens, the previous turn no usage, or nothing whole-block was carryable.
+fn retention(o: &Outcome) -> Option<f64> {
+    match (o.cached_tokens, o.carryable) {
+        (Some(c), Some(k)) if k > 0 => Some(c as f64 / k as f64),
+        _ => None,
+    }
+}
+
+fn mean(v: impl IntoIterator<Item = f64>) -> Option<f64> {
+    let (n, sum) = v
+        .into_iter()
+        .fold((0usize, 0.0), |(n, s), x| (n + 1, s + x));
+    (n > 0).then(|| sum / n as f64)
+}
+
+fn multi_turn_stats(
+    sessions: usize,
+    turns: usize,
+    block_size: usize,
+    outs: &[Outcome],
+) -> MultiTurn {
+    let per_turn = (1..=turns)
+        .map(|t| {
+            let all = || outs.iter().filter(move |o| o.turn == t);
+            let ok: Vec<&Outcome> = all().filter(|o| o.ok).collect();
+            let ratios: Vec<f64> = ok.iter().filter_map(|o| retention(o)).collect();
+            TurnStats {
+                turn: t,
+                completed: ok.len(),
+                errors: all().count() - ok.len(),
+                cached: mean(ok.iter().filter_map(|o| o.cached_tokens).map(|x| x as f64)),
+                carryable: mean(ok.iter().filter_map(|o| o.carryable).map(|x| x as f64)),
+                retention: mean(ratios.iter().copied()),
+                retention_n: ratios.len(),
+                ttft: summarize(ok.iter().filter_map(|o| o.ttft).collect()),
+                tpot: summarize(ok.iter().filter_map(|o| o.tpot()).collect()),
+                e2e: summarize(ok.iter().map(|o| o.e2e).collect()),
+            }
+        })
+        .collect();
+    let ratios: Vec<f64> = outs
+        .iter()
+        .filter(|o| o.ok && o.turn > 1)
+        .filter_map(retention)
+        .collect();
+    MultiTurn {
+        sessions,
+        turns,
+        block_size,
+        per_turn,
+        retention: mean(ratios.iter().copied()),
+        retention_n: ratios.len(),
+    }
+}
+
+fn fmt_opt(x: Option<f64>, prec: usize) -> String {
+    x.map_or_else(|| "n/a".into(), |x| format!("{x:.prec$}"))
+}
+
+impl MultiTurn {
+    fn text(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "multi-turn: {} sessions x {} turns; retention = server-cached / carryable \
+             (previous prompt + completion in whole {}-token blocks)",
+            self.sessions, self.turns, self.block_size
+        );
+        let _ = writeln!(
+            s,
+            "{:<5} {:>4} {:>4} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10}",
+            "turn",
+            "ok",
+            "err",
+            "cached",
+            "carryable",
+            "retention",
+            "TTFT mean",
+            "TTFT p50",
+            "TPOT mean",
+            "E2E mean"
+        );
+        for t in &self.per_turn {
+            let ms = |x: f64| {
+                if x.is_finite() {
+                    format!("{:.2}", x * 1e3)
+                } else {
+                    "n/a".into()
+                }
+            };
+            let _ = writeln!(
+                s,
+                "{:<5} {:>4} {:>4} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10}",
+                t.turn,
+                t.completed,
+                t.errors,
+                fmt_opt(t.cached, 1),
+                if t.turn == 1 {
+                    "-".into()
+                } else {
+                    fmt_opt(t.carryable, 1)
+                },
+                if t.turn == 1 {
+                    "-".into()
+                } else {
+                    fmt_opt(t.retention, 3)
+                },
+                ms(t.ttft.mean),
+                ms(t.ttft.p50),
+                ms(t.tpot.mean),
+                ms(t.e2e.mean)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "KV retention (turns 2+): {} over {} requests",
+            fmt_opt(self.retention, 3),
+            self.retention_n
+        );
+        s
+    }
+
+    fn json(&self) -> Value {
+        let num = |x: Option<f64>| {
+            x.filter(|x| x.is_finite())
+                .map_or(Value::Null, |x| json!(x))
+        };
+        json!({
+            "sessions": self.sessions,
+            "turns": self.turns,
+            "kv_block_size": self.block_size,
+            "retention": num(self.retention),
+            "retention_requests": self.retention_n,
+            "per_turn": self.per_turn.iter().map(|t| json!({
+                "turn": t.turn,
+                "completed": t.completed,
+                "errors": t.errors,
+                "cached_tokens_mean": num(t.cached),
+                "carryable_tokens_mean": num(t.carryable),
+                "retention": num(t.retention),
+                "retention_requests": t.retention_n,
+                "ttft": t.ttft.json_ms(),
+                "tpot": t.tpot.json_ms(),
+                "e2e": t.e2e.json_ms(),
+            })).collect::<Vec<_>>(),
+        })
     }
 }
 
@@ -878,6 +1261,9 @@ impl Report {
                 m.max * 1e3
             );
         }
+        if let Some(mt) = &self.multi_turn {
+            s.push_str(&mt.text());
+        }
         s
     }
 
@@ -904,6 +1290,7 @@ impl Report {
             "tpot": self.tpot.json_ms(),
             "itl": self.itl.json_ms(),
             "e2e": self.e2e.json_ms(),
+            "multi_turn": self.multi_turn.as_ref().map(MultiTurn::json),
         })
     }
 }
@@ -967,9 +1354,150 @@ async fn run_point(
     (dur, outs)
 }
 
-pub fn run(args: BenchArgs) -> Result<()> {
+/// Sends a turn's outcome to the session driver when dropped, so that a
+/// panicking turn is reported as failed instead of hanging the driver.
+struct TurnDone {
+    /// None once sent.
+    tx: Option<tokio::sync::mpsc::UnboundedSender<(usize, Outcome)>>,
+    session: usize,
+    turn: usize,
+}
+
+impl TurnDone {
+    fn send(&mut self, o: Outcome) {
+        // The driver waits for every turn, so its receiver is still open.
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send((self.session, o));
+        }
+    }
+}
+
+impl Drop for TurnDone {
+    fn drop(&mut self) {
+        self.send(Outcome {
+            turn: self.turn,
+            error: Some("task failed".into()),
+            ..Outcome::default()
+        });
+    }
+}
+
+/// Runs multi-turn sessions (see the module doc for the schedule);
+/// `run_turn` sends one request.
+async fn run_sessions<F, Fut>(
+    sessions: Vec<Vec<Spec>>,
+    concurrency: Option<usize>,
+    rate: Option<f64>,
+    seed: u64,
+    block_size: usize,
+    quiet: bool,
+    run_turn: F,
+) -> (f64, Vec<Outcome>)
+where
+    F: Fn(Spec) -> Fut,
+    Fut: Future<Output = Outcome> + Send + 'static,
+{
+    let total: usize = sessions.iter().map(Vec::len).sum();
+    let mut state: Vec<Session> = sessions.into_iter().map(Session::new).collect();
+    let mut ready: VecDeque<usize> = (0..state.len()).filter(|&i| state[i].pending()).collect();
+    let sem = concurrency.map(|c| Arc::new(Semaphore::new(c.max(1))));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Outcome)>();
+    let done = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(AtomicUsize::new(0));
+    let mut arrivals = Rng(seed ^ 0xA5A5_5A5A_DEAD_BEEF);
+    let start = Instant::now();
+    let mut next_at = 0.0f64;
+    let mut in_flight = 0usize;
+    let mut outs = Vec::with_capacity(total);
+    let progress = move |done: usize, errors: usize| {
+        if !quiet {
+            eprint!("\r  {done}/{total} done, {errors} errors ");
+        }
+    };
+    progress(0, 0);
+    loop {
+        // Take in finished turns; block for one only when no turn is ready.
+        loop {
+            let msg = if ready.is_empty() && in_flight > 0 {
+                rx.recv().await
+            } else {
+                rx.try_recv().ok()
+            };
+            let Some((i, mut o)) = msg else {
+                break;
+            };
+            in_flight -= 1;
+            let s = &mut state[i];
+            s.finish(&mut o, block_size);
+            outs.push(o);
+            if s.pending() {
+                ready.push_back(i);
+            } else if s.failed {
+                let skipped = s.skip_rest();
+                let n = skipped.len();
+                outs.extend(skipped);
+                progress(
+                    done.fetch_add(n, Ordering::Relaxed) + n,
+                    errors.fetch_add(n, Ordering::Relaxed) + n,
+                );
+            }
+        }
+        if ready.is_empty() {
+            break; // and nothing in flight
+        }
+        if let Some(r) = rate {
+            tokio::time::sleep_until((start + Duration::from_secs_f64(next_at)).into()).await;
+            next_at += -arrivals.unit().ln() / r;
+        }
+        let permit = match &sem {
+            Some(sem) => Some(Arc::clone(sem).acquire_owned().await),
+            None => None,
+        };
+        let Some(i) = ready.pop_front() else {
+            break;
+        };
+        let spec = state[i].next_spec();
+        let mut reply = TurnDone {
+            tx: Some(tx.clone()),
+            session: i,
+            turn: spec.turn,
+        };
+        let turn = run_turn(spec);
+        in_flight += 1;
+        let (done, errors) = (Arc::clone(&done), Arc::clone(&errors));
+        tokio::spawn(async move {
+            let o = turn.await;
+            drop(permit);
+            let e = errors.fetch_add(usize::from(!o.ok), Ordering::Relaxed) + usize::from(!o.ok);
+            let d = done.fetch_add(1, Ordering::Relaxed) + 1;
+            progress(d, e);
+            reply.send(o);
+        });
+    }
+    let dur = start.elapsed().as_secs_f64();
+    if !quiet {
+        eprintln!();
+    }
+    (dur, outs)
+}
+
+/// Flag checks clap does not do.
+fn check_args(args: &BenchArgs) -> Result<()> {
     if args.num_requests == 0 {
         bail!("--num-requests must be at least 1");
+    }
+    match (args.multi_turn_sessions, args.turns) {
+        (Some(0), _) => bail!("--multi-turn-sessions must be at least 1"),
+        (_, Some(0)) => bail!("--turns must be at least 1"),
+        (Some(_), None) => bail!("--multi-turn-sessions needs --turns"),
+        (None, Some(_)) => bail!("--turns needs --multi-turn-sessions"),
+        (Some(_), Some(_)) if args.endpoint != Endpoint::Chat => {
+            bail!("multi-turn sessions need --endpoint chat")
+        }
+        _ => {}
+    }
+    if args.kv_block_size == 0 {
+        bail!("--kv-block-size must be at least 1");
     }
     if let Some(r) = args.request_rate
         && !(r > 0.0 && r.is_finite())
@@ -982,6 +1510,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.shared_prefix_groups > 0 && args.shared_prefix_len == 0 {
         bail!("--shared-prefix-groups needs --shared-prefix-len");
     }
+    Ok(())
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    check_args(&args)?;
+    let multi_turn = args.multi_turn_sessions.zip(args.turns);
     let target = parse_url(&args.url)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -1006,7 +1540,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             ignore_eos: args.ignore_eos,
             timeout: Duration::from_secs(args.timeout.max(1)),
         });
-        let specs = make_specs(&args);
+        let specs = if multi_turn.is_none() {
+            make_specs(&args)
+        } else {
+            Vec::new()
+        };
+        let num_requests = multi_turn.map_or(specs.len(), |(n, t)| n * t);
         let points: Vec<Option<usize>> = if args.sweep_concurrency.is_empty() {
             vec![match args.request_rate {
                 Some(_) => args.concurrency,
@@ -1015,13 +1554,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
         } else {
             args.sweep_concurrency.iter().map(|&c| Some(c)).collect()
         };
+        let per_point = match multi_turn {
+            Some((n, t)) => format!("{n} sessions x {t} turns ({num_requests} requests)"),
+            None => format!("{num_requests} requests"),
+        };
         eprintln!(
-            "tandem bench: {} ({model}), {} requests per point",
-            args.url,
-            specs.len()
+            "tandem bench: {} ({model}), {per_point} per point",
+            args.url
         );
         let mut reports = Vec::new();
-        for c in points {
+        for (point, c) in points.into_iter().enumerate() {
             let label = match (c, args.request_rate) {
                 (Some(c), Some(r)) => format!("rate {r} req/s, concurrency <= {c}"),
                 (None, Some(r)) => format!("rate {r} req/s"),
@@ -1031,16 +1573,37 @@ pub fn run(args: BenchArgs) -> Result<()> {
             if !args.quiet {
                 eprintln!("{label}:");
             }
-            let (dur, outs) = run_point(
-                Arc::clone(&sh),
-                &specs,
-                c,
-                args.request_rate,
-                args.seed,
-                args.quiet,
-            )
-            .await;
-            let r = aggregate(
+            let (dur, outs) = match multi_turn {
+                None => {
+                    run_point(
+                        Arc::clone(&sh),
+                        &specs,
+                        c,
+                        args.request_rate,
+                        args.seed,
+                        args.quiet,
+                    )
+                    .await
+                }
+                Some((n, t)) => {
+                    let sh = Arc::clone(&sh);
+                    let run_turn = move |spec: Spec| {
+                        let sh = Arc::clone(&sh);
+                        async move { run_one(&sh, &spec).await }
+                    };
+                    run_sessions(
+                        make_sessions(&args, n, t, point),
+                        c,
+                        args.request_rate,
+                        args.seed,
+                        args.kv_block_size,
+                        args.quiet,
+                        run_turn,
+                    )
+                    .await
+                }
+            };
+            let mut r = aggregate(
                 label,
                 c,
                 args.request_rate,
@@ -1048,6 +1611,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 &outs,
                 args.goodput.as_ref(),
             );
+            if let Some((n, t)) = multi_turn {
+                r.multi_turn = Some(multi_turn_stats(n, t, args.kv_block_size, &outs));
+            }
             print!("{}", r.text());
             reports.push(r);
         }
@@ -1059,7 +1625,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "url": args.url,
                 "model": model,
                 "endpoint": sh.path,
-                "num_requests": specs.len(),
+                "num_requests": num_requests,
+                "multi_turn_sessions": args.multi_turn_sessions,
+                "turns": args.turns,
+                "kv_block_size": args.kv_block_size,
                 "input_len": args.input_len,
                 "input_len_range": args.input_len_range.map(|(a, b)| [a, b]),
                 "output_len": args.output_len,
@@ -1222,13 +1791,15 @@ mod tests {
         assert!(parse_url("https://x").is_err());
     }
 
-    #[test]
-    fn prompts_are_seeded() {
-        let args = BenchArgs {
+    fn base_args() -> BenchArgs {
+        BenchArgs {
             url: String::new(),
             model: None,
             endpoint: Endpoint::Chat,
             num_requests: 6,
+            multi_turn_sessions: None,
+            turns: None,
+            kv_block_size: 16,
             concurrency: None,
             request_rate: None,
             sweep_concurrency: vec![],
@@ -1245,7 +1816,12 @@ mod tests {
             ignore_eos: false,
             timeout: 1,
             quiet: true,
-        };
+        }
+    }
+
+    #[test]
+    fn prompts_are_seeded() {
+        let args = base_args();
         let a = make_specs(&args);
         let b = make_specs(&args);
         assert_eq!(a.len(), 6);
@@ -1259,5 +1835,378 @@ mod tests {
         }
         assert_eq!(prefix(&a[0]), prefix(&a[2]));
         assert_eq!(prefix(&a[1]), prefix(&a[3]));
+    }
+
+    #[test]
+    fn multi_turn_flags() {
+        let with = |f: &dyn Fn(&mut BenchArgs)| {
+            let mut a = base_args();
+            a.multi_turn_sessions = Some(2);
+            a.turns = Some(3);
+            f(&mut a);
+            check_args(&a).map_err(|e| e.to_string())
+        };
+        assert!(with(&|_| {}).is_ok());
+        let err = |f: &dyn Fn(&mut BenchArgs)| with(f).unwrap_err();
+        assert!(err(&|a| a.turns = None).contains("needs --turns"));
+        assert!(err(&|a| a.multi_turn_sessions = None).contains("needs --multi-turn-sessions"));
+        assert!(err(&|a| a.turns = Some(0)).contains("--turns must be at least 1"));
+        assert!(err(&|a| a.multi_turn_sessions = Some(0)).contains("at least 1"));
+        assert!(err(&|a| a.endpoint = Endpoint::Completions).contains("--endpoint chat"));
+        assert!(err(&|a| a.kv_block_size = 0).contains("--kv-block-size"));
+
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            bench: BenchArgs,
+        }
+        use clap::Parser as _;
+        let parse = |v: &[&str]| Cli::try_parse_from([&["bench"], v].concat());
+        let ok = parse(&["--multi-turn-sessions", "8", "--turns", "4"]).unwrap();
+        assert_eq!(
+            (
+                ok.bench.multi_turn_sessions,
+                ok.bench.turns,
+                ok.bench.kv_block_size
+            ),
+            (Some(8), Some(4), 16)
+        );
+        let e = parse(&[
+            "--multi-turn-sessions",
+            "8",
+            "--turns",
+            "4",
+            "--num-requests",
+            "9",
+        ])
+        .unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+    }
+
+    #[test]
+    fn sessions_are_seeded() {
+        let mut args = base_args();
+        args.input_len_range = Some((5, 12));
+        let a = make_sessions(&args, 5, 3, 0);
+        assert_eq!(a.len(), 5);
+        for (sa, sb) in a.iter().zip(&make_sessions(&args, 5, 3, 0)) {
+            assert_eq!(sa.len(), 3);
+            for (x, y) in sa.iter().zip(sb) {
+                assert_eq!((&x.prompt, x.max_tokens), (&y.prompt, y.max_tokens));
+                assert!((5..=12).contains(&x.prompt.split(' ').count()));
+                assert!((2..=9).contains(&x.max_tokens));
+                assert_eq!((x.turn, x.history.len()), (0, 0));
+            }
+        }
+        // Shared prefixes start each session's first message only.
+        let head = |s: &Spec| s.prompt.split(' ').take(4).collect::<Vec<_>>().join(" ");
+        assert_eq!(head(&a[0][0]), head(&a[2][0]));
+        assert_eq!(head(&a[1][0]), head(&a[3][0]));
+        assert_ne!(head(&a[0][0]), head(&a[1][0]));
+        assert_ne!(head(&a[0][1]), head(&a[0][0]));
+        // Another sweep point gets other conversations.
+        let b = make_sessions(&args, 5, 3, 1);
+        assert_ne!(a[0][0].prompt, b[0][0].prompt);
+        // Another seed, other conversations.
+        args.seed = 4;
+        assert_ne!(make_sessions(&args, 5, 3, 0)[0][0].prompt, a[0][0].prompt);
+    }
+
+    fn answered(spec: &Spec, text: &str, prompt_tokens: u64, output_tokens: u64) -> Outcome {
+        Outcome {
+            ok: true,
+            ttft: Some(0.01),
+            e2e: 0.02,
+            text: text.into(),
+            prompt_tokens: Some(prompt_tokens),
+            output_tokens,
+            input_words: spec.input_words,
+            turn: spec.turn,
+            carryable: spec.carryable,
+            ..Outcome::default()
+        }
+    }
+
+    #[test]
+    fn session_history() {
+        let mut args = base_args();
+        args.shared_prefix_groups = 0;
+        let turns = make_sessions(&args, 1, 4, 0).remove(0);
+        let users: Vec<String> = turns.iter().map(|t| t.prompt.clone()).collect();
+        let mut s = Session::new(turns);
+        let t1 = s.next_spec();
+        assert_eq!((t1.turn, t1.history.len(), t1.carryable), (1, 0, None));
+        assert_eq!(t1.input_words, 10);
+        let mut o = answered(&t1, "Hello there", 40, 9);
+        s.finish(&mut o, 16);
+        assert!(o.text.is_empty(), "the answer moves into the history");
+        let t2 = s.next_spec();
+        assert_eq!(t2.turn, 2);
+        assert_eq!(t2.prompt, users[1]);
+        assert_eq!(t2.carryable, Some(48)); // 40 + 9 = 49 -> 3 blocks
+        assert_eq!(t2.input_words, 49 + 10);
+        let user = |c: &str| Msg {
+            role: Role::User,
+            content: c.into(),
+        };
+        let assistant = |c: &str| Msg {
+            role: Role::Assistant,
+            content: c.into(),
+        };
+        assert_eq!(t2.history, [user(&users[0]), assistant("Hello there")]);
+        let sh = Shared {
+            target: parse_url("http://127.0.0.1:1").unwrap(),
+            path: "/v1/chat/completions",
+            model: "m".into(),
+            endpoint: Endpoint::Chat,
+            temperature: 0.0,
+            ignore_eos: false,
+            timeout: Duration::from_secs(1),
+        };
+        let body: Value = serde_json::from_str(&request_body(&sh, &t2)).unwrap();
+        assert_eq!(
+            body["messages"],
+            json!([
+                {"role": "user", "content": users[0]},
+                {"role": "assistant", "content": "Hello there"},
+                {"role": "user", "content": users[1]},
+            ])
+        );
+        assert_eq!(body["stream_options"]["include_usage"], json!(true));
+        // A server without usage: no carry-over known.
+        let mut o = answered(&t2, "Sure", 0, 3);
+        o.prompt_tokens = None;
+        s.finish(&mut o, 16);
+        let t3 = s.next_spec();
+        assert_eq!(t3.history.len(), 4);
+        assert_eq!(t3.history[3], assistant("Sure"));
+        assert_eq!(t3.carryable, None);
+        assert_eq!(t3.input_words, t2.input_words + 3 + 10);
+        // A failed turn ends the session; the rest are reported as skipped.
+        let mut o = Outcome {
+            turn: 3,
+            error: Some("HTTP 500".into()),
+            ..Outcome::default()
+        };
+        s.finish(&mut o, 16);
+        assert!(!s.pending() && s.failed);
+        let rest = s.skip_rest();
+        assert_eq!(rest.len(), 1);
+        assert_eq!((rest[0].turn, rest[0].ok), (4, false));
+        assert_eq!(rest[0].error.as_deref(), Some(SKIPPED));
+        assert!(s.skip_rest().is_empty());
+    }
+
+    #[test]
+    fn retention_math() {
+        assert_eq!(carryable(Some(100), 30, 16), Some(128));
+        assert_eq!(carryable(Some(100), 28, 16), Some(128));
+        assert_eq!(carryable(Some(100), 27, 16), Some(112));
+        assert_eq!(carryable(Some(10), 5, 16), Some(0));
+        assert_eq!(carryable(None, 5, 16), None);
+        let o = |turn: usize, cached: Option<u64>, carry: Option<u64>| Outcome {
+            ok: true,
+            ttft: Some(0.1 * turn as f64),
+            e2e: 0.5,
+            output_tokens: 4,
+            turn,
+            cached_tokens: cached,
+            carryable: carry,
+            ..Outcome::default()
+        };
+        assert_eq!(retention(&o(2, Some(96), Some(128))), Some(0.75));
+        assert_eq!(retention(&o(2, None, Some(128))), None);
+        assert_eq!(retention(&o(2, Some(0), Some(0))), None);
+        assert_eq!(retention(&o(2, Some(16), None)), None);
+        let outs = [
+            o(1, Some(16), None),
+            o(1, Some(0), None),
+            o(2, Some(64), Some(64)),
+            o(2, Some(32), Some(64)),
+            o(3, Some(96), Some(128)),
+            Outcome {
+                turn: 3,
+                error: Some("x".into()),
+                ..Outcome::default()
+            },
+        ];
+        let mt = multi_turn_stats(2, 3, 16, &outs);
+        let t = &mt.per_turn;
+        assert_eq!(t.len(), 3);
+        assert_eq!(
+            (t[0].cached, t[0].carryable, t[0].retention),
+            (Some(8.0), None, None)
+        );
+        assert_eq!((t[1].completed, t[1].errors), (2, 0));
+        assert_eq!((t[1].cached, t[1].carryable), (Some(48.0), Some(64.0)));
+        assert_eq!((t[1].retention, t[1].retention_n), (Some(0.75), 2));
+        assert_eq!(
+            (t[2].completed, t[2].errors, t[2].retention),
+            (1, 1, Some(0.75))
+        );
+        assert!((t[2].ttft.mean - 0.3).abs() < 1e-12);
+        // Overall: the mean of the per-request ratios of turns 2+.
+        assert_eq!(
+            (mt.retention, mt.retention_n),
+            (Some((1.0 + 0.5 + 0.75) / 3.0), 3)
+        );
+        let text = mt.text();
+        assert!(
+            text.contains("KV retention (turns 2+): 0.750 over 3 requests"),
+            "{text}"
+        );
+        let j = mt.json();
+        assert_eq!(j["per_turn"][1]["retention"], json!(0.75));
+        assert_eq!(j["per_turn"][0]["retention"], Value::Null);
+        assert_eq!(j["per_turn"][2]["ttft"]["count"], json!(1));
+
+        // A server that reports no cached tokens (llama-server): n/a, no panic.
+        let outs = [o(1, None, None), o(2, None, Some(64)), o(2, None, None)];
+        let mt = multi_turn_stats(1, 3, 16, &outs);
+        assert_eq!((mt.retention, mt.retention_n), (None, 0));
+        assert_eq!(mt.per_turn[2].completed, 0);
+        let text = mt.text();
+        assert!(
+            text.contains("KV retention (turns 2+): n/a over 0 requests"),
+            "{text}"
+        );
+        assert!(text.lines().nth(3).unwrap().contains("n/a"), "{text}");
+        assert_eq!(mt.json()["retention"], Value::Null);
+        let mut r = aggregate("t".into(), Some(1), None, 1.0, &outs, None);
+        r.multi_turn = Some(mt);
+        assert!(r.text().contains("multi-turn: 1 sessions x 3 turns"));
+        assert_eq!(
+            r.json()["multi_turn"]["per_turn"][1]["cached_tokens_mean"],
+            Value::Null
+        );
+        assert_eq!(
+            r.json()["multi_turn"]["per_turn"][1]["carryable_tokens_mean"],
+            json!(64.0)
+        );
+    }
+
+    #[test]
+    fn usage_and_text_parse() {
+        let c = parse_event(r#"{"choices":[{"delta":{"content":"Hi "}}]}"#);
+        assert_eq!((c.content, c.text.as_str()), (true, "Hi "));
+        let c = parse_event(r#"{"choices":[{"text":"x"}]}"#);
+        assert_eq!(c.text, "x");
+        // Reasoning counts for TTFT but is not part of the answer.
+        let c = parse_event(r#"{"choices":[{"delta":{"content":"","reasoning_content":"hm"}}]}"#);
+        assert_eq!((c.content, c.text.as_str()), (true, ""));
+        let u = r#"{"choices":[],"usage":{"prompt_tokens":80,"completion_tokens":5,
+            "prompt_tokens_details":{"cached_tokens":64}}}"#;
+        let c = parse_event(u);
+        assert_eq!((c.prompt_tokens, c.cached_tokens), (Some(80), Some(64)));
+        let u = r#"{"choices":[],"usage":{"prompt_tokens":80,"completion_tokens":5,
+            "prompt_tokens_details":null}}"#;
+        assert_eq!(parse_event(u).cached_tokens, None);
+    }
+
+    /// A fake server for the session scheduler: answers after a short sleep,
+    /// logging (session, turn) in send order and the peak concurrency.
+    #[derive(Default)]
+    struct Fake {
+        log: std::sync::Mutex<Vec<(String, usize)>>,
+        in_flight: AtomicUsize,
+        peak: AtomicUsize,
+    }
+
+    fn run_fake(
+        sessions: Vec<Vec<Spec>>,
+        concurrency: Option<usize>,
+        rate: Option<f64>,
+        fail: Option<(usize, usize)>,
+    ) -> (Arc<Fake>, Vec<Outcome>) {
+        let firsts: Vec<String> = sessions.iter().map(|s| s[0].prompt.clone()).collect();
+        let fake = Arc::new(Fake::default());
+        let f = Arc::clone(&fake);
+        let run_turn = move |spec: Spec| {
+            let f = Arc::clone(&f);
+            let firsts = firsts.clone();
+            async move {
+                let n = f.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                f.peak.fetch_max(n, Ordering::SeqCst);
+                // Which session: by its first user message.
+                let first = spec.history.first().map_or(&spec.prompt, |m| &m.content);
+                let session = firsts.iter().position(|p| p == first).unwrap();
+                // The history is exactly the earlier turns and our answers.
+                assert_eq!(spec.history.len(), 2 * (spec.turn - 1));
+                for (k, pair) in spec.history.chunks(2).enumerate() {
+                    assert_eq!(pair[0].role, Role::User);
+                    assert_eq!(pair[1].content, format!("answer {session}.{}", k + 1));
+                }
+                f.log.lock().unwrap().push((first.clone(), spec.turn));
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                f.in_flight.fetch_sub(1, Ordering::SeqCst);
+                let mut o = answered(&spec, &format!("answer {session}.{}", spec.turn), 30, 4);
+                o.cached_tokens = spec.carryable;
+                if fail == Some((session, spec.turn)) {
+                    o.ok = false;
+                    o.error = Some("boom".into());
+                }
+                o
+            }
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (_, outs) = rt.block_on(run_sessions(
+            sessions,
+            concurrency,
+            rate,
+            0,
+            16,
+            true,
+            run_turn,
+        ));
+        (fake, outs)
+    }
+
+    #[test]
+    fn sessions_schedule() {
+        let mut args = base_args();
+        args.shared_prefix_groups = 0;
+        let sessions = make_sessions(&args, 4, 3, 0);
+        let firsts: Vec<String> = sessions.iter().map(|s| s[0].prompt.clone()).collect();
+
+        // One slot: FIFO over ready turns is round robin over the sessions.
+        let (fake, outs) = run_fake(sessions.clone(), Some(1), None, None);
+        let order: Vec<(usize, usize)> = fake
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(p, t)| (firsts.iter().position(|f| f == p).unwrap(), *t))
+            .collect();
+        let want: Vec<(usize, usize)> = (1..=3).flat_map(|t| (0..4).map(move |s| (s, t))).collect();
+        assert_eq!(order, want);
+        assert_eq!(fake.peak.load(Ordering::SeqCst), 1);
+        assert_eq!(outs.len(), 12);
+        assert!(outs.iter().all(|o| o.ok));
+        let mt = multi_turn_stats(4, 3, 16, &outs);
+        assert_eq!(mt.per_turn[1].carryable, Some(32.0)); // 30 + 4 -> 2 blocks
+        assert_eq!((mt.retention, mt.retention_n), (Some(1.0), 8));
+
+        // Two slots: never more in flight; with more slots than sessions, at
+        // most one turn per session (each turn checks its own history).
+        let (fake, _) = run_fake(sessions.clone(), Some(2), None, None);
+        assert_eq!(fake.peak.load(Ordering::SeqCst), 2);
+        let (fake, outs) = run_fake(sessions.clone(), Some(16), Some(1e6), None);
+        assert_eq!(fake.peak.load(Ordering::SeqCst), 4);
+        assert_eq!(outs.len(), 12);
+
+        // A failed turn ends its session: its later turns are skipped.
+        let (fake, outs) = run_fake(sessions, Some(2), None, Some((1, 2)));
+        assert_eq!(fake.log.lock().unwrap().len(), 11);
+        assert_eq!(outs.len(), 12);
+        let bad: Vec<(usize, &str)> = outs
+            .iter()
+            .filter(|o| !o.ok)
+            .map(|o| (o.turn, o.error.as_deref().unwrap()))
+            .collect();
+        assert_eq!(bad.len(), 2);
+        assert!(bad.contains(&(2, "boom")) && bad.contains(&(3, SKIPPED)));
     }
 }

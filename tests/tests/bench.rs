@@ -1,0 +1,132 @@
+//! End to end: `tandem bench` multi-turn sessions against a real `tandem
+//! serve` (prefix caching on): turns 2+ must find the previous turn's blocks
+//! in the server's prefix cache.
+//!
+//! Needs the release binary and `TANDEM_TEST_GGUF`, as tests/serve.rs does.
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+fn binary() -> PathBuf {
+    let mut candidates = Vec::new();
+    if let Some(p) = std::env::var_os("TANDEM_BIN") {
+        candidates.push(PathBuf::from(p));
+    }
+    if let Some(d) = std::env::var_os("CARGO_TARGET_DIR") {
+        candidates.push(PathBuf::from(d).join("release").join("tandem"));
+    }
+    candidates.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/tandem"));
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| panic!("the release binary is missing (looked at {candidates:?})"))
+}
+
+/// `tandem serve` on a free port; killed on drop.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    fn start() -> Server {
+        let gguf = std::env::var("TANDEM_TEST_GGUF")
+            .expect("TANDEM_TEST_GGUF must point at SmolLM2-135M-Instruct.Q4_1.gguf");
+        let mut child = Command::new(binary())
+            .args([
+                "serve",
+                "--model",
+                &gguf,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+            ])
+            .args(["--max-length", "2048", "--kv-cache-blocks", "1024"])
+            .env("TANDEM_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawning tandem serve");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut server = Server { child, port: 0 };
+        while server.port == 0 {
+            let line = rx
+                .recv_timeout(Duration::from_secs(120))
+                .expect("tandem serve did not report its address");
+            if let Some(rest) = line.strip_prefix("tandem: serving ")
+                && let Some((_, url)) = rest.rsplit_once(" on http://")
+            {
+                server.port = url.rsplit(':').next().unwrap().trim().parse().unwrap();
+            }
+        }
+        server
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn multi_turn_sessions_reuse_the_previous_turn() {
+    let server = Server::start();
+    let json = std::env::temp_dir().join(format!("tandem-bench-mt-{}.json", std::process::id()));
+    let out = Command::new(binary())
+        .arg("bench")
+        .args(["--url", &format!("http://127.0.0.1:{}", server.port)])
+        .args(["--multi-turn-sessions", "3", "--turns", "3"])
+        .args(["--concurrency", "2", "--input-len-range", "16:48"])
+        .args(["--output-len", "12", "--quiet", "--timeout", "300"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .expect("running tandem bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "tandem bench failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("KV retention (turns 2+)"), "{stdout}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    assert_eq!(v["num_requests"], 9);
+    let r = &v["results"][0];
+    assert_eq!(
+        (r["completed"].as_u64(), r["errors"].as_u64()),
+        (Some(9), Some(0)),
+        "{r}"
+    );
+    let mt = &r["multi_turn"];
+    for t in mt["per_turn"].as_array().unwrap() {
+        assert_eq!(t["completed"], 3, "{t}");
+        assert_eq!(t["ttft"]["count"], 3, "{t}");
+        let n = t["turn"].as_u64().unwrap();
+        if n > 1 {
+            let ret = t["retention"].as_f64().unwrap();
+            assert!(ret > 0.0, "turn {n} reused nothing: {t}");
+            assert!(t["cached_tokens_mean"].as_f64().unwrap() > 0.0, "{t}");
+        }
+    }
+    assert!(mt["retention"].as_f64().unwrap() > 0.0, "{mt}");
+    assert_eq!(mt["retention_requests"], 6);
+}
