@@ -4,6 +4,7 @@
 
 pub mod block_manager;
 pub mod chat;
+pub mod comm;
 pub mod config;
 pub mod error;
 pub mod fetch;
