@@ -172,6 +172,14 @@ fn run_node(
     role: Role,
     decode: Option<DecodeConfig>,
 ) -> Result<()> {
+    if engine.tp > 1 {
+        bail!(
+            "--tp {} on a {} node: nodes run TP=1 until heterogeneous TP handoff lands; \
+             `tandem serve --tp N` runs tensor-parallel",
+            engine.tp,
+            role.as_str()
+        );
+    }
     let opts = node_options(node, role)?;
     if let Some(d) = &decode {
         d.validate().map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -51,6 +51,10 @@ pub struct EngineArgs {
     /// Worker threads for the kernels (default: all cores).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
+    /// Tensor-parallel ranks (CPU threads sharing memory; must divide the
+    /// model's heads, KV heads, FFN width and vocabulary).
+    #[arg(long, env = "TANDEM_TP", default_value_t = 1)]
+    pub tp: usize,
     /// Where fetched models are cached (default: $XDG_CACHE_HOME/tandem).
     #[arg(long, env = "TANDEM_CACHE")]
     pub cache_dir: Option<PathBuf>,
@@ -124,6 +128,7 @@ impl EngineArgs {
             block_size: bs,
             num_blocks,
             prefix_caching: !self.no_prefix_caching,
+            tp: self.tp,
         };
         scheduler
             .validate(context)

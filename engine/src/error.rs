@@ -67,4 +67,7 @@ pub enum RequestError {
     ChatTemplate(#[from] ChatTemplateError),
     #[error("kernel failure: {0}")]
     Kernel(#[from] tandem_kernels::KernelError),
+    /// A tensor-parallel collective failed (a peer rank is gone).
+    #[error("collective failed: {0}")]
+    Collective(String),
 }

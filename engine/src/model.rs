@@ -13,6 +13,7 @@ use half::f16;
 use tandem_kernels::ops::{self, Rope};
 use tandem_kernels::{GgmlType, QMatrix};
 
+use crate::comm::Communicator;
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, RequestError};
 use crate::kv_cache::{BlockId, KvCache, KvCacheConfig};
@@ -82,6 +83,62 @@ impl Weight {
         (self.rows, self.cols)
     }
 
+    /// Rows `rows` (output features): a view of the same bytes.
+    pub fn slice_rows(&self, rows: Range<usize>) -> Result<Weight, ModelError> {
+        let row_bytes = self.row_bytes();
+        if rows.start > rows.end || rows.end > self.rows {
+            return Err(self.bad_slice(format!("rows {rows:?} of {}", self.rows)));
+        }
+        let start = self.range.start + rows.start * row_bytes;
+        Ok(Weight {
+            rows: rows.len(),
+            range: start..start + rows.len() * row_bytes,
+            backing: Arc::clone(&self.backing),
+            ..*self
+        })
+    }
+
+    /// Columns `cols` (input features) of every row, copied: the range must
+    /// start and end on the type's block boundaries.
+    pub fn slice_cols(&self, cols: Range<usize>) -> Result<Weight, ModelError> {
+        let (Some(skip), Some(take)) =
+            (self.ty.row_bytes(cols.start), self.ty.row_bytes(cols.len()))
+        else {
+            return Err(self.bad_slice(format!(
+                "columns {cols:?} do not fall on {}-element {} blocks",
+                self.ty.block_len(),
+                self.ty.name()
+            )));
+        };
+        if cols.end > self.cols {
+            return Err(self.bad_slice(format!("columns {cols:?} of {}", self.cols)));
+        }
+        let row_bytes = self.row_bytes();
+        let src = &self.backing[self.range.clone()];
+        let mut out = Vec::with_capacity(take * self.rows);
+        for row in src.chunks_exact(row_bytes) {
+            out.extend_from_slice(&row[skip..skip + take]);
+        }
+        let len = out.len();
+        Ok(Weight {
+            cols: cols.len(),
+            backing: Arc::new(Backing::Owned(out)),
+            range: 0..len,
+            ..*self
+        })
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.range.len() / self.rows.max(1)
+    }
+
+    fn bad_slice(&self, problem: String) -> ModelError {
+        ModelError::BadTensor {
+            name: format!("{}x{} {}", self.rows, self.cols, self.ty.name()),
+            problem: format!("cannot shard: {problem}"),
+        }
+    }
+
     /// Dequantizes one row (used for the embedding lookup).
     fn row_into(&self, row: usize, out: &mut [f32]) -> Result<(), RequestError> {
         let m = self.matrix();
@@ -130,9 +187,34 @@ pub struct LlamaWeights {
 /// A loaded Llama-family model, ready to run.
 #[derive(Debug)]
 pub struct LlamaModel {
+    /// For a tensor-parallel shard: this rank's heads and FFN width (the
+    /// vocabulary stays the model's).
     config: LlamaConfig,
     weights: LlamaWeights,
     rope: Rope,
+    tp: Option<TpShard>,
+}
+
+/// One rank of a tensor-parallel group (Megatron-style): attention heads,
+/// KV heads and the FFN width are split across ranks (Q/K/V, gate and up
+/// by output rows; the attention output and down projections by input
+/// columns, followed by an allreduce); the embedding and the output head
+/// are split by vocabulary (lookup + allreduce, logits + allgather).
+pub struct TpShard {
+    comm: Arc<dyn Communicator>,
+    /// This rank's vocabulary rows: `vocab_start..vocab_start + vocab_len`.
+    vocab_start: usize,
+    vocab_len: usize,
+}
+
+impl std::fmt::Debug for TpShard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TpShard")
+            .field("rank", &self.comm.rank())
+            .field("world", &self.comm.world_size())
+            .field("vocab_start", &self.vocab_start)
+            .finish()
+    }
 }
 
 /// One sequence's share of a forward batch.
@@ -212,7 +294,85 @@ impl LlamaModel {
                 output,
             },
             rope,
+            tp: None,
         })
+    }
+
+    /// This model's shard for rank `comm.rank()` of a tensor-parallel group
+    /// of `comm.world_size()` ranks. Every rank must run the same forward
+    /// calls (collectives inside pair them up); each gets the full logits.
+    pub fn shard(&self, comm: Arc<dyn Communicator>) -> Result<LlamaModel, ModelError> {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let c = &self.config;
+        if self.tp.is_some() {
+            return Err(ModelError::InvalidConfig("cannot shard a shard".into()));
+        }
+        for (what, n) in [
+            ("attention heads", c.n_heads),
+            ("KV heads", c.n_kv_heads),
+            ("FFN width", c.ffn_dim),
+            ("vocabulary", c.vocab_size),
+        ] {
+            if world == 0 || rank >= world || !n.is_multiple_of(world) {
+                return Err(ModelError::InvalidConfig(format!(
+                    "tensor parallelism {world} (rank {rank}) does not divide the {what} ({n})"
+                )));
+            }
+        }
+        let part = |n: usize| (n / world * rank)..(n / world * (rank + 1));
+        let (q, kv, ffn) = (part(c.q_dim()), part(c.kv_dim()), part(c.ffn_dim));
+        let vocab = part(c.vocab_size);
+        let mut layers = Vec::with_capacity(self.weights.layers.len());
+        for l in &self.weights.layers {
+            layers.push(LayerWeights {
+                attn_norm: l.attn_norm.clone(),
+                wq: l.wq.slice_rows(q.clone())?,
+                wk: l.wk.slice_rows(kv.clone())?,
+                wv: l.wv.slice_rows(kv.clone())?,
+                wo: l.wo.slice_cols(q.clone())?,
+                ffn_norm: l.ffn_norm.clone(),
+                w_gate: l.w_gate.slice_rows(ffn.clone())?,
+                w_up: l.w_up.slice_rows(ffn.clone())?,
+                w_down: l.w_down.slice_cols(ffn.clone())?,
+            });
+        }
+        let config = LlamaConfig {
+            n_heads: c.n_heads / world,
+            n_kv_heads: c.n_kv_heads / world,
+            ffn_dim: c.ffn_dim / world,
+            ..c.clone()
+        };
+        Ok(LlamaModel {
+            config,
+            weights: LlamaWeights {
+                token_embd: self.weights.token_embd.slice_rows(vocab.clone())?,
+                layers,
+                output_norm: self.weights.output_norm.clone(),
+                output: self
+                    .weights
+                    .output
+                    .as_ref()
+                    .map(|w| w.slice_rows(vocab.clone()))
+                    .transpose()?,
+            },
+            rope: Rope::new(c.rope_style, c.rope_dims, c.rope_theta),
+            tp: Some(TpShard {
+                comm,
+                vocab_start: vocab.start,
+                vocab_len: vocab.len(),
+            }),
+        })
+    }
+
+    /// Sums partial results across the tensor-parallel group (no-op alone).
+    fn all_reduce(&self, buf: &mut [f32]) -> Result<(), RequestError> {
+        match &self.tp {
+            Some(tp) => tp
+                .comm
+                .all_reduce_sum(buf)
+                .map_err(|e| RequestError::Collective(e.to_string())),
+            None => Ok(()),
+        }
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -293,8 +453,24 @@ impl LlamaModel {
         let n_tok = token_ids.len();
         let d = c.d_model;
         let mut x = vec![0.0f32; n_tok * d];
-        for (row, &t) in x.chunks_exact_mut(d).zip(&token_ids) {
-            self.weights.token_embd.row_into(t as usize, row)?;
+        match &self.tp {
+            None => {
+                for (row, &t) in x.chunks_exact_mut(d).zip(&token_ids) {
+                    self.weights.token_embd.row_into(t as usize, row)?;
+                }
+            }
+            Some(tp) => {
+                // The rank owning the token's row writes it, the others
+                // leave zeros; the sum is exact.
+                for (row, &t) in x.chunks_exact_mut(d).zip(&token_ids) {
+                    if let Some(local) = (t as usize).checked_sub(tp.vocab_start)
+                        && local < tp.vocab_len
+                    {
+                        self.weights.token_embd.row_into(local, row)?;
+                    }
+                }
+                self.all_reduce(&mut x)?;
+            }
         }
 
         let mut xn = vec![0.0f32; n_tok * d];
@@ -332,6 +508,7 @@ impl LlamaModel {
             }
             self.attention(li, chunks, &placement, &q, cache, &mut attn);
             tandem_kernels::matmul(&layer.wo.matrix(), &attn, n_tok, &mut proj)?;
+            self.all_reduce(&mut proj)?;
             ops::add_assign(&mut x, &proj);
 
             for (o, xi) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
@@ -341,6 +518,7 @@ impl LlamaModel {
             tandem_kernels::matmul(&layer.w_up.matrix(), &xn, n_tok, &mut up)?;
             ops::silu_mul(&mut gate, &up);
             tandem_kernels::matmul(&layer.w_down.matrix(), &gate, n_tok, &mut proj)?;
+            self.all_reduce(&mut proj)?;
             ops::add_assign(&mut x, &proj);
         }
 
@@ -362,8 +540,28 @@ impl LlamaModel {
                 o,
             );
         }
+        let Some(tp) = &self.tp else {
+            let mut logits = vec![0.0f32; rows.len() * c.vocab_size];
+            tandem_kernels::matmul(&self.output_head().matrix(), &last, rows.len(), &mut logits)?;
+            return Ok(logits);
+        };
+        // Each rank's vocabulary slice, gathered rank-major, then laid out
+        // row by row.
+        let vl = tp.vocab_len;
+        let mut local = vec![0.0f32; rows.len() * vl];
+        tandem_kernels::matmul(&self.output_head().matrix(), &last, rows.len(), &mut local)?;
+        let world = tp.comm.world_size();
+        let mut gathered = vec![0.0f32; world * local.len()];
+        tp.comm
+            .all_gather(&local, &mut gathered)
+            .map_err(|e| RequestError::Collective(e.to_string()))?;
         let mut logits = vec![0.0f32; rows.len() * c.vocab_size];
-        tandem_kernels::matmul(&self.output_head().matrix(), &last, rows.len(), &mut logits)?;
+        for (r, part) in gathered.chunks_exact(local.len().max(1)).enumerate() {
+            for (row, src) in part.chunks_exact(vl).enumerate() {
+                logits[row * c.vocab_size + r * vl..row * c.vocab_size + (r + 1) * vl]
+                    .copy_from_slice(src);
+            }
+        }
         Ok(logits)
     }
 

@@ -29,12 +29,13 @@ use opentelemetry::KeyValue;
 use tokio::sync::mpsc as tmpsc;
 
 use crate::block_manager::{BlockHash, KvEvent, block_hashes, chain_hash};
+use crate::comm::{Communicator, CpuGroup};
 use crate::error::RequestError;
 use crate::generate::FinishReason;
 use crate::kv_cache::{BlockId, KvCache, KvCacheConfig, KvCacheError, KvPool};
 use crate::loader::LoadedModel;
 use crate::metrics::{BatchType, metrics};
-use crate::model::SeqChunk;
+use crate::model::{LlamaModel, SeqChunk};
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 
 /// Limits of the scheduler, validated at startup.
@@ -51,6 +52,8 @@ pub struct SchedulerConfig {
     /// Blocks in the KV pool.
     pub num_blocks: usize,
     pub prefix_caching: bool,
+    /// Tensor-parallel ranks (CPU threads over shared memory); 1 = none.
+    pub tp: usize,
 }
 
 /// A configuration value the scheduler cannot run with.
@@ -80,6 +83,12 @@ impl SchedulerConfig {
             return bad(format!(
                 "block size {} must be between 1 and 1024",
                 self.block_size
+            ));
+        }
+        if self.tp == 0 || self.tp > 64 {
+            return bad(format!(
+                "tensor parallelism {} must be between 1 and 64",
+                self.tp
             ));
         }
         if self.num_blocks < self.max_length.div_ceil(self.block_size) {
@@ -316,8 +325,9 @@ impl Scheduler {
         sink: Option<KvEventSink>,
     ) -> Result<Self, ConfigError> {
         config.validate(model.model.config().context_length)?;
-        let kv_config = model
-            .model
+        let exec = Executor::new(&model, &config)?;
+        let kv_config = exec
+            .rank0()
             .kv_cache_config(config.block_size, config.num_blocks);
         let cache = KvCache::with_prefix_caching(kv_config, config.prefix_caching)
             .map_err(|e| ConfigError(e.to_string()))?;
@@ -342,6 +352,7 @@ impl Scheduler {
         };
         let actor = Actor {
             model,
+            exec,
             config,
             cache,
             rx,
@@ -483,6 +494,7 @@ impl Seq {
 
 struct Actor {
     model: Arc<LoadedModel>,
+    exec: Executor,
     config: SchedulerConfig,
     cache: KvCache,
     rx: mpsc::Receiver<Command>,
@@ -659,7 +671,7 @@ impl Actor {
                     }
                 })
                 .collect();
-            self.model.model.forward(&chunks, &mut self.cache)
+            self.exec.forward(&chunks, &mut self.cache)
         };
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let logits = match logits {
@@ -887,6 +899,158 @@ fn release(cache: &mut KvCache, seq: &mut Seq) {
         tracing::error!(seq = seq.id, error = %e, "releasing KV blocks");
     }
     seq.hashes.clear();
+}
+
+/// Runs forward passes: the whole model, or rank 0 of a tensor-parallel
+/// group whose other ranks run the same step on their own threads (each
+/// with its own KV pool holding its KV heads, at the same block ids).
+struct Executor {
+    /// The tensor-parallel shard of rank 0, or `None` for the whole model.
+    shard: Option<LlamaModel>,
+    model: Arc<LoadedModel>,
+    peers: Vec<Peer>,
+}
+
+/// A step's chunks, owned so peer ranks can run them.
+struct StepInput {
+    chunks: Vec<(Vec<u32>, usize, Vec<BlockId>, bool)>,
+}
+
+struct Peer {
+    tx: Option<mpsc::Sender<Arc<StepInput>>>,
+    done: mpsc::Receiver<Result<(), RequestError>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Executor {
+    fn new(model: &Arc<LoadedModel>, config: &SchedulerConfig) -> Result<Self, ConfigError> {
+        let tp = config.tp;
+        if tp <= 1 {
+            return Ok(Self {
+                shard: None,
+                model: Arc::clone(model),
+                peers: Vec::new(),
+            });
+        }
+        let mut shards = Vec::with_capacity(tp);
+        for comm in CpuGroup::new(tp) {
+            let comm: Arc<dyn Communicator> = Arc::new(comm);
+            shards.push(
+                model
+                    .model
+                    .shard(comm)
+                    .map_err(|e| ConfigError(format!("--tp {tp}: {e}")))?,
+            );
+        }
+        let rank0 = shards.remove(0);
+        let mut peers = Vec::new();
+        for (i, shard) in shards.into_iter().enumerate() {
+            let (tx, rx) = mpsc::channel::<Arc<StepInput>>();
+            let (done_tx, done) = mpsc::channel();
+            // The same block ids as rank 0's pool, holding this rank's heads.
+            let cache = KvCache::new(shard.kv_cache_config(config.block_size, config.num_blocks))
+                .map_err(|e| ConfigError(e.to_string()))?;
+            let thread = std::thread::Builder::new()
+                .name(format!("tandem-tp-rank{}", i + 1))
+                .spawn(move || peer_loop(shard, cache, rx, done_tx))
+                .map_err(|e| ConfigError(format!("spawning a tensor-parallel rank: {e}")))?;
+            peers.push(Peer {
+                tx: Some(tx),
+                done,
+                thread: Some(thread),
+            });
+        }
+        Ok(Self {
+            shard: Some(rank0),
+            model: Arc::clone(model),
+            peers,
+        })
+    }
+
+    fn rank0(&self) -> &LlamaModel {
+        self.shard.as_ref().unwrap_or(&self.model.model)
+    }
+
+    fn forward(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, RequestError> {
+        if !self.peers.is_empty() {
+            let input = Arc::new(StepInput {
+                chunks: chunks
+                    .iter()
+                    .map(|c| {
+                        (
+                            c.tokens.to_vec(),
+                            c.start_pos,
+                            c.block_table.to_vec(),
+                            c.want_logits,
+                        )
+                    })
+                    .collect(),
+            });
+            for p in &self.peers {
+                let sent = p.tx.as_ref().map(|tx| tx.send(Arc::clone(&input)));
+                if !matches!(sent, Some(Ok(()))) {
+                    return Err(RequestError::Collective(
+                        "a tensor-parallel rank stopped".into(),
+                    ));
+                }
+            }
+        }
+        let result = self.rank0().forward(chunks, cache);
+        for p in &self.peers {
+            match p.done.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(RequestError::Collective(
+                        "a tensor-parallel rank stopped".into(),
+                    ));
+                }
+            }
+        }
+        result
+    }
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        for p in &mut self.peers {
+            p.tx.take(); // closes the rank's channel: it exits
+        }
+        for p in &mut self.peers {
+            if let Some(t) = p.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// A peer rank: runs every step it is sent on its shard and KV pool.
+fn peer_loop(
+    shard: LlamaModel,
+    mut cache: KvCache,
+    rx: mpsc::Receiver<Arc<StepInput>>,
+    done: mpsc::Sender<Result<(), RequestError>>,
+) {
+    while let Ok(input) = rx.recv() {
+        let chunks: Vec<SeqChunk<'_>> = input
+            .chunks
+            .iter()
+            .map(|(tokens, start_pos, table, want_logits)| SeqChunk {
+                tokens,
+                start_pos: *start_pos,
+                block_table: table,
+                want_logits: *want_logits,
+            })
+            .collect();
+        let r = shard.forward(&chunks, &mut cache).map(|_| ());
+        if done.send(r).is_err() {
+            return;
+        }
+    }
 }
 
 /// Registers the sequence's newly completed full blocks in the prefix cache.

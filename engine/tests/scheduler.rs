@@ -33,6 +33,7 @@ fn config() -> SchedulerConfig {
         block_size: 16,
         num_blocks: 256,
         prefix_caching: true,
+        tp: 1,
     }
 }
 
@@ -132,6 +133,7 @@ fn chunked_prefill_and_preemption_do_not_change_outputs() {
         num_blocks: 20,
         max_length: 128,
         prefix_caching: false,
+        tp: 1,
     };
     let sched = Scheduler::spawn(model(), cfg).expect("spawns");
     let prompts = prompts();

@@ -118,7 +118,8 @@ impl From<RequestError> for ApiError {
             RequestError::Unavailable(_) => Self::Unavailable(message),
             RequestError::BlockTableTooShort { .. }
             | RequestError::KvCache(_)
-            | RequestError::Kernel(_) => Self::Internal(message),
+            | RequestError::Kernel(_)
+            | RequestError::Collective(_) => Self::Internal(message),
         }
     }
 }

@@ -33,6 +33,13 @@ impl From<WorkerError> for Status {
             WorkerError::Proto(ProtoError::Version { .. }) => Code::FailedPrecondition,
             WorkerError::Proto(_) | WorkerError::Connector { .. } => Code::InvalidArgument,
             WorkerError::Request(RequestError::Unavailable(_)) => Code::Unavailable,
+            // Our failures, not the caller's.
+            WorkerError::Request(
+                RequestError::BlockTableTooShort { .. }
+                | RequestError::KvCache(_)
+                | RequestError::Kernel(_)
+                | RequestError::Collective(_),
+            ) => Code::Internal,
             WorkerError::Request(_) => Code::InvalidArgument,
             WorkerError::Transfer(DkvError::OutOfBounds(_) | DkvError::InvalidDescriptor(_)) => {
                 Code::InvalidArgument

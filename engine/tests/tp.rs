@@ -1,0 +1,175 @@
+//! Tensor parallelism on CPU ranks (threads over shared memory): SmolLM2
+//! split three ways (9 query heads, 3 KV heads, FFN and vocabulary in
+//! thirds) produces the same greedy tokens as the whole model.
+//! Needs `TANDEM_TEST_GGUF`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use tandem_engine::comm::{Communicator, CpuGroup};
+use tandem_engine::generate::{GenerateRequest, generate};
+use tandem_engine::kv_cache::KvCache;
+use tandem_engine::model::{LlamaModel, SeqChunk};
+use tandem_engine::sampler::{SamplingParams, argmax};
+use tandem_engine::scheduler::{Event, KvHandoff, Request, Scheduler, SchedulerConfig};
+use tandem_engine::{LoadedModel, load};
+
+fn model() -> &'static LoadedModel {
+    static M: OnceLock<LoadedModel> = OnceLock::new();
+    M.get_or_init(|| {
+        let p = std::env::var_os("TANDEM_TEST_GGUF").expect("TANDEM_TEST_GGUF");
+        load(&PathBuf::from(p)).expect("loads")
+    })
+}
+
+/// Greedy tokens of `m` (one rank or the whole model): the prompt as one
+/// chunk, then one token per step, over the rank's own KV cache.
+fn greedy(m: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = KvCache::new(m.kv_cache_config(16, 64)).unwrap();
+    let mut table = Vec::new();
+    cache.reserve(&mut table, prompt.len() + n).unwrap();
+    let mut tokens = prompt.to_vec();
+    let mut pos = 0;
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let chunk = SeqChunk {
+            tokens: &tokens[pos..],
+            start_pos: pos,
+            block_table: &table,
+            want_logits: true,
+        };
+        let logits = m.forward(&[chunk], &mut cache).unwrap();
+        pos = tokens.len();
+        let t = argmax(&logits);
+        out.push(t);
+        tokens.push(t);
+    }
+    out
+}
+
+/// Runs every rank of a `world`-way split on its own thread; returns each
+/// rank's tokens.
+fn greedy_tp(world: usize, prompt: &[u32], n: usize) -> Vec<Vec<u32>> {
+    let shards: Vec<LlamaModel> = CpuGroup::new(world)
+        .into_iter()
+        .map(|c| {
+            let comm: Arc<dyn Communicator> = Arc::new(c);
+            model().model.shard(comm).unwrap()
+        })
+        .collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = shards
+            .iter()
+            .map(|m| s.spawn(move || greedy(m, prompt, n)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn tp3_matches_tp1_greedy() {
+    let m = model();
+    let prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village at the edge of a great forest, there lived",
+        "Water boils at 100 degrees Celsius at sea level. At higher altitudes,",
+    ];
+    for text in prompts {
+        let prompt = m.tokenizer.encode(text, true).unwrap();
+        let want = greedy(&m.model, &prompt, 16);
+        let ranks = greedy_tp(3, &prompt, 16);
+        for (r, got) in ranks.iter().enumerate() {
+            assert_eq!(got, &want, "rank {r} of TP=3 on {text:?}");
+        }
+    }
+}
+
+#[test]
+fn splits_that_do_not_divide_the_model_are_refused() {
+    // 9 query heads and 3 KV heads cannot be split in two.
+    let comm: Arc<dyn Communicator> = Arc::new(CpuGroup::new(2).remove(0));
+    let e = model().model.shard(comm).unwrap_err().to_string();
+    assert!(e.contains("does not divide the attention heads (9)"), "{e}");
+    // A shard is not sharded again.
+    let comm: Arc<dyn Communicator> = Arc::new(CpuGroup::new(1).remove(0));
+    let one = model().model.shard(comm).unwrap();
+    let comm: Arc<dyn Communicator> = Arc::new(CpuGroup::new(1).remove(0));
+    assert!(one.shard(comm).is_err());
+}
+
+/// A shared copy of the model for schedulers.
+fn shared() -> Arc<LoadedModel> {
+    static M: OnceLock<Arc<LoadedModel>> = OnceLock::new();
+    Arc::clone(M.get_or_init(|| {
+        let p = std::env::var_os("TANDEM_TEST_GGUF").expect("TANDEM_TEST_GGUF");
+        Arc::new(load(&PathBuf::from(p)).expect("loads"))
+    }))
+}
+
+#[test]
+fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
+    let m = shared();
+    let config = SchedulerConfig {
+        max_batch_size: 8,
+        max_batch_input_tokens: 256,
+        max_length: 256,
+        block_size: 16,
+        num_blocks: 128,
+        prefix_caching: true,
+        tp: 3,
+    };
+    let sched = Scheduler::spawn(Arc::clone(&m), config).unwrap();
+    let texts = [
+        "The capital of France is",
+        "List of prime numbers: 2, 3, 5, 7,",
+        "Once upon a time, in a small village at the edge of a great forest, there lived",
+        "def fibonacci(n):",
+    ];
+    let prompts: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| m.tokenizer.encode(t, true).unwrap())
+        .collect();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            sched
+                .handle()
+                .submit(Request {
+                    prompt: p.clone(),
+                    sampling: SamplingParams::greedy(),
+                    max_tokens: 12,
+                    stop_token_ids: m.tokenizer.stop_ids(),
+                    handoff: KvHandoff::Local,
+                })
+                .unwrap()
+        })
+        .collect();
+    for (p, mut stream) in prompts.iter().zip(streams) {
+        let mut got = Vec::new();
+        loop {
+            match stream.blocking_next() {
+                Some(Event::Token(s)) => got.push(s.token),
+                Some(Event::Finished(_)) => break,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let want = generate(
+            &m,
+            &GenerateRequest {
+                prompt: p.clone(),
+                sampling: SamplingParams::greedy(),
+                max_tokens: 12,
+                stop_token_ids: m.tokenizer.stop_ids(),
+                stop_strings: Vec::new(),
+                prefill_chunk: 512,
+            },
+            |_| {},
+        )
+        .unwrap()
+        .tokens;
+        assert_eq!(got, want);
+    }
+}
