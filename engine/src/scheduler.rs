@@ -220,7 +220,7 @@ fn emit(tx: &EventTx, ev: Event) {
 }
 
 enum Command {
-    Submit(Box<(u64, Request, EventTx)>),
+    Submit(Box<(u64, Request, EventTx, Arc<AtomicUsize>)>),
     Cancel(u64),
     ImportDone(u64, Box<ImportOutcome>),
 }
@@ -245,6 +245,8 @@ pub struct SchedulerHandle {
 #[derive(Debug)]
 pub struct RequestStream {
     id: u64,
+    /// Prompt tokens served from the prefix cache, known at admission.
+    cached: Arc<AtomicUsize>,
     rx: tmpsc::UnboundedReceiver<Stamped>,
     tx: mpsc::Sender<Command>,
     done: bool,
@@ -261,6 +263,12 @@ impl RequestStream {
     pub fn blocking_next(&mut self) -> Option<Event> {
         let ev = self.rx.blocking_recv();
         self.note(ev)
+    }
+
+    /// Prompt tokens found in the prefix cache (0 until admitted): lets a
+    /// caller that stops reading early still report them.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached.load(Ordering::Relaxed)
     }
 
     /// Ends the wait of an [`KvHandoff::Import`] request after
@@ -424,10 +432,16 @@ impl SchedulerHandle {
         req.sampling.validate()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (etx, erx) = tmpsc::unbounded_channel();
+        let cached = Arc::new(AtomicUsize::new(0));
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
         if self
             .tx
-            .send(Command::Submit(Box::new((id, req, etx))))
+            .send(Command::Submit(Box::new((
+                id,
+                req,
+                etx,
+                Arc::clone(&cached),
+            ))))
             .is_err()
         {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -435,6 +449,7 @@ impl SchedulerHandle {
         }
         Ok(RequestStream {
             id,
+            cached,
             rx: erx,
             tx: self.tx.clone(),
             done: false,
@@ -470,6 +485,8 @@ struct Seq {
     max_tokens: usize,
     stop_token_ids: Vec<u32>,
     cached_tokens: usize,
+    /// `cached_tokens`, shared with the request's stream.
+    cached_shared: Arc<AtomicUsize>,
     /// Admission order; the latest admitted is preempted first.
     admitted: u64,
     handoff: KvHandoff,
@@ -557,7 +574,7 @@ impl Actor {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(b) => {
-                let (id, req, events) = *b;
+                let (id, req, events, cached_shared) = *b;
                 let sampler = match Sampler::new(req.sampling, &req.prompt) {
                     Ok(s) => s,
                     Err(e) => {
@@ -582,6 +599,7 @@ impl Actor {
                     max_tokens,
                     stop_token_ids: req.stop_token_ids,
                     cached_tokens: 0,
+                    cached_shared,
                     admitted: 0,
                     handoff: req.handoff,
                     events,
@@ -631,6 +649,7 @@ impl Actor {
         s.computed = s.prompt_len;
         // Tokens computed by nobody: cached here or on the prefill node.
         s.cached_tokens = s.cached_tokens.max(remote_cached.min(s.prompt_len));
+        s.cached_shared.store(s.cached_tokens, Ordering::Relaxed);
         register_full_blocks(&mut self.cache, &mut s, self.config.block_size);
         s.sampler.accept_external(first.token);
         match s.accept(first) {
@@ -794,6 +813,7 @@ impl Actor {
                 s.hashes = hashes[..s.table.len()].to_vec();
                 if first_admission {
                     s.cached_tokens = s.computed.min(s.prompt_len);
+                    s.cached_shared.store(s.cached_tokens, Ordering::Relaxed);
                 }
             }
             let len = match s.handoff {

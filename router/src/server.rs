@@ -79,6 +79,15 @@ enum GenStream {
 }
 
 impl GenStream {
+    /// Prompt tokens served from a cache so far known (a remote stream
+    /// reports them only when it finishes).
+    fn cached_tokens(&self) -> usize {
+        match self {
+            GenStream::Local(s) => s.cached_tokens(),
+            GenStream::Remote(_) => 0,
+        }
+    }
+
     async fn next(&mut self) -> Option<Event> {
         match self {
             GenStream::Local(s) => s.next().await,
@@ -348,9 +357,7 @@ impl Generation {
                         let (emit, hit) = stops.push(&piece);
                         if hit {
                             yield Piece::Text(emit, std::mem::take(&mut lps));
-                            // The prefix-cache hit count arrives only with
-                            // `Finished`, which a cancelled request never gets.
-                            let usage = UsageInfo::new(prompt_tokens, generated, 0);
+                            let usage = UsageInfo::new(prompt_tokens, generated, stream.cached_tokens());
                             drop(stream);
                             tracker.finish(None, count_errors);
                             yield Piece::Done(FinishReason::Stop, usage);

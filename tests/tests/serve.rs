@@ -387,6 +387,17 @@ fn repeated_prompt_hits_the_prefix_cache() {
         .unwrap();
     assert!(cached > 0 && cached < prompt, "{second}");
     assert_eq!(first["choices"][0]["text"], second["choices"][0]["text"]);
+
+    // A stop string that ends the request early still reports the hit.
+    let generated = first["choices"][0]["text"].as_str().unwrap();
+    let stop = generated.trim().chars().next().unwrap().to_string();
+    let body = json!({"prompt": text, "temperature": 0, "max_tokens": 8, "stop": [stop]});
+    let third = server.post("/v1/completions", &body).json();
+    assert_eq!(third["choices"][0]["finish_reason"], "stop", "{third}");
+    assert_eq!(
+        third["usage"]["prompt_tokens_details"]["cached_tokens"], cached,
+        "{third}"
+    );
 }
 
 /// Opens a streaming completion and reads until `n` events have arrived.
