@@ -176,8 +176,38 @@ impl BlockAllocator {
 pub struct KvPool {
     ptr: NonNull<f16>,
     len: usize,
-    layout: Layout,
+    /// Our own allocation (freed on drop), or `None` for external memory.
+    layout: Option<Layout>,
+    /// Keeps external memory alive.
+    #[allow(dead_code)]
+    owner: Option<ExternalOwner>,
 }
+
+/// Whatever keeps externally provided pool memory alive.
+pub type ExternalOwner = Arc<dyn std::any::Any + Send + Sync>;
+
+/// Memory for a KV pool allocated by someone else: a transfer engine's
+/// registered allocation, so that peers write it directly.
+#[derive(Clone)]
+pub struct ExternalMemory {
+    pub ptr: *mut u8,
+    pub len: usize,
+    /// Keeps `ptr..ptr + len` valid for as long as the pool holds it.
+    pub owner: ExternalOwner,
+}
+
+impl std::fmt::Debug for ExternalMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalMemory")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+// SAFETY: plain memory handed over with its owner; see `KvPool`.
+unsafe impl Send for ExternalMemory {}
+unsafe impl Sync for ExternalMemory {}
 
 // SAFETY: the pool is plain memory; access is coordinated by the scheduler
 // (see the type's documentation).
@@ -197,7 +227,38 @@ impl KvPool {
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw.cast::<f16>())
             .ok_or(KvCacheError::InvalidConfig("cannot allocate the KV pool"))?;
-        Ok(Self { ptr, len, layout })
+        Ok(Self {
+            ptr,
+            len,
+            layout: Some(layout),
+            owner: None,
+        })
+    }
+
+    /// A pool of `len` elements in `mem`, which must be large enough and
+    /// aligned for `f16`.
+    fn external(mem: ExternalMemory, len: usize) -> Result<Self, KvCacheError> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<f16>())
+            .ok_or(KvCacheError::InvalidConfig("pool size overflows"))?;
+        if mem.len < bytes {
+            return Err(KvCacheError::InvalidConfig(
+                "external KV memory is smaller than the pool",
+            ));
+        }
+        if !(mem.ptr as usize).is_multiple_of(std::mem::align_of::<f16>()) {
+            return Err(KvCacheError::InvalidConfig(
+                "external KV memory is not aligned for f16",
+            ));
+        }
+        let ptr = NonNull::new(mem.ptr.cast::<f16>())
+            .ok_or(KvCacheError::InvalidConfig("external KV memory is null"))?;
+        Ok(Self {
+            ptr,
+            len,
+            layout: None,
+            owner: Some(mem.owner),
+        })
     }
 
     /// Start of the pool (for registration with a transfer engine).
@@ -229,8 +290,10 @@ impl KvPool {
 
 impl Drop for KvPool {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), self.layout) }
+        if let Some(layout) = self.layout {
+            // SAFETY: allocated in `new` with this layout.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) }
+        }
     }
 }
 
@@ -250,6 +313,16 @@ impl KvCache {
 
     /// A pool whose full blocks can be cached and shared across sequences.
     pub fn with_prefix_caching(config: KvCacheConfig, caching: bool) -> Result<Self, KvCacheError> {
+        Self::with_memory(config, caching, None)
+    }
+
+    /// A pool in `memory` (e.g. a transfer engine's allocation), or in
+    /// memory of its own when `None`.
+    pub fn with_memory(
+        config: KvCacheConfig,
+        caching: bool,
+        memory: Option<ExternalMemory>,
+    ) -> Result<Self, KvCacheError> {
         if config.block_size == 0 || config.num_blocks == 0 {
             return Err(KvCacheError::InvalidConfig(
                 "block_size and num_blocks must be > 0",
@@ -269,7 +342,10 @@ impl KvCache {
             .ok_or(KvCacheError::InvalidConfig("pool size overflows"))?;
         Ok(Self {
             config,
-            pool: Arc::new(KvPool::new(len)?),
+            pool: Arc::new(match memory {
+                Some(m) => KvPool::external(m, len)?,
+                None => KvPool::new(len)?,
+            }),
             blocks: BlockManager::new(config.num_blocks, caching),
         })
     }

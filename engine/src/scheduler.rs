@@ -32,7 +32,7 @@ use crate::block_manager::{BlockHash, KvEvent, block_hashes, chain_hash};
 use crate::comm::{Communicator, CpuGroup};
 use crate::error::RequestError;
 use crate::generate::FinishReason;
-use crate::kv_cache::{BlockId, KvCache, KvCacheConfig, KvCacheError, KvPool};
+use crate::kv_cache::{BlockId, ExternalMemory, KvCache, KvCacheConfig, KvCacheError, KvPool};
 use crate::loader::LoadedModel;
 use crate::metrics::{BatchType, metrics};
 use crate::model::{LlamaModel, SeqChunk};
@@ -332,12 +332,23 @@ impl Scheduler {
         config: SchedulerConfig,
         sink: Option<KvEventSink>,
     ) -> Result<Self, ConfigError> {
+        Self::spawn_with_memory(model, config, sink, None)
+    }
+
+    /// Starts the actor with its KV pool in `memory` (a transfer engine's
+    /// registered allocation, so that peers write it directly).
+    pub fn spawn_with_memory(
+        model: Arc<LoadedModel>,
+        config: SchedulerConfig,
+        sink: Option<KvEventSink>,
+        memory: Option<ExternalMemory>,
+    ) -> Result<Self, ConfigError> {
         config.validate(model.model.config().context_length)?;
         let exec = Executor::new(&model, &config)?;
         let kv_config = exec
             .rank0()
             .kv_cache_config(config.block_size, config.num_blocks);
-        let cache = KvCache::with_prefix_caching(kv_config, config.prefix_caching)
+        let cache = KvCache::with_memory(kv_config, config.prefix_caching, memory)
             .map_err(|e| ConfigError(e.to_string()))?;
         let stats = Arc::new(SchedulerStats::default());
         // Export the counters from the start, not from their first event.

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tandem_discovery::{EtcdConfig, Registration};
 use tandem_dkv::{Dkv, DkvConfig, KvLayout, Region, TransportKind};
+use tandem_engine::kv_cache::{ExternalMemory, ExternalOwner};
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerHandle};
 use tandem_engine::{LoadedModel, ModelFingerprint};
 use tandem_proto::{WorkerRecord, pb};
@@ -52,7 +53,7 @@ pub struct NodeCore {
     pub fingerprint: ModelFingerprint,
     pub dkv: Dkv,
     /// The whole KV pool, registered for one-sided transfers.
-    pub region: Region,
+    pub region: Arc<Region>,
     pub layout: KvLayout,
     pub hub: Arc<EventHub>,
     draining: AtomicBool,
@@ -70,18 +71,45 @@ impl NodeCore {
     ) -> Result<(Arc<Self>, Scheduler), WorkerError> {
         let hub = EventHub::new(EVENT_RING);
         let fingerprint = model.fingerprint(config.block_size);
-        let scheduler =
-            Scheduler::spawn_with_kv_events(Arc::clone(&model), config, Some(hub.sink()))
-                .map_err(|e| WorkerError::Internal(e.to_string()))?;
-        let handle = scheduler.handle().clone();
         let dkv = Dkv::new(DkvConfig {
             transport: opts.transport,
             ucx_tls: opts.ucx_tls.clone(),
         })?;
+        // The pool lives in memory the transfer engine allocates, so that
+        // same-host peers write it with direct copies (UCX only does direct
+        // puts into memory it allocated); failing that, in our own memory,
+        // registered.
+        let kv = model
+            .model
+            .kv_cache_config(config.block_size, config.num_blocks);
+        let bytes = kv.block_bytes() * kv.num_blocks;
+        let external = match dkv.alloc(bytes) {
+            Ok(r) => Some(Arc::new(r)),
+            Err(e) => {
+                tracing::warn!(
+                    "transfer engine could not allocate the KV pool ({e}); registering our own"
+                );
+                None
+            }
+        };
+        let memory = external.as_ref().map(|r| ExternalMemory {
+            ptr: r.as_ptr(),
+            len: r.len(),
+            owner: Arc::clone(r) as ExternalOwner,
+        });
+        let scheduler =
+            Scheduler::spawn_with_memory(Arc::clone(&model), config, Some(hub.sink()), memory)
+                .map_err(|e| WorkerError::Internal(e.to_string()))?;
+        let handle = scheduler.handle().clone();
         let (pool, kv) = handle.kv_pool();
-        let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(pool) as _;
-        // SAFETY: the pool lives as long as `owner`, which the region keeps.
-        let region = unsafe { dkv.register(pool.as_mut_ptr(), pool.byte_len(), owner)? };
+        let region = match external {
+            Some(r) => r,
+            None => {
+                let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(pool) as _;
+                // SAFETY: the pool lives as long as `owner`, which the region keeps.
+                Arc::new(unsafe { dkv.register(pool.as_mut_ptr(), pool.byte_len(), owner)? })
+            }
+        };
         let head_slice_bytes = (kv.head_slice_len() * 2) as u64;
         let layout = KvLayout {
             block_bytes: kv.block_bytes() as u64,
