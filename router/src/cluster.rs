@@ -605,7 +605,7 @@ mod tests {
         let w = worker();
         assert!(w.apply(&stored(1, vec![10, 11, 12])));
         assert_eq!(w.overlap(&[10, 11, 12, 13]), 3);
-        assert_eq!(w.overlap(&[11, 12]), 0, "overlap is a prefix");
+        assert_eq!(w.overlap(&[99, 11, 12]), 0, "overlap is a prefix");
         assert!(w.apply(&pb::WorkerEvent {
             event_id: 2,
             kind: Some(pb::worker_event::Kind::Removed(pb::BlockRemoved {
