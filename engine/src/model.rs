@@ -408,6 +408,18 @@ impl LlamaModel {
         chunks: &[SeqChunk<'_>],
         cache: &mut KvCache,
     ) -> Result<Vec<f32>, RequestError> {
+        self.forward_with_hook(chunks, cache, &mut |_| {})
+    }
+
+    /// [`LlamaModel::forward`], calling `layer_done(l)` once layer `l`'s K/V
+    /// for every token of the batch are in `cache` (so a transfer engine can
+    /// start moving that layer while later layers compute).
+    pub fn forward_with_hook(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+        layer_done: &mut dyn FnMut(usize),
+    ) -> Result<Vec<f32>, RequestError> {
         let c = &self.config;
         let kvc = *cache.config();
         if (kvc.n_layers, kvc.n_kv_heads, kvc.head_dim) != (c.n_layers, c.n_kv_heads, c.head_dim) {
@@ -506,6 +518,7 @@ impl LlamaModel {
                     &v[t * c.kv_dim()..(t + 1) * c.kv_dim()],
                 );
             }
+            layer_done(li);
             self.attention(li, chunks, &placement, &q, cache, &mut attn);
             tandem_kernels::matmul(&layer.wo.matrix(), &attn, n_tok, &mut proj)?;
             self.all_reduce(&mut proj)?;

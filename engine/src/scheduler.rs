@@ -175,6 +175,20 @@ pub enum Event {
     Exported(Exported),
     /// An [`KvHandoff::Import`] request has its destination blocks.
     ImportReady(ImportSlot),
+    /// An [`KvHandoff::Export`] prompt's blocks that became full in this
+    /// step have layer `layer` final: a transfer engine may send that layer
+    /// of them while later layers compute. Blocks completed this way, once
+    /// their last layer is reported, are never written again.
+    LayerDone(LayerDone),
+}
+
+/// Layer `layer` of the prompt blocks `first_block..first_block + blocks.len()`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerDone {
+    pub layer: usize,
+    /// Index of `blocks[0]` in the prompt's block table.
+    pub first_block: usize,
+    pub blocks: Vec<BlockId>,
 }
 
 /// Token accounting of a finished request.
@@ -688,6 +702,30 @@ impl Actor {
             return false;
         }
         self.record_batch(&plan);
+        // Export sequences' blocks that this step fills: their layers can
+        // leave as soon as each layer is written.
+        let bs = self.config.block_size;
+        let filling: Vec<(EventTx, usize, Vec<BlockId>)> = plan
+            .iter()
+            .filter_map(|p| {
+                let s = &self.running[p.seq];
+                if s.handoff != KvHandoff::Export {
+                    return None;
+                }
+                let (from, to) = (s.computed / bs, (s.computed + p.len).min(s.prompt_len) / bs);
+                (to > from).then(|| (s.events.clone(), from, s.table[from..to].to_vec()))
+            })
+            .collect();
+        let mut layer_done = |layer: usize| {
+            for (tx, first_block, blocks) in &filling {
+                let ev = LayerDone {
+                    layer,
+                    first_block: *first_block,
+                    blocks: blocks.clone(),
+                };
+                emit(tx, Event::LayerDone(ev));
+            }
+        };
         let logits = {
             let chunks: Vec<SeqChunk<'_>> = plan
                 .iter()
@@ -701,7 +739,7 @@ impl Actor {
                     }
                 })
                 .collect();
-            self.exec.forward(&chunks, &mut self.cache)
+            self.exec.forward(&chunks, &mut self.cache, &mut layer_done)
         };
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let logits = match logits {
@@ -1006,6 +1044,7 @@ impl Executor {
         &self,
         chunks: &[SeqChunk<'_>],
         cache: &mut KvCache,
+        layer_done: &mut dyn FnMut(usize),
     ) -> Result<Vec<f32>, RequestError> {
         if !self.peers.is_empty() {
             let input = Arc::new(StepInput {
@@ -1030,7 +1069,7 @@ impl Executor {
                 }
             }
         }
-        let result = self.rank0().forward(chunks, cache);
+        let result = self.rank0().forward_with_hook(chunks, cache, layer_done);
         for p in &self.peers {
             match p.done.recv() {
                 Ok(Ok(())) => {}

@@ -324,14 +324,36 @@ fn disaggregated(
     let mut p = prefill
         .submit(handoff_request(prompt, max_tokens, KvHandoff::Export))
         .expect("accepted");
-    let first = match p.blocking_next() {
-        Some(Event::Token(s)) => s,
-        other => panic!("expected the first token, got {other:?}"),
+    // Layers of blocks filled by the computation arrive first, then the
+    // first token, then the held blocks.
+    let mut layers_of_block = std::collections::HashMap::<usize, usize>::new();
+    let first = loop {
+        match p.blocking_next() {
+            Some(Event::LayerDone(l)) => {
+                for i in l.first_block..l.first_block + l.blocks.len() {
+                    *layers_of_block.entry(i).or_default() += 1;
+                }
+            }
+            Some(Event::Token(s)) => break s,
+            other => panic!("expected the first token, got {other:?}"),
+        }
     };
     let exported = match p.blocking_next() {
         Some(Event::Exported(e)) => e,
         other => panic!("expected Exported, got {other:?}"),
     };
+    // Every block the prefill computed (full, not from its own cache) was
+    // reported once per layer.
+    let n_layers = model().model.config().n_layers;
+    let computed_from = exported.cached_tokens / config().block_size;
+    for i in computed_from..prompt.len() / config().block_size {
+        assert_eq!(layers_of_block.get(&i), Some(&n_layers), "block {i}");
+    }
+    assert!(
+        layers_of_block
+            .keys()
+            .all(|&i| i < prompt.len() / config().block_size)
+    );
     assert_eq!(exported.blocks.len(), slot.blocks.len());
     let skip = slot.cached_blocks;
     copy_blocks(

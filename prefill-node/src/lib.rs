@@ -6,9 +6,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use opentelemetry::KeyValue;
-use tandem_dkv::RemoteRegion;
-use tandem_engine::scheduler::{Event, KvHandoff, Request};
+use tandem_dkv::{KvLayout, RemoteRegion, WriteOp};
+use tandem_engine::scheduler::{Event, KvHandoff, LayerDone, Request};
 use tandem_proto::trace::TraceContext;
 use tandem_proto::{PrefillJob, pb};
 use tandem_worker::{NodeCore, WorkerError};
@@ -38,9 +40,18 @@ impl PrefillService {
             });
         }
         let deadline = Instant::now() + job.deadline;
+        let remote = RemoteRegion {
+            worker_address: job.region.worker_address.clone(),
+            rkey: job.region.rkey.clone(),
+            base: job.region.base,
+            len: job.region.len,
+        };
+        let layout = &core.layout;
+        let skip = job.skip_blocks;
+        let n_layers = layout.num_layers as usize;
         let work = async {
             // Dropping `stream` (on return, error or cancellation) releases
-            // the held blocks.
+            // the held blocks; dropping `writes` cancels transfers in flight.
             let mut stream = core.scheduler.submit(Request {
                 prompt: job.prompt.clone(),
                 sampling: job.sampling.clone(),
@@ -48,44 +59,72 @@ impl PrefillService {
                 stop_token_ids: Vec::new(),
                 handoff: KvHandoff::Export,
             })?;
-            let first = match stream.next().await {
-                Some(Event::Token(s)) => s,
-                other => return Err(unexpected(other)),
+            let mut writes = FuturesUnordered::new();
+            let mut sent = vec![false; skip + job.dst_blocks.len()];
+            let mut bytes = 0u64;
+            // Layers of blocks leave as the prefill writes them, overlapping
+            // the remaining layers' compute.
+            let (first, exported) = {
+                let mut first = None;
+                loop {
+                    tokio::select! {
+                        ev = stream.next() => match ev {
+                            Some(Event::LayerDone(l)) => {
+                                let ops = layer_ops(layout, &l, skip, &job.dst_blocks)?;
+                                if l.layer + 1 == n_layers {
+                                    for i in l.first_block..l.first_block + l.blocks.len() {
+                                        if let Some(s) = sent.get_mut(i) {
+                                            *s = true;
+                                        }
+                                    }
+                                }
+                                if !ops.is_empty() {
+                                    writes.push(send(core, &remote, ops, deadline));
+                                }
+                            }
+                            Some(Event::Token(s)) => first = Some(s),
+                            Some(Event::Exported(e)) => break (first, e),
+                            other => return Err(unexpected(other)),
+                        },
+                        Some(r) = writes.next(), if !writes.is_empty() => {
+                            bytes += r?.bytes;
+                        }
+                    }
+                }
             };
-            let exported = match stream.next().await {
-                Some(Event::Exported(e)) => e,
-                other => return Err(unexpected(other)),
-            };
-            let src = exported
-                .blocks
-                .get(job.skip_blocks..)
+            let first = first.ok_or_else(|| WorkerError::Internal("no first token".into()))?;
+            // Whole blocks not sent layer by layer: those found in this
+            // node's prefix cache and the partial last block.
+            let rest: Vec<usize> = (skip..sent.len()).filter(|&i| !sent[i]).collect();
+            let src: Vec<u32> = rest
+                .iter()
+                .map(|&i| exported.blocks.get(i).copied())
+                .collect::<Option<_>>()
                 .ok_or_else(|| WorkerError::Internal("exported fewer blocks than asked".into()))?;
-            let ops = core.layout.block_ops(src, &job.dst_blocks)?;
-            let remote = RemoteRegion {
-                worker_address: job.region.worker_address.clone(),
-                rkey: job.region.rkey.clone(),
-                base: job.region.base,
-                len: job.region.len,
-            };
-            let stats = core
-                .dkv
-                .write(&core.region, &remote, &ops, deadline)
-                .await?;
+            let dst: Vec<u32> = rest.iter().map(|&i| job.dst_blocks[i - skip]).collect();
+            let ops = layout.block_ops(&src, &dst)?;
+            if !ops.is_empty() {
+                writes.push(send(core, &remote, ops, deadline));
+            }
+            while let Some(r) = writes.next().await {
+                bytes += r?.bytes;
+            }
+            let blocks = job.dst_blocks.len();
             tandem_dkv::metrics().blocks_transferred.add(
-                src.len() as u64,
+                blocks as u64,
                 &[KeyValue::new("connector", core.dkv.connector())],
             );
             tracing::debug!(
-                blocks = src.len(),
-                bytes = stats.bytes,
-                ms = stats.elapsed.as_secs_f64() * 1e3,
+                blocks,
+                bytes,
+                layered = sent.iter().filter(|&&s| s).count(),
                 "KV written"
             );
             Ok(pb::PrefillResponse {
                 first: Some((&first).into()),
                 cached_tokens: exported.cached_tokens as u32,
-                bytes: stats.bytes,
-                blocks: src.len() as u32,
+                bytes,
+                blocks: blocks as u32,
             })
         };
         match tokio::time::timeout_at(deadline.into(), work).await {
@@ -96,6 +135,42 @@ impl PrefillService {
             ))),
         }
     }
+}
+
+/// One transfer owning its ops (so that all of a request's transfers are
+/// the same future type).
+async fn send(
+    core: &NodeCore,
+    remote: &RemoteRegion,
+    ops: Vec<WriteOp>,
+    deadline: Instant,
+) -> Result<tandem_dkv::TransferStats, tandem_dkv::DkvError> {
+    core.dkv.write(&core.region, remote, &ops, deadline).await
+}
+
+/// One layer of the blocks in `l` that the decode node lacks, block by
+/// block (a layer of a block is contiguous; consecutive blocks' layers are
+/// not).
+fn layer_ops(
+    layout: &KvLayout,
+    l: &LayerDone,
+    skip: usize,
+    dst_blocks: &[u32],
+) -> Result<Vec<WriteOp>, WorkerError> {
+    let mut ops = Vec::new();
+    for (k, &src) in l.blocks.iter().enumerate() {
+        let i = l.first_block + k;
+        let Some(&dst) = i.checked_sub(skip).and_then(|j| dst_blocks.get(j)) else {
+            continue; // the decode node has it
+        };
+        let within = l.layer as u64 * layout.layer_bytes;
+        ops.push(WriteOp {
+            local_offset: u64::from(src) * layout.block_bytes + within,
+            remote_offset: u64::from(dst) * layout.block_bytes + within,
+            len: layout.layer_bytes,
+        });
+    }
+    Ok(ops)
 }
 
 fn unexpected(ev: Option<Event>) -> WorkerError {

@@ -378,7 +378,7 @@ impl Generation {
                         yield Piece::Done(u.finish, usage);
                         return;
                     }
-                    Some(Event::Exported(_) | Event::ImportReady(_)) => {
+                    Some(Event::Exported(_) | Event::ImportReady(_) | Event::LayerDone(_)) => {
                         // Only disaggregated handoffs emit these; a plain request never does.
                         let err = ApiError::Internal("unexpected KV handoff event".into());
                         tracker.finish(Some(&err), count_errors);
