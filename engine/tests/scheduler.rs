@@ -371,6 +371,14 @@ fn disaggregated(
     (tokens, usage, slot.blocks.len() - skip)
 }
 
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 fn assert_idle_handoffs(h: &SchedulerHandle) {
     wait_idle(h);
     let s = h.stats();
@@ -418,7 +426,10 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
         .submit(handoff_request(prompt, 10, KvHandoff::Import))
         .expect("accepted");
     let _ = expect_import_slot(&mut d);
-    assert_eq!(h.stats().importing.load(Ordering::Relaxed), 1);
+    // Stats are published after the step that emitted the event.
+    wait_for("the import to be counted", || {
+        h.stats().importing.load(Ordering::Relaxed) == 1
+    });
     d.complete_import(ImportOutcome::PrefillLocally);
     assert_eq!(collect(d).0, want);
     assert_idle_handoffs(h);
@@ -428,7 +439,9 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
         .submit(handoff_request(prompt, 10, KvHandoff::Import))
         .expect("accepted");
     let _ = expect_import_slot(&mut d);
-    assert!(h.stats().kv_blocks_in_use.load(Ordering::Relaxed) > 0);
+    wait_for("the reserved blocks to be counted", || {
+        h.stats().kv_blocks_in_use.load(Ordering::Relaxed) > 0
+    });
     drop(d);
     assert_idle_handoffs(h);
 
@@ -438,9 +451,13 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
         .expect("accepted");
     assert!(matches!(p.blocking_next(), Some(Event::Token(_))));
     assert!(matches!(p.blocking_next(), Some(Event::Exported(_))));
+    wait_for("the held blocks to be counted", || {
+        h.stats().exported.load(Ordering::Relaxed) == 1
+            && h.stats().kv_blocks_in_use.load(Ordering::Relaxed) > 0
+    });
+    // And they stay held while the stream lives.
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(h.stats().exported.load(Ordering::Relaxed), 1);
-    assert!(h.stats().kv_blocks_in_use.load(Ordering::Relaxed) > 0);
     drop(p);
     assert_idle_handoffs(h);
 }
