@@ -220,6 +220,16 @@ fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
     let r = Router::start(&etcd.url(), &cluster);
     r.wait_members(1, 1, Duration::from_secs(10));
 
+    // A router whose cluster has no workers answers 503 with a clear
+    // message, and says so on /health.
+    let lonely = Router::start(&etcd.url(), &format!("{cluster}-empty"));
+    let body = json!({"prompt": short_prompt(), "max_tokens": 4});
+    let resp = http(lonely.port, "POST", "/v1/completions", &body.to_string());
+    assert_eq!(resp.status, 503, "{}", resp.body);
+    assert!(resp.body.contains("No decode worker is available"), "{}", resp.body);
+    assert_eq!(http(lonely.port, "GET", "/health", "").status, 503);
+    drop(lonely);
+
     // A short prompt never leaves the decode node.
     let v = r.complete(short_prompt(), MAX_TOKENS);
     assert_eq!(
