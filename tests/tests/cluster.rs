@@ -226,7 +226,11 @@ fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
     let body = json!({"prompt": short_prompt(), "max_tokens": 4});
     let resp = http(lonely.port, "POST", "/v1/completions", &body.to_string());
     assert_eq!(resp.status, 503, "{}", resp.body);
-    assert!(resp.body.contains("No decode worker is available"), "{}", resp.body);
+    assert!(
+        resp.body.contains("No decode worker is available"),
+        "{}",
+        resp.body
+    );
     assert_eq!(http(lonely.port, "GET", "/health", "").status, 503);
     drop(lonely);
 
