@@ -172,12 +172,11 @@ fn run_node(
     role: Role,
     decode: Option<DecodeConfig>,
 ) -> Result<()> {
-    if engine.tp > 1 {
+    if engine.tp > 1 && role == Role::Decode {
         bail!(
-            "--tp {} on a {} node: nodes run TP=1 until heterogeneous TP handoff lands; \
-             `tandem serve --tp N` runs tensor-parallel",
-            engine.tp,
-            role.as_str()
+            "--tp {} on a decode node: decode nodes run TP=1 (a DP pool); prefill nodes may \
+             run tensor-parallel and write each rank's KV heads into them",
+            engine.tp
         );
     }
     let opts = node_options(node, role)?;

@@ -253,6 +253,9 @@ pub struct SchedulerHandle {
     config: SchedulerConfig,
     pool: Arc<KvPool>,
     kv_config: KvCacheConfig,
+    /// The pools of tensor-parallel ranks 1.., each holding its KV heads at
+    /// the same block ids as rank 0's.
+    peer_pools: Vec<Arc<KvPool>>,
 }
 
 /// Events of one request. Dropping it cancels the request.
@@ -382,6 +385,7 @@ impl Scheduler {
             config: config.clone(),
             pool: Arc::clone(cache.pool()),
             kv_config,
+            peer_pools: exec.peer_pools.clone(),
         };
         let actor = Actor {
             model,
@@ -489,9 +493,18 @@ impl SchedulerHandle {
         &self.config
     }
 
-    /// The KV pool's memory (for a transfer engine to register) and shape.
+    /// The KV pool's memory (for a transfer engine to register) and shape:
+    /// rank 0's under tensor parallelism (its share of the KV heads).
     pub fn kv_pool(&self) -> (&Arc<KvPool>, &KvCacheConfig) {
         (&self.pool, &self.kv_config)
+    }
+
+    /// Every tensor-parallel rank's pool, rank 0 first; all have rank 0's
+    /// shape (`kv_pool().1`).
+    pub fn rank_pools(&self) -> Vec<Arc<KvPool>> {
+        std::iter::once(Arc::clone(&self.pool))
+            .chain(self.peer_pools.iter().cloned())
+            .collect()
     }
 }
 
@@ -978,6 +991,7 @@ struct Executor {
     shard: Option<LlamaModel>,
     model: Arc<LoadedModel>,
     peers: Vec<Peer>,
+    peer_pools: Vec<Arc<KvPool>>,
 }
 
 /// A step's chunks, owned so peer ranks can run them.
@@ -999,6 +1013,7 @@ impl Executor {
                 shard: None,
                 model: Arc::clone(model),
                 peers: Vec::new(),
+                peer_pools: Vec::new(),
             });
         }
         let mut shards = Vec::with_capacity(tp);
@@ -1013,12 +1028,14 @@ impl Executor {
         }
         let rank0 = shards.remove(0);
         let mut peers = Vec::new();
+        let mut peer_pools = Vec::new();
         for (i, shard) in shards.into_iter().enumerate() {
             let (tx, rx) = mpsc::channel::<Arc<StepInput>>();
             let (done_tx, done) = mpsc::channel();
             // The same block ids as rank 0's pool, holding this rank's heads.
             let cache = KvCache::new(shard.kv_cache_config(config.block_size, config.num_blocks))
                 .map_err(|e| ConfigError(e.to_string()))?;
+            peer_pools.push(Arc::clone(cache.pool()));
             let thread = std::thread::Builder::new()
                 .name(format!("tandem-tp-rank{}", i + 1))
                 .spawn(move || peer_loop(shard, cache, rx, done_tx))
@@ -1033,6 +1050,7 @@ impl Executor {
             shard: Some(rank0),
             model: Arc::clone(model),
             peers,
+            peer_pools,
         })
     }
 

@@ -9,7 +9,7 @@ use std::time::Instant;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use opentelemetry::KeyValue;
-use tandem_dkv::{KvLayout, RemoteRegion, WriteOp};
+use tandem_dkv::{KvLayout, Region, RemoteRegion, WriteOp};
 use tandem_engine::scheduler::{Event, KvHandoff, LayerDone, Request};
 use tandem_proto::trace::TraceContext;
 use tandem_proto::{PrefillJob, pb};
@@ -32,7 +32,8 @@ impl PrefillService {
 
     async fn prefill(&self, req: pb::PrefillRequest) -> Result<pb::PrefillResponse, WorkerError> {
         let core = &self.core;
-        let job = PrefillJob::validate(req, &core.fingerprint, core.layout.block_bytes)?;
+        // Destination blocks hold every KV head (decode nodes run TP=1).
+        let job = PrefillJob::validate(req, &core.fingerprint, core.full_layout.block_bytes)?;
         if job.region.connector != core.dkv.connector() {
             return Err(WorkerError::Connector {
                 ours: core.dkv.connector().to_string(),
@@ -69,6 +70,9 @@ impl PrefillService {
                 loop {
                     tokio::select! {
                         ev = stream.next() => match ev {
+                            // A tensor-parallel node sends each rank's head
+                            // slices once the prompt is done.
+                            Some(Event::LayerDone(_)) if core.tp > 1 => {}
                             Some(Event::LayerDone(l)) => {
                                 let ops = layer_ops(layout, &l, skip, &job.dst_blocks)?;
                                 if l.layer + 1 == n_layers {
@@ -79,7 +83,7 @@ impl PrefillService {
                                     }
                                 }
                                 if !ops.is_empty() {
-                                    writes.push(send(core, &remote, ops, deadline));
+                                    writes.push(send(core, &core.region, &remote, ops, deadline));
                                 }
                             }
                             Some(Event::Token(s)) => first = Some(s),
@@ -102,9 +106,27 @@ impl PrefillService {
                 .collect::<Option<_>>()
                 .ok_or_else(|| WorkerError::Internal("exported fewer blocks than asked".into()))?;
             let dst: Vec<u32> = rest.iter().map(|&i| job.dst_blocks[i - skip]).collect();
-            let ops = layout.block_ops(&src, &dst)?;
-            if !ops.is_empty() {
-                writes.push(send(core, &remote, ops, deadline));
+            if core.tp == 1 {
+                let ops = layout.block_ops(&src, &dst)?;
+                if !ops.is_empty() {
+                    writes.push(send(core, &core.region, &remote, ops, deadline));
+                }
+            } else if !src.is_empty() {
+                // Rank r holds KV heads r*h..(r+1)*h of every block, at the
+                // same block ids: each writes its slice straight into the
+                // decode node's whole-head blocks, no gather here.
+                let h = layout.num_kv_heads;
+                let regions = std::iter::once(&*core.region).chain(core.peer_regions.iter());
+                for (r, region) in regions.enumerate() {
+                    let ops = layout.head_slice_ops_to(
+                        &core.full_layout,
+                        &src,
+                        &dst,
+                        0..h,
+                        r as u32 * h,
+                    )?;
+                    writes.push(send(core, region, &remote, ops, deadline));
+                }
             }
             while let Some(r) = writes.next().await {
                 bytes += r?.bytes;
@@ -141,11 +163,12 @@ impl PrefillService {
 /// the same future type).
 async fn send(
     core: &NodeCore,
+    region: &Region,
     remote: &RemoteRegion,
     ops: Vec<WriteOp>,
     deadline: Instant,
 ) -> Result<tandem_dkv::TransferStats, tandem_dkv::DkvError> {
-    core.dkv.write(&core.region, remote, &ops, deadline).await
+    core.dkv.write(region, remote, &ops, deadline).await
 }
 
 /// One layer of the blocks in `l` that the decode node lacks, block by

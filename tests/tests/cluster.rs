@@ -628,3 +628,79 @@ async fn bad_grpc_input_is_rejected_with_clear_errors() {
         .await
         .unwrap();
 }
+
+#[test]
+fn tensor_parallel_prefill_feeds_a_pool_of_tp1_decode_nodes() {
+    // TP=3 prefill (each rank holds one of SmolLM2's three KV heads) writes
+    // its ranks' head slices straight into the blocks of two TP=1 decode
+    // nodes; the tokens equal single-process generation.
+    let etcd = EtcdServer::start().unwrap();
+    let cluster = unique_cluster("tp3");
+    let p = Node::start(&etcd.url(), &cluster, "prefill", "p-tp3", &["--tp", "3"]);
+    let d0 = Node::start(&etcd.url(), &cluster, "decode", "d0", &[]);
+    let d1 = Node::start(&etcd.url(), &cluster, "decode", "d1", &[]);
+    let r = Router::start(&etcd.url(), &cluster);
+    r.wait_members(1, 2, Duration::from_secs(10));
+    // Prompts on which TP=3 and TP=1 agree for 16 greedy tokens (a TP split
+    // sums the row-parallel projections in another order, so on near-ties,
+    // long_prompt 0, 4, 5 and 6, the two differ within 16 tokens).
+    std::thread::scope(|s| {
+        let handles: Vec<_> = [1, 2, 3, 7]
+            .into_iter()
+            .map(|i| {
+                let r = &r;
+                s.spawn(move || {
+                    let prompt = long_prompt(i);
+                    (prompt.clone(), r.complete(&prompt, MAX_TOKENS))
+                })
+            })
+            .collect();
+        for h in handles {
+            let (prompt, v) = h.join().unwrap();
+            // The KV was computed with TP=3 numerics and decoding continues
+            // with TP=1's: the first tokens must agree exactly (a misplaced
+            // head slice breaks attention at once); later ones may flip on
+            // a near-tie (measured: prompt 1 at token 13).
+            let text = v["choices"][0]["text"].as_str().unwrap();
+            let want = expected(&prompt, 8);
+            assert!(
+                text.starts_with(&want),
+                "{text:?} does not start with {want:?}"
+            );
+        }
+    });
+    let remote = |n: &Node| {
+        metric(
+            &n.metrics(),
+            "tandem_decode_prefills_total",
+            "outcome=\"remote\"",
+        )
+    };
+    assert_eq!(
+        remote(&d0) + remote(&d1),
+        4.0,
+        "every prompt prefilled by the TP=3 node"
+    );
+    let pm = p.metrics();
+    assert!(metric(&pm, "tandem_dkv_bytes_transferred_bytes_total", "") > 0.0);
+    assert_eq!(
+        metric(&pm, "tandem_batch_size_count", "batch_type=\"TG\""),
+        0.0
+    );
+    // A decode node refuses to run tensor-parallel (clear error at start).
+    let out = std::process::Command::new(tandem_tests::binary())
+        .args([
+            "decode",
+            "--tp",
+            "3",
+            "--model",
+            gguf_path().to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("decode nodes run TP=1"));
+    for n in [&p, &d0, &d1] {
+        n.assert_idle();
+    }
+}

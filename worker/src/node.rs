@@ -52,9 +52,16 @@ pub struct NodeCore {
     pub scheduler: SchedulerHandle,
     pub fingerprint: ModelFingerprint,
     pub dkv: Dkv,
-    /// The whole KV pool, registered for one-sided transfers.
+    /// The whole KV pool, registered for one-sided transfers (tensor-parallel
+    /// rank 0's).
     pub region: Arc<Region>,
+    /// Shape of this node's blocks (a rank's share of the KV heads).
     pub layout: KvLayout,
+    /// Pools of tensor-parallel ranks 1.., registered; same shape as rank 0's.
+    pub peer_regions: Vec<Region>,
+    /// Shape of a whole-model block, as a TP=1 decode node holds it.
+    pub full_layout: KvLayout,
+    pub tp: usize,
     pub hub: Arc<EventHub>,
     draining: AtomicBool,
     registration: Mutex<Option<Registration>>,
@@ -110,14 +117,24 @@ impl NodeCore {
                 Arc::new(unsafe { dkv.register(pool.as_mut_ptr(), pool.byte_len(), owner)? })
             }
         };
-        let head_slice_bytes = (kv.head_slice_len() * 2) as u64;
-        let layout = KvLayout {
-            block_bytes: kv.block_bytes() as u64,
-            layer_bytes: (kv.layer_len() * 2) as u64,
-            head_slice_bytes,
-            num_layers: kv.n_layers as u32,
-            num_kv_heads: kv.n_kv_heads as u32,
+        let mut peer_regions = Vec::new();
+        for p in handle.rank_pools().into_iter().skip(1) {
+            let (ptr, len) = (p.as_mut_ptr(), p.byte_len());
+            let owner: Arc<dyn std::any::Any + Send + Sync> = p;
+            // SAFETY: the pool lives as long as `owner`, which the region keeps.
+            peer_regions.push(unsafe { dkv.register(ptr, len, owner)? });
+        }
+        let layout = kv_layout(kv);
+        // A whole-model block: every KV head, as a TP=1 decode node holds it.
+        let heads = fingerprint.num_kv_heads as u64;
+        let full_layer = layout.head_slice_bytes * 2 * heads;
+        let full_layout = KvLayout {
+            num_kv_heads: heads as u32,
+            layer_bytes: full_layer,
+            block_bytes: full_layer * u64::from(layout.num_layers),
+            ..layout
         };
+        let tp = handle.config().tp;
         let core = Arc::new(Self {
             id: opts.id.clone(),
             role: opts.role,
@@ -127,6 +144,9 @@ impl NodeCore {
             dkv,
             region,
             layout,
+            peer_regions,
+            full_layout,
+            tp,
             hub,
             draining: AtomicBool::new(false),
             registration: Mutex::new(None),
@@ -156,7 +176,7 @@ impl NodeCore {
             fingerprint: self.fingerprint.clone(),
             kv_blocks_total: c.num_blocks,
             max_batch_size: c.max_batch_size,
-            tp: 1,
+            tp: c.tp,
             dp: 1,
         }
     }
@@ -170,6 +190,16 @@ impl NodeCore {
             kv_blocks_used: get(&s.kv_blocks_in_use),
             kv_blocks_total: get(&s.kv_blocks_total),
         }
+    }
+}
+
+fn kv_layout(kv: &tandem_engine::kv_cache::KvCacheConfig) -> KvLayout {
+    KvLayout {
+        block_bytes: kv.block_bytes() as u64,
+        layer_bytes: (kv.layer_len() * 2) as u64,
+        head_slice_bytes: (kv.head_slice_len() * 2) as u64,
+        num_layers: kv.n_layers as u32,
+        num_kv_heads: kv.n_kv_heads as u32,
     }
 }
 
