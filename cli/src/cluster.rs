@@ -172,13 +172,6 @@ fn run_node(
     role: Role,
     decode: Option<DecodeConfig>,
 ) -> Result<()> {
-    if engine.tp > 1 && role == Role::Decode {
-        bail!(
-            "--tp {} on a decode node: decode nodes run TP=1 (a DP pool); prefill nodes may \
-             run tensor-parallel and write each rank's KV heads into them",
-            engine.tp
-        );
-    }
     let opts = node_options(node, role)?;
     if let Some(d) = &decode {
         d.validate().map_err(|e| anyhow::anyhow!("{e}"))?;

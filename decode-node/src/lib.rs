@@ -241,20 +241,27 @@ impl Inner {
         trace: &TraceContext,
     ) -> Result<(Sampled, usize), WorkerError> {
         let core = &self.core;
-        let region = core.region.descriptor();
+        let connector = core.dkv.connector().to_string();
+        let regions: Vec<KvRegion> = std::iter::once(&*core.region)
+            .chain(core.peer_regions.iter())
+            .map(|r| {
+                let d = r.descriptor();
+                KvRegion {
+                    worker_address: d.worker_address,
+                    rkey: d.rkey,
+                    base: d.base,
+                    len: d.len,
+                    connector: connector.clone(),
+                }
+            })
+            .collect();
         let deadline = self.config.prefill_timeout;
         let req = PrefillJob {
             prompt: job.prompt.clone(),
             sampling: job.sampling.clone(),
             skip_blocks: slot.cached_blocks,
             dst_blocks: slot.blocks[slot.cached_blocks..].to_vec(),
-            region: KvRegion {
-                worker_address: region.worker_address,
-                rkey: region.rkey,
-                base: region.base,
-                len: region.len,
-                connector: core.dkv.connector().to_string(),
-            },
+            regions,
             deadline,
         }
         .to_pb(&core.fingerprint);

@@ -34,19 +34,32 @@ impl PrefillService {
         let core = &self.core;
         // Destination blocks hold every KV head (decode nodes run TP=1).
         let job = PrefillJob::validate(req, &core.fingerprint, core.full_layout.block_bytes)?;
-        if job.region.connector != core.dkv.connector() {
+        if let Some(r) = job
+            .regions
+            .iter()
+            .find(|r| r.connector != core.dkv.connector())
+        {
             return Err(WorkerError::Connector {
                 ours: core.dkv.connector().to_string(),
-                theirs: job.region.connector,
+                theirs: r.connector.clone(),
             });
         }
         let deadline = Instant::now() + job.deadline;
-        let remote = RemoteRegion {
-            worker_address: job.region.worker_address.clone(),
-            rkey: job.region.rkey.clone(),
-            base: job.region.base,
-            len: job.region.len,
-        };
+        let remotes: Vec<RemoteRegion> = job
+            .regions
+            .iter()
+            .map(|r| RemoteRegion {
+                worker_address: r.worker_address.clone(),
+                rkey: r.rkey.clone(),
+                base: r.base,
+                len: r.len,
+            })
+            .collect();
+        let remote = &remotes[0];
+        // Same sharding on both sides (TP=1 to TP=1): whole blocks and
+        // layers, sent as they are computed. Otherwise head slices mapped
+        // rank to rank once the prompt is done.
+        let same_shape = core.tp == 1 && remotes.len() == 1;
         let layout = &core.layout;
         let skip = job.skip_blocks;
         let n_layers = layout.num_layers as usize;
@@ -72,7 +85,7 @@ impl PrefillService {
                         ev = stream.next() => match ev {
                             // A tensor-parallel node sends each rank's head
                             // slices once the prompt is done.
-                            Some(Event::LayerDone(_)) if core.tp > 1 => {}
+                            Some(Event::LayerDone(_)) if !same_shape => {}
                             Some(Event::LayerDone(l)) => {
                                 let ops = layer_ops(layout, &l, skip, &job.dst_blocks)?;
                                 if l.layer + 1 == n_layers {
@@ -83,7 +96,7 @@ impl PrefillService {
                                     }
                                 }
                                 if !ops.is_empty() {
-                                    writes.push(send(core, &core.region, &remote, ops, deadline));
+                                    writes.push(send(core, &core.region, remote, ops, deadline));
                                 }
                             }
                             Some(Event::Token(s)) => first = Some(s),
@@ -106,26 +119,48 @@ impl PrefillService {
                 .collect::<Option<_>>()
                 .ok_or_else(|| WorkerError::Internal("exported fewer blocks than asked".into()))?;
             let dst: Vec<u32> = rest.iter().map(|&i| job.dst_blocks[i - skip]).collect();
-            if core.tp == 1 {
+            if same_shape {
                 let ops = layout.block_ops(&src, &dst)?;
                 if !ops.is_empty() {
-                    writes.push(send(core, &core.region, &remote, ops, deadline));
+                    writes.push(send(core, &core.region, remote, ops, deadline));
                 }
             } else if !src.is_empty() {
-                // Rank r holds KV heads r*h..(r+1)*h of every block, at the
-                // same block ids: each writes its slice straight into the
-                // decode node's whole-head blocks, no gather here.
-                let h = layout.num_kv_heads;
-                let regions = std::iter::once(&*core.region).chain(core.peer_regions.iter());
-                for (r, region) in regions.enumerate() {
-                    let ops = layout.head_slice_ops_to(
-                        &core.full_layout,
-                        &src,
-                        &dst,
-                        0..h,
-                        r as u32 * h,
-                    )?;
-                    writes.push(send(core, region, &remote, ops, deadline));
+                // Source rank s holds KV heads s*hs..(s+1)*hs of every block,
+                // destination rank d heads d*hd..(d+1)*hd, all at the same
+                // block ids: each source rank writes each overlap straight
+                // into the destination rank's pool, no gather on either side.
+                let hs = layout.num_kv_heads;
+                let hd = core.full_layout.num_kv_heads / remotes.len() as u32;
+                let dst_layout = KvLayout {
+                    num_kv_heads: hd,
+                    layer_bytes: layout.head_slice_bytes * 2 * u64::from(hd),
+                    block_bytes: layout.head_slice_bytes
+                        * 2
+                        * u64::from(hd)
+                        * u64::from(layout.num_layers),
+                    ..*layout
+                };
+                let sources = std::iter::once(&*core.region).chain(core.peer_regions.iter());
+                for (si, region) in sources.enumerate() {
+                    let s_heads = si as u32 * hs..(si as u32 + 1) * hs;
+                    for (di, remote) in remotes.iter().enumerate() {
+                        let d_heads = di as u32 * hd..(di as u32 + 1) * hd;
+                        let (lo, hi) = (
+                            s_heads.start.max(d_heads.start),
+                            s_heads.end.min(d_heads.end),
+                        );
+                        if lo >= hi {
+                            continue;
+                        }
+                        let ops = layout.head_slice_ops_to(
+                            &dst_layout,
+                            &src,
+                            &dst,
+                            lo - s_heads.start..hi - s_heads.start,
+                            lo - d_heads.start,
+                        )?;
+                        writes.push(send(core, region, remote, ops, deadline));
+                    }
                 }
             }
             while let Some(r) = writes.next().await {

@@ -308,7 +308,9 @@ pub struct PrefillJob {
     pub sampling: SamplingParams,
     pub skip_blocks: usize,
     pub dst_blocks: Vec<u32>,
-    pub region: KvRegion,
+    /// The decode node's KV pools, one per tensor-parallel rank (rank 0
+    /// first); each holds `num_kv_heads / regions.len()` heads per block.
+    pub regions: Vec<KvRegion>,
     pub deadline: Duration,
 }
 
@@ -325,13 +327,35 @@ impl PrefillJob {
             .sampling
             .ok_or_else(|| invalid("sampling", "missing"))?
             .try_into()?;
-        let r = req.region.ok_or_else(|| invalid("region", "missing"))?;
-        if r.worker_address.is_empty() || r.rkey.is_empty() {
-            return Err(invalid("region", "empty worker address or key"));
+        let first = req.region.ok_or_else(|| invalid("region", "missing"))?;
+        let mut regions = Vec::with_capacity(1 + req.rank_regions.len());
+        for r in std::iter::once(first).chain(req.rank_regions) {
+            if r.worker_address.is_empty() || r.rkey.is_empty() {
+                return Err(invalid("region", "empty worker address or key"));
+            }
+            if r.base.checked_add(r.len).is_none() {
+                return Err(invalid("region", "base + len overflows"));
+            }
+            regions.push(KvRegion {
+                worker_address: r.worker_address,
+                rkey: r.rkey,
+                base: r.base,
+                len: r.len,
+                connector: r.connector,
+            });
         }
-        if r.base.checked_add(r.len).is_none() {
-            return Err(invalid("region", "base + len overflows"));
+        let dst_tp = regions.len();
+        if !ours.num_kv_heads.is_multiple_of(dst_tp) {
+            return Err(invalid(
+                "rank_regions",
+                format!(
+                    "{dst_tp} decode ranks do not divide {} KV heads",
+                    ours.num_kv_heads
+                ),
+            ));
         }
+        // Each decode rank's block holds its share of the heads.
+        let block_bytes = block_bytes / dst_tp as u64;
         let total = req.prompt.len().div_ceil(ours.block_size);
         let skip = req.skip_blocks as usize;
         if skip > total || req.dst_blocks.len() != total - skip {
@@ -344,7 +368,11 @@ impl PrefillJob {
                 ),
             ));
         }
-        let region_blocks = r.len.checked_div(block_bytes).unwrap_or(0);
+        let region_blocks = regions
+            .iter()
+            .map(|r| r.len.checked_div(block_bytes).unwrap_or(0))
+            .min()
+            .unwrap_or(0);
         if let Some(&b) = req
             .dst_blocks
             .iter()
@@ -371,13 +399,7 @@ impl PrefillJob {
             sampling,
             skip_blocks: skip,
             dst_blocks: req.dst_blocks,
-            region: KvRegion {
-                worker_address: r.worker_address,
-                rkey: r.rkey,
-                base: r.base,
-                len: r.len,
-                connector: r.connector,
-            },
+            regions,
             deadline,
         })
     }
@@ -390,15 +412,20 @@ impl PrefillJob {
             sampling: Some((&self.sampling).into()),
             skip_blocks: self.skip_blocks as u32,
             dst_blocks: self.dst_blocks.clone(),
-            region: Some(pb::KvRegion {
-                worker_address: self.region.worker_address.clone(),
-                rkey: self.region.rkey.clone(),
-                base: self.region.base,
-                len: self.region.len,
-                connector: self.region.connector.clone(),
-            }),
+            region: self.regions.first().map(region_to_pb),
+            rank_regions: self.regions.iter().skip(1).map(region_to_pb).collect(),
             deadline_ms: self.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
         }
+    }
+}
+
+fn region_to_pb(r: &KvRegion) -> pb::KvRegion {
+    pb::KvRegion {
+        worker_address: r.worker_address.clone(),
+        rkey: r.rkey.clone(),
+        base: r.base,
+        len: r.len,
+        connector: r.connector.clone(),
     }
 }
 

@@ -29,6 +29,7 @@ fn prefill_req() -> pb::PrefillRequest {
             connector: "ucx".into(),
         }),
         deadline_ms: 5000,
+        rank_regions: vec![],
     }
 }
 
@@ -78,6 +79,18 @@ fn prefill_request_rejections_name_the_problem() {
     let mut r = prefill_req();
     r.skip_blocks = 9;
     assert!(rejected(r).contains("dst_blocks"));
+
+    // A tensor-parallel decode node's ranks must split the KV heads evenly:
+    // 2 ranks cannot hold 3 heads (the handshake names it).
+    let mut r = prefill_req();
+    r.rank_regions = vec![r.region.clone().expect("region")];
+    assert!(rejected(r).contains("2 decode ranks do not divide 3 KV heads"));
+    // 3 ranks can: each rank's pool holds a third of a block.
+    let mut r = prefill_req();
+    let region = r.region.clone().expect("region");
+    r.rank_regions = vec![region.clone(), region];
+    let job = PrefillJob::validate(r, &fp(), 3000).expect("3 ranks of 1 head");
+    assert_eq!(job.regions.len(), 3);
 
     let mut r = prefill_req();
     r.deadline_ms = 0;

@@ -515,6 +515,7 @@ fn prefill_request(fp: pb::Fingerprint, prompt: Vec<u32>, dst: Vec<u32>) -> pb::
             connector: "ucx".into(),
         }),
         deadline_ms: 5000,
+        rank_regions: vec![],
     }
 }
 
@@ -630,10 +631,10 @@ async fn bad_grpc_input_is_rejected_with_clear_errors() {
 }
 
 #[test]
-fn tensor_parallel_prefill_feeds_a_pool_of_tp1_decode_nodes() {
+fn prefill_and_decode_with_different_tensor_parallelism() {
     // TP=3 prefill (each rank holds one of SmolLM2's three KV heads) writes
     // its ranks' head slices straight into the blocks of two TP=1 decode
-    // nodes; the tokens equal single-process generation.
+    // nodes, and a TP=1 prefill feeds a TP=3 decode node.
     let etcd = EtcdServer::start().unwrap();
     let cluster = unique_cluster("tp3");
     let p = Node::start(&etcd.url(), &cluster, "prefill", "p-tp3", &["--tp", "3"]);
@@ -687,20 +688,30 @@ fn tensor_parallel_prefill_feeds_a_pool_of_tp1_decode_nodes() {
         metric(&pm, "tandem_batch_size_count", "batch_type=\"TG\""),
         0.0
     );
-    // A decode node refuses to run tensor-parallel (clear error at start).
-    let out = std::process::Command::new(tandem_tests::binary())
-        .args([
-            "decode",
-            "--tp",
-            "3",
-            "--model",
-            gguf_path().to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("decode nodes run TP=1"));
     for n in [&p, &d0, &d1] {
         n.assert_idle();
     }
+    drop((p, d0, d1, r));
+
+    // The other way round: a TP=1 prefill node writes into a TP=3 decode
+    // node's three rank pools, each rank's KV head into its own pool.
+    let cluster = unique_cluster("tp1to3");
+    let p = Node::start(&etcd.url(), &cluster, "prefill", "p-tp1", &[]);
+    let d = Node::start(&etcd.url(), &cluster, "decode", "d-tp3", &["--tp", "3"]);
+    let r = Router::start(&etcd.url(), &cluster);
+    r.wait_members(1, 1, Duration::from_secs(10));
+    for i in [1, 2, 3] {
+        let prompt = long_prompt(i);
+        let v = r.complete(&prompt, MAX_TOKENS);
+        let text = v["choices"][0]["text"].as_str().unwrap();
+        let want = expected(&prompt, 8);
+        assert!(
+            text.starts_with(&want),
+            "{text:?} does not start with {want:?}"
+        );
+    }
+    assert_eq!(remote(&d), 3.0);
+    assert!(metric(&p.metrics(), "tandem_dkv_bytes_transferred_bytes_total", "") > 0.0);
+    p.assert_idle();
+    d.assert_idle();
 }
