@@ -190,15 +190,109 @@ pub struct LlamaModel {
     /// For a tensor-parallel shard: this rank's heads and FFN width (the
     /// vocabulary stays the model's).
     config: LlamaConfig,
-    weights: LlamaWeights,
+    token_embd: Weight,
+    layers: Vec<Layer>,
+    output_norm: Vec<f32>,
+    /// `None` when tied to the embedding.
+    output: Option<Weight>,
     rope: Rope,
     tp: Option<TpShard>,
+    /// Segments every row-parallel projection is summed over, in order (see
+    /// [`RowParallel`]); the same for the whole model and for every shard.
+    reduce_groups: usize,
+}
+
+/// One decoder layer as the forward pass runs it.
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: RowParallel,
+    ffn_norm: Vec<f32>,
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: RowParallel,
+}
+
+/// A projection whose input features are split across tensor-parallel
+/// ranks (attention output, FFN down), kept as `reduce_groups` column
+/// segments of which this rank holds a contiguous run.
+///
+/// Each segment's product is computed on its own and the segments are
+/// summed in segment order, at every TP degree. A plain row-parallel
+/// allreduce would add rank partial sums in a TP-dependent order, and the
+/// float rounding difference flips near-tied greedy tokens within a few
+/// dozen steps; with fixed segments a TP=3 shard computes bitwise what the
+/// whole model computes.
+#[derive(Debug)]
+struct RowParallel {
+    segments: Vec<Weight>,
+    /// Output features (rows).
+    rows: usize,
+    /// Input features per segment.
+    seg_cols: usize,
+}
+
+impl RowParallel {
+    /// Segments `first..first + count` of `w` cut into `groups` equal column
+    /// segments. One segment covering the whole matrix keeps the original
+    /// bytes (no copy).
+    fn new(w: &Weight, groups: usize, first: usize, count: usize) -> Result<Self, ModelError> {
+        let (rows, cols) = w.shape();
+        let seg_cols = cols / groups;
+        let segments = if groups == 1 {
+            vec![w.clone()]
+        } else {
+            (first..first + count)
+                .map(|g| w.slice_cols(g * seg_cols..(g + 1) * seg_cols))
+                .collect::<Result<_, _>>()?
+        };
+        Ok(Self {
+            segments,
+            rows,
+            seg_cols,
+        })
+    }
+
+    /// `n_tok` rows of this rank's input features (`segments.len() *
+    /// seg_cols` each) -> one `n_tok x rows` partial product per segment,
+    /// segment-major, into `partials`.
+    fn partials(
+        &self,
+        x: &[f32],
+        n_tok: usize,
+        gathered: &mut Vec<f32>,
+        partials: &mut [f32],
+    ) -> Result<(), RequestError> {
+        let (nseg, sc) = (self.segments.len(), self.seg_cols);
+        let out_len = n_tok * self.rows;
+        for (s, (w, out)) in self
+            .segments
+            .iter()
+            .zip(partials.chunks_exact_mut(out_len.max(1)))
+            .enumerate()
+        {
+            let xs: &[f32] = if nseg == 1 || n_tok == 1 {
+                &x[s * sc * n_tok..(s + 1) * sc * n_tok]
+            } else {
+                gathered.clear();
+                for row in x.chunks_exact(nseg * sc) {
+                    gathered.extend_from_slice(&row[s * sc..(s + 1) * sc]);
+                }
+                gathered
+            };
+            tandem_kernels::matmul(&w.matrix(), xs, n_tok, out)?;
+        }
+        Ok(())
+    }
 }
 
 /// One rank of a tensor-parallel group (Megatron-style): attention heads,
 /// KV heads and the FFN width are split across ranks (Q/K/V, gate and up
 /// by output rows; the attention output and down projections by input
-/// columns, followed by an allreduce); the embedding and the output head
+/// column segments, see [`RowParallel`]); the embedding and the output head
 /// are split by vocabulary (lookup + allreduce, logits + allgather).
 pub struct TpShard {
     comm: Arc<dyn Communicator>,
@@ -263,44 +357,47 @@ impl LlamaModel {
         let output = output
             .map(|w| w.expect_shape("output", c.vocab_size, c.d_model))
             .transpose()?;
+        let reduce_groups = reduce_groups(c, &layers);
         let mut checked = Vec::with_capacity(layers.len());
         for (i, l) in layers.into_iter().enumerate() {
             let n = |s: &str| format!("blk.{i}.{s}");
             check_norm(&n("attn_norm"), &l.attn_norm, c.d_model)?;
             check_norm(&n("ffn_norm"), &l.ffn_norm, c.d_model)?;
-            checked.push(LayerWeights {
+            let wo = l.wo.expect_shape(&n("attn_output"), c.d_model, c.q_dim())?;
+            let w_down = l
+                .w_down
+                .expect_shape(&n("ffn_down"), c.d_model, c.ffn_dim)?;
+            checked.push(Layer {
                 attn_norm: l.attn_norm,
                 wq: l.wq.expect_shape(&n("attn_q"), c.q_dim(), c.d_model)?,
                 wk: l.wk.expect_shape(&n("attn_k"), c.kv_dim(), c.d_model)?,
                 wv: l.wv.expect_shape(&n("attn_v"), c.kv_dim(), c.d_model)?,
-                wo: l.wo.expect_shape(&n("attn_output"), c.d_model, c.q_dim())?,
+                wo: RowParallel::new(&wo, reduce_groups, 0, reduce_groups)?,
                 ffn_norm: l.ffn_norm,
                 w_gate: l
                     .w_gate
                     .expect_shape(&n("ffn_gate"), c.ffn_dim, c.d_model)?,
                 w_up: l.w_up.expect_shape(&n("ffn_up"), c.ffn_dim, c.d_model)?,
-                w_down: l
-                    .w_down
-                    .expect_shape(&n("ffn_down"), c.d_model, c.ffn_dim)?,
+                w_down: RowParallel::new(&w_down, reduce_groups, 0, reduce_groups)?,
             });
         }
         let rope = Rope::new(c.rope_style, c.rope_dims, c.rope_theta);
         Ok(Self {
             config,
-            weights: LlamaWeights {
-                token_embd,
-                layers: checked,
-                output_norm,
-                output,
-            },
+            token_embd,
+            layers: checked,
+            output_norm,
+            output,
             rope,
             tp: None,
+            reduce_groups,
         })
     }
 
     /// This model's shard for rank `comm.rank()` of a tensor-parallel group
     /// of `comm.world_size()` ranks. Every rank must run the same forward
-    /// calls (collectives inside pair them up); each gets the full logits.
+    /// calls (collectives inside pair them up); each gets the full logits,
+    /// bitwise equal to the whole model's.
     pub fn shard(&self, comm: Arc<dyn Communicator>) -> Result<LlamaModel, ModelError> {
         let (rank, world) = (comm.rank(), comm.world_size());
         let c = &self.config;
@@ -312,6 +409,7 @@ impl LlamaModel {
             ("KV heads", c.n_kv_heads),
             ("FFN width", c.ffn_dim),
             ("vocabulary", c.vocab_size),
+            ("row-parallel reduction segments", self.reduce_groups),
         ] {
             if world == 0 || rank >= world || !n.is_multiple_of(world) {
                 return Err(ModelError::InvalidConfig(format!(
@@ -322,18 +420,23 @@ impl LlamaModel {
         let part = |n: usize| (n / world * rank)..(n / world * (rank + 1));
         let (q, kv, ffn) = (part(c.q_dim()), part(c.kv_dim()), part(c.ffn_dim));
         let vocab = part(c.vocab_size);
-        let mut layers = Vec::with_capacity(self.weights.layers.len());
-        for l in &self.weights.layers {
-            layers.push(LayerWeights {
+        let segs = part(self.reduce_groups);
+        let row_parallel = |w: &RowParallel| RowParallel {
+            segments: w.segments[segs.clone()].to_vec(),
+            ..*w
+        };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(Layer {
                 attn_norm: l.attn_norm.clone(),
                 wq: l.wq.slice_rows(q.clone())?,
                 wk: l.wk.slice_rows(kv.clone())?,
                 wv: l.wv.slice_rows(kv.clone())?,
-                wo: l.wo.slice_cols(q.clone())?,
+                wo: row_parallel(&l.wo),
                 ffn_norm: l.ffn_norm.clone(),
                 w_gate: l.w_gate.slice_rows(ffn.clone())?,
                 w_up: l.w_up.slice_rows(ffn.clone())?,
-                w_down: l.w_down.slice_cols(ffn.clone())?,
+                w_down: row_parallel(&l.w_down),
             });
         }
         let config = LlamaConfig {
@@ -344,24 +447,56 @@ impl LlamaModel {
         };
         Ok(LlamaModel {
             config,
-            weights: LlamaWeights {
-                token_embd: self.weights.token_embd.slice_rows(vocab.clone())?,
-                layers,
-                output_norm: self.weights.output_norm.clone(),
-                output: self
-                    .weights
-                    .output
-                    .as_ref()
-                    .map(|w| w.slice_rows(vocab.clone()))
-                    .transpose()?,
-            },
+            token_embd: self.token_embd.slice_rows(vocab.clone())?,
+            layers,
+            output_norm: self.output_norm.clone(),
+            output: self
+                .output
+                .as_ref()
+                .map(|w| w.slice_rows(vocab.clone()))
+                .transpose()?,
             rope: Rope::new(c.rope_style, c.rope_dims, c.rope_theta),
             tp: Some(TpShard {
                 comm,
                 vocab_start: vocab.start,
                 vocab_len: vocab.len(),
             }),
+            reduce_groups: self.reduce_groups,
         })
+    }
+
+    /// Sums a row-parallel projection's segment partials (`local` holds
+    /// this rank's, segment-major, `n` values each) in segment order into
+    /// `out`, gathering the other ranks' first.
+    fn reduce_segments(
+        &self,
+        local: &[f32],
+        gathered: &mut Vec<f32>,
+        out: &mut [f32],
+    ) -> Result<(), RequestError> {
+        let n = out.len();
+        let all = match &self.tp {
+            Some(tp) => {
+                gathered.clear();
+                gathered.resize(local.len() * tp.comm.world_size(), 0.0);
+                tp.comm
+                    .all_gather(local, gathered)
+                    .map_err(|e| RequestError::Collective(e.to_string()))?;
+                &gathered[..]
+            }
+            None => local,
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let mut parts = all.chunks_exact(n);
+        if let Some(first) = parts.next() {
+            out.copy_from_slice(first);
+        }
+        for p in parts {
+            ops::add_assign(out, p);
+        }
+        Ok(())
     }
 
     /// Sums partial results across the tensor-parallel group (no-op alone).
@@ -379,8 +514,20 @@ impl LlamaModel {
         &self.config
     }
 
-    pub fn weights(&self) -> &LlamaWeights {
-        &self.weights
+    /// Whether the output head reuses the token embedding.
+    pub fn output_is_tied(&self) -> bool {
+        self.output.is_none()
+    }
+
+    /// The token embedding's storage type.
+    pub fn embedding_type(&self) -> GgmlType {
+        self.token_embd.ty()
+    }
+
+    /// Segments each row-parallel projection is summed over (any TP degree
+    /// must divide it).
+    pub fn reduce_groups(&self) -> usize {
+        self.reduce_groups
     }
 
     /// A KV cache shape for this model.
@@ -395,10 +542,7 @@ impl LlamaModel {
     }
 
     fn output_head(&self) -> &Weight {
-        self.weights
-            .output
-            .as_ref()
-            .unwrap_or(&self.weights.token_embd)
+        self.output.as_ref().unwrap_or(&self.token_embd)
     }
 
     /// Runs one batch step. Writes the new tokens' K/V into `cache` and
@@ -468,7 +612,7 @@ impl LlamaModel {
         match &self.tp {
             None => {
                 for (row, &t) in x.chunks_exact_mut(d).zip(&token_ids) {
-                    self.weights.token_embd.row_into(t as usize, row)?;
+                    self.token_embd.row_into(t as usize, row)?;
                 }
             }
             Some(tp) => {
@@ -478,7 +622,7 @@ impl LlamaModel {
                     if let Some(local) = (t as usize).checked_sub(tp.vocab_start)
                         && local < tp.vocab_len
                     {
-                        self.weights.token_embd.row_into(local, row)?;
+                        self.token_embd.row_into(local, row)?;
                     }
                 }
                 self.all_reduce(&mut x)?;
@@ -494,7 +638,13 @@ impl LlamaModel {
         let mut gate = vec![0.0f32; n_tok * c.ffn_dim];
         let mut up = vec![0.0f32; n_tok * c.ffn_dim];
 
-        for (li, layer) in self.weights.layers.iter().enumerate() {
+        // Segment partials of a row-parallel projection, and the gather.
+        let local_segs = self.layers.first().map_or(0, |l| l.wo.segments.len());
+        let mut partials = vec![0.0f32; local_segs * n_tok * d];
+        let mut seg_x = Vec::new();
+        let mut gathered = Vec::new();
+
+        for (li, layer) in self.layers.iter().enumerate() {
             for (o, xi) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 ops::rms_norm(xi, &layer.attn_norm, c.rms_eps, o);
             }
@@ -520,8 +670,8 @@ impl LlamaModel {
             }
             layer_done(li);
             self.attention(li, chunks, &placement, &q, cache, &mut attn);
-            tandem_kernels::matmul(&layer.wo.matrix(), &attn, n_tok, &mut proj)?;
-            self.all_reduce(&mut proj)?;
+            layer.wo.partials(&attn, n_tok, &mut seg_x, &mut partials)?;
+            self.reduce_segments(&partials, &mut gathered, &mut proj)?;
             ops::add_assign(&mut x, &proj);
 
             for (o, xi) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
@@ -530,8 +680,10 @@ impl LlamaModel {
             tandem_kernels::matmul(&layer.w_gate.matrix(), &xn, n_tok, &mut gate)?;
             tandem_kernels::matmul(&layer.w_up.matrix(), &xn, n_tok, &mut up)?;
             ops::silu_mul(&mut gate, &up);
-            tandem_kernels::matmul(&layer.w_down.matrix(), &gate, n_tok, &mut proj)?;
-            self.all_reduce(&mut proj)?;
+            layer
+                .w_down
+                .partials(&gate, n_tok, &mut seg_x, &mut partials)?;
+            self.reduce_segments(&partials, &mut gathered, &mut proj)?;
             ops::add_assign(&mut x, &proj);
         }
 
@@ -546,12 +698,7 @@ impl LlamaModel {
         }
         let mut last = vec![0.0f32; rows.len() * d];
         for (o, &r) in last.chunks_exact_mut(d).zip(&rows) {
-            ops::rms_norm(
-                &x[r * d..(r + 1) * d],
-                &self.weights.output_norm,
-                c.rms_eps,
-                o,
-            );
+            ops::rms_norm(&x[r * d..(r + 1) * d], &self.output_norm, c.rms_eps, o);
         }
         let Some(tp) = &self.tp else {
             let mut logits = vec![0.0f32; rows.len() * c.vocab_size];
@@ -630,6 +777,21 @@ impl LlamaModel {
 thread_local! {
     /// Attention score scratch, reused across calls on each pool thread.
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// How many column segments row-parallel projections are summed over: one
+/// per KV head (the finest split tensor parallelism allows), when every
+/// segment boundary falls on a block of the weights' types; otherwise 1
+/// (and no tensor parallelism).
+fn reduce_groups(c: &LlamaConfig, layers: &[LayerWeights]) -> usize {
+    let g = c.n_kv_heads;
+    let aligned =
+        |w: &Weight, cols: usize| cols.is_multiple_of(g) && w.ty().row_bytes(cols / g).is_some();
+    let ok = g > 1
+        && layers
+            .iter()
+            .all(|l| aligned(&l.wo, c.q_dim()) && aligned(&l.w_down, c.ffn_dim));
+    if ok { g } else { 1 }
 }
 
 /// Blocks holding the chunk's context after this step.

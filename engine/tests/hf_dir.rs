@@ -77,11 +77,8 @@ fn config_matches_the_gguf() {
         "HF is NeoX-style, GGUF interleaved"
     );
     // Tied embeddings, and the fixture really is F32 (the tolerances below assume it).
-    assert!(hf().model.weights().output.is_none());
-    assert_eq!(
-        hf().model.weights().token_embd.ty(),
-        tandem_kernels::GgmlType::F32
-    );
+    assert!(hf().model.output_is_tied());
+    assert_eq!(hf().model.embedding_type(), tandem_kernels::GgmlType::F32);
 }
 
 const TEXTS: &[&str] = &[

@@ -48,11 +48,14 @@ fn ids(v: &Value) -> Vec<u32> {
 /// layers: llama.cpp's own two attention paths (flash attention on and off)
 /// disagree within 64 tokens on 9 of these 13 prompts. So the rule is:
 /// - tokens match exactly up to the first divergence from a llama.cpp variant;
-/// - a divergence is only allowed at a near-tie: llama.cpp's token is among
-///   our top 5, at most `NEAR_TIE` below ours in log-probability
-///   (logprobs of llama.cpp and ours differ by up to 0.31 at the first
-///   position, measured in `last_position_logits_match_references`);
-/// - at least 5 prompts match one llama.cpp variant for all 64 tokens.
+/// - a divergence is only allowed where llama.cpp itself is split (its
+///   other variant made our choice at that step) or at a near-tie:
+///   llama.cpp's token is among our top 5, at most `NEAR_TIE` below ours in
+///   log-probability (logprobs of llama.cpp and ours differ by 0.23-0.47
+///   at the first position, measured in
+///   `last_position_logits_match_references`);
+/// - we match a llama.cpp variant for all 64 tokens on at least as many
+///   prompts as llama.cpp's two variants match each other.
 #[test]
 fn greedy_decoding_matches_llama_cpp() {
     const NEAR_TIE: f32 = 0.35;
@@ -61,6 +64,7 @@ fn greedy_decoding_matches_llama_cpp() {
     let n_predict = refs["n_predict"].as_u64().expect("n") as usize;
     let m = model();
     let mut full_matches = 0;
+    let mut llama_self_matches = 0;
     let mut failures = Vec::new();
     for p in prompts {
         let text = p["text"].as_str().expect("text");
@@ -74,41 +78,70 @@ fn greedy_decoding_matches_llama_cpp() {
                 ..SamplingParams::greedy()
             },
             max_tokens: n_predict,
-            stop_token_ids: m.tokenizer.stop_ids(),
+            stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             prefill_chunk: 512,
         };
         let out = generate(m, &req, |_| {}).expect("generates");
+        // Ours up to (not including) a stop token; generated without stop
+        // ids so the step where llama.cpp stopped still has our logprobs.
+        let stops = m.tokenizer.stop_ids();
+        let ours_end = out
+            .tokens
+            .iter()
+            .position(|t| stops.contains(t))
+            .unwrap_or(out.tokens.len());
         let mut matched_fully = false;
         let mut summary = Vec::new();
-        for variant in ["flash_attn_off", "flash_attn_on"] {
-            let want = ids(&p[variant]["tokens"]);
-            let agree = out
-                .tokens
+        let variants = ["flash_attn_off", "flash_attn_on"];
+        let agreement = |want: &[u32]| {
+            out.tokens[..ours_end]
                 .iter()
-                .zip(&want)
+                .zip(want)
                 .take_while(|(a, b)| a == b)
-                .count();
-            if out.tokens == want {
+                .count()
+        };
+        let agrees: Vec<usize> = variants
+            .iter()
+            .map(|v| agreement(&ids(&p[*v]["tokens"])))
+            .collect();
+        llama_self_matches +=
+            usize::from(ids(&p[variants[0]]["tokens"]) == ids(&p[variants[1]]["tokens"]));
+        for (vi, variant) in variants.iter().enumerate() {
+            let want = ids(&p[*variant]["tokens"]);
+            let agree = agrees[vi];
+            if out.tokens[..ours_end] == want[..] {
                 matched_fully = true;
                 summary.push(format!("{variant}: all {agree}"));
                 continue;
             }
             summary.push(format!("{variant}: {agree}/{}", want.len()));
-            let (Some(step), Some(&theirs)) = (out.sampled.get(agree), want.get(agree)) else {
+            // llama.cpp stopped at `agree` when it produced fewer tokens than
+            // asked: its choice there was a stop token.
+            let theirs: Vec<u32> = match want.get(agree) {
+                Some(&t) => vec![t],
+                None if want.len() < n_predict => stops.clone(),
+                None => Vec::new(),
+            };
+            let Some(step) = out.sampled.get(agree) else {
                 failures.push(format!(
                     "{text:?} vs {variant}: lengths differ after {agree} equal tokens"
                 ));
                 continue;
             };
+            if agrees[1 - vi] > agree {
+                // The other llama.cpp variant made our choice here: llama.cpp
+                // itself is split at this step.
+                continue;
+            }
             let ours = step.logprob.expect("logprobs requested");
             let near_tie = step
                 .top
                 .iter()
-                .any(|&(id, lp)| id == theirs && ours - lp <= NEAR_TIE);
+                .any(|&(id, lp)| theirs.contains(&id) && ours - lp <= NEAR_TIE);
             if !near_tie {
                 failures.push(format!(
-                    "{text:?} vs {variant}: diverges at token {agree} where llama.cpp chose {theirs}, \
+                    "{text:?} vs {variant}: diverges at token {agree} where llama.cpp chose {theirs:?}, \
                      not a near-tie (ours {} lp {ours:.3}, top {:?})",
                     step.token, step.top
                 ));
@@ -123,12 +156,14 @@ fn greedy_decoding_matches_llama_cpp() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     eprintln!(
-        "{full_matches}/{} prompts match llama.cpp for all tokens",
+        "{full_matches}/{} prompts match a llama.cpp variant for all tokens; \
+         llama.cpp's two variants match each other on {llama_self_matches}",
         prompts.len()
     );
     assert!(
-        full_matches >= 5,
-        "only {full_matches} prompts match llama.cpp fully"
+        full_matches >= llama_self_matches.max(3),
+        "only {full_matches} prompts match llama.cpp fully \
+         (its own variants agree on {llama_self_matches})"
     );
 }
 
@@ -141,8 +176,12 @@ fn greedy_decoding_matches_llama_cpp() {
 /// top-20 log-probabilities sit up to 0.43 from the float reference on these
 /// prompts (measured when the references were made), ours up to 0.25. We
 /// require the float reference's argmax, a full-vocabulary max |logit diff|
-/// of at most 1.0 (2.5% of the ~40-wide logit range; measured 0.60-0.86),
-/// and log-probabilities within 0.35 of llama.cpp's (measured 0.12-0.31).
+/// of at most 1.0 (2.5% of the ~40-wide logit range; measured 0.51-0.83),
+/// and log-probabilities within 0.5 of llama.cpp's: measured 0.23-0.47
+/// since the attention output and down projections sum per-KV-head
+/// segments (TP invariance, see `model::RowParallel`), 0.12-0.31 when they
+/// summed whole rows in ggml's order. Either way below llama.cpp's own 0.43
+/// distance from the float reference plus ours.
 /// The forward pass itself is checked tightly where no quantization
 /// interferes: the F32 safetensors path agrees with the float reference to
 /// ~0.01 (tests/hf_dir.rs).
@@ -189,7 +228,7 @@ fn last_position_logits_match_references() {
             vs_float <= 1.0,
             "max abs logit diff vs float reference {vs_float}"
         );
-        assert!(vs_llama <= 0.35, "max logprob diff vs llama.cpp {vs_llama}");
+        assert!(vs_llama <= 0.5, "max logprob diff vs llama.cpp {vs_llama}");
     }
 }
 
