@@ -6,6 +6,7 @@ use tandem_kernels::ops::RopeStyle;
 
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
+use crate::moe::{MoeConfig, Scoring};
 
 /// Hyper-parameters of a Llama-family decoder.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,6 +24,9 @@ pub struct LlamaConfig {
     pub rms_eps: f32,
     /// Longest sequence the model was trained for (prompt + generation).
     pub context_length: usize,
+    /// Sparse mixture-of-experts FFN in every layer (`ffn_dim` is then each
+    /// expert's width); `None` for a dense model.
+    pub moe: Option<MoeConfig>,
 }
 
 impl LlamaConfig {
@@ -53,12 +57,15 @@ impl LlamaConfig {
             rope_style: RopeStyle::Interleaved,
             rms_eps: g.get_f32("llama.attention.layer_norm_rms_epsilon")?,
             context_length: u("context_length")?,
+            moe: None,
         };
         config.validate()?;
         Ok(config)
     }
 
-    /// Reads an HF `config.json` of a `LlamaForCausalLM`.
+    /// Reads an HF `config.json` of a `LlamaForCausalLM` or a
+    /// `MixtralForCausalLM` (optionally with DeepSeek-style sigmoid routing:
+    /// `scoring_func`, `norm_topk_prob`, `routed_scaling_factor`).
     pub fn from_hf_json(json: &str) -> Result<Self, ModelError> {
         #[derive(Deserialize)]
         struct Hf {
@@ -74,13 +81,52 @@ impl LlamaConfig {
             rope_theta: Option<f32>,
             max_position_embeddings: usize,
             rope_scaling: Option<serde_json::Value>,
+            sliding_window: Option<usize>,
+            num_local_experts: Option<usize>,
+            num_experts_per_tok: Option<usize>,
+            scoring_func: Option<String>,
+            norm_topk_prob: Option<bool>,
+            routed_scaling_factor: Option<f32>,
         }
         let hf: Hf = serde_json::from_str(json)
             .map_err(|e| ModelError::InvalidConfig(format!("config.json: {e}")))?;
         let archs = hf.architectures.unwrap_or_default();
-        if !archs.iter().any(|a| a == "LlamaForCausalLM") {
+        let mixtral = archs.iter().any(|a| a == "MixtralForCausalLM");
+        if !mixtral && !archs.iter().any(|a| a == "LlamaForCausalLM") {
             return Err(ModelError::UnsupportedArchitecture(archs.join(",")));
         }
+        if hf
+            .sliding_window
+            .is_some_and(|w| w < hf.max_position_embeddings)
+        {
+            return Err(ModelError::InvalidConfig(
+                "config.json: sliding-window attention is not supported yet".into(),
+            ));
+        }
+        let moe = if mixtral {
+            let need = |v: Option<usize>, k: &str| {
+                v.ok_or_else(|| ModelError::InvalidConfig(format!("config.json: {k} missing")))
+            };
+            let scoring = match hf.scoring_func.as_deref() {
+                None | Some("softmax") => Scoring::Softmax,
+                Some("sigmoid") => Scoring::Sigmoid,
+                Some(other) => {
+                    return Err(ModelError::InvalidConfig(format!(
+                        "config.json: scoring_func {other:?} (expected softmax or sigmoid)"
+                    )));
+                }
+            };
+            Some(MoeConfig {
+                n_experts: need(hf.num_local_experts, "num_local_experts")?,
+                top_k: need(hf.num_experts_per_tok, "num_experts_per_tok")?,
+                scoring,
+                // Mixtral renormalises its top-k weights.
+                norm_topk_prob: hf.norm_topk_prob.unwrap_or(true),
+                routed_scaling: hf.routed_scaling_factor.unwrap_or(1.0),
+            })
+        } else {
+            None
+        };
         if hf.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
             return Err(ModelError::InvalidConfig(
                 "config.json: rope_scaling is not supported yet".into(),
@@ -104,6 +150,7 @@ impl LlamaConfig {
             rope_style: RopeStyle::Neox,
             rms_eps: hf.rms_norm_eps,
             context_length: hf.max_position_embeddings,
+            moe,
         };
         config.validate()?;
         Ok(config)
@@ -150,6 +197,9 @@ impl LlamaConfig {
         }
         if self.vocab_size > u32::MAX as usize {
             return bad(format!("vocab size {} too large", self.vocab_size));
+        }
+        if let Some(moe) = &self.moe {
+            moe.validate()?;
         }
         Ok(())
     }

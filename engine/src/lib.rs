@@ -15,6 +15,7 @@ pub mod kv_cache;
 pub mod loader;
 pub mod metrics;
 pub mod model;
+pub mod moe;
 pub mod safetensors_loader;
 pub mod sampler;
 pub mod scheduler;

@@ -12,7 +12,7 @@ use crate::config::LlamaConfig;
 use crate::error::ModelError;
 use crate::fingerprint::{KV_DTYPE, KV_LAYOUT, ModelFingerprint};
 use crate::gguf::GgufFile;
-use crate::model::{LayerWeights, LlamaModel, LlamaWeights, Weight};
+use crate::model::{FfnWeights, LayerWeights, LlamaModel, LlamaWeights, Weight};
 use crate::safetensors_loader;
 use crate::tokenizer::{self, Tokenizer};
 
@@ -183,9 +183,11 @@ fn gguf_weights(g: &GgufFile, c: &LlamaConfig) -> Result<LlamaWeights, ModelErro
             wv: matrix(&n("attn_v.weight"))?,
             wo: matrix(&n("attn_output.weight"))?,
             ffn_norm: vector(&n("ffn_norm.weight"))?,
-            w_gate: matrix(&n("ffn_gate.weight"))?,
-            w_up: matrix(&n("ffn_up.weight"))?,
-            w_down: matrix(&n("ffn_down.weight"))?,
+            ffn: FfnWeights::Dense {
+                gate: matrix(&n("ffn_gate.weight"))?,
+                up: matrix(&n("ffn_up.weight"))?,
+                down: matrix(&n("ffn_down.weight"))?,
+            },
         });
     }
     let output = if g.tensor("output.weight").is_ok() {

@@ -17,6 +17,7 @@ use crate::comm::Communicator;
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, RequestError};
 use crate::kv_cache::{BlockId, KvCache, KvCacheConfig};
+use crate::moe::{Combine, MoeBlock, MoeWeights};
 use crate::storage::Backing;
 
 /// A weight matrix held in its stored (possibly quantized) form.
@@ -169,9 +170,20 @@ pub struct LayerWeights {
     pub wv: Weight,
     pub wo: Weight,
     pub ffn_norm: Vec<f32>,
-    pub w_gate: Weight,
-    pub w_up: Weight,
-    pub w_down: Weight,
+    pub ffn: FfnWeights,
+}
+
+/// A layer's feed-forward weights.
+#[derive(Debug)]
+pub enum FfnWeights {
+    /// SwiGLU: `down(silu(gate x) * up x)`.
+    Dense {
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+    },
+    /// A sparse mixture of SwiGLU experts (see [`crate::moe`]).
+    Moe(MoeWeights),
 }
 
 /// All weights, as found by a loader (GGUF or safetensors).
@@ -200,6 +212,8 @@ pub struct LlamaModel {
     /// Segments every row-parallel projection is summed over, in order (see
     /// [`RowParallel`]); the same for the whole model and for every shard.
     reduce_groups: usize,
+    /// How a shard's MoE layers meet their tokens (see [`Combine`]).
+    moe_combine: Combine,
 }
 
 /// One decoder layer as the forward pass runs it.
@@ -211,9 +225,21 @@ struct Layer {
     wv: Weight,
     wo: RowParallel,
     ffn_norm: Vec<f32>,
-    w_gate: Weight,
-    w_up: Weight,
-    w_down: RowParallel,
+    ffn: Ffn,
+}
+
+/// A layer's feed-forward block as the forward pass runs it.
+#[derive(Debug)]
+enum Ffn {
+    /// Tensor parallel: gate and up by output rows, down row-parallel.
+    Dense {
+        gate: Weight,
+        up: Weight,
+        down: RowParallel,
+    },
+    /// Expert parallel over the same ranks as the attention's tensor
+    /// parallelism.
+    Moe(MoeBlock),
 }
 
 /// A projection whose input features are split across tensor-parallel
@@ -364,9 +390,26 @@ impl LlamaModel {
             check_norm(&n("attn_norm"), &l.attn_norm, c.d_model)?;
             check_norm(&n("ffn_norm"), &l.ffn_norm, c.d_model)?;
             let wo = l.wo.expect_shape(&n("attn_output"), c.d_model, c.q_dim())?;
-            let w_down = l
-                .w_down
-                .expect_shape(&n("ffn_down"), c.d_model, c.ffn_dim)?;
+            let ffn = match (l.ffn, &c.moe) {
+                (FfnWeights::Dense { gate, up, down }, None) => Ffn::Dense {
+                    gate: gate.expect_shape(&n("ffn_gate"), c.ffn_dim, c.d_model)?,
+                    up: up.expect_shape(&n("ffn_up"), c.ffn_dim, c.d_model)?,
+                    down: RowParallel::new(
+                        &down.expect_shape(&n("ffn_down"), c.d_model, c.ffn_dim)?,
+                        reduce_groups,
+                        0,
+                        reduce_groups,
+                    )?,
+                },
+                (FfnWeights::Moe(w), Some(moe)) => {
+                    Ffn::Moe(MoeBlock::new(moe.clone(), w, c.d_model)?)
+                }
+                _ => {
+                    return Err(ModelError::InvalidConfig(format!(
+                        "layer {i}: feed-forward weights do not match the config (dense vs mixture of experts)"
+                    )));
+                }
+            };
             checked.push(Layer {
                 attn_norm: l.attn_norm,
                 wq: l.wq.expect_shape(&n("attn_q"), c.q_dim(), c.d_model)?,
@@ -374,11 +417,7 @@ impl LlamaModel {
                 wv: l.wv.expect_shape(&n("attn_v"), c.kv_dim(), c.d_model)?,
                 wo: RowParallel::new(&wo, reduce_groups, 0, reduce_groups)?,
                 ffn_norm: l.ffn_norm,
-                w_gate: l
-                    .w_gate
-                    .expect_shape(&n("ffn_gate"), c.ffn_dim, c.d_model)?,
-                w_up: l.w_up.expect_shape(&n("ffn_up"), c.ffn_dim, c.d_model)?,
-                w_down: RowParallel::new(&w_down, reduce_groups, 0, reduce_groups)?,
+                ffn,
             });
         }
         let rope = Rope::new(c.rope_style, c.rope_dims, c.rope_theta);
@@ -391,6 +430,7 @@ impl LlamaModel {
             rope,
             tp: None,
             reduce_groups,
+            moe_combine: Combine::AllReduce,
         })
     }
 
@@ -399,15 +439,30 @@ impl LlamaModel {
     /// calls (collectives inside pair them up); each gets the full logits,
     /// bitwise equal to the whole model's.
     pub fn shard(&self, comm: Arc<dyn Communicator>) -> Result<LlamaModel, ModelError> {
+        self.shard_with(comm, Combine::AllReduce)
+    }
+
+    /// [`LlamaModel::shard`], choosing how MoE layers combine: `AllReduce`
+    /// (every rank routes every token, computes its own experts, then an
+    /// allreduce) or `Dispatch` (the attention output is reduce-scattered
+    /// by tokens, each rank sends its tokens to their experts' ranks with
+    /// all-to-all, and an allgather restores every token on every rank).
+    /// Dense models ignore it.
+    pub fn shard_with(
+        &self,
+        comm: Arc<dyn Communicator>,
+        moe_combine: Combine,
+    ) -> Result<LlamaModel, ModelError> {
         let (rank, world) = (comm.rank(), comm.world_size());
         let c = &self.config;
         if self.tp.is_some() {
             return Err(ModelError::InvalidConfig("cannot shard a shard".into()));
         }
+        let ffn_split = if c.moe.is_some() { world } else { c.ffn_dim };
         for (what, n) in [
             ("attention heads", c.n_heads),
             ("KV heads", c.n_kv_heads),
-            ("FFN width", c.ffn_dim),
+            ("FFN width", ffn_split),
             ("vocabulary", c.vocab_size),
             ("row-parallel reduction segments", self.reduce_groups),
         ] {
@@ -427,6 +482,14 @@ impl LlamaModel {
         };
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
+            let ffn = match &l.ffn {
+                Ffn::Dense { gate, up, down } => Ffn::Dense {
+                    gate: gate.slice_rows(ffn.clone())?,
+                    up: up.slice_rows(ffn.clone())?,
+                    down: row_parallel(down),
+                },
+                Ffn::Moe(m) => Ffn::Moe(m.shard(Arc::clone(&comm))?),
+            };
             layers.push(Layer {
                 attn_norm: l.attn_norm.clone(),
                 wq: l.wq.slice_rows(q.clone())?,
@@ -434,15 +497,18 @@ impl LlamaModel {
                 wv: l.wv.slice_rows(kv.clone())?,
                 wo: row_parallel(&l.wo),
                 ffn_norm: l.ffn_norm.clone(),
-                w_gate: l.w_gate.slice_rows(ffn.clone())?,
-                w_up: l.w_up.slice_rows(ffn.clone())?,
-                w_down: row_parallel(&l.w_down),
+                ffn,
             });
         }
         let config = LlamaConfig {
             n_heads: c.n_heads / world,
             n_kv_heads: c.n_kv_heads / world,
-            ffn_dim: c.ffn_dim / world,
+            // Experts stay whole; each rank holds a share of them.
+            ffn_dim: if c.moe.is_some() {
+                c.ffn_dim
+            } else {
+                c.ffn_dim / world
+            },
             ..c.clone()
         };
         Ok(LlamaModel {
@@ -462,6 +528,7 @@ impl LlamaModel {
                 vocab_len: vocab.len(),
             }),
             reduce_groups: self.reduce_groups,
+            moe_combine,
         })
     }
 
@@ -635,8 +702,8 @@ impl LlamaModel {
         let mut v = vec![0.0f32; n_tok * c.kv_dim()];
         let mut attn = vec![0.0f32; n_tok * c.q_dim()];
         let mut proj = vec![0.0f32; n_tok * d];
-        let mut gate = vec![0.0f32; n_tok * c.ffn_dim];
-        let mut up = vec![0.0f32; n_tok * c.ffn_dim];
+        // Dense FFN activations (sized on first use: MoE layers need none).
+        let (mut gate, mut up) = (Vec::new(), Vec::new());
 
         // Segment partials of a row-parallel projection, and the gather.
         let local_segs = self.layers.first().map_or(0, |l| l.wo.segments.len());
@@ -671,19 +738,34 @@ impl LlamaModel {
             layer_done(li);
             self.attention(li, chunks, &placement, &q, cache, &mut attn);
             layer.wo.partials(&attn, n_tok, &mut seg_x, &mut partials)?;
+            if let (Ffn::Moe(moe), Some(tp), Combine::Dispatch) =
+                (&layer.ffn, &self.tp, &self.moe_combine)
+            {
+                self.moe_dispatch_tail(tp, layer, moe, &partials, &mut x, n_tok)?;
+                continue;
+            }
             self.reduce_segments(&partials, &mut gathered, &mut proj)?;
             ops::add_assign(&mut x, &proj);
 
             for (o, xi) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 ops::rms_norm(xi, &layer.ffn_norm, c.rms_eps, o);
             }
-            tandem_kernels::matmul(&layer.w_gate.matrix(), &xn, n_tok, &mut gate)?;
-            tandem_kernels::matmul(&layer.w_up.matrix(), &xn, n_tok, &mut up)?;
-            ops::silu_mul(&mut gate, &up);
-            layer
-                .w_down
-                .partials(&gate, n_tok, &mut seg_x, &mut partials)?;
-            self.reduce_segments(&partials, &mut gathered, &mut proj)?;
+            match &layer.ffn {
+                Ffn::Dense {
+                    gate: w_gate,
+                    up: w_up,
+                    down,
+                } => {
+                    gate.resize(n_tok * c.ffn_dim, 0.0);
+                    up.resize(n_tok * c.ffn_dim, 0.0);
+                    tandem_kernels::matmul(&w_gate.matrix(), &xn, n_tok, &mut gate)?;
+                    tandem_kernels::matmul(&w_up.matrix(), &xn, n_tok, &mut up)?;
+                    ops::silu_mul(&mut gate, &up);
+                    down.partials(&gate, n_tok, &mut seg_x, &mut partials)?;
+                    self.reduce_segments(&partials, &mut gathered, &mut proj)?;
+                }
+                Ffn::Moe(moe) => moe.forward_replicated(&xn, n_tok, &mut proj)?,
+            }
             ops::add_assign(&mut x, &proj);
         }
 
@@ -723,6 +805,61 @@ impl LlamaModel {
             }
         }
         Ok(logits)
+    }
+
+    /// The rest of an MoE layer under [`Combine::Dispatch`], from this
+    /// rank's attention-output segment partials to the layer's output in
+    /// `x` (`n_tok` rows, the same on every rank):
+    /// - reduce-scatter the attention output by tokens: rank `r` owns rows
+    ///   `r * cap..(r + 1) * cap` (clamped), `cap = ceil(n_tok / world)`, so
+    ///   uneven batches only leave the last ranks' slots short or empty;
+    /// - residual, norm and the MoE block on those rows (tokens travel to
+    ///   their experts' ranks and back inside `forward_dispatch`);
+    /// - allgather the rows so every rank holds every token again.
+    fn moe_dispatch_tail(
+        &self,
+        tp: &TpShard,
+        layer: &Layer,
+        moe: &MoeBlock,
+        partials: &[f32],
+        x: &mut [f32],
+        n_tok: usize,
+    ) -> Result<(), RequestError> {
+        let c = &self.config;
+        let d = c.d_model;
+        let (rank, world) = (tp.comm.rank(), tp.comm.world_size());
+        let collective = |e: crate::comm::CommError| RequestError::Collective(e.to_string());
+        let cap = n_tok.div_ceil(world);
+        let rows = (rank * cap).min(n_tok)..((rank + 1) * cap).min(n_tok);
+        let n_local = rows.len();
+
+        let mut send = vec![0.0f32; world * cap * d];
+        if n_tok > 0 {
+            for seg in partials.chunks_exact(n_tok * d) {
+                ops::add_assign(&mut send[..n_tok * d], seg);
+            }
+        }
+        let mut attn_out = vec![0.0f32; cap * d];
+        tp.comm
+            .reduce_scatter_sum(&send, &mut attn_out)
+            .map_err(collective)?;
+
+        let mut xs = x[rows.start * d..rows.end * d].to_vec();
+        ops::add_assign(&mut xs, &attn_out[..n_local * d]);
+        let mut xn = vec![0.0f32; n_local * d];
+        for (o, xi) in xn.chunks_exact_mut(d).zip(xs.chunks_exact(d)) {
+            ops::rms_norm(xi, &layer.ffn_norm, c.rms_eps, o);
+        }
+        let mut out = vec![0.0f32; n_local * d];
+        moe.forward_dispatch(&xn, n_local, &mut out)?;
+        ops::add_assign(&mut xs, &out);
+
+        let mut slot = vec![0.0f32; cap * d];
+        slot[..n_local * d].copy_from_slice(&xs);
+        let mut all = vec![0.0f32; world * cap * d];
+        tp.comm.all_gather(&slot, &mut all).map_err(collective)?;
+        x.copy_from_slice(&all[..n_tok * d]);
+        Ok(())
     }
 
     /// Causal attention of every new token over its own sequence's cache.
@@ -788,9 +925,13 @@ fn reduce_groups(c: &LlamaConfig, layers: &[LayerWeights]) -> usize {
     let aligned =
         |w: &Weight, cols: usize| cols.is_multiple_of(g) && w.ty().row_bytes(cols / g).is_some();
     let ok = g > 1
-        && layers
-            .iter()
-            .all(|l| aligned(&l.wo, c.q_dim()) && aligned(&l.w_down, c.ffn_dim));
+        && layers.iter().all(|l| {
+            aligned(&l.wo, c.q_dim())
+                && match &l.ffn {
+                    FfnWeights::Dense { down, .. } => aligned(down, c.ffn_dim),
+                    FfnWeights::Moe(_) => true,
+                }
+        });
     if ok { g } else { 1 }
 }
 

@@ -15,7 +15,8 @@ use crate::chat::ChatTemplate;
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
 use crate::loader::{LoadTimes, LoadedModel, file_stem, to_f32};
-use crate::model::{LayerWeights, LlamaModel, LlamaWeights, Weight};
+use crate::model::{FfnWeights, LayerWeights, LlamaModel, LlamaWeights, Weight};
+use crate::moe::{Expert, MoeWeights};
 use crate::storage::Backing;
 use crate::tokenizer::Tokenizer;
 
@@ -37,39 +38,9 @@ pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
             source,
         })
     };
-    let config = LlamaConfig::from_hf_json(&read_text("config.json")?)?;
-    let tie = serde_json::from_str::<serde_json::Value>(&read_text("config.json")?)
-        .ok()
-        .and_then(|v| v.get("tie_word_embeddings").and_then(|t| t.as_bool()))
-        .unwrap_or(false);
-
-    let mut files: Vec<_> = std::fs::read_dir(dir)
-        .map_err(|source| ModelError::Io {
-            path: dir.display().to_string(),
-            source,
-        })?
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        return Err(ModelError::NotFound(format!(
-            "{}: no *.safetensors files",
-            dir.display()
-        )));
-    }
-    let mut tensors: HashMap<String, Located> = HashMap::new();
-    let mut weights_hash = 0u64;
-    for f in &files {
-        let h = index_file(f, &mut tensors)?;
-        weights_hash = xxhash_rust::xxh3::xxh3_64_with_seed(&h.to_le_bytes(), weights_hash);
-    }
+    let (config, weights, weights_hash) = read_weights(dir)?;
     let read = t0.elapsed();
-
-    let t1 = Instant::now();
-    let weights = hf_weights(&tensors, &config, tie)?;
-    let dequantize = t1.elapsed();
+    let dequantize = std::time::Duration::ZERO;
 
     let t2 = Instant::now();
     #[derive(Deserialize, Default)]
@@ -134,6 +105,56 @@ pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
             total: t0.elapsed(),
         },
     })
+}
+
+/// The model alone (no tokenizer), from `config.json` and the
+/// `*.safetensors` files: for checkpoints fed token ids directly, such as
+/// the tiny mixture-of-experts test models.
+pub fn load_model_dir(dir: &Path) -> Result<LlamaModel, ModelError> {
+    let (config, weights, _) = read_weights(dir)?;
+    LlamaModel::new(config, weights)
+}
+
+/// Parses `config.json` and maps every `*.safetensors` file; returns the
+/// config, the weights and a hash of the files' bytes.
+fn read_weights(dir: &Path) -> Result<(LlamaConfig, LlamaWeights, u64), ModelError> {
+    let json = {
+        let p = dir.join("config.json");
+        std::fs::read_to_string(&p).map_err(|source| ModelError::Io {
+            path: p.display().to_string(),
+            source,
+        })?
+    };
+    let config = LlamaConfig::from_hf_json(&json)?;
+    let tie = serde_json::from_str::<serde_json::Value>(&json)
+        .ok()
+        .and_then(|v| v.get("tie_word_embeddings").and_then(|t| t.as_bool()))
+        .unwrap_or(false);
+
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|source| ModelError::Io {
+            path: dir.display().to_string(),
+            source,
+        })?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(ModelError::NotFound(format!(
+            "{}: no *.safetensors files",
+            dir.display()
+        )));
+    }
+    let mut tensors: HashMap<String, Located> = HashMap::new();
+    let mut weights_hash = 0u64;
+    for f in &files {
+        let h = index_file(f, &mut tensors)?;
+        weights_hash = xxhash_rust::xxh3::xxh3_64_with_seed(&h.to_le_bytes(), weights_hash);
+    }
+    let weights = hf_weights(&tensors, &config, tie)?;
+    Ok((config, weights, weights_hash))
 }
 
 /// Indexes one file's tensors; returns the hash of its bytes.
@@ -215,6 +236,35 @@ fn hf_weights(
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
         let n = |s: &str| format!("model.layers.{i}.{s}.weight");
+        let ffn = match &c.moe {
+            None => FfnWeights::Dense {
+                gate: matrix(&n("mlp.gate_proj"))?,
+                up: matrix(&n("mlp.up_proj"))?,
+                down: matrix(&n("mlp.down_proj"))?,
+            },
+            Some(moe) => {
+                let e = |j: usize, w: &str| n(&format!("block_sparse_moe.experts.{j}.{w}"));
+                let bias =
+                    format!("model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias");
+                FfnWeights::Moe(MoeWeights {
+                    router: matrix(&n("block_sparse_moe.gate"))?,
+                    correction_bias: if t.contains_key(&bias) {
+                        Some(vector(&bias)?)
+                    } else {
+                        None
+                    },
+                    experts: (0..moe.n_experts)
+                        .map(|j| {
+                            Ok(Expert {
+                                gate: matrix(&e(j, "w1"))?,
+                                up: matrix(&e(j, "w3"))?,
+                                down: matrix(&e(j, "w2"))?,
+                            })
+                        })
+                        .collect::<Result<_, ModelError>>()?,
+                })
+            }
+        };
         layers.push(LayerWeights {
             attn_norm: vector(&n("input_layernorm"))?,
             wq: matrix(&n("self_attn.q_proj"))?,
@@ -222,9 +272,7 @@ fn hf_weights(
             wv: matrix(&n("self_attn.v_proj"))?,
             wo: matrix(&n("self_attn.o_proj"))?,
             ffn_norm: vector(&n("post_attention_layernorm"))?,
-            w_gate: matrix(&n("mlp.gate_proj"))?,
-            w_up: matrix(&n("mlp.up_proj"))?,
-            w_down: matrix(&n("mlp.down_proj"))?,
+            ffn,
         });
     }
     let output = if !tie && t.contains_key("lm_head.weight") {
