@@ -11,7 +11,9 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 use prometheus::{Encoder, TextEncoder};
+use tandem_engine::comm::{DeviceSpec, parse_devices};
 use tandem_engine::fetch;
+use tandem_engine::moe::Combine;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
 use tandem_router::{AppState, MetricsRenderer, ServerConfig};
 
@@ -55,6 +57,17 @@ pub struct EngineArgs {
     /// model's heads, KV heads, FFN width and vocabulary).
     #[arg(long, env = "TANDEM_TP", default_value_t = 1)]
     pub tp: usize,
+    /// Devices the ranks run on: `cpu` (one rank), `cpu:N` (N thread ranks,
+    /// the same as --tp N), `gpu:0,1` or `gpu:all` (NCCL ranks, which need
+    /// CUDA kernels this build does not have: refused at startup).
+    #[arg(long, env = "TANDEM_DEVICES", default_value = "cpu")]
+    pub devices: String,
+    /// How a mixture-of-experts model combines experts across ranks:
+    /// `allreduce` (every rank routes every token, then an allreduce) or
+    /// `dispatch` (tokens reduce-scattered, sent to their experts' ranks
+    /// with all-to-all, then allgathered).
+    #[arg(long, env = "TANDEM_MOE_COMBINE", default_value = "allreduce", value_parser = ["allreduce", "dispatch"])]
+    pub moe_combine: String,
     /// Where fetched models are cached (default: $XDG_CACHE_HOME/tandem).
     #[arg(long, env = "TANDEM_CACHE")]
     pub cache_dir: Option<PathBuf>,
@@ -105,6 +118,25 @@ impl EngineArgs {
         Ok((m, path))
     }
 
+    /// Tensor-parallel ranks from `--tp` and `--devices`, which must agree.
+    fn ranks(&self) -> Result<usize> {
+        match parse_devices(&self.devices)? {
+            DeviceSpec::Cpu { ranks } if ranks == 1 || self.tp == 1 || ranks == self.tp => {
+                Ok(ranks.max(self.tp))
+            }
+            DeviceSpec::Cpu { ranks } => bail!(
+                "--devices {} gives {ranks} ranks but --tp is {}",
+                self.devices,
+                self.tp
+            ),
+            DeviceSpec::Gpu(_) => bail!(
+                "--devices {}: GPU ranks are not available in this build: the forward pass has \
+                 CPU kernels only (the NCCL communicator builds with --features nccl)",
+                self.devices
+            ),
+        }
+    }
+
     /// The scheduler's limits for a model with `context` tokens of context.
     pub fn scheduler_config(&self, context: usize) -> Result<SchedulerConfig> {
         if self.kv_cache_page_size == 0 {
@@ -116,6 +148,11 @@ impl EngineArgs {
                 "--max-length {max_length} exceeds the model's context length of {context} tokens"
             );
         }
+        let tp = self.ranks()?;
+        let moe_combine = match self.moe_combine.as_str() {
+            "dispatch" => Combine::Dispatch,
+            _ => Combine::AllReduce,
+        };
         let bs = self.kv_cache_page_size;
         let num_blocks = self.kv_cache_blocks.unwrap_or_else(|| {
             (self.max_batch_size.max(1) * DEFAULT_SEQ_TOKENS.div_ceil(bs))
@@ -128,7 +165,8 @@ impl EngineArgs {
             block_size: bs,
             num_blocks,
             prefix_caching: !self.no_prefix_caching,
-            tp: self.tp,
+            tp,
+            moe_combine,
         };
         scheduler
             .validate(context)

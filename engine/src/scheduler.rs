@@ -36,6 +36,7 @@ use crate::kv_cache::{BlockId, ExternalMemory, KvCache, KvCacheConfig, KvCacheEr
 use crate::loader::LoadedModel;
 use crate::metrics::{BatchType, metrics};
 use crate::model::{LlamaModel, SeqChunk};
+use crate::moe::Combine;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 
 /// Limits of the scheduler, validated at startup.
@@ -54,6 +55,9 @@ pub struct SchedulerConfig {
     pub prefix_caching: bool,
     /// Tensor-parallel ranks (CPU threads over shared memory); 1 = none.
     pub tp: usize,
+    /// How a mixture-of-experts model's layers combine experts across the
+    /// ranks (dense models ignore it).
+    pub moe_combine: Combine,
 }
 
 /// A configuration value the scheduler cannot run with.
@@ -1022,7 +1026,7 @@ impl Executor {
             shards.push(
                 model
                     .model
-                    .shard(comm)
+                    .shard_with(comm, config.moe_combine)
                     .map_err(|e| ConfigError(format!("--tp {tp}: {e}")))?,
             );
         }

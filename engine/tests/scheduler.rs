@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tandem_engine::generate::{FinishReason, GenerateRequest, generate};
+use tandem_engine::moe::Combine;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{
     Event, ImportOutcome, KvHandoff, Request, RequestStream, Scheduler, SchedulerConfig,
@@ -34,6 +35,7 @@ fn config() -> SchedulerConfig {
         num_blocks: 256,
         prefix_caching: true,
         tp: 1,
+        moe_combine: Combine::AllReduce,
     }
 }
 
@@ -134,6 +136,7 @@ fn chunked_prefill_and_preemption_do_not_change_outputs() {
         max_length: 128,
         prefix_caching: false,
         tp: 1,
+        moe_combine: Combine::AllReduce,
     };
     let sched = Scheduler::spawn(model(), cfg).expect("spawns");
     let prompts = prompts();

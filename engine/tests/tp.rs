@@ -12,6 +12,7 @@ use tandem_engine::comm::{Communicator, CpuGroup};
 use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::kv_cache::KvCache;
 use tandem_engine::model::{LlamaModel, SeqChunk};
+use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{SamplingParams, argmax};
 use tandem_engine::scheduler::{Event, KvHandoff, Request, Scheduler, SchedulerConfig};
 use tandem_engine::{LoadedModel, load};
@@ -130,6 +131,7 @@ fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
         num_blocks: 128,
         prefix_caching: true,
         tp: 3,
+        moe_combine: Combine::AllReduce,
     };
     let sched = Scheduler::spawn(Arc::clone(&m), config).unwrap();
     let texts = [

@@ -609,3 +609,31 @@ fn metrics_endpoint_reports_engine_and_request_metrics() {
         "{m}"
     );
 }
+
+#[test]
+fn device_flags_that_cannot_run_are_refused_at_startup() {
+    for (args, want) in [
+        (&["--devices", "gpu:0"][..], "GPU ranks are not available"),
+        (
+            &["--devices", "cpu:3", "--tp", "2"][..],
+            "gives 3 ranks but --tp is 2",
+        ),
+        (&["--devices", "tpu:1"][..], "invalid devices"),
+        // SmolLM2's 9 query heads do not split in two.
+        (
+            &["--devices", "cpu:2"][..],
+            "does not divide the attention heads",
+        ),
+    ] {
+        let out = Command::new(tandem_tests::binary())
+            .args(["serve", "--model"])
+            .arg(gguf_path())
+            .args(["--port", "0"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} started");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
