@@ -56,6 +56,22 @@ fn memcpy_samples(bytes: usize, reps: usize) -> Vec<Duration> {
 /// Per-call times of each sample, timed on rank 0 from a barrier to a
 /// barrier after the last call (so the slowest rank counts).
 fn allreduce_samples(world: usize, floats: usize, iters: usize, reps: usize) -> Vec<Duration> {
+    collective_samples(world, floats, iters, reps, false)
+}
+
+/// As [`allreduce_samples`], for `all_gather` of `floats` per rank (what a
+/// TP-invariant row-parallel sum exchanges: one segment partial per rank).
+fn allgather_samples(world: usize, floats: usize, iters: usize, reps: usize) -> Vec<Duration> {
+    collective_samples(world, floats, iters, reps, true)
+}
+
+fn collective_samples(
+    world: usize,
+    floats: usize,
+    iters: usize,
+    reps: usize,
+    gather: bool,
+) -> Vec<Duration> {
     let comms = CpuGroup::new(world);
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
@@ -64,16 +80,23 @@ fn allreduce_samples(world: usize, floats: usize, iters: usize, reps: usize) -> 
                 s.spawn(move || {
                     // Zeros: no denormals or overflow however often summed.
                     let mut buf = vec![0.0f32; floats];
+                    let mut all = vec![0.0f32; floats * world];
+                    let mut call = |buf: &mut Vec<f32>| {
+                        if gather {
+                            c.all_gather(black_box(buf), &mut all).expect("all_gather");
+                        } else {
+                            c.all_reduce_sum(black_box(buf)).expect("all_reduce_sum");
+                        }
+                    };
                     for _ in 0..iters.min(100) {
-                        c.all_reduce_sum(&mut buf).expect("warm-up");
+                        call(&mut buf);
                     }
                     let mut samples = Vec::with_capacity(reps);
                     for _ in 0..reps {
                         c.barrier().expect("barrier");
                         let t = Instant::now();
                         for _ in 0..iters {
-                            c.all_reduce_sum(black_box(&mut buf))
-                                .expect("all_reduce_sum");
+                            call(&mut buf);
                         }
                         c.barrier().expect("barrier");
                         samples.push(t.elapsed() / iters as u32);
@@ -147,17 +170,22 @@ fn main() {
         "\nlatency of one all_reduce_sum of {LATENCY_FLOATS} floats (SmolLM2 hidden size, per layer per token x2)"
     );
     println!(
-        "{:>5} {:>10} {:>12} {:>14}",
-        "world", "best us", "median us", "memcpy us"
+        "(all_gather: the same {LATENCY_FLOATS} floats from each rank, as TP-invariant row-parallel sums send)"
+    );
+    println!(
+        "{:>5} {:>10} {:>12} {:>17} {:>14}",
+        "world", "best us", "median us", "all_gather best us", "memcpy us"
     );
     let copy = best(&memcpy_samples(LATENCY_FLOATS * 4, reps));
     for &world in &worlds {
         let s = allreduce_samples(world, LATENCY_FLOATS, 5_000, reps);
+        let g = allgather_samples(world, LATENCY_FLOATS, 5_000, reps);
         println!(
-            "{:>5} {:>10.2} {:>12.2} {:>14.3}",
+            "{:>5} {:>10.2} {:>12.2} {:>17.2} {:>14.3}",
             world,
             best(&s).as_secs_f64() * 1e6,
             median(&s).as_secs_f64() * 1e6,
+            best(&g).as_secs_f64() * 1e6,
             copy.as_secs_f64() * 1e6,
         );
     }
