@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use half::f16;
 use tandem_kernels::ops::{self, Rope};
-use tandem_kernels::{GgmlType, QMatrix};
+use tandem_kernels::{GgmlType, PackedMatrix, QMatrix};
 
 use crate::comm::Communicator;
 use crate::config::LlamaConfig;
@@ -28,6 +28,9 @@ pub struct Weight {
     cols: usize,
     backing: Arc<Backing>,
     range: Range<usize>,
+    /// The same values repacked for the batched kernel, where this CPU and
+    /// type have one (see `tandem_kernels::PackedMatrix`).
+    packed: Option<Arc<PackedMatrix>>,
 }
 
 impl Weight {
@@ -64,7 +67,24 @@ impl Weight {
             cols,
             backing,
             range,
-        })
+            packed: None,
+        }
+        .with_packed())
+    }
+
+    /// Adds the packed form where there is one.
+    fn with_packed(mut self) -> Self {
+        self.packed = PackedMatrix::pack(&self.matrix()).map(Arc::new);
+        self
+    }
+
+    /// `out[i * rows + r] = sum_k self[r, k] * x[i * cols + k]` for `i < m`.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), RequestError> {
+        match &self.packed {
+            Some(p) => tandem_kernels::matmul_packed(p, x, m, out)?,
+            None => tandem_kernels::matmul(&self.matrix(), x, m, out)?,
+        }
+        Ok(())
     }
 
     pub fn matrix(&self) -> QMatrix<'_> {
@@ -95,8 +115,10 @@ impl Weight {
             rows: rows.len(),
             range: start..start + rows.len() * row_bytes,
             backing: Arc::clone(&self.backing),
+            packed: None,
             ..*self
-        })
+        }
+        .with_packed())
     }
 
     /// Columns `cols` (input features) of every row, copied: the range must
@@ -125,8 +147,10 @@ impl Weight {
             cols: cols.len(),
             backing: Arc::new(Backing::Owned(out)),
             range: 0..len,
+            packed: None,
             ..*self
-        })
+        }
+        .with_packed())
     }
 
     fn row_bytes(&self) -> usize {
@@ -309,7 +333,7 @@ impl RowParallel {
                 }
                 gathered
             };
-            tandem_kernels::matmul(&w.matrix(), xs, n_tok, out)?;
+            w.matmul(xs, n_tok, out)?;
         }
         Ok(())
     }
@@ -715,9 +739,9 @@ impl LlamaModel {
             for (o, xi) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 ops::rms_norm(xi, &layer.attn_norm, c.rms_eps, o);
             }
-            tandem_kernels::matmul(&layer.wq.matrix(), &xn, n_tok, &mut q)?;
-            tandem_kernels::matmul(&layer.wk.matrix(), &xn, n_tok, &mut k)?;
-            tandem_kernels::matmul(&layer.wv.matrix(), &xn, n_tok, &mut v)?;
+            layer.wq.matmul(&xn, n_tok, &mut q)?;
+            layer.wk.matmul(&xn, n_tok, &mut k)?;
+            layer.wv.matmul(&xn, n_tok, &mut v)?;
             for (t, &(ci, pos)) in placement.iter().enumerate() {
                 self.rope
                     .apply(&mut q[t * c.q_dim()..(t + 1) * c.q_dim()], c.head_dim, pos);
@@ -758,8 +782,8 @@ impl LlamaModel {
                 } => {
                     gate.resize(n_tok * c.ffn_dim, 0.0);
                     up.resize(n_tok * c.ffn_dim, 0.0);
-                    tandem_kernels::matmul(&w_gate.matrix(), &xn, n_tok, &mut gate)?;
-                    tandem_kernels::matmul(&w_up.matrix(), &xn, n_tok, &mut up)?;
+                    w_gate.matmul(&xn, n_tok, &mut gate)?;
+                    w_up.matmul(&xn, n_tok, &mut up)?;
                     ops::silu_mul(&mut gate, &up);
                     down.partials(&gate, n_tok, &mut seg_x, &mut partials)?;
                     self.reduce_segments(&partials, &mut gathered, &mut proj)?;
@@ -784,14 +808,14 @@ impl LlamaModel {
         }
         let Some(tp) = &self.tp else {
             let mut logits = vec![0.0f32; rows.len() * c.vocab_size];
-            tandem_kernels::matmul(&self.output_head().matrix(), &last, rows.len(), &mut logits)?;
+            self.output_head().matmul(&last, rows.len(), &mut logits)?;
             return Ok(logits);
         };
         // Each rank's vocabulary slice, gathered rank-major, then laid out
         // row by row.
         let vl = tp.vocab_len;
         let mut local = vec![0.0f32; rows.len() * vl];
-        tandem_kernels::matmul(&self.output_head().matrix(), &last, rows.len(), &mut local)?;
+        self.output_head().matmul(&last, rows.len(), &mut local)?;
         let world = tp.comm.world_size();
         let mut gathered = vec![0.0f32; world * local.len()];
         tp.comm

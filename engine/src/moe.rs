@@ -228,7 +228,7 @@ impl MoeBlock {
     pub fn route(&self, xn: &[f32], n_tok: usize) -> Result<Vec<Route>, RequestError> {
         let n = self.cfg.n_experts;
         let mut logits = vec![0.0f32; n_tok * n];
-        tandem_kernels::matmul(&self.router.matrix(), xn, n_tok, &mut logits)?;
+        self.router.matmul(xn, n_tok, &mut logits)?;
         Ok(logits
             .chunks_exact(n)
             .map(|l| route_one(&self.cfg, &self.bias, l))
@@ -351,10 +351,10 @@ impl MoeBlock {
             gate.resize(m * ffn, 0.0);
             up.resize(m * ffn, 0.0);
             out.resize(m * d, 0.0);
-            tandem_kernels::matmul(&ex.gate.matrix(), &x, m, &mut gate)?;
-            tandem_kernels::matmul(&ex.up.matrix(), &x, m, &mut up)?;
+            ex.gate.matmul(&x, m, &mut gate)?;
+            ex.up.matmul(&x, m, &mut up)?;
             ops::silu_mul(&mut gate, &up);
-            tandem_kernels::matmul(&ex.down.matrix(), &gate, m, &mut out)?;
+            ex.down.matmul(&gate, m, &mut out)?;
             for (k, &i) in group.iter().enumerate() {
                 y[i * d..(i + 1) * d].copy_from_slice(&out[k * d..(k + 1) * d]);
             }

@@ -13,11 +13,13 @@ mod cpu;
 mod dot;
 mod error;
 mod matmul;
+mod packed;
 mod pool;
 pub mod quant;
 
 pub use cpu::{Isa, isa, num_threads, set_num_threads};
 pub use error::KernelError;
 pub use matmul::{QMatrix, matmul, matmul_with_isa};
+pub use packed::{PACK_ROWS, PackedMatrix, matmul_packed, matmul_packed_with_isa};
 pub use pool::{parallel_chunks_mut, parallel_for, parallel_ranges};
 pub use quant::{GgmlType, dequantize_row, quantize_row};

@@ -115,18 +115,58 @@ pub(crate) fn prepare_acts<'a>(
     }
 }
 
-/// Q8_0 / Q8_1 quantisation of `x` into `a` (sized by the caller).
+/// Q8_0 / Q8_1 quantisation of `x` into `qs`, `d` and (when not empty) `s`.
 #[inline(always)]
-fn quantize_q8_body(x: &[f32], a: &mut ActQ8, with_s: bool) {
-    for (b, (xb, qb)) in x
-        .chunks_exact(QK)
-        .zip(a.qs.chunks_exact_mut(QK))
-        .enumerate()
-    {
+fn quantize_q8_body(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    let with_s = !s.is_empty();
+    for (b, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
         let (dh, sum, df) = quant::quantize_block_q8(xb, qb);
-        a.d[b] = quant::f16_bits_to_f32(dh);
+        d[b] = quant::f16_bits_to_f32(dh);
         if with_s {
-            a.s[b] = quant::f16_bits_to_f32(quant::f32_to_f16_bits(df * sum as f32));
+            s[b] = quant::f16_bits_to_f32(quant::f32_to_f16_bits(df * sum as f32));
+        }
+    }
+}
+
+/// Blocks below which quantisation stays on the calling thread.
+const PAR_QUANT_BLOCKS: usize = 256;
+
+/// Raw pointers to an `ActQ8`'s buffers, for workers filling disjoint
+/// block ranges.
+#[derive(Clone, Copy)]
+struct Q8Ptrs {
+    qs: *mut i8,
+    d: *mut f32,
+    s: *mut f32,
+    with_s: bool,
+}
+// SAFETY: workers write pairwise disjoint block ranges; the caller holds the
+// unique borrow of the buffers until all are done.
+unsafe impl Send for Q8Ptrs {}
+// SAFETY: as above.
+unsafe impl Sync for Q8Ptrs {}
+
+impl Q8Ptrs {
+    /// Blocks `r` of the buffers.
+    ///
+    /// # Safety
+    /// `r` must be in bounds and no other live reference may cover it.
+    unsafe fn blocks(
+        self,
+        r: std::ops::Range<usize>,
+    ) -> (&'static mut [i8], &'static mut [f32], &'static mut [f32]) {
+        let n = r.len();
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            (
+                std::slice::from_raw_parts_mut(self.qs.add(r.start * QK), n * QK),
+                std::slice::from_raw_parts_mut(self.d.add(r.start), n),
+                if self.with_s {
+                    std::slice::from_raw_parts_mut(self.s.add(r.start), n)
+                } else {
+                    &mut []
+                },
+            )
         }
     }
 }
@@ -148,8 +188,43 @@ fn quantize_q8_k_body(x: &[f32], a: &mut ActQ8) {
 // construction (IEEE round-half-even either way).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn quantize_q8_avx2(x: &[f32], a: &mut ActQ8, with_s: bool) {
-    quantize_q8_body(x, a, with_s)
+fn quantize_q8_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    quantize_q8_body(x, qs, d, s)
+}
+
+/// [`quantize_q8_body`] with explicit AVX-512: the same operations per
+/// element (max ignoring NaN, `x * (127 / amax)` rounded half-even, the
+/// i32 conversion's out-of-range value, saturation to i8, a wrapping sum),
+/// so bitwise the same result.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn quantize_q8_avx512(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let with_s = !s.is_empty();
+    for (b, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+        // SAFETY: `xb` has 32 floats and `qb` 32 bytes (chunks_exact).
+        unsafe {
+            let v0 = _mm512_loadu_ps(xb.as_ptr());
+            let v1 = _mm512_loadu_ps(xb.as_ptr().add(16));
+            let (a0, a1) = (_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+            // max(|v|, m): a NaN |v| yields m, as the scalar fold does.
+            let m = _mm512_max_ps(a1, _mm512_max_ps(a0, _mm512_setzero_ps()));
+            let amax = _mm512_reduce_max_ps(m);
+            let dd = amax / 127.0;
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let idv = _mm512_set1_ps(id);
+            const RN: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            let i0 = _mm512_cvt_roundps_epi32::<RN>(_mm512_mul_ps(v0, idv));
+            let i1 = _mm512_cvt_roundps_epi32::<RN>(_mm512_mul_ps(v1, idv));
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            _mm_storeu_si128(qb.as_mut_ptr().cast(), _mm512_cvtsepi32_epi8(i0));
+            _mm_storeu_si128(qb.as_mut_ptr().add(16).cast(), _mm512_cvtsepi32_epi8(i1));
+            d[b] = quant::f16_bits_to_f32(quant::f32_to_f16_bits(dd));
+            if with_s {
+                s[b] = quant::f16_bits_to_f32(quant::f32_to_f16_bits(dd * sum as f32));
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -158,13 +233,38 @@ fn quantize_q8_k_avx2(x: &[f32], a: &mut ActQ8) {
     quantize_q8_k_body(x, a)
 }
 
+/// Quantises every block of `x` into `a`: on the pool for large batches
+/// (blocks are independent, so the split never changes the result).
 fn quantize_q8(x: &[f32], a: &mut ActQ8, with_s: bool) {
-    #[cfg(target_arch = "x86_64")]
-    if Isa::Avx2.is_supported() {
-        // SAFETY: AVX2/FMA/F16C support checked at runtime.
-        return unsafe { quantize_q8_avx2(x, a, with_s) };
+    let blocks = x.len() / QK;
+    let ptrs = Q8Ptrs {
+        qs: a.qs.as_mut_ptr(),
+        d: a.d.as_mut_ptr(),
+        s: a.s.as_mut_ptr(),
+        with_s,
+    };
+    let run = |r: std::ops::Range<usize>| {
+        let xr = &x[r.start * QK..r.end * QK];
+        // SAFETY: `r` is within `blocks` (the buffers hold that many, sized
+        // by the caller) and each range goes to one worker.
+        let (qs, d, s) = unsafe { ptrs.blocks(r) };
+        #[cfg(target_arch = "x86_64")]
+        if Isa::Avx512Vnni.is_supported() {
+            // SAFETY: AVX-512 support checked at runtime.
+            return unsafe { quantize_q8_avx512(xr, qs, d, s) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if Isa::Avx2.is_supported() {
+            // SAFETY: AVX2/FMA/F16C support checked at runtime.
+            return unsafe { quantize_q8_avx2(xr, qs, d, s) };
+        }
+        quantize_q8_body(xr, qs, d, s)
+    };
+    if blocks < PAR_QUANT_BLOCKS {
+        run(0..blocks);
+    } else {
+        crate::pool::parallel_ranges(blocks, &|_, r| run(r));
     }
-    quantize_q8_body(x, a, with_s)
 }
 
 fn quantize_q8_k(x: &[f32], a: &mut ActQ8) {
@@ -356,5 +456,76 @@ pub(crate) unsafe fn drive<K: QKernel>(
             out[r * ldo + j] = res[0][0];
             r += 1;
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// Every fast quantiser against the scalar body, bitwise, on random
+    /// blocks and the edge cases (zeros, NaN, infinities, huge values,
+    /// exact .5 ties).
+    #[test]
+    fn q8_quantisers_match_the_scalar_body() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut x: Vec<f32> = (0..64 * QK)
+            .map(|_| rng.random_range(-3.0f32..3.0))
+            .collect();
+        x[..QK].fill(0.0);
+        x[QK] = f32::NAN;
+        x[2 * QK] = f32::INFINITY;
+        x[3 * QK + 5] = 1e38;
+        x[3 * QK + 6] = -1e38;
+        for (i, v) in x[4 * QK..5 * QK].iter_mut().enumerate() {
+            *v = i as f32 - 15.5;
+        }
+        x[5 * QK] = 127.0;
+        x[5 * QK + 1] = 0.5;
+        let n = x.len() / QK;
+        let reference = {
+            let (mut qs, mut d, mut s) = (vec![0i8; x.len()], vec![0.0f32; n], vec![0.0f32; n]);
+            quantize_q8_body(&x, &mut qs, &mut d, &mut s);
+            (qs, d, s)
+        };
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        type Quantiser = unsafe fn(&[f32], &mut [i8], &mut [f32], &mut [f32]);
+        let mut fast: Vec<(&str, Quantiser)> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Isa::Avx2.is_supported() {
+                fast.push(("avx2", quantize_q8_avx2));
+            }
+            if Isa::Avx512Vnni.is_supported() {
+                fast.push(("avx512", quantize_q8_avx512));
+            }
+        }
+        for (name, f) in fast {
+            let (mut qs, mut d, mut s) = (vec![0i8; x.len()], vec![0.0f32; n], vec![0.0f32; n]);
+            // SAFETY: support checked above.
+            unsafe { f(&x, &mut qs, &mut d, &mut s) };
+            assert_eq!(qs, reference.0, "{name} quants");
+            assert_eq!(bits(&d), bits(&reference.1), "{name} scales");
+            assert_eq!(bits(&s), bits(&reference.2), "{name} sums");
+        }
+        // The pooled path splits blocks across workers: the same result.
+        let mut a = ActQ8 {
+            qs: vec![0; x.len()],
+            d: vec![0.0; n],
+            s: vec![0.0; n],
+            bsums: Vec::new(),
+            nb: n,
+        };
+        let big: Vec<f32> = x.iter().cycle().take(x.len() * 8).copied().collect();
+        a.qs.resize(big.len(), 0);
+        a.d.resize(8 * n, 0.0);
+        a.s.resize(8 * n, 0.0);
+        quantize_q8(&big, &mut a, true);
+        assert_eq!(&a.qs[..x.len()], &reference.0[..]);
+        assert_eq!(&a.qs[7 * x.len()..], &reference.0[..]);
+        assert_eq!(bits(&a.d[7 * n..]), bits(&reference.1));
     }
 }

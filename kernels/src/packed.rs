@@ -1,0 +1,528 @@
+//! Row-interleaved ("packed") Q4_1 / Q8_0 weights and their batched matmul.
+//!
+//! [`crate::matmul`] keeps ggml's per-block accumulation order (8 float lanes
+//! per block, one FMA each), which costs about four vector operations per
+//! 32 multiply-adds for every (row, token) pair, so batches hardly run
+//! faster per token than one sequence. Here weights are repacked at load so
+//! one 512-bit register holds the same 4 quantised values of 16 rows:
+//! `vpdpbusd` with one activation group broadcast computes 16 rows' partial
+//! integer dot products at once, the block's integer sums are complete after
+//! 8 of them, and one convert plus one or two FMAs per block finish 16 rows.
+//! Unpacked weights stay in registers across a tile of tokens.
+//!
+//! Numerics, identical for every batch size, tile and thread count: for
+//! each (row, token) the block integer sum `isum` is exact, and
+//! `acc = fma(isum as f32, d_w * d_x, acc)` (then `acc = fma(m_w, s_x,
+//! acc)` for Q4_1) runs block by block from `acc = 0`. The scalar reference
+//! [`matmul_packed_with_isa`]`(Isa::Scalar, ..)` performs exactly these
+//! operations, and the fast kernel is tested bitwise against it. The order
+//! differs from ggml's, so results are close to, not equal to,
+//! [`crate::matmul`]'s.
+//!
+//! Only AVX-512 VNNI CPUs pack (see [`PackedMatrix::pack`]); elsewhere the
+//! ggml-order kernels run.
+
+use crate::cpu::{self, Isa};
+use crate::dot::{self, ActScratch, Acts};
+use crate::error::KernelError;
+use crate::matmul::QMatrix;
+use crate::pool;
+use crate::quant::{self, GgmlType, QK};
+
+/// Rows interleaved per group.
+pub const PACK_ROWS: usize = 16;
+/// Tokens per register tile.
+const TILE_TOKENS: usize = 8;
+/// Below this many multiply-adds the product runs on the calling thread.
+const PAR_MIN_WORK: usize = 1 << 16;
+
+/// A weight matrix repacked in groups of [`PACK_ROWS`] rows. Per group and
+/// block, one record: the 16 rows' `d` (f16), for Q4_1 their `m` (f16),
+/// then the quants as chunks of 64 bytes, each holding 4 bytes of every
+/// row (Q4_1: 4 chunks, low nibbles are elements `4c..4c+4`, high nibbles
+/// `16+4c..`; Q8_0: 8 chunks of `q + 128`). Rows past `rows` are zero.
+#[derive(Clone)]
+pub struct PackedMatrix {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+}
+
+impl std::fmt::Debug for PackedMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackedMatrix")
+            .field("ty", &self.ty)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .finish()
+    }
+}
+
+/// Bytes of one (group, block) record.
+fn record_bytes(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q4_1 => PACK_ROWS * (2 + 2 + QK / 2),
+        _ => PACK_ROWS * (2 + QK),
+    }
+}
+
+impl PackedMatrix {
+    /// Repacks `w` when this CPU has the packed kernel (AVX-512 VNNI) and
+    /// `w` is Q4_1 or Q8_0; `None` otherwise (keep using [`crate::matmul`]).
+    pub fn pack(w: &QMatrix<'_>) -> Option<PackedMatrix> {
+        if cpu::isa() != Isa::Avx512Vnni {
+            return None;
+        }
+        Self::pack_any_cpu(w)
+    }
+
+    /// [`PackedMatrix::pack`] regardless of the CPU (tests, the scalar path).
+    pub fn pack_any_cpu(w: &QMatrix<'_>) -> Option<PackedMatrix> {
+        if !matches!(w.ty, GgmlType::Q4_1 | GgmlType::Q8_0)
+            || w.rows == 0
+            || w.cols == 0
+            || !w.cols.is_multiple_of(QK)
+        {
+            return None;
+        }
+        let (nb, bb) = (w.cols / QK, w.ty.block_bytes());
+        let groups = w.rows.div_ceil(PACK_ROWS);
+        let rec = record_bytes(w.ty);
+        let mut data = vec![0u8; groups * nb * rec];
+        let q4 = w.ty == GgmlType::Q4_1;
+        for g in 0..groups {
+            for b in 0..nb {
+                let out = &mut data[(g * nb + b) * rec..(g * nb + b + 1) * rec];
+                for r in 0..PACK_ROWS {
+                    let row = g * PACK_ROWS + r;
+                    if row >= w.rows {
+                        // Zero scales and quants: the padded rows compute 0.
+                        if !q4 {
+                            for c in 0..8 {
+                                out[32 + c * 64 + r * 4..32 + c * 64 + r * 4 + 4].fill(0x80);
+                            }
+                        }
+                        continue;
+                    }
+                    let blk = &w.row(row)[b * bb..(b + 1) * bb];
+                    out[r * 2..r * 2 + 2].copy_from_slice(&blk[0..2]);
+                    if q4 {
+                        out[32 + r * 2..32 + r * 2 + 2].copy_from_slice(&blk[2..4]);
+                        for c in 0..4 {
+                            let dst = 64 + c * 64 + r * 4;
+                            out[dst..dst + 4].copy_from_slice(&blk[4 + c * 4..4 + c * 4 + 4]);
+                        }
+                    } else {
+                        for c in 0..8 {
+                            let dst = 32 + c * 64 + r * 4;
+                            for k in 0..4 {
+                                out[dst + k] = blk[2 + c * 4 + k] ^ 0x80;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Some(PackedMatrix {
+            ty: w.ty,
+            rows: w.rows,
+            cols: w.cols,
+            data,
+        })
+    }
+
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn groups(&self) -> usize {
+        self.rows.div_ceil(PACK_ROWS)
+    }
+
+    fn nb(&self) -> usize {
+        self.cols / QK
+    }
+}
+
+/// `out[i * rows + r] = sum_k w[r, k] * x[i * cols + k]` for `i < m`, with
+/// the packed kernel of this CPU.
+pub fn matmul_packed(
+    w: &PackedMatrix,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let isa = if cpu::isa() == Isa::Avx512Vnni {
+        Isa::Avx512Vnni
+    } else {
+        Isa::Scalar
+    };
+    matmul_packed_with_isa(isa, w, x, m, out)
+}
+
+/// [`matmul_packed`] with a forced implementation: `Scalar` (the
+/// reference) or `Avx512Vnni`.
+pub fn matmul_packed_with_isa(
+    isa: Isa,
+    w: &PackedMatrix,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    if !isa.is_supported() || isa == Isa::Avx2 {
+        return Err(KernelError::UnsupportedIsa {
+            requested: isa,
+            available: cpu::isa(),
+        });
+    }
+    let xn = m
+        .checked_mul(w.cols)
+        .ok_or(KernelError::Overflow("activation elements"))?;
+    if x.len() != xn {
+        return Err(KernelError::LengthMismatch {
+            what: "packed matmul activations",
+            expected: xn,
+            actual: x.len(),
+        });
+    }
+    let on = m
+        .checked_mul(w.rows)
+        .ok_or(KernelError::Overflow("output elements"))?;
+    if out.len() != on {
+        return Err(KernelError::LengthMismatch {
+            what: "packed matmul output",
+            expected: on,
+            actual: out.len(),
+        });
+    }
+    if on == 0 {
+        return Ok(());
+    }
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => run(isa, w, x, m, out, &mut scratch),
+        // Only reachable if a matmul re-entered itself on this thread.
+        Err(_) => run(isa, w, x, m, out, &mut ActScratch::default()),
+    })
+}
+
+thread_local! {
+    /// Quantised activations of the current call (the calling thread's).
+    static SCRATCH: std::cell::RefCell<ActScratch> = std::cell::RefCell::new(ActScratch::default());
+}
+
+fn run(
+    isa: Isa,
+    w: &PackedMatrix,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut ActScratch,
+) -> Result<(), KernelError> {
+    let acts = dot::prepare_acts(w.ty, x, m, w.cols, scratch);
+    let Acts::Q8(a) = &acts else {
+        return Err(KernelError::UnsupportedType {
+            op: "packed matmul",
+            ty: w.ty,
+        });
+    };
+    // Q8_0 weights are stored as q + 128; the kernel subtracts 128 * sum(x_q).
+    let xsum: Vec<i32> = if w.ty == GgmlType::Q8_0 {
+        a.qs.chunks_exact(QK)
+            .map(|c| c.iter().map(|&v| i32::from(v)).sum())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let ctx = Ctx {
+        w,
+        qs: &a.qs,
+        d: &a.d,
+        s: &a.s,
+        xsum: &xsum,
+        m,
+    };
+    let groups = w.groups();
+    let work = w.rows.saturating_mul(w.cols).saturating_mul(m);
+    let parts = if work >= PAR_MIN_WORK {
+        cpu::num_threads().clamp(1, groups)
+    } else {
+        1
+    };
+    let op = OutPtr(out.as_mut_ptr());
+    let part = |p: usize| {
+        for g in pool::split(groups, parts, p) {
+            // SAFETY: group `g` writes only rows g*16..g*16+16 (clamped) of
+            // each output row, and each group belongs to one part.
+            unsafe { ctx.group(isa, g, op) };
+        }
+    };
+    if parts == 1 {
+        part(0);
+    } else {
+        pool::parallel_for(parts, &part);
+    }
+    Ok(())
+}
+
+/// A raw output pointer shared by the parts, which write disjoint rows.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: parts write pairwise disjoint elements; the caller holds the
+// unique borrow until every part is done.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// Everything a group computation reads.
+struct Ctx<'a> {
+    w: &'a PackedMatrix,
+    qs: &'a [i8],
+    d: &'a [f32],
+    s: &'a [f32],
+    xsum: &'a [i32],
+    m: usize,
+}
+
+impl Ctx<'_> {
+    /// Computes rows `16g..16g+16` (clamped) for every token into `out`.
+    ///
+    /// # Safety
+    /// `out` must point at an `m x rows` buffer whose rows of group `g` no
+    /// other thread writes meanwhile; `isa` must be supported.
+    unsafe fn group(&self, isa: Isa, g: usize, out: OutPtr) {
+        let rows = self.w.rows;
+        let valid = (rows - g * PACK_ROWS).min(PACK_ROWS);
+        let mut i0 = 0;
+        while i0 < self.m {
+            let n = TILE_TOKENS.min(self.m - i0);
+            let mut acc = [[0.0f32; PACK_ROWS]; TILE_TOKENS];
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512Vnni => {
+                    // SAFETY: CPU support checked by the caller.
+                    unsafe { avx512::tile(self, g, i0, n, &mut acc) }
+                }
+                _ => self.tile_scalar(g, i0, n, &mut acc),
+            }
+            for (j, a) in acc.iter().enumerate().take(n) {
+                let base = (i0 + j) * rows + g * PACK_ROWS;
+                // SAFETY: in bounds (m x rows) and owned by this group.
+                let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(base), valid) };
+                o.copy_from_slice(&a[..valid]);
+            }
+            i0 += n;
+        }
+    }
+
+    /// The reference: the exact operation sequence the SIMD kernel runs.
+    fn tile_scalar(
+        &self,
+        g: usize,
+        i0: usize,
+        n: usize,
+        acc: &mut [[f32; PACK_ROWS]; TILE_TOKENS],
+    ) {
+        let (nb, cols, ty) = (self.w.nb(), self.w.cols, self.w.ty);
+        let rec = record_bytes(ty);
+        for b in 0..nb {
+            let r0 = (g * nb + b) * rec;
+            let data = &self.w.data[r0..r0 + rec];
+            for (j, accj) in acc.iter_mut().enumerate().take(n) {
+                let t = i0 + j;
+                let x = &self.qs[t * cols + b * QK..t * cols + (b + 1) * QK];
+                let dx = self.d[t * nb + b];
+                for (r, a) in accj.iter_mut().enumerate() {
+                    let f16 = |off: usize| {
+                        quant::f16_bits_to_f32(u16::from_le_bytes([data[off], data[off + 1]]))
+                    };
+                    let dw = f16(r * 2);
+                    let mut isum = 0i32;
+                    if ty == GgmlType::Q4_1 {
+                        for c in 0..4 {
+                            for k in 0..4 {
+                                let byte = data[64 + c * 64 + r * 4 + k];
+                                isum += i32::from(byte & 0x0F) * i32::from(x[c * 4 + k]);
+                                isum += i32::from(byte >> 4) * i32::from(x[16 + c * 4 + k]);
+                            }
+                        }
+                    } else {
+                        for c in 0..8 {
+                            for k in 0..4 {
+                                let q = i32::from(data[32 + c * 64 + r * 4 + k]) - 128;
+                                isum += q * i32::from(x[c * 4 + k]);
+                            }
+                        }
+                    }
+                    *a = (isum as f32).mul_add(dw * dx, *a);
+                    if ty == GgmlType::Q4_1 {
+                        *a = f16(32 + r * 2).mul_add(self.s[t * nb + b], *a);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Ctx, PACK_ROWS, QK, TILE_TOKENS, record_bytes};
+    use crate::quant::GgmlType;
+
+    /// One group's 16 rows for tokens `i0..i0 + n` (`n <= TILE_TOKENS`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW and VNNI and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn tile(
+        c: &Ctx<'_>,
+        g: usize,
+        i0: usize,
+        n: usize,
+        out: &mut [[f32; PACK_ROWS]; TILE_TOKENS],
+    ) {
+        let (nb, cols) = (c.w.nb(), c.w.cols);
+        let rec = record_bytes(c.w.ty);
+        let q4 = c.w.ty == GgmlType::Q4_1;
+        let mut acc = [_mm512_setzero_ps(); TILE_TOKENS];
+        let low = _mm512_set1_epi8(0x0F);
+        let base = c.w.data.as_ptr();
+        // SAFETY (whole body): record offsets stay inside `data` (groups x
+        // nb records), activation offsets inside `qs`/`d`/`s`/`xsum`
+        // (m x cols, m x nb) because i0 + n <= m.
+        unsafe {
+            for b in 0..nb {
+                let r = base.add((g * nb + b) * rec);
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(r.cast()));
+                let mut w = [_mm512_setzero_si512(); 8];
+                let mw;
+                if q4 {
+                    mw = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(32).cast()));
+                    for k in 0..4 {
+                        let raw = _mm512_loadu_si512(r.add(64 + k * 64).cast());
+                        w[k] = _mm512_and_si512(raw, low);
+                        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low);
+                    }
+                } else {
+                    mw = _mm512_setzero_ps();
+                    for (k, wk) in w.iter_mut().enumerate() {
+                        *wk = _mm512_loadu_si512(r.add(32 + k * 64).cast());
+                    }
+                }
+                for (j, a) in acc.iter_mut().enumerate().take(n) {
+                    let t = i0 + j;
+                    let x = c.qs.as_ptr().add(t * cols + b * QK).cast::<i32>();
+                    let mut isum = _mm512_setzero_si512();
+                    for (k, &wk) in w.iter().enumerate() {
+                        let xb = _mm512_set1_epi32(x.add(k).read_unaligned());
+                        isum = _mm512_dpbusd_epi32(isum, wk, xb);
+                    }
+                    if !q4 {
+                        let corr = _mm512_set1_epi32(128 * *c.xsum.get_unchecked(t * nb + b));
+                        isum = _mm512_sub_epi32(isum, corr);
+                    }
+                    let dx = _mm512_set1_ps(*c.d.get_unchecked(t * nb + b));
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), *a);
+                    if q4 {
+                        let sx = _mm512_set1_ps(*c.s.get_unchecked(t * nb + b));
+                        *a = _mm512_fmadd_ps(mw, sx, *a);
+                    }
+                }
+            }
+            for (j, a) in acc.iter().enumerate().take(n) {
+                _mm512_storeu_ps(out[j].as_mut_ptr(), *a);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::matmul::matmul_with_isa;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let mut data = vec![0u8; ty.row_bytes(cols).unwrap() * rows];
+        quant::quantize_row(ty, &x, &mut data).unwrap();
+        data
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn fast_kernel_is_bitwise_the_scalar_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+            for (rows, cols) in [(1, 32), (15, 64), (16, 32), (17, 96), (40, 576), (3, 1536)] {
+                let data = weights(ty, rows, cols, &mut rng);
+                let q = QMatrix::new(ty, &data, rows, cols).unwrap();
+                let p = PackedMatrix::pack_any_cpu(&q).unwrap();
+                for m in [0, 1, 2, 7, 8, 9, 33] {
+                    let x: Vec<f32> = (0..m * cols)
+                        .map(|_| rng.random_range(-2.0f32..2.0))
+                        .collect();
+                    let mut want = vec![0.0; m * rows];
+                    matmul_packed_with_isa(Isa::Scalar, &p, &x, m, &mut want).unwrap();
+                    // Close to ggml's order (same quantisation, other sums).
+                    let mut ggml = vec![0.0; m * rows];
+                    matmul_with_isa(Isa::Scalar, &q, &x, m, &mut ggml).unwrap();
+                    for (a, b) in want.iter().zip(&ggml) {
+                        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{ty:?} {a} vs {b}");
+                    }
+                    // Each row alone equals the batch: batch invariance.
+                    for i in 0..m {
+                        let mut one = vec![0.0; rows];
+                        matmul_packed_with_isa(
+                            Isa::Scalar,
+                            &p,
+                            &x[i * cols..(i + 1) * cols],
+                            1,
+                            &mut one,
+                        )
+                        .unwrap();
+                        assert_eq!(bits(&one), bits(&want[i * rows..(i + 1) * rows]));
+                    }
+                    if Isa::Avx512Vnni.is_supported() {
+                        let mut got = vec![0.0; m * rows];
+                        matmul_packed_with_isa(Isa::Avx512Vnni, &p, &x, m, &mut got).unwrap();
+                        assert_eq!(bits(&got), bits(&want), "{ty:?} {rows}x{cols} m={m}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn only_packable_matrices_pack_and_bad_lengths_are_errors() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let f = weights(GgmlType::F16, 4, 32, &mut rng);
+        assert!(
+            PackedMatrix::pack_any_cpu(&QMatrix::new(GgmlType::F16, &f, 4, 32).unwrap()).is_none()
+        );
+        let data = weights(GgmlType::Q8_0, 4, 64, &mut rng);
+        let p = PackedMatrix::pack_any_cpu(&QMatrix::new(GgmlType::Q8_0, &data, 4, 64).unwrap())
+            .unwrap();
+        let mut out = vec![0.0; 4];
+        assert!(matmul_packed(&p, &[0.0; 63], 1, &mut out).is_err());
+        assert!(matmul_packed(&p, &[0.0; 64], 1, &mut out[..3]).is_err());
+        assert!(matmul_packed_with_isa(Isa::Avx2, &p, &[0.0; 64], 1, &mut out).is_err());
+    }
+}
