@@ -244,6 +244,10 @@ pub struct LlamaModel {
 #[derive(Debug)]
 struct Layer {
     attn_norm: Vec<f32>,
+    /// Q, K and V rows packed as one matrix, where the packed kernel runs
+    /// (one call and one activation quantisation instead of three); the
+    /// separate weights then stay unpacked (for sharding only).
+    qkv: Option<Arc<PackedMatrix>>,
     wq: Weight,
     wk: Weight,
     wv: Weight,
@@ -257,6 +261,8 @@ struct Layer {
 enum Ffn {
     /// Tensor parallel: gate and up by output rows, down row-parallel.
     Dense {
+        /// Gate and up rows packed as one matrix (see `Layer::qkv`).
+        gate_up: Option<Arc<PackedMatrix>>,
         gate: Weight,
         up: Weight,
         down: RowParallel,
@@ -416,6 +422,7 @@ impl LlamaModel {
             let wo = l.wo.expect_shape(&n("attn_output"), c.d_model, c.q_dim())?;
             let ffn = match (l.ffn, &c.moe) {
                 (FfnWeights::Dense { gate, up, down }, None) => Ffn::Dense {
+                    gate_up: None,
                     gate: gate.expect_shape(&n("ffn_gate"), c.ffn_dim, c.d_model)?,
                     up: up.expect_shape(&n("ffn_up"), c.ffn_dim, c.d_model)?,
                     down: RowParallel::new(
@@ -434,7 +441,8 @@ impl LlamaModel {
                     )));
                 }
             };
-            checked.push(Layer {
+            checked.push(fused_layer(Layer {
+                qkv: None,
                 attn_norm: l.attn_norm,
                 wq: l.wq.expect_shape(&n("attn_q"), c.q_dim(), c.d_model)?,
                 wk: l.wk.expect_shape(&n("attn_k"), c.kv_dim(), c.d_model)?,
@@ -442,7 +450,7 @@ impl LlamaModel {
                 wo: RowParallel::new(&wo, reduce_groups, 0, reduce_groups)?,
                 ffn_norm: l.ffn_norm,
                 ffn,
-            });
+            }));
         }
         let rope = Rope::new(c.rope_style, c.rope_dims, c.rope_theta);
         Ok(Self {
@@ -507,14 +515,16 @@ impl LlamaModel {
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             let ffn = match &l.ffn {
-                Ffn::Dense { gate, up, down } => Ffn::Dense {
+                Ffn::Dense { gate, up, down, .. } => Ffn::Dense {
+                    gate_up: None,
                     gate: gate.slice_rows(ffn.clone())?,
                     up: up.slice_rows(ffn.clone())?,
                     down: row_parallel(down),
                 },
                 Ffn::Moe(m) => Ffn::Moe(m.shard(Arc::clone(&comm))?),
             };
-            layers.push(Layer {
+            layers.push(fused_layer(Layer {
+                qkv: None,
                 attn_norm: l.attn_norm.clone(),
                 wq: l.wq.slice_rows(q.clone())?,
                 wk: l.wk.slice_rows(kv.clone())?,
@@ -522,7 +532,7 @@ impl LlamaModel {
                 wo: row_parallel(&l.wo),
                 ffn_norm: l.ffn_norm.clone(),
                 ffn,
-            });
+            }));
         }
         let config = LlamaConfig {
             n_heads: c.n_heads / world,
@@ -726,8 +736,9 @@ impl LlamaModel {
         let mut v = vec![0.0f32; n_tok * c.kv_dim()];
         let mut attn = vec![0.0f32; n_tok * c.q_dim()];
         let mut proj = vec![0.0f32; n_tok * d];
-        // Dense FFN activations (sized on first use: MoE layers need none).
-        let (mut gate, mut up) = (Vec::new(), Vec::new());
+        // Dense FFN activations (sized on first use: MoE layers need none),
+        // and the output of a fused projection before it is split.
+        let (mut gate, mut up, mut fused) = (Vec::new(), Vec::new(), Vec::new());
 
         // Segment partials of a row-parallel projection, and the gather.
         let local_segs = self.layers.first().map_or(0, |l| l.wo.segments.len());
@@ -739,9 +750,23 @@ impl LlamaModel {
             for (o, xi) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 ops::rms_norm(xi, &layer.attn_norm, c.rms_eps, o);
             }
-            layer.wq.matmul(&xn, n_tok, &mut q)?;
-            layer.wk.matmul(&xn, n_tok, &mut k)?;
-            layer.wv.matmul(&xn, n_tok, &mut v)?;
+            let (qd, kvd) = (c.q_dim(), c.kv_dim());
+            match &layer.qkv {
+                Some(p) => {
+                    fused.resize(n_tok * (qd + 2 * kvd), 0.0);
+                    tandem_kernels::matmul_packed(p, &xn, n_tok, &mut fused)?;
+                    for (t, row) in fused.chunks_exact(qd + 2 * kvd).enumerate() {
+                        q[t * qd..(t + 1) * qd].copy_from_slice(&row[..qd]);
+                        k[t * kvd..(t + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
+                        v[t * kvd..(t + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
+                    }
+                }
+                None => {
+                    layer.wq.matmul(&xn, n_tok, &mut q)?;
+                    layer.wk.matmul(&xn, n_tok, &mut k)?;
+                    layer.wv.matmul(&xn, n_tok, &mut v)?;
+                }
+            }
             for (t, &(ci, pos)) in placement.iter().enumerate() {
                 self.rope
                     .apply(&mut q[t * c.q_dim()..(t + 1) * c.q_dim()], c.head_dim, pos);
@@ -776,14 +801,28 @@ impl LlamaModel {
             }
             match &layer.ffn {
                 Ffn::Dense {
+                    gate_up,
                     gate: w_gate,
                     up: w_up,
                     down,
                 } => {
-                    gate.resize(n_tok * c.ffn_dim, 0.0);
-                    up.resize(n_tok * c.ffn_dim, 0.0);
-                    w_gate.matmul(&xn, n_tok, &mut gate)?;
-                    w_up.matmul(&xn, n_tok, &mut up)?;
+                    let f = c.ffn_dim;
+                    gate.resize(n_tok * f, 0.0);
+                    up.resize(n_tok * f, 0.0);
+                    match gate_up {
+                        Some(p) => {
+                            fused.resize(n_tok * 2 * f, 0.0);
+                            tandem_kernels::matmul_packed(p, &xn, n_tok, &mut fused)?;
+                            for (t, row) in fused.chunks_exact(2 * f).enumerate() {
+                                gate[t * f..(t + 1) * f].copy_from_slice(&row[..f]);
+                                up[t * f..(t + 1) * f].copy_from_slice(&row[f..]);
+                            }
+                        }
+                        None => {
+                            w_gate.matmul(&xn, n_tok, &mut gate)?;
+                            w_up.matmul(&xn, n_tok, &mut up)?;
+                        }
+                    }
                     ops::silu_mul(&mut gate, &up);
                     down.partials(&gate, n_tok, &mut seg_x, &mut partials)?;
                     self.reduce_segments(&partials, &mut gathered, &mut proj)?;
@@ -938,6 +977,33 @@ impl LlamaModel {
 thread_local! {
     /// Attention score scratch, reused across calls on each pool thread.
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Packs `parts`' rows as one matrix where the packed kernel runs, and then
+/// drops the parts' own packed forms.
+fn fuse(parts: &mut [&mut Weight]) -> Option<Arc<PackedMatrix>> {
+    let fused = {
+        let ms: Vec<QMatrix<'_>> = parts.iter().map(|w| w.matrix()).collect();
+        PackedMatrix::pack_concat(&ms).map(Arc::new)
+    };
+    if fused.is_some() {
+        for w in parts.iter_mut() {
+            w.packed = None;
+        }
+    }
+    fused
+}
+
+/// The layer, with fused projections where they can be packed.
+fn fused_layer(mut l: Layer) -> Layer {
+    l.qkv = fuse(&mut [&mut l.wq, &mut l.wk, &mut l.wv]);
+    if let Ffn::Dense {
+        gate_up, gate, up, ..
+    } = &mut l.ffn
+    {
+        *gate_up = fuse(&mut [gate, up]);
+    }
+    l
 }
 
 /// How many column segments row-parallel projections are summed over: one

@@ -72,23 +72,58 @@ pub fn attend_with_isa(
     let simd = isa >= Isa::Avx2 && Isa::Avx2.is_supported() && hd.is_multiple_of(8);
 
     scores.clear();
-    for k in context_rows(k_blocks, hd, block_size, n_ctx) {
-        let dot = if simd {
-            // SAFETY: AVX2/F16C support was checked above; lengths are equal.
-            unsafe { avx2::dot_f32_f16(qh, k) }
-        } else {
-            crate::ops::dot_f32_f16(qh, k)
-        };
-        scores.push(dot * scale);
+    if simd && hd == 64 {
+        // Eight positions at a time, lanes summed through a transpose: the
+        // same additions per position as the one-row kernel.
+        let mut rows = context_rows(k_blocks, hd, block_size, n_ctx);
+        loop {
+            let mut batch: [&[f16]; 8] = [&[]; 8];
+            let mut n = 0;
+            for slot in &mut batch {
+                match rows.next() {
+                    Some(r) => {
+                        *slot = r;
+                        n += 1;
+                    }
+                    None => break,
+                }
+            }
+            if n == 8 {
+                // SAFETY: AVX2/F16C support checked above; every row has 64 values.
+                let d = unsafe { avx2::dot8_f32_f16_64(qh, &batch) };
+                scores.extend(d.iter().map(|&v| v * scale));
+            } else {
+                for k in &batch[..n] {
+                    // SAFETY: as above.
+                    scores.push(unsafe { avx2::dot_f32_f16(qh, k) } * scale);
+                }
+                break;
+            }
+        }
+    } else {
+        for k in context_rows(k_blocks, hd, block_size, n_ctx) {
+            let dot = if simd {
+                // SAFETY: AVX2/F16C support was checked above; lengths are equal.
+                unsafe { avx2::dot_f32_f16(qh, k) }
+            } else {
+                crate::ops::dot_f32_f16(qh, k)
+            };
+            scores.push(dot * scale);
+        }
     }
     crate::ops::softmax(scores);
+    for p in scores.iter_mut() {
+        *p = f16::from_f32(*p).to_f32();
+    }
 
+    let v_rows = context_rows(v_blocks, hd, block_size, n_ctx);
+    if simd && hd == 64 {
+        // SAFETY: AVX2/F16C support checked above; rows hold 64 values.
+        unsafe { avx2::weighted_rows_64(out, scores, v_rows) };
+        return;
+    }
     out.fill(0.0);
-    for (&p, v) in scores
-        .iter()
-        .zip(context_rows(v_blocks, hd, block_size, n_ctx))
-    {
-        let p = f16::from_f32(p).to_f32();
+    for (&p, v) in scores.iter().zip(v_rows) {
         if simd {
             // SAFETY: AVX2/F16C support was checked above; lengths are equal.
             unsafe { avx2::axpy_f16(out, p, v) }
@@ -140,6 +175,89 @@ mod avx2 {
         lanes.iter().sum::<f32>()
     }
 
+    /// [`dot_f32_f16`] of a 64-value query with 8 rows at once; each
+    /// row's 8 lanes are transposed into place and summed in lane order
+    /// from -0.0, as `lanes.iter().sum()` does.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn dot8_f32_f16_64(q: &[f32], rows: &[&[f16]; 8]) -> [f32; 8] {
+        debug_assert!(q.len() == 64 && rows.iter().all(|r| r.len() == 64));
+        // SAFETY (whole body): q and every row hold 64 elements.
+        unsafe {
+            let mut qv = [_mm256_setzero_ps(); 8];
+            for (c, v) in qv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(q.as_ptr().add(c * 8));
+            }
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (a, row) in acc.iter_mut().zip(rows) {
+                for (c, &qc) in qv.iter().enumerate() {
+                    let k = _mm256_cvtph_ps(_mm_loadu_si128(row.as_ptr().add(c * 8).cast()));
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(qc, k));
+                }
+            }
+            // 8x8 transpose: t[l] holds lane l of every row.
+            let t0 = _mm256_unpacklo_ps(acc[0], acc[1]);
+            let t1 = _mm256_unpackhi_ps(acc[0], acc[1]);
+            let t2 = _mm256_unpacklo_ps(acc[2], acc[3]);
+            let t3 = _mm256_unpackhi_ps(acc[2], acc[3]);
+            let t4 = _mm256_unpacklo_ps(acc[4], acc[5]);
+            let t5 = _mm256_unpackhi_ps(acc[4], acc[5]);
+            let t6 = _mm256_unpacklo_ps(acc[6], acc[7]);
+            let t7 = _mm256_unpackhi_ps(acc[6], acc[7]);
+            let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+            let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+            let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+            let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+            let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+            let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+            let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+            let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+            let lanes = [
+                _mm256_permute2f128_ps::<0x20>(u0, u4),
+                _mm256_permute2f128_ps::<0x20>(u1, u5),
+                _mm256_permute2f128_ps::<0x20>(u2, u6),
+                _mm256_permute2f128_ps::<0x20>(u3, u7),
+                _mm256_permute2f128_ps::<0x31>(u0, u4),
+                _mm256_permute2f128_ps::<0x31>(u1, u5),
+                _mm256_permute2f128_ps::<0x31>(u2, u6),
+                _mm256_permute2f128_ps::<0x31>(u3, u7),
+            ];
+            // `f32: Sum` starts from -0.0 (so x + start == x for every x).
+            let mut sum = _mm256_set1_ps(-0.0);
+            for l in lanes {
+                sum = _mm256_add_ps(sum, l);
+            }
+            let mut out = [0.0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), sum);
+            out
+        }
+    }
+
+    /// `out = sum_j p[j] * v_j` over 64-value rows, in row order, mul then
+    /// add per element as [`axpy_f16`] (from zeros), the accumulators kept
+    /// in registers.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn weighted_rows_64<'a>(
+        out: &mut [f32],
+        p: &[f32],
+        rows: impl Iterator<Item = &'a [f16]>,
+    ) {
+        debug_assert_eq!(out.len(), 64);
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for (&w, v) in p.iter().zip(rows) {
+            debug_assert_eq!(v.len(), 64);
+            let wv = _mm256_set1_ps(w);
+            for (c, a) in acc.iter_mut().enumerate() {
+                // SAFETY: the row holds 64 values.
+                let x = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(c * 8).cast())) };
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, x));
+            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 64 values.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(c * 8), *a) };
+        }
+    }
+
     /// `acc[i] += w * v[i]`, mul then add. `acc.len()` must be a multiple of 8.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn axpy_f16(acc: &mut [f32], w: f32, v: &[f16]) {
@@ -182,9 +300,15 @@ mod tests {
             (8, 3, 10),
             (128, 16, 200),
             (6, 2, 5),
+            (64, 16, 7),
+            (64, 16, 8),
+            (64, 16, 9),
+            (64, 3, 130),
         ] {
             let n_blocks = n_ctx.div_ceil(bs) + 1;
-            let kb = blocks(&mut rng, n_blocks, bs * hd);
+            let mut kb = blocks(&mut rng, n_blocks, bs * hd);
+            // Some all-zero key rows: their scores are signed zeros.
+            kb[0][..hd.min(bs * hd)].fill(f16::from_f32(-0.0));
             let vb = blocks(&mut rng, n_blocks, bs * hd);
             let ks: Vec<&[f16]> = kb.iter().map(Vec::as_slice).collect();
             let vs: Vec<&[f16]> = vb.iter().map(Vec::as_slice).collect();
@@ -205,7 +329,12 @@ mod tests {
             for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
                 let mut got = vec![0.0; hd];
                 attend_with_isa(isa, &q, &ks, &vs, bs, n_ctx, 0.125, &mut scratch, &mut got);
-                assert_eq!(got, want, "{isa} hd {hd} bs {bs} n_ctx {n_ctx}");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{isa} hd {hd} bs {bs} n_ctx {n_ctx}"
+                );
             }
         }
     }

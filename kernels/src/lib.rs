@@ -1,9 +1,10 @@
 //! Compute kernels for Tandem. Knows nothing of models.
 //!
-//! The quantised matmul mirrors ggml-cpu's numerics (activation quantisation
-//! to the weight type's `vec_dot_type` and the AVX2 accumulation order), so
-//! greedy outputs can be compared token for token with llama.cpp. All ISAs
-//! produce bitwise identical results, independent of batch size and thread
+//! Activations are quantised as ggml-cpu does (to the weight type's
+//! `vec_dot_type`). [`matmul`] then accumulates in ggml's AVX2 order, with
+//! bitwise identical results on every ISA; [`matmul_packed`] (Q4_1 and Q8_0
+//! repacked for AVX-512 VNNI) accumulates block by block, bitwise equal to
+//! its scalar reference. Neither depends on batch size, tiling or thread
 //! count.
 
 pub mod attention;

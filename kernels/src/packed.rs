@@ -59,6 +59,13 @@ impl std::fmt::Debug for PackedMatrix {
     }
 }
 
+/// The rows being packed, from one or more matrices.
+struct Rows<'a> {
+    ty: GgmlType,
+    cols: usize,
+    rows: Vec<&'a [u8]>,
+}
+
 /// Bytes of one (group, block) record.
 fn record_bytes(ty: GgmlType) -> usize {
     match ty {
@@ -79,15 +86,47 @@ impl PackedMatrix {
 
     /// [`PackedMatrix::pack`] regardless of the CPU (tests, the scalar path).
     pub fn pack_any_cpu(w: &QMatrix<'_>) -> Option<PackedMatrix> {
-        if !matches!(w.ty, GgmlType::Q4_1 | GgmlType::Q8_0)
-            || w.rows == 0
-            || w.cols == 0
-            || !w.cols.is_multiple_of(QK)
+        Self::pack_concat_any_cpu(std::slice::from_ref(w))
+    }
+
+    /// The rows of `parts`, in order, as one packed matrix (fused
+    /// projections: one call, one activation quantisation). `None` under
+    /// the conditions of [`PackedMatrix::pack`], or when the parts differ
+    /// in type or columns.
+    pub fn pack_concat(parts: &[QMatrix<'_>]) -> Option<PackedMatrix> {
+        if cpu::isa() != Isa::Avx512Vnni {
+            return None;
+        }
+        Self::pack_concat_any_cpu(parts)
+    }
+
+    /// [`PackedMatrix::pack_concat`] regardless of the CPU.
+    pub fn pack_concat_any_cpu(parts: &[QMatrix<'_>]) -> Option<PackedMatrix> {
+        let first = parts.first()?;
+        if parts
+            .iter()
+            .any(|p| p.ty != first.ty || p.cols != first.cols)
+            || !matches!(first.ty, GgmlType::Q4_1 | GgmlType::Q8_0)
+            || first.cols == 0
+            || !first.cols.is_multiple_of(QK)
         {
             return None;
         }
+        let mut rows = Vec::new();
+        for p in parts {
+            rows.extend((0..p.rows).map(|r| p.row(r)));
+        }
+        if rows.is_empty() {
+            return None;
+        }
+        let w = Rows {
+            ty: first.ty,
+            cols: first.cols,
+            rows,
+        };
         let (nb, bb) = (w.cols / QK, w.ty.block_bytes());
-        let groups = w.rows.div_ceil(PACK_ROWS);
+        let n_rows = w.rows.len();
+        let groups = n_rows.div_ceil(PACK_ROWS);
         let rec = record_bytes(w.ty);
         let mut data = vec![0u8; groups * nb * rec];
         let q4 = w.ty == GgmlType::Q4_1;
@@ -96,7 +135,7 @@ impl PackedMatrix {
                 let out = &mut data[(g * nb + b) * rec..(g * nb + b + 1) * rec];
                 for r in 0..PACK_ROWS {
                     let row = g * PACK_ROWS + r;
-                    if row >= w.rows {
+                    if row >= n_rows {
                         // Zero scales and quants: the padded rows compute 0.
                         if !q4 {
                             for c in 0..8 {
@@ -105,7 +144,7 @@ impl PackedMatrix {
                         }
                         continue;
                     }
-                    let blk = &w.row(row)[b * bb..(b + 1) * bb];
+                    let blk = &w.rows[row][b * bb..(b + 1) * bb];
                     out[r * 2..r * 2 + 2].copy_from_slice(&blk[0..2]);
                     if q4 {
                         out[32 + r * 2..32 + r * 2 + 2].copy_from_slice(&blk[2..4]);
@@ -126,7 +165,7 @@ impl PackedMatrix {
         }
         Some(PackedMatrix {
             ty: w.ty,
-            rows: w.rows,
+            rows: n_rows,
             cols: w.cols,
             data,
         })
@@ -508,6 +547,39 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn concatenated_packing_equals_each_part() {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let (a, b) = (
+            weights(GgmlType::Q4_1, 9, 64, &mut rng),
+            weights(GgmlType::Q4_1, 20, 64, &mut rng),
+        );
+        let (qa, qb) = (
+            QMatrix::new(GgmlType::Q4_1, &a, 9, 64).unwrap(),
+            QMatrix::new(GgmlType::Q4_1, &b, 20, 64).unwrap(),
+        );
+        let fused = PackedMatrix::pack_concat_any_cpu(&[qa, qb]).unwrap();
+        let x: Vec<f32> = (0..3 * 64)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let mut both = vec![0.0; 3 * 29];
+        matmul_packed_with_isa(Isa::Scalar, &fused, &x, 3, &mut both).unwrap();
+        for (q, off, n) in [(qa, 0, 9), (qb, 9, 20)] {
+            let mut one = vec![0.0; 3 * n];
+            let p = PackedMatrix::pack_any_cpu(&q).unwrap();
+            matmul_packed_with_isa(Isa::Scalar, &p, &x, 3, &mut one).unwrap();
+            for t in 0..3 {
+                assert_eq!(
+                    bits(&one[t * n..(t + 1) * n]),
+                    bits(&both[t * 29 + off..t * 29 + off + n])
+                );
+            }
+        }
+        let other = weights(GgmlType::Q8_0, 4, 64, &mut rng);
+        let qo = QMatrix::new(GgmlType::Q8_0, &other, 4, 64).unwrap();
+        assert!(PackedMatrix::pack_concat_any_cpu(&[qa, qo]).is_none());
     }
 
     #[test]
