@@ -22,9 +22,11 @@ use tandem_engine::safetensors_loader::load_model_dir;
 /// 0.0029 (sigmoid), whole and split alike.
 const TOL: f32 = 0.01;
 
+/// `reference.json`: the prompts and, per prompt and position, the
+/// vocabulary's logits.
+#[derive(serde::Deserialize)]
 struct Reference {
     prompts: Vec<Vec<u32>>,
-    /// Per prompt, per position, the vocabulary's logits.
     logits: Vec<Vec<Vec<f32>>>,
 }
 
@@ -36,38 +38,7 @@ fn dir(name: &str) -> PathBuf {
 
 fn reference(name: &str) -> Reference {
     let text = std::fs::read_to_string(dir(name).join("reference.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let prompts = v["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            p.as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect();
-    let logits = v["logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            p.as_array()
-                .unwrap()
-                .iter()
-                .map(|row| {
-                    row.as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.as_f64().unwrap() as f32)
-                        .collect()
-                })
-                .collect()
-        })
-        .collect();
-    Reference { prompts, logits }
+    serde_json::from_str(&text).unwrap()
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {

@@ -116,26 +116,7 @@ fn matmul_impl(
         });
     }
     let row_bytes = w.validate()?;
-    let xn = m
-        .checked_mul(w.cols)
-        .ok_or(KernelError::Overflow("activation elements"))?;
-    if x.len() != xn {
-        return Err(KernelError::LengthMismatch {
-            what: "matmul activations",
-            expected: xn,
-            actual: x.len(),
-        });
-    }
-    let on = m
-        .checked_mul(w.rows)
-        .ok_or(KernelError::Overflow("output elements"))?;
-    if out.len() != on {
-        return Err(KernelError::LengthMismatch {
-            what: "matmul output",
-            expected: on,
-            actual: out.len(),
-        });
-    }
+    let on = check_io(w.rows, w.cols, x.len(), m, out.len())?;
     if on == 0 {
         return Ok(());
     }
@@ -152,6 +133,38 @@ fn matmul_impl(
         Err(_) => run_parts(isa, w, row_bytes, x, m, out, parts, &mut Default::default()),
     });
     Ok(())
+}
+
+/// Checks that `x` holds `m` rows of `cols` activations and `out` `m` rows
+/// of `rows` outputs; returns the output length.
+pub(crate) fn check_io(
+    rows: usize,
+    cols: usize,
+    x_len: usize,
+    m: usize,
+    out_len: usize,
+) -> Result<usize, KernelError> {
+    let xn = m
+        .checked_mul(cols)
+        .ok_or(KernelError::Overflow("activation elements"))?;
+    if x_len != xn {
+        return Err(KernelError::LengthMismatch {
+            what: "matmul activations",
+            expected: xn,
+            actual: x_len,
+        });
+    }
+    let on = m
+        .checked_mul(rows)
+        .ok_or(KernelError::Overflow("output elements"))?;
+    if out_len != on {
+        return Err(KernelError::LengthMismatch {
+            what: "matmul output",
+            expected: on,
+            actual: out_len,
+        });
+    }
+    Ok(on)
 }
 
 thread_local! {

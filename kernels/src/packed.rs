@@ -223,26 +223,7 @@ pub fn matmul_packed_with_isa(
             available: cpu::isa(),
         });
     }
-    let xn = m
-        .checked_mul(w.cols)
-        .ok_or(KernelError::Overflow("activation elements"))?;
-    if x.len() != xn {
-        return Err(KernelError::LengthMismatch {
-            what: "packed matmul activations",
-            expected: xn,
-            actual: x.len(),
-        });
-    }
-    let on = m
-        .checked_mul(w.rows)
-        .ok_or(KernelError::Overflow("output elements"))?;
-    if out.len() != on {
-        return Err(KernelError::LengthMismatch {
-            what: "packed matmul output",
-            expected: on,
-            actual: out.len(),
-        });
-    }
+    let on = crate::matmul::check_io(w.rows, w.cols, x.len(), m, out.len())?;
     if on == 0 {
         return Ok(());
     }
