@@ -958,6 +958,18 @@ impl LlamaModel {
             let (t, h) = (i / c.n_heads, i % c.n_heads);
             let (ci, pos) = placement[t];
             let g = h / group;
+            // A decode step's context is cold (the previous step touched
+            // other sequences): fetch it in parallel for the group's first
+            // head; the group's other heads then find it in cache.
+            if h % group == 0 && chunks[ci].tokens.len() == 1 {
+                tandem_kernels::attention::prefetch_context(
+                    &k_slices[ci][g],
+                    &v_slices[ci][g],
+                    bs,
+                    hd,
+                    pos + 1,
+                );
+            }
             SCORES.with_borrow_mut(|scores| {
                 tandem_kernels::attention::attend(
                     &q[i * hd..(i + 1) * hd],

@@ -44,6 +44,39 @@ pub fn attend(
     );
 }
 
+/// Asks the memory system for the first `n_ctx` positions' K and V rows of
+/// a head (the blocks [`attend`] is about to read) all at once. A pure
+/// hint, no effect on results: worth it where the context is cold, as for
+/// a decode step's first query head of a KV group, where the scattered
+/// blocks would otherwise arrive one miss at a time.
+pub fn prefetch_context(
+    k_blocks: &[&[f16]],
+    v_blocks: &[&[f16]],
+    block_size: usize,
+    head_dim: usize,
+    n_ctx: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let used = n_ctx.div_ceil(block_size.max(1));
+        for b in k_blocks.iter().take(used).chain(v_blocks.iter().take(used)) {
+            let bytes = std::mem::size_of_val(&b[..(block_size * head_dim).min(b.len())]);
+            let p = b.as_ptr().cast::<i8>();
+            for off in (0..bytes).step_by(64) {
+                // SAFETY: `off` lies inside the slice; a prefetch never faults
+                // and has no architectural effect.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                        p.add(off),
+                    )
+                };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (k_blocks, v_blocks, block_size, head_dim, n_ctx);
+}
+
 /// [`attend`] with an explicit instruction set (tests compare them).
 #[allow(clippy::too_many_arguments)]
 pub fn attend_with_isa(
