@@ -308,12 +308,28 @@ impl MoeBlock {
         comm.all_to_all(&send, &send_counts, &mut recv, &mut recv_counts)
             .map_err(collective)?;
 
-        let (rows, experts) = decode_items(&recv, d, self.first_expert..self.first_expert + per)?;
-        let y = self.run_experts(&rows, &experts)?;
-        let back_counts: Vec<usize> = recv_counts.iter().map(|c| c / (d + 1) * d).collect();
+        let owned = self.first_expert..self.first_expert + per;
+        let computed = decode_items(&recv, &recv_counts, d, owned)
+            .and_then(|(rows, experts)| self.run_experts(&rows, &experts));
+        // A rank that cannot serve its payload still joins the reply
+        // exchange, sending nothing: the peers that wrote to it then fail on
+        // their reply counts below instead of blocking in the collective.
+        let (y, back_counts): (&[f32], Vec<usize>) = match &computed {
+            Ok(y) => (y, recv_counts.iter().map(|c| c / (d + 1) * d).collect()),
+            Err(_) => (&[], vec![0; world]),
+        };
         let (mut got, mut got_counts) = (Vec::new(), Vec::new());
-        comm.all_to_all(&y, &back_counts, &mut got, &mut got_counts)
+        comm.all_to_all(y, &back_counts, &mut got, &mut got_counts)
             .map_err(collective)?;
+        computed?;
+        // Replies come back rank-major in the order sent, so each rank must
+        // answer exactly the items it was sent.
+        let want_counts: Vec<usize> = send_counts.iter().map(|c| c / (d + 1) * d).collect();
+        if got_counts != want_counts {
+            return Err(RequestError::Collective(format!(
+                "MoE combine: replies of {got_counts:?} floats per rank, expected {want_counts:?}"
+            )));
+        }
         check_len("MoE combine", got.len(), items.len() * d)?;
         out.fill(0.0);
         accumulate(&items, &got, d, out);
@@ -408,23 +424,37 @@ fn accumulate(items: &[(usize, usize, f32)], y: &[f32], d: usize, out: &mut [f32
     }
 }
 
-/// Splits a received dispatch payload into rows and expert ids, checking
-/// that it holds whole items for experts in `owned`.
-fn decode_items(
-    recv: &[f32],
+/// Splits a received dispatch payload (`recv_counts[q]` floats from rank
+/// `q`, rank-major) into rows and expert ids, checking that every rank sent
+/// whole items, for experts in `owned`.
+fn decode_items<'a>(
+    recv: &'a [f32],
+    recv_counts: &[usize],
     d: usize,
     owned: std::ops::Range<usize>,
-) -> Result<(Vec<&[f32]>, Vec<usize>), RequestError> {
-    if !recv.len().is_multiple_of(d + 1) {
+) -> Result<(Vec<&'a [f32]>, Vec<usize>), RequestError> {
+    let item_len = d + 1;
+    if let Some((q, c)) = recv_counts
+        .iter()
+        .enumerate()
+        .find(|(_, c)| !c.is_multiple_of(item_len))
+    {
         return Err(RequestError::Collective(format!(
-            "MoE dispatch: {} floats is not a whole number of {}-float items",
-            recv.len(),
-            d + 1
+            "MoE dispatch: rank {q} sent {c} floats, not a whole number of {item_len}-float items"
         )));
     }
-    let mut rows = Vec::with_capacity(recv.len() / (d + 1));
+    let total = recv_counts
+        .iter()
+        .try_fold(0usize, |acc, &c| acc.checked_add(c));
+    if total != Some(recv.len()) {
+        return Err(RequestError::Collective(format!(
+            "MoE dispatch: {} floats received, the counts {recv_counts:?} say otherwise",
+            recv.len()
+        )));
+    }
+    let mut rows = Vec::with_capacity(recv.len() / item_len);
     let mut experts = Vec::with_capacity(rows.capacity());
-    for item in recv.chunks_exact(d + 1) {
+    for item in recv.chunks_exact(item_len) {
         let id = item[0];
         let e = id as usize;
         if id.fract() != 0.0 || id < 0.0 || !owned.contains(&e) {
@@ -765,15 +795,22 @@ mod tests {
     fn malformed_dispatch_payloads_are_errors() {
         let d = 4;
         // Not a whole number of items.
-        assert!(decode_items(&[0.0; 7], d, 0..2).is_err());
-        // An expert this rank does not own, a fractional and a negative id.
-        for id in [2.0, 0.5, -1.0, f32::NAN] {
+        assert!(decode_items(&[0.0; 7], &[7], d, 0..2).is_err());
+        // Whole in total (10 = 2 items) but split 3 + 7 across two ranks.
+        assert!(decode_items(&[1.0; 10], &[3, 7], d, 0..2).is_err());
+        // Counts that disagree with the payload, or overflow.
+        assert!(decode_items(&[1.0; 5], &[5, 5], d, 0..2).is_err());
+        assert!(decode_items(&[1.0; 5], &[usize::MAX, 5], d, 0..2).is_err());
+        // An expert this rank does not own; fractional, negative, NaN and
+        // infinite ids.
+        for id in [2.0, 0.5, -1.0, f32::NAN, f32::INFINITY, 1e30] {
             let mut item = vec![0.0; d + 1];
             item[0] = id;
-            assert!(decode_items(&item, d, 0..2).is_err(), "{id}");
+            assert!(decode_items(&item, &[d + 1], d, 0..2).is_err(), "{id}");
         }
         let ok = [1.0, 1.0, 2.0, 3.0, 4.0];
-        let (rows, experts) = decode_items(&ok, d, 0..2).unwrap();
+        let (rows, experts) = decode_items(&ok, &[0, 5], d, 0..2).unwrap();
         assert_eq!((rows[0], experts[0]), (&ok[1..], 1));
+        assert!(decode_items(&[], &[0, 0], d, 0..2).unwrap().0.is_empty());
     }
 }

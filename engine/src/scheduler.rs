@@ -759,7 +759,7 @@ impl Actor {
             self.exec.forward(&chunks, &mut self.cache, &mut layer_done)
         };
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
-        let logits = match logits {
+        let mut logits = match logits {
             Ok(l) => l,
             Err(e) => {
                 // Inputs are validated at submit, so this is a bug: fail the
@@ -786,9 +786,10 @@ impl Actor {
             if s.computed < s.tokens.len() {
                 continue;
             }
-            let mut l = logits[row * vocab..(row + 1) * vocab].to_vec();
+            // Sampled in place: each row belongs to one sequence.
+            let l = &mut logits[row * vocab..(row + 1) * vocab];
             row += 1;
-            let sampled = s.sampler.sample(&mut l);
+            let sampled = s.sampler.sample(l);
             if s.handoff == KvHandoff::Export {
                 // The decode node judges stop tokens; report whatever came.
                 emit(&s.events, Event::Token(sampled));
