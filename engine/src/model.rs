@@ -284,7 +284,13 @@ enum Ffn {
 /// whole model computes.
 #[derive(Debug)]
 struct RowParallel {
+    /// This rank's input columns (`count` segments), packed where this CPU
+    /// and type allow: then one call computes every segment's partial.
+    local: Weight,
+    /// Each segment's column slice, for the unpacked kernels only.
     segments: Vec<Weight>,
+    /// Segments this rank holds.
+    count: usize,
     /// Output features (rows).
     rows: usize,
     /// Input features per segment.
@@ -293,27 +299,33 @@ struct RowParallel {
 
 impl RowParallel {
     /// Segments `first..first + count` of `w` cut into `groups` equal column
-    /// segments. One segment covering the whole matrix keeps the original
-    /// bytes (no copy).
+    /// segments.
     fn new(w: &Weight, groups: usize, first: usize, count: usize) -> Result<Self, ModelError> {
         let (rows, cols) = w.shape();
         let seg_cols = cols / groups;
-        let segments = if groups == 1 {
-            vec![w.clone()]
+        let local = if first == 0 && count == groups {
+            w.clone()
         } else {
-            (first..first + count)
-                .map(|g| w.slice_cols(g * seg_cols..(g + 1) * seg_cols))
+            w.slice_cols(first * seg_cols..(first + count) * seg_cols)?
+        };
+        let segments = if local.packed.is_some() || count == 1 {
+            Vec::new()
+        } else {
+            (0..count)
+                .map(|s| local.slice_cols(s * seg_cols..(s + 1) * seg_cols))
                 .collect::<Result<_, _>>()?
         };
         Ok(Self {
+            local,
             segments,
+            count,
             rows,
             seg_cols,
         })
     }
 
-    /// `n_tok` rows of this rank's input features (`segments.len() *
-    /// seg_cols` each) -> one `n_tok x rows` partial product per segment,
+    /// `n_tok` rows of this rank's input features (`count * seg_cols`
+    /// each) -> one `n_tok x rows` partial product per segment,
     /// segment-major, into `partials`.
     fn partials(
         &self,
@@ -322,7 +334,14 @@ impl RowParallel {
         gathered: &mut Vec<f32>,
         partials: &mut [f32],
     ) -> Result<(), RequestError> {
-        let (nseg, sc) = (self.segments.len(), self.seg_cols);
+        if let Some(p) = &self.local.packed {
+            tandem_kernels::matmul_packed_segments(p, x, n_tok, self.count, partials)?;
+            return Ok(());
+        }
+        if self.count == 1 {
+            return self.local.matmul(x, n_tok, partials);
+        }
+        let (nseg, sc) = (self.count, self.seg_cols);
         let out_len = n_tok * self.rows;
         for (s, (w, out)) in self
             .segments
@@ -330,8 +349,8 @@ impl RowParallel {
             .zip(partials.chunks_exact_mut(out_len.max(1)))
             .enumerate()
         {
-            let xs: &[f32] = if nseg == 1 || n_tok == 1 {
-                &x[s * sc * n_tok..(s + 1) * sc * n_tok]
+            let xs: &[f32] = if n_tok == 1 {
+                &x[s * sc..(s + 1) * sc]
             } else {
                 gathered.clear();
                 for row in x.chunks_exact(nseg * sc) {
@@ -508,10 +527,8 @@ impl LlamaModel {
         let (q, kv, ffn) = (part(c.q_dim()), part(c.kv_dim()), part(c.ffn_dim));
         let vocab = part(c.vocab_size);
         let segs = part(self.reduce_groups);
-        let row_parallel = |w: &RowParallel| RowParallel {
-            segments: w.segments[segs.clone()].to_vec(),
-            ..*w
-        };
+        let row_parallel =
+            |w: &RowParallel| RowParallel::new(&w.local, w.count, segs.start, segs.len());
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             let ffn = match &l.ffn {
@@ -519,7 +536,7 @@ impl LlamaModel {
                     gate_up: None,
                     gate: gate.slice_rows(ffn.clone())?,
                     up: up.slice_rows(ffn.clone())?,
-                    down: row_parallel(down),
+                    down: row_parallel(down)?,
                 },
                 Ffn::Moe(m) => Ffn::Moe(m.shard(Arc::clone(&comm))?),
             };
@@ -529,7 +546,7 @@ impl LlamaModel {
                 wq: l.wq.slice_rows(q.clone())?,
                 wk: l.wk.slice_rows(kv.clone())?,
                 wv: l.wv.slice_rows(kv.clone())?,
-                wo: row_parallel(&l.wo),
+                wo: row_parallel(&l.wo)?,
                 ffn_norm: l.ffn_norm.clone(),
                 ffn,
             }));
@@ -566,38 +583,25 @@ impl LlamaModel {
         })
     }
 
-    /// Sums a row-parallel projection's segment partials (`local` holds
-    /// this rank's, segment-major, `n` values each) in segment order into
-    /// `out`, gathering the other ranks' first.
-    fn reduce_segments(
+    /// Every rank's segment partials of a row-parallel projection (this
+    /// rank's are `local`, segment-major), in segment order: `local` itself
+    /// alone, else gathered from the group into `gathered`.
+    fn gather_segments<'a>(
         &self,
-        local: &[f32],
-        gathered: &mut Vec<f32>,
-        out: &mut [f32],
-    ) -> Result<(), RequestError> {
-        let n = out.len();
-        let all = match &self.tp {
+        local: &'a [f32],
+        gathered: &'a mut Vec<f32>,
+    ) -> Result<&'a [f32], RequestError> {
+        match &self.tp {
             Some(tp) => {
                 gathered.clear();
                 gathered.resize(local.len() * tp.comm.world_size(), 0.0);
                 tp.comm
                     .all_gather(local, gathered)
                     .map_err(|e| RequestError::Collective(e.to_string()))?;
-                &gathered[..]
+                Ok(&gathered[..])
             }
-            None => local,
-        };
-        if n == 0 {
-            return Ok(());
+            None => Ok(local),
         }
-        let mut parts = all.chunks_exact(n);
-        if let Some(first) = parts.next() {
-            out.copy_from_slice(first);
-        }
-        for p in parts {
-            ops::add_assign(out, p);
-        }
-        Ok(())
     }
 
     /// Sums partial results across the tensor-parallel group (no-op alone).
@@ -730,106 +734,124 @@ impl LlamaModel {
             }
         }
 
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let qkv_w = qd + 2 * kvd;
         let mut xn = vec![0.0f32; n_tok * d];
-        let mut q = vec![0.0f32; n_tok * c.q_dim()];
-        let mut k = vec![0.0f32; n_tok * c.kv_dim()];
-        let mut v = vec![0.0f32; n_tok * c.kv_dim()];
-        let mut attn = vec![0.0f32; n_tok * c.q_dim()];
+        // Each token's q | k | v, as the fused projection writes them.
+        let mut qkv = vec![0.0f32; n_tok * qkv_w];
+        let mut attn = vec![0.0f32; n_tok * qd];
         let mut proj = vec![0.0f32; n_tok * d];
-        // Dense FFN activations (sized on first use: MoE layers need none),
-        // and the output of a fused projection before it is split.
-        let (mut gate, mut up, mut fused) = (Vec::new(), Vec::new(), Vec::new());
+        // Outputs of unfused projections, and the dense FFN activations
+        // (sized on first use: fused or MoE layers need some of them not).
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut gate, mut up, mut gate_up, mut act) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
 
         // Segment partials of a row-parallel projection, and the gather.
-        let local_segs = self.layers.first().map_or(0, |l| l.wo.segments.len());
+        let local_segs = self.layers.first().map_or(0, |l| l.wo.count);
         let mut partials = vec![0.0f32; local_segs * n_tok * d];
         let mut seg_x = Vec::new();
         let mut gathered = Vec::new();
+        // Whether `xn` already holds this layer's attention-norm input.
+        let mut xn_ready = false;
 
         for (li, layer) in self.layers.iter().enumerate() {
-            for (o, xi) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                ops::rms_norm(xi, &layer.attn_norm, c.rms_eps, o);
+            if !xn_ready {
+                let x = &x;
+                tandem_kernels::parallel_chunks_mut(&mut xn, d, &|t, o| {
+                    ops::rms_norm(&x[t * d..(t + 1) * d], &layer.attn_norm, c.rms_eps, o);
+                });
             }
-            let (qd, kvd) = (c.q_dim(), c.kv_dim());
             match &layer.qkv {
-                Some(p) => {
-                    fused.resize(n_tok * (qd + 2 * kvd), 0.0);
-                    tandem_kernels::matmul_packed(p, &xn, n_tok, &mut fused)?;
-                    for (t, row) in fused.chunks_exact(qd + 2 * kvd).enumerate() {
-                        q[t * qd..(t + 1) * qd].copy_from_slice(&row[..qd]);
-                        k[t * kvd..(t + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
-                        v[t * kvd..(t + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
-                    }
-                }
+                Some(p) => tandem_kernels::matmul_packed(p, &xn, n_tok, &mut qkv)?,
                 None => {
+                    q.resize(n_tok * qd, 0.0);
+                    k.resize(n_tok * kvd, 0.0);
+                    v.resize(n_tok * kvd, 0.0);
                     layer.wq.matmul(&xn, n_tok, &mut q)?;
                     layer.wk.matmul(&xn, n_tok, &mut k)?;
                     layer.wv.matmul(&xn, n_tok, &mut v)?;
+                    for (t, row) in qkv.chunks_exact_mut(qkv_w).enumerate() {
+                        row[..qd].copy_from_slice(&q[t * qd..(t + 1) * qd]);
+                        row[qd..qd + kvd].copy_from_slice(&k[t * kvd..(t + 1) * kvd]);
+                        row[qd + kvd..].copy_from_slice(&v[t * kvd..(t + 1) * kvd]);
+                    }
                 }
             }
-            for (t, &(ci, pos)) in placement.iter().enumerate() {
-                self.rope
-                    .apply(&mut q[t * c.q_dim()..(t + 1) * c.q_dim()], c.head_dim, pos);
-                self.rope.apply(
-                    &mut k[t * c.kv_dim()..(t + 1) * c.kv_dim()],
-                    c.head_dim,
-                    pos,
-                );
+            tandem_kernels::parallel_chunks_mut(&mut qkv, qkv_w, &|t, row| {
+                let pos = placement[t].1;
+                let (q_row, kv_row) = row.split_at_mut(qd);
+                self.rope.apply(q_row, c.head_dim, pos);
+                self.rope.apply(&mut kv_row[..kvd], c.head_dim, pos);
+            });
+            for (row, &(ci, pos)) in qkv.chunks_exact(qkv_w).zip(&placement) {
                 let table = chunks[ci].block_table;
                 cache.write(
                     li,
                     table[pos / kvc.block_size],
                     pos % kvc.block_size,
-                    &k[t * c.kv_dim()..(t + 1) * c.kv_dim()],
-                    &v[t * c.kv_dim()..(t + 1) * c.kv_dim()],
+                    &row[qd..qd + kvd],
+                    &row[qd + kvd..],
                 );
             }
             layer_done(li);
-            self.attention(li, chunks, &placement, &q, cache, &mut attn);
+            self.attention(li, chunks, &placement, &qkv, cache, &mut attn);
             layer.wo.partials(&attn, n_tok, &mut seg_x, &mut partials)?;
             if let (Ffn::Moe(moe), Some(tp), Combine::Dispatch) =
                 (&layer.ffn, &self.tp, &self.moe_combine)
             {
                 self.moe_dispatch_tail(tp, layer, moe, &partials, &mut x, n_tok)?;
+                xn_ready = false;
                 continue;
             }
-            self.reduce_segments(&partials, &mut gathered, &mut proj)?;
-            ops::add_assign(&mut x, &proj);
+            let all = self.gather_segments(&partials, &mut gathered)?;
+            residual_norm(all, d, &mut x, &mut xn, Some(&layer.ffn_norm), c.rms_eps);
 
-            for (o, xi) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                ops::rms_norm(xi, &layer.ffn_norm, c.rms_eps, o);
-            }
             match &layer.ffn {
                 Ffn::Dense {
-                    gate_up,
+                    gate_up: w_gate_up,
                     gate: w_gate,
                     up: w_up,
                     down,
                 } => {
                     let f = c.ffn_dim;
-                    gate.resize(n_tok * f, 0.0);
-                    up.resize(n_tok * f, 0.0);
-                    match gate_up {
+                    act.resize(n_tok * f, 0.0);
+                    match w_gate_up {
                         Some(p) => {
-                            fused.resize(n_tok * 2 * f, 0.0);
-                            tandem_kernels::matmul_packed(p, &xn, n_tok, &mut fused)?;
-                            for (t, row) in fused.chunks_exact(2 * f).enumerate() {
-                                gate[t * f..(t + 1) * f].copy_from_slice(&row[..f]);
-                                up[t * f..(t + 1) * f].copy_from_slice(&row[f..]);
-                            }
+                            gate_up.resize(n_tok * 2 * f, 0.0);
+                            tandem_kernels::matmul_packed(p, &xn, n_tok, &mut gate_up)?;
+                            let gu = &gate_up;
+                            tandem_kernels::parallel_chunks_mut(&mut act, f, &|t, a| {
+                                let row = &gu[t * 2 * f..(t + 1) * 2 * f];
+                                a.copy_from_slice(&row[..f]);
+                                ops::silu_mul(a, &row[f..]);
+                            });
                         }
                         None => {
+                            gate.resize(n_tok * f, 0.0);
+                            up.resize(n_tok * f, 0.0);
                             w_gate.matmul(&xn, n_tok, &mut gate)?;
                             w_up.matmul(&xn, n_tok, &mut up)?;
+                            let (g, u) = (&gate, &up);
+                            tandem_kernels::parallel_chunks_mut(&mut act, f, &|t, a| {
+                                a.copy_from_slice(&g[t * f..(t + 1) * f]);
+                                ops::silu_mul(a, &u[t * f..(t + 1) * f]);
+                            });
                         }
                     }
-                    ops::silu_mul(&mut gate, &up);
-                    down.partials(&gate, n_tok, &mut seg_x, &mut partials)?;
-                    self.reduce_segments(&partials, &mut gathered, &mut proj)?;
+                    down.partials(&act, n_tok, &mut seg_x, &mut partials)?;
+                    let all = self.gather_segments(&partials, &mut gathered)?;
+                    // The next layer's attention norm rides along.
+                    let next = self.layers.get(li + 1).map(|l| &l.attn_norm[..]);
+                    residual_norm(all, d, &mut x, &mut xn, next, c.rms_eps);
+                    xn_ready = next.is_some();
                 }
-                Ffn::Moe(moe) => moe.forward_replicated(&xn, n_tok, &mut proj)?,
+                Ffn::Moe(moe) => {
+                    moe.forward_replicated(&xn, n_tok, &mut proj)?;
+                    ops::add_assign(&mut x, &proj);
+                    xn_ready = false;
+                }
             }
-            ops::add_assign(&mut x, &proj);
         }
 
         // Final norm and output head only for the rows whose logits are wanted.
@@ -925,13 +947,15 @@ impl LlamaModel {
         Ok(())
     }
 
-    /// Causal attention of every new token over its own sequence's cache.
+    /// Causal attention of every new token over its own sequence's cache;
+    /// token `t`'s query heads are the first `q_dim` values of row `t` of
+    /// `qkv` (rows of `q_dim + 2 * kv_dim`).
     fn attention(
         &self,
         layer: usize,
         chunks: &[SeqChunk<'_>],
         placement: &[(usize, usize)],
-        q: &[f32],
+        qkv: &[f32],
         cache: &KvCache,
         out: &mut [f32],
     ) {
@@ -971,8 +995,9 @@ impl LlamaModel {
                 );
             }
             SCORES.with_borrow_mut(|scores| {
+                let q = t * (c.q_dim() + 2 * c.kv_dim()) + h * hd;
                 tandem_kernels::attention::attend(
-                    &q[i * hd..(i + 1) * hd],
+                    &qkv[q..q + hd],
                     &k_slices[ci][g],
                     &v_slices[ci][g],
                     bs,
@@ -1035,6 +1060,37 @@ fn reduce_groups(c: &LlamaConfig, layers: &[LayerWeights]) -> usize {
                 }
         });
     if ok { g } else { 1 }
+}
+
+/// The residual add of a row-parallel projection, then optionally the next
+/// norm, token by token across the pool: `x[t] += p_0[t] + p_1[t] + ...`
+/// over the segment partials of `all` (segment-major, summed in segment
+/// order before the add), and with `norm`, `xn[t] = rms_norm(x[t])`.
+fn residual_norm(
+    all: &[f32],
+    d: usize,
+    x: &mut [f32],
+    xn: &mut [f32],
+    norm: Option<&[f32]>,
+    eps: f32,
+) {
+    let n = x.len();
+    if n == 0 || d == 0 {
+        return;
+    }
+    tandem_kernels::parallel_rows2(x, d, xn, d, &|t, xr, on| {
+        for (i, xv) in xr.iter_mut().enumerate() {
+            let at = t * d + i;
+            let mut sum = all[at];
+            for seg in all[n..].chunks_exact(n) {
+                sum += seg[at];
+            }
+            *xv += sum;
+        }
+        if let Some(w) = norm {
+            ops::rms_norm(xr, w, eps, on);
+        }
+    });
 }
 
 /// Blocks holding the chunk's context after this step.

@@ -32,6 +32,9 @@ pub enum KernelError {
     /// The requested instruction set is not available on this CPU.
     #[error("instruction set {requested} is not supported by this CPU (best: {available})")]
     UnsupportedIsa { requested: Isa, available: Isa },
+    /// A segmented matmul's segment count does not divide its blocks.
+    #[error("{segments} column segments do not divide {blocks} blocks evenly")]
+    Segments { segments: usize, blocks: usize },
     /// Thread count must be at least one.
     #[error("invalid thread count {0}")]
     InvalidThreadCount(usize),

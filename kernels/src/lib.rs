@@ -21,6 +21,9 @@ pub mod quant;
 pub use cpu::{Isa, isa, num_threads, set_num_threads};
 pub use error::KernelError;
 pub use matmul::{QMatrix, matmul, matmul_with_isa};
-pub use packed::{PACK_ROWS, PackedMatrix, matmul_packed, matmul_packed_with_isa};
-pub use pool::{parallel_chunks_mut, parallel_for, parallel_ranges};
+pub use packed::{
+    PACK_ROWS, PackedMatrix, matmul_packed, matmul_packed_segments,
+    matmul_packed_segments_with_isa, matmul_packed_with_isa,
+};
+pub use pool::{parallel_chunks_mut, parallel_for, parallel_ranges, parallel_rows2};
 pub use quant::{GgmlType, dequantize_row, quantize_row};

@@ -200,12 +200,28 @@ pub fn matmul_packed(
     m: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    matmul_packed_segments(w, x, m, 1, out)
+}
+
+/// The product split into `segments` equal column segments, each summed on
+/// its own: `out[(s * m + i) * rows + r] = sum_{k in segment s} w[r, k] *
+/// x[i * cols + k]`. Bitwise what [`matmul_packed`] computes for each
+/// segment's columns packed as their own matrix, in one call (one
+/// activation quantisation, one dispatch, no copy of segment columns).
+/// Each segment must span whole blocks of 32 columns.
+pub fn matmul_packed_segments(
+    w: &PackedMatrix,
+    x: &[f32],
+    m: usize,
+    segments: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
     let isa = if cpu::isa() == Isa::Avx512Vnni {
         Isa::Avx512Vnni
     } else {
         Isa::Scalar
     };
-    matmul_packed_with_isa(isa, w, x, m, out)
+    matmul_packed_segments_with_isa(isa, w, x, m, segments, out)
 }
 
 /// [`matmul_packed`] with a forced implementation: `Scalar` (the
@@ -217,20 +233,46 @@ pub fn matmul_packed_with_isa(
     m: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    matmul_packed_segments_with_isa(isa, w, x, m, 1, out)
+}
+
+/// [`matmul_packed_segments`] with a forced implementation.
+pub fn matmul_packed_segments_with_isa(
+    isa: Isa,
+    w: &PackedMatrix,
+    x: &[f32],
+    m: usize,
+    segments: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
     if !isa.is_supported() || isa == Isa::Avx2 {
         return Err(KernelError::UnsupportedIsa {
             requested: isa,
             available: cpu::isa(),
         });
     }
-    let on = crate::matmul::check_io(w.rows, w.cols, x.len(), m, out.len())?;
+    if segments == 0 || !w.nb().is_multiple_of(segments) {
+        return Err(KernelError::Segments {
+            segments,
+            blocks: w.nb(),
+        });
+    }
+    let per_segment = out.len() / segments;
+    if per_segment * segments != out.len() {
+        return Err(KernelError::LengthMismatch {
+            what: "matmul output",
+            expected: per_segment * segments,
+            actual: out.len(),
+        });
+    }
+    let on = crate::matmul::check_io(w.rows, w.cols, x.len(), m, per_segment)?;
     if on == 0 {
         return Ok(());
     }
     SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut scratch) => run(isa, w, x, m, out, &mut scratch),
+        Ok(mut scratch) => run(isa, w, x, m, segments, out, &mut scratch),
         // Only reachable if a matmul re-entered itself on this thread.
-        Err(_) => run(isa, w, x, m, out, &mut ActScratch::default()),
+        Err(_) => run(isa, w, x, m, segments, out, &mut ActScratch::default()),
     })
 }
 
@@ -244,6 +286,7 @@ fn run(
     w: &PackedMatrix,
     x: &[f32],
     m: usize,
+    segments: usize,
     out: &mut [f32],
     scratch: &mut ActScratch,
 ) -> Result<(), KernelError> {
@@ -269,6 +312,7 @@ fn run(
         s: &a.s,
         xsum: &xsum,
         m,
+        segments,
     };
     let groups = w.groups();
     let work = w.rows.saturating_mul(w.cols).saturating_mul(m);
@@ -310,34 +354,42 @@ struct Ctx<'a> {
     s: &'a [f32],
     xsum: &'a [i32],
     m: usize,
+    /// Column segments, each reduced on its own (`nb` divides evenly).
+    segments: usize,
 }
 
 impl Ctx<'_> {
-    /// Computes rows `16g..16g+16` (clamped) for every token into `out`.
+    /// Computes rows `16g..16g+16` (clamped) of every segment for every
+    /// token into `out`.
     ///
     /// # Safety
-    /// `out` must point at an `m x rows` buffer whose rows of group `g` no
-    /// other thread writes meanwhile; `isa` must be supported.
+    /// `out` must point at a `segments x m x rows` buffer whose rows of
+    /// group `g` no other thread writes meanwhile; `isa` must be supported.
     unsafe fn group(&self, isa: Isa, g: usize, out: OutPtr) {
         let rows = self.w.rows;
         let valid = (rows - g * PACK_ROWS).min(PACK_ROWS);
+        let seg_nb = self.w.nb() / self.segments;
         let mut i0 = 0;
         while i0 < self.m {
             let n = TILE_TOKENS.min(self.m - i0);
-            let mut acc = [[0.0f32; PACK_ROWS]; TILE_TOKENS];
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx512Vnni => {
-                    // SAFETY: CPU support checked by the caller.
-                    unsafe { avx512::tile(self, g, i0, n, &mut acc) }
+            for s in 0..self.segments {
+                let blocks = s * seg_nb..(s + 1) * seg_nb;
+                let mut acc = [[0.0f32; PACK_ROWS]; TILE_TOKENS];
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512Vnni => {
+                        // SAFETY: CPU support checked by the caller.
+                        unsafe { avx512::tile(self, g, blocks, i0, n, &mut acc) }
+                    }
+                    _ => self.tile_scalar(g, blocks, i0, n, &mut acc),
                 }
-                _ => self.tile_scalar(g, i0, n, &mut acc),
-            }
-            for (j, a) in acc.iter().enumerate().take(n) {
-                let base = (i0 + j) * rows + g * PACK_ROWS;
-                // SAFETY: in bounds (m x rows) and owned by this group.
-                let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(base), valid) };
-                o.copy_from_slice(&a[..valid]);
+                for (j, a) in acc.iter().enumerate().take(n) {
+                    let base = (s * self.m + i0 + j) * rows + g * PACK_ROWS;
+                    // SAFETY: in bounds (segments x m x rows) and owned by
+                    // this group.
+                    let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(base), valid) };
+                    o.copy_from_slice(&a[..valid]);
+                }
             }
             i0 += n;
         }
@@ -347,13 +399,14 @@ impl Ctx<'_> {
     fn tile_scalar(
         &self,
         g: usize,
+        blocks: std::ops::Range<usize>,
         i0: usize,
         n: usize,
         acc: &mut [[f32; PACK_ROWS]; TILE_TOKENS],
     ) {
         let (nb, cols, ty) = (self.w.nb(), self.w.cols, self.w.ty);
         let rec = record_bytes(ty);
-        for b in 0..nb {
+        for b in blocks {
             let r0 = (g * nb + b) * rec;
             let data = &self.w.data[r0..r0 + rec];
             for (j, accj) in acc.iter_mut().enumerate().take(n) {
@@ -399,14 +452,17 @@ mod avx512 {
     use super::{Ctx, PACK_ROWS, QK, TILE_TOKENS, record_bytes};
     use crate::quant::GgmlType;
 
-    /// One group's 16 rows for tokens `i0..i0 + n` (`n <= TILE_TOKENS`).
+    /// One group's 16 rows over `blocks` for tokens `i0..i0 + n` (`n <=
+    /// TILE_TOKENS`).
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F/BW and VNNI and F16C.
+    /// The CPU must support AVX-512 F/BW and VNNI and F16C; `blocks` must
+    /// lie inside the matrix's blocks.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn tile(
         c: &Ctx<'_>,
         g: usize,
+        blocks: std::ops::Range<usize>,
         i0: usize,
         n: usize,
         out: &mut [[f32; PACK_ROWS]; TILE_TOKENS],
@@ -421,7 +477,7 @@ mod avx512 {
         // nb records), activation offsets inside `qs`/`d`/`s`/`xsum`
         // (m x cols, m x nb) because i0 + n <= m.
         unsafe {
-            for b in 0..nb {
+            for b in blocks {
                 let r = base.add((g * nb + b) * rec);
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(r.cast()));
                 let mut w = [_mm512_setzero_si512(); 8];
@@ -564,6 +620,54 @@ mod tests {
     }
 
     #[test]
+    fn segments_equal_each_column_slice_packed_alone() {
+        let mut rng = ChaCha8Rng::seed_from_u64(23);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+            for (rows, cols, segments) in [(17, 96, 3), (40, 576, 3), (5, 128, 4), (16, 64, 1)] {
+                let data = weights(ty, rows, cols, &mut rng);
+                let q = QMatrix::new(ty, &data, rows, cols).unwrap();
+                let p = PackedMatrix::pack_any_cpu(&q).unwrap();
+                let sc = cols / segments;
+                let (rb, sb) = (ty.row_bytes(cols).unwrap(), ty.row_bytes(sc).unwrap());
+                for m in [1, 3, 8, 9, 20] {
+                    let x: Vec<f32> = (0..m * cols)
+                        .map(|_| rng.random_range(-2.0f32..2.0))
+                        .collect();
+                    let mut want = vec![0.0; segments * m * rows];
+                    for s in 0..segments {
+                        let slice: Vec<u8> = (0..rows)
+                            .flat_map(|r| data[r * rb + s * sb..r * rb + (s + 1) * sb].to_vec())
+                            .collect();
+                        let ps = PackedMatrix::pack_any_cpu(
+                            &QMatrix::new(ty, &slice, rows, sc).unwrap(),
+                        )
+                        .unwrap();
+                        let xs: Vec<f32> = x
+                            .chunks_exact(cols)
+                            .flat_map(|row| row[s * sc..(s + 1) * sc].to_vec())
+                            .collect();
+                        let out = &mut want[s * m * rows..(s + 1) * m * rows];
+                        matmul_packed_with_isa(Isa::Scalar, &ps, &xs, m, out).unwrap();
+                    }
+                    for isa in [Isa::Scalar, Isa::Avx512Vnni] {
+                        if !isa.is_supported() {
+                            continue;
+                        }
+                        let mut got = vec![0.0; segments * m * rows];
+                        matmul_packed_segments_with_isa(isa, &p, &x, m, segments, &mut got)
+                            .unwrap();
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{ty:?} {isa} {rows}x{cols}/{segments} m={m}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn only_packable_matrices_pack_and_bad_lengths_are_errors() {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let f = weights(GgmlType::F16, 4, 32, &mut rng);
@@ -577,5 +681,11 @@ mod tests {
         assert!(matmul_packed(&p, &[0.0; 63], 1, &mut out).is_err());
         assert!(matmul_packed(&p, &[0.0; 64], 1, &mut out[..3]).is_err());
         assert!(matmul_packed_with_isa(Isa::Avx2, &p, &[0.0; 64], 1, &mut out).is_err());
+        // Two blocks split three ways, or zero ways, and a wrong output size.
+        let mut seg_out = vec![0.0; 12];
+        assert!(matmul_packed_segments(&p, &[0.0; 64], 1, 3, &mut seg_out).is_err());
+        assert!(matmul_packed_segments(&p, &[0.0; 64], 1, 0, &mut seg_out).is_err());
+        assert!(matmul_packed_segments(&p, &[0.0; 64], 1, 2, &mut seg_out).is_err());
+        assert!(matmul_packed_segments(&p, &[0.0; 64], 1, 2, &mut seg_out[..8]).is_ok());
     }
 }

@@ -332,9 +332,51 @@ pub fn parallel_chunks_mut<T: Send>(
     });
 }
 
+/// What [`parallel_rows2`] runs per row: `(row, a row, b row)`.
+pub type RowPairFn<'a, A, B> = dyn Fn(usize, &mut [A], &mut [B]) + Sync + 'a;
+
+/// Runs `f(i, a_i, b_i)` for every row `i` of two buffers cut into rows of
+/// `a_row` and `b_row` elements (both must hold the same number of whole
+/// rows), across the pool, each row handed to exactly one worker.
+///
+/// # Panics
+/// If a row length is zero or the buffers do not hold the same whole
+/// number of rows (a caller bug, not an input error).
+pub fn parallel_rows2<A: Send, B: Send>(
+    a: &mut [A],
+    a_row: usize,
+    b: &mut [B],
+    b_row: usize,
+    f: &RowPairFn<'_, A, B>,
+) {
+    assert!(a_row > 0 && b_row > 0, "row lengths must be positive");
+    let n = a.len() / a_row;
+    assert!(
+        a.len() == n * a_row && b.len() == n * b_row,
+        "buffers must hold the same number of whole rows"
+    );
+    let (pa, pb) = (SendPtr(a.as_mut_ptr()), SendPtr(b.as_mut_ptr()));
+    parallel_ranges(n, &|_, r: Range<usize>| {
+        let (pa, pb) = (&pa, &pb);
+        for i in r {
+            // SAFETY: row `i` of each buffer is in bounds (checked above) and
+            // every index goes to exactly one worker, so no two threads
+            // alias; both buffers are borrowed mutably for the whole call.
+            let (ra, rb) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(pa.0.add(i * a_row), a_row),
+                    std::slice::from_raw_parts_mut(pb.0.add(i * b_row), b_row),
+                )
+            };
+            f(i, ra, rb);
+        }
+    });
+}
+
 /// A raw pointer that may cross threads; soundness is argued at each use.
 struct SendPtr<T>(*mut T);
-// SAFETY: only used by `parallel_chunks_mut`, which hands out disjoint chunks.
+// SAFETY: only used by `parallel_chunks_mut` and `parallel_rows2`, which
+// hand out disjoint chunks.
 unsafe impl<T: Send> Sync for SendPtr<T> {}
 
 #[cfg(test)]
@@ -355,6 +397,21 @@ mod tests {
         }
         let mut empty: [u8; 0] = [];
         parallel_chunks_mut(&mut empty, 4, &|_, _| panic!("no chunks"));
+    }
+
+    #[test]
+    fn parallel_rows2_pairs_rows_of_both_buffers() {
+        let (mut a, mut b) = (vec![0usize; 3 * 37], vec![0u32; 5 * 37]);
+        parallel_rows2(&mut a, 3, &mut b, 5, &|i, ra, rb| {
+            ra.fill(i);
+            rb.fill(i as u32 * 2);
+        });
+        for i in 0..37 {
+            assert!(a[i * 3..i * 3 + 3].iter().all(|&v| v == i));
+            assert!(b[i * 5..i * 5 + 5].iter().all(|&v| v == i as u32 * 2));
+        }
+        let (mut e, mut f) = ([0u8; 0], [0u8; 0]);
+        parallel_rows2(&mut e, 2, &mut f, 3, &|_, _, _| panic!("no rows"));
     }
 
     #[test]
