@@ -385,10 +385,17 @@ impl Ctx<'_> {
                 }
                 for (j, a) in acc.iter().enumerate().take(n) {
                     let base = (s * self.m + i0 + j) * rows + g * PACK_ROWS;
-                    // SAFETY: in bounds (segments x m x rows) and owned by
-                    // this group.
-                    let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(base), valid) };
-                    o.copy_from_slice(&a[..valid]);
+                    // SAFETY: `valid` values from `base` are in bounds
+                    // (segments x m x rows) and owned by this group; a
+                    // constant count keeps the usual full group a plain
+                    // vector move.
+                    unsafe {
+                        if valid == PACK_ROWS {
+                            std::ptr::copy_nonoverlapping(a.as_ptr(), out.0.add(base), PACK_ROWS);
+                        } else {
+                            std::ptr::copy_nonoverlapping(a.as_ptr(), out.0.add(base), valid);
+                        }
+                    }
                 }
             }
             i0 += n;
@@ -448,41 +455,75 @@ impl Ctx<'_> {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
+    use std::ops::Range;
 
     use super::{Ctx, PACK_ROWS, QK, TILE_TOKENS, record_bytes};
     use crate::quant::GgmlType;
 
-    /// One group's 16 rows over `blocks` for tokens `i0..i0 + n` (`n <=
-    /// TILE_TOKENS`).
+    /// One group's 16 rows over `blocks` for tokens `i0..i0 + n` (`1 <= n
+    /// <= TILE_TOKENS`).
     ///
     /// # Safety
     /// The CPU must support AVX-512 F/BW and VNNI and F16C; `blocks` must
-    /// lie inside the matrix's blocks.
+    /// lie inside the matrix's blocks and `i0 + n <= m`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn tile(
         c: &Ctx<'_>,
         g: usize,
-        blocks: std::ops::Range<usize>,
+        blocks: Range<usize>,
         i0: usize,
         n: usize,
         out: &mut [[f32; PACK_ROWS]; TILE_TOKENS],
     ) {
+        // Monomorphised per token count so accumulators stay in registers.
+        macro_rules! by_count {
+            ($($n:literal)*) => {
+                match (c.w.ty == GgmlType::Q4_1, n) {
+                    $(
+                        (true, $n) => unsafe { tile_n::<$n, true>(c, g, blocks, i0, out) },
+                        (false, $n) => unsafe { tile_n::<$n, false>(c, g, blocks, i0, out) },
+                    )*
+                    (true, _) => unsafe { tile_n::<TILE_TOKENS, true>(c, g, blocks, i0, out) },
+                    (false, _) => unsafe { tile_n::<TILE_TOKENS, false>(c, g, blocks, i0, out) },
+                }
+            };
+        }
+        by_count!(1 2 3 4 5 6 7)
+    }
+
+    /// [`tile`] for exactly `N` tokens of Q4_1 (`Q4`) or Q8_0 weights.
+    ///
+    /// Per (row, token) and block the integer sum is exact whatever order
+    /// its products are added in, so the tokens' `vpdpbusd` chains are
+    /// interleaved for throughput; the float operations that follow run in
+    /// the reference's order.
+    ///
+    /// # Safety
+    /// As [`tile`], with `n == N`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile_n<const N: usize, const Q4: bool>(
+        c: &Ctx<'_>,
+        g: usize,
+        blocks: Range<usize>,
+        i0: usize,
+        out: &mut [[f32; PACK_ROWS]; TILE_TOKENS],
+    ) {
         let (nb, cols) = (c.w.nb(), c.w.cols);
         let rec = record_bytes(c.w.ty);
-        let q4 = c.w.ty == GgmlType::Q4_1;
-        let mut acc = [_mm512_setzero_ps(); TILE_TOKENS];
+        let mut acc = [_mm512_setzero_ps(); N];
         let low = _mm512_set1_epi8(0x0F);
         let base = c.w.data.as_ptr();
         // SAFETY (whole body): record offsets stay inside `data` (groups x
         // nb records), activation offsets inside `qs`/`d`/`s`/`xsum`
-        // (m x cols, m x nb) because i0 + n <= m.
+        // (m x cols, m x nb) because i0 + N <= m.
         unsafe {
             for b in blocks {
                 let r = base.add((g * nb + b) * rec);
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(r.cast()));
                 let mut w = [_mm512_setzero_si512(); 8];
                 let mw;
-                if q4 {
+                if Q4 {
                     mw = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(32).cast()));
                     for k in 0..4 {
                         let raw = _mm512_loadu_si512(r.add(64 + k * 64).cast());
@@ -495,28 +536,33 @@ mod avx512 {
                         *wk = _mm512_loadu_si512(r.add(32 + k * 64).cast());
                     }
                 }
-                for (j, a) in acc.iter_mut().enumerate().take(n) {
-                    let t = i0 + j;
-                    let x = c.qs.as_ptr().add(t * cols + b * QK).cast::<i32>();
-                    let mut isum = _mm512_setzero_si512();
-                    for (k, &wk) in w.iter().enumerate() {
-                        let xb = _mm512_set1_epi32(x.add(k).read_unaligned());
-                        isum = _mm512_dpbusd_epi32(isum, wk, xb);
+                let x: [*const i32; N] = std::array::from_fn(|j| {
+                    c.qs.as_ptr().add((i0 + j) * cols + b * QK).cast::<i32>()
+                });
+                let mut isum = [_mm512_setzero_si512(); N];
+                for (k, &wk) in w.iter().enumerate() {
+                    for j in 0..N {
+                        let xb = _mm512_set1_epi32(x[j].add(k).read_unaligned());
+                        isum[j] = _mm512_dpbusd_epi32(isum[j], wk, xb);
                     }
-                    if !q4 {
+                }
+                for j in 0..N {
+                    let t = i0 + j;
+                    let mut is = isum[j];
+                    if !Q4 {
                         let corr = _mm512_set1_epi32(128 * *c.xsum.get_unchecked(t * nb + b));
-                        isum = _mm512_sub_epi32(isum, corr);
+                        is = _mm512_sub_epi32(is, corr);
                     }
                     let dx = _mm512_set1_ps(*c.d.get_unchecked(t * nb + b));
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), *a);
-                    if q4 {
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(dw, dx), acc[j]);
+                    if Q4 {
                         let sx = _mm512_set1_ps(*c.s.get_unchecked(t * nb + b));
-                        *a = _mm512_fmadd_ps(mw, sx, *a);
+                        acc[j] = _mm512_fmadd_ps(mw, sx, acc[j]);
                     }
                 }
             }
-            for (j, a) in acc.iter().enumerate().take(n) {
-                _mm512_storeu_ps(out[j].as_mut_ptr(), *a);
+            for (o, a) in out.iter_mut().zip(&acc) {
+                _mm512_storeu_ps(o.as_mut_ptr(), *a);
             }
         }
     }
