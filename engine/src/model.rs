@@ -1065,7 +1065,8 @@ fn reduce_groups(c: &LlamaConfig, layers: &[LayerWeights]) -> usize {
 /// The residual add of a row-parallel projection, then optionally the next
 /// norm, token by token across the pool: `x[t] += p_0[t] + p_1[t] + ...`
 /// over the segment partials of `all` (segment-major, summed in segment
-/// order before the add), and with `norm`, `xn[t] = rms_norm(x[t])`.
+/// order before the add), and with `norm`, `xn[t] = rms_norm(x[t])`
+/// (without, `xn` is left holding scratch).
 fn residual_norm(
     all: &[f32],
     d: usize,
@@ -1079,14 +1080,13 @@ fn residual_norm(
         return;
     }
     tandem_kernels::parallel_rows2(x, d, xn, d, &|t, xr, on| {
-        for (i, xv) in xr.iter_mut().enumerate() {
-            let at = t * d + i;
-            let mut sum = all[at];
-            for seg in all[n..].chunks_exact(n) {
-                sum += seg[at];
-            }
-            *xv += sum;
+        // `on` is scratch for the segment sum until the norm overwrites it.
+        let row = t * d..(t + 1) * d;
+        on.copy_from_slice(&all[row.clone()]);
+        for seg in all[n..].chunks_exact(n) {
+            ops::add_assign(on, &seg[row.clone()]);
         }
+        ops::add_assign(xr, on);
         if let Some(w) = norm {
             ops::rms_norm(xr, w, eps, on);
         }
