@@ -2,12 +2,14 @@
 //! throughput, best of N (the machine is shared, so minima are what count).
 //!
 //! `TANDEM_THREADS=2 cargo bench -p tandem-kernels --bench decode`
-//! (`TANDEM_BENCH=membw|cold|batch` runs one section).
+//! (`TANDEM_BENCH=membw|cold|batch|peak` runs one section). `peak` measures
+//! the core's `vpdpbusd` throughput, the ceiling of the packed kernels;
+//! `batch` reports the generic and packed matmuls against it.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use tandem_kernels::{GgmlType, QMatrix, matmul};
+use tandem_kernels::{GgmlType, PackedMatrix, QMatrix, matmul, matmul_packed};
 
 fn best_of(budget: Duration, min_iters: usize, mut f: impl FnMut()) -> f64 {
     let start = Instant::now();
@@ -125,6 +127,7 @@ fn cold() {
 }
 
 fn batch() {
+    let peak = vnni_peak_gmacs().map(|p| p * tandem_kernels::num_threads() as f64);
     for (ty, rows, cols) in [
         (GgmlType::Q4_1, 1536, 576),
         (GgmlType::Q4_1, 576, 1536),
@@ -132,20 +135,76 @@ fn batch() {
     ] {
         let data = weights(ty, rows, cols, 0);
         let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
+        let packed = PackedMatrix::pack(&w);
         for m in [8usize, 32, 128, 512] {
             let x = acts(m * cols);
             let mut out = vec![0.0f32; m * rows];
             let budget = Duration::from_millis(if rows * m > 1 << 24 { 3000 } else { 800 });
-            let secs = best_of(budget, 3, || {
+            let macs = (rows * cols * m) as f64;
+            let generic = best_of(budget, 3, || {
                 matmul(&w, black_box(&x), m, &mut out).expect("matmul");
             });
-            println!(
-                "batch {ty:>5} {rows:>6}x{cols:<5} m={m:<4} threads={}  {:>9.1} us  {:>7.2} GMAC/s",
+            let mut line = format!(
+                "batch {ty:>5} {rows:>6}x{cols:<5} m={m:<4} threads={}  generic {:>9.1} us {:>7.2} GMAC/s",
                 tandem_kernels::num_threads(),
-                secs * 1e6,
-                (rows * cols * m) as f64 / secs / 1e9
+                generic * 1e6,
+                macs / generic / 1e9
             );
+            if let Some(p) = &packed {
+                let secs = best_of(budget, 3, || {
+                    matmul_packed(p, black_box(&x), m, &mut out).expect("matmul");
+                });
+                let gmacs = macs / secs / 1e9;
+                line += &format!("   packed {:>9.1} us {gmacs:>7.2} GMAC/s", secs * 1e6);
+                if let Some(peak) = peak {
+                    line += &format!(" ({:.0}% of vpdpbusd peak)", 100.0 * gmacs / peak);
+                }
+            }
+            println!("{line}");
         }
+    }
+}
+
+/// One core's `vpdpbusd` (512-bit) multiply-accumulates per second, in
+/// billions, from 12 independent accumulator chains; `None` without VNNI.
+fn vnni_peak_gmacs() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !(is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512f")) {
+            return None;
+        }
+        const ITERS: u64 = 1 << 22;
+        let secs = best_of(Duration::from_millis(600), 5, || {
+            // SAFETY: support checked above.
+            black_box(unsafe { vnni_chains(ITERS) });
+        });
+        // 12 chains x 64 byte products per instruction.
+        Some((ITERS * 12 * 64) as f64 / secs / 1e9)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn vnni_chains(iters: u64) -> i32 {
+    use std::arch::x86_64::*;
+    let a = _mm512_set1_epi8(3);
+    let b = _mm512_set1_epi8(5);
+    let mut acc = [_mm512_setzero_si512(); 12];
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = _mm512_dpbusd_epi32(*v, a, b);
+        }
+    }
+    acc.iter()
+        .fold(0, |s, &v| s.wrapping_add(_mm512_reduce_add_epi32(v)))
+}
+
+fn peak() {
+    match vnni_peak_gmacs() {
+        Some(p) => println!("peak vpdpbusd (512-bit) {p:>8.1} GMAC/s per core"),
+        None => println!("peak vpdpbusd: no AVX-512 VNNI on this CPU"),
     }
 }
 
@@ -161,6 +220,9 @@ fn main() {
     }
     if which.is_empty() || which == "cold" {
         cold();
+    }
+    if which.is_empty() || which == "peak" {
+        peak();
     }
     if which.is_empty() || which == "batch" {
         batch();
