@@ -299,15 +299,29 @@ impl Sampler {
     }
 }
 
-/// Index of the largest value; the first one wins ties (as llama.cpp's greedy sampler).
+/// Index of the largest value; the first one wins ties (as llama.cpp's
+/// greedy sampler); NaNs never win, except a NaN at index 0 (nothing
+/// compares greater than it), which is returned as is.
 pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
+    match x.first() {
+        None => return 0,
+        Some(v) if v.is_nan() => return 0,
+        Some(_) => {}
+    }
+    // The max first, in 16 independent lanes (vectorises), then the first
+    // index holding it: the same answer as one left-to-right scan.
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let (chunks, tail) = x.as_chunks::<16>();
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l = if v > *l { v } else { *l };
         }
     }
-    best as u32
+    let max = lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    x.iter().position(|&v| v == max).unwrap_or(0) as u32
 }
 
 /// `log(softmax(x))`, computed stably in `f64`.
@@ -339,6 +353,37 @@ mod tests {
 
     fn logits() -> Vec<f32> {
         vec![1.0, 3.0, 2.0, 3.0, -1.0, 0.5]
+    }
+
+    #[test]
+    fn argmax_equals_a_left_to_right_scan() {
+        use rand::{Rng, SeedableRng};
+        let scan = |x: &[f32]| {
+            let mut best = 0;
+            for (i, &v) in x.iter().enumerate() {
+                if v > x[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 2.0];
+        for len in [0, 1, 2, 15, 16, 17, 33, 49152] {
+            for round in 0..20 {
+                // Few distinct values, so ties are common.
+                let mut x: Vec<f32> = (0..len).map(|_| rng.random_range(0..4) as f32).collect();
+                for v in x.iter_mut() {
+                    if rng.random_range(0..10) == 0 {
+                        *v = specials[rng.random_range(0..specials.len())];
+                    }
+                }
+                if round == 0 && len > 0 {
+                    x[0] = f32::NAN;
+                }
+                assert_eq!(argmax(&x), scan(&x), "{x:?}");
+            }
+        }
     }
 
     #[test]

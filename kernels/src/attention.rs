@@ -145,9 +145,7 @@ pub fn attend_with_isa(
         }
     }
     crate::ops::softmax(scores);
-    for p in scores.iter_mut() {
-        *p = f16::from_f32(*p).to_f32();
-    }
+    crate::ops::round_through_f16(scores);
 
     let v_rows = context_rows(v_blocks, hd, block_size, n_ctx);
     if simd && hd == 64 {

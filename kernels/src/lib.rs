@@ -17,6 +17,7 @@ mod matmul;
 mod packed;
 mod pool;
 pub mod quant;
+mod vmath;
 
 pub use cpu::{Isa, isa, num_threads, set_num_threads};
 pub use error::KernelError;

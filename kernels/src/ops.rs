@@ -1,9 +1,11 @@
 //! Element-wise and normalisation ops used by the transformer forward pass.
 //!
 //! These are the scalar references; the compiler vectorises the simple
-//! loops. Accumulations that ggml performs in double precision (RMSNorm's sum
-//! of squares, softmax's sum of exponentials) are done in `f64` here too, so
-//! that greedy decoding agrees with llama.cpp on near-ties.
+//! loops, and SwiGLU and softmax (which need `exp`) come from `vmath`, with
+//! explicit SIMD bodies. Accumulations that ggml performs in double
+//! precision (RMSNorm's sum of squares, softmax's sum of exponentials) are
+//! done in `f64` here too, so that greedy decoding agrees with llama.cpp on
+//! near-ties.
 
 use half::f16;
 
@@ -72,36 +74,13 @@ impl Rope {
     }
 }
 
-/// `gate[i] = silu(gate[i]) * up[i]` (SwiGLU), in place.
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    debug_assert_eq!(gate.len(), up.len());
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
-}
+pub use crate::vmath::{round_through_f16, silu_mul, silu_mul_with_isa, softmax, softmax_with_isa};
 
 /// `acc[i] += x[i]`.
 pub fn add_assign(acc: &mut [f32], x: &[f32]) {
     debug_assert_eq!(acc.len(), x.len());
     for (a, &v) in acc.iter_mut().zip(x) {
         *a += v;
-    }
-}
-
-/// In-place softmax; the normaliser is summed in `f64`. Empty input is a no-op.
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if max == f32::NEG_INFINITY {
-        return;
-    }
-    let mut sum = 0.0f64;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += f64::from(*v);
-    }
-    let inv = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
-        *v *= inv;
     }
 }
 
