@@ -106,11 +106,18 @@ pub fn softmax(x: &mut [f32]) {
 /// [`softmax`] with an explicit instruction set (tests compare them).
 pub fn softmax_with_isa(isa: Isa, x: &mut [f32]) {
     // The max does not depend on order (NaN inputs give NaN outputs on
-    // every path, whichever max they see).
-    let max = x
+    // every path, whichever max they see), so 16 lanes may find it.
+    let mut m16 = [f32::NEG_INFINITY; 16];
+    let (chunks, tail) = x.as_chunks::<16>();
+    for c in chunks {
+        for (m, &v) in m16.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let max = m16
         .iter()
-        .copied()
-        .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
     if max == f32::NEG_INFINITY {
         return;
     }
@@ -345,21 +352,28 @@ mod avx512 {
     }
 
     /// As `avx2::exp_sum`, 16 lanes at a time (lanes `i % 8` line up
-    /// because each chunk starts at a multiple of 16).
+    /// because each chunk starts at a multiple of 16), the tail under a
+    /// mask (its missing lanes add `+0.0`, which changes no sum), so all of
+    /// `x` is done.
     ///
     /// # Safety
     /// The CPU must support AVX-512 F.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn exp_sum(x: &mut [f32], max: f32, lanes: &mut [f64; 8]) -> usize {
-        let n = x.len() / 16 * 16;
         let m = _mm512_set1_ps(max);
         // SAFETY: `lanes` holds 8 doubles.
         let mut acc = unsafe { _mm512_loadu_pd(lanes.as_ptr()) };
-        for i in (0..n).step_by(16) {
-            // SAFETY: i + 16 <= n <= x.len().
+        for i in (0..x.len()).step_by(16) {
+            let k: __mmask16 = if x.len() - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (x.len() - i)) - 1
+            };
+            // SAFETY: the mask covers only elements i..x.len().
             unsafe {
-                let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x.as_ptr().add(i)), m));
-                _mm512_storeu_ps(x.as_mut_ptr().add(i), e);
+                let v = _mm512_maskz_loadu_ps(k, x.as_ptr().add(i));
+                let e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(v, m)));
+                _mm512_mask_storeu_ps(x.as_mut_ptr().add(i), k, e);
                 // Elements i..i+8 then i+8..i+16: lane order kept.
                 acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
                 acc = _mm512_add_pd(
@@ -372,7 +386,7 @@ mod avx512 {
         }
         // SAFETY: as above.
         unsafe { _mm512_storeu_pd(lanes.as_mut_ptr(), acc) };
-        n
+        x.len()
     }
 }
 
