@@ -196,9 +196,10 @@ impl Bench<'_> {
             cache,
         )?;
         let mut tok = argmax(logits.get(..self.vocab).context("short logits")?);
+        let mut logits = Vec::new();
         let t0 = Instant::now();
         for pos in 1..=n {
-            let logits = self.m.model.forward(
+            self.m.model.forward_into(
                 &[SeqChunk {
                     tokens: &[tok],
                     start_pos: pos,
@@ -206,6 +207,8 @@ impl Bench<'_> {
                     want_logits: true,
                 }],
                 cache,
+                &mut |_| {},
+                &mut logits,
             )?;
             tok = argmax(logits.get(..self.vocab).context("short logits")?);
         }
@@ -272,6 +275,8 @@ impl Bench<'_> {
         }
         let t_pp = t0.elapsed();
 
+        // One logits buffer for every step, as the scheduler keeps one.
+        let mut logits = Vec::new();
         let t1 = Instant::now();
         for step in 0..ntg {
             let toks = next.clone();
@@ -283,7 +288,9 @@ impl Bench<'_> {
                     want_logits: true,
                 })
                 .collect();
-            let logits = self.m.model.forward(&chunks, cache)?;
+            self.m
+                .model
+                .forward_into(&chunks, cache, &mut |_| {}, &mut logits)?;
             if logits.len() != b * self.vocab {
                 bail!(
                     "forward returned {} logits, want {}",

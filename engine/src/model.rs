@@ -669,6 +669,22 @@ impl LlamaModel {
         cache: &mut KvCache,
         layer_done: &mut dyn FnMut(usize),
     ) -> Result<Vec<f32>, RequestError> {
+        let mut logits = Vec::new();
+        self.forward_into(chunks, cache, layer_done, &mut logits)?;
+        Ok(logits)
+    }
+
+    /// [`LlamaModel::forward_with_hook`] writing the logits into `logits`
+    /// (resized; every value overwritten), so a caller that keeps the
+    /// buffer across steps does not zero and fault in megabytes of fresh
+    /// memory per step (32 rows of a 49k vocabulary are 6 MB).
+    pub fn forward_into(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+        layer_done: &mut dyn FnMut(usize),
+        logits: &mut Vec<f32>,
+    ) -> Result<(), RequestError> {
         let c = &self.config;
         let kvc = *cache.config();
         if (kvc.n_layers, kvc.n_kv_heads, kvc.head_dim) != (c.n_layers, c.n_kv_heads, c.head_dim) {
@@ -867,10 +883,10 @@ impl LlamaModel {
         for (o, &r) in last.chunks_exact_mut(d).zip(&rows) {
             ops::rms_norm(&x[r * d..(r + 1) * d], &self.output_norm, c.rms_eps, o);
         }
+        logits.resize(rows.len() * c.vocab_size, 0.0);
         let Some(tp) = &self.tp else {
-            let mut logits = vec![0.0f32; rows.len() * c.vocab_size];
-            self.output_head().matmul(&last, rows.len(), &mut logits)?;
-            return Ok(logits);
+            self.output_head().matmul(&last, rows.len(), logits)?;
+            return Ok(());
         };
         // Each rank's vocabulary slice, gathered rank-major, then laid out
         // row by row.
@@ -882,14 +898,13 @@ impl LlamaModel {
         tp.comm
             .all_gather(&local, &mut gathered)
             .map_err(|e| RequestError::Collective(e.to_string()))?;
-        let mut logits = vec![0.0f32; rows.len() * c.vocab_size];
         for (r, part) in gathered.chunks_exact(local.len().max(1)).enumerate() {
             for (row, src) in part.chunks_exact(vl).enumerate() {
                 logits[row * c.vocab_size + r * vl..row * c.vocab_size + (r + 1) * vl]
                     .copy_from_slice(src);
             }
         }
-        Ok(logits)
+        Ok(())
     }
 
     /// The rest of an MoE layer under [`Combine::Dispatch`], from this

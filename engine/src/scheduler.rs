@@ -404,6 +404,7 @@ impl Scheduler {
             kv_sink: sink,
             stats,
             admitted: 0,
+            logits: Vec::new(),
         };
         let thread = std::thread::Builder::new()
             .name("tandem-scheduler".into())
@@ -566,6 +567,8 @@ struct Actor {
     kv_sink: Option<KvEventSink>,
     stats: Arc<SchedulerStats>,
     admitted: u64,
+    /// The last step's logits, kept so each step reuses the memory.
+    logits: Vec<f32>,
 }
 
 /// A sequence's share of one step.
@@ -743,7 +746,9 @@ impl Actor {
                 emit(tx, Event::LayerDone(ev));
             }
         };
-        let logits = {
+        // The step's logits, in a buffer kept across steps.
+        let mut logits = std::mem::take(&mut self.logits);
+        let result = {
             let chunks: Vec<SeqChunk<'_>> = plan
                 .iter()
                 .map(|p| {
@@ -756,11 +761,12 @@ impl Actor {
                     }
                 })
                 .collect();
-            self.exec.forward(&chunks, &mut self.cache, &mut layer_done)
+            self.exec
+                .forward(&chunks, &mut self.cache, &mut layer_done, &mut logits)
         };
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
-        let mut logits = match logits {
-            Ok(l) => l,
+        match result {
+            Ok(()) => {}
             Err(e) => {
                 // Inputs are validated at submit, so this is a bug: fail the
                 // batch's sequences rather than the whole server.
@@ -800,6 +806,7 @@ impl Actor {
                 leaving.push((p.seq, Some(finish)));
             }
         }
+        self.logits = logits;
         leaving.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, finish) in leaving {
             let s = self.running.swap_remove(i);
@@ -1068,7 +1075,8 @@ impl Executor {
         chunks: &[SeqChunk<'_>],
         cache: &mut KvCache,
         layer_done: &mut dyn FnMut(usize),
-    ) -> Result<Vec<f32>, RequestError> {
+        logits: &mut Vec<f32>,
+    ) -> Result<(), RequestError> {
         if !self.peers.is_empty() {
             let input = Arc::new(StepInput {
                 chunks: chunks
@@ -1092,7 +1100,7 @@ impl Executor {
                 }
             }
         }
-        let result = self.rank0().forward_with_hook(chunks, cache, layer_done);
+        let result = self.rank0().forward_into(chunks, cache, layer_done, logits);
         for p in &self.peers {
             match p.done.recv() {
                 Ok(Ok(())) => {}

@@ -317,38 +317,43 @@ fn batched_forward_equals_single_sequence_forward() {
         &mut cache,
     )
     .expect("first step");
-    let batched = m
-        .forward(
-            &[
-                SeqChunk {
-                    tokens: &seqs[0][split0..],
-                    start_pos: split0,
-                    block_table: &tables[0],
-                    want_logits: true,
-                },
-                SeqChunk {
-                    tokens: &seqs[1][split1..],
-                    start_pos: split1,
-                    block_table: &tables[1],
-                    want_logits: true,
-                },
-                SeqChunk {
-                    tokens: &seqs[2],
-                    start_pos: 0,
-                    block_table: &tables[2],
-                    want_logits: true,
-                },
-                SeqChunk {
-                    tokens: &seqs[3],
-                    start_pos: 0,
-                    block_table: &tables[3],
-                    want_logits: true,
-                },
-            ],
-            &mut cache,
-        )
-        .expect("mixed step");
+    // Into a reused buffer, longer than needed and full of NaN: it must be
+    // resized and wholly overwritten.
     let vocab = m.config().vocab_size;
+    let mut batched = vec![f32::NAN; 7 * vocab];
+    m.forward_into(
+        &[
+            SeqChunk {
+                tokens: &seqs[0][split0..],
+                start_pos: split0,
+                block_table: &tables[0],
+                want_logits: true,
+            },
+            SeqChunk {
+                tokens: &seqs[1][split1..],
+                start_pos: split1,
+                block_table: &tables[1],
+                want_logits: true,
+            },
+            SeqChunk {
+                tokens: &seqs[2],
+                start_pos: 0,
+                block_table: &tables[2],
+                want_logits: true,
+            },
+            SeqChunk {
+                tokens: &seqs[3],
+                start_pos: 0,
+                block_table: &tables[3],
+                want_logits: true,
+            },
+        ],
+        &mut cache,
+        &mut |_| {},
+        &mut batched,
+    )
+    .expect("mixed step");
+    assert_eq!(batched.len(), 4 * vocab);
     for (i, want) in alone.iter().enumerate() {
         let got = &batched[i * vocab..(i + 1) * vocab];
         assert!(got == want.as_slice(), "sequence {i} differs in a batch");
