@@ -308,19 +308,9 @@ pub fn argmax(x: &[f32]) -> u32 {
         Some(v) if v.is_nan() => return 0,
         Some(_) => {}
     }
-    // The max first, in 16 independent lanes (vectorises), then the first
-    // index holding it: the same answer as one left-to-right scan.
-    let mut lanes = [f32::NEG_INFINITY; 16];
-    let (chunks, tail) = x.as_chunks::<16>();
-    for c in chunks {
-        for (l, &v) in lanes.iter_mut().zip(c) {
-            *l = if v > *l { v } else { *l };
-        }
-    }
-    let max = lanes
-        .iter()
-        .chain(tail)
-        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    // The max first (vectorised), then the first index holding it: the
+    // same answer as one left-to-right scan.
+    let max = tandem_kernels::ops::max(x);
     x.iter().position(|&v| v == max).unwrap_or(0) as u32
 }
 

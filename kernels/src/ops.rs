@@ -74,7 +74,9 @@ impl Rope {
     }
 }
 
-pub use crate::vmath::{round_through_f16, silu_mul, silu_mul_with_isa, softmax, softmax_with_isa};
+pub use crate::vmath::{
+    max, round_through_f16, silu_mul, silu_mul_with_isa, softmax, softmax_with_isa,
+};
 
 /// `acc[i] += x[i]`.
 pub fn add_assign(acc: &mut [f32], x: &[f32]) {

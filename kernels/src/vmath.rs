@@ -95,6 +95,21 @@ pub fn silu_mul_with_isa(isa: Isa, gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// The largest value, ignoring NaNs (`-inf` when there is none). Any
+/// order of comparison finds the same value, so 16 lanes do (vectorised).
+pub fn max(x: &[f32]) -> f32 {
+    let mut m16 = [f32::NEG_INFINITY; 16];
+    let (chunks, tail) = x.as_chunks::<16>();
+    for c in chunks {
+        for (m, &v) in m16.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    m16.iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
+}
+
 /// In-place softmax: subtract the max, [`exp`], divide by the sum, which is
 /// accumulated in `f64` in 8 partial sums (element `i` into lane `i % 8`,
 /// the lanes then added pairwise) so that every ISA adds the same numbers
@@ -105,19 +120,8 @@ pub fn softmax(x: &mut [f32]) {
 
 /// [`softmax`] with an explicit instruction set (tests compare them).
 pub fn softmax_with_isa(isa: Isa, x: &mut [f32]) {
-    // The max does not depend on order (NaN inputs give NaN outputs on
-    // every path, whichever max they see), so 16 lanes may find it.
-    let mut m16 = [f32::NEG_INFINITY; 16];
-    let (chunks, tail) = x.as_chunks::<16>();
-    for c in chunks {
-        for (m, &v) in m16.iter_mut().zip(c) {
-            *m = if v > *m { v } else { *m };
-        }
-    }
-    let max = m16
-        .iter()
-        .chain(tail)
-        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    // NaN inputs give NaN outputs on every path, whichever max they see.
+    let max = max(x);
     if max == f32::NEG_INFINITY {
         return;
     }
