@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+
+use crate::kernel_args::KernelArgs;
 use tandem_engine::LoadedModel;
 use tandem_engine::fetch;
 use tandem_engine::kv_cache::KvCache;
@@ -31,9 +33,8 @@ pub struct BenchEngineArgs {
     /// A .gguf file, an HF model directory, or the alias smollm2-135m.
     #[arg(long, env = "TANDEM_MODEL", default_value = fetch::DEFAULT_MODEL)]
     model: String,
-    /// Worker threads for the kernels (default: all cores).
-    #[arg(long, env = "TANDEM_THREADS")]
-    threads: Option<usize>,
+    #[command(flatten)]
+    kernels: KernelArgs,
     /// Where fetched models are cached (default: $XDG_CACHE_HOME/tandem).
     #[arg(long, env = "TANDEM_CACHE")]
     cache_dir: Option<PathBuf>,
@@ -319,12 +320,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     if !args.batch.is_empty() && (args.npp == 0 || args.ntg == 0) {
         bail!("--npp and --ntg must be at least 1 for the batched test");
     }
-    if let Some(n) = args.threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
-        tandem_kernels::set_num_threads(n).context("setting --threads")?;
-    }
+    args.kernels.apply()?;
     let cache_dir = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
     let path = fetch::resolve(&args.model, &cache_dir)?;
     let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;

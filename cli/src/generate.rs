@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+
+use crate::kernel_args::KernelArgs;
 use tandem_engine::chat::ChatMessage;
 use tandem_engine::fetch;
 use tandem_engine::generate::{GenerateRequest, generate};
@@ -50,9 +52,8 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long, env = "TANDEM_IGNORE_EOS")]
     ignore_eos: bool,
-    /// Worker threads for the kernels (default: all cores).
-    #[arg(long, env = "TANDEM_THREADS")]
-    threads: Option<usize>,
+    #[command(flatten)]
+    kernels: KernelArgs,
     /// Where fetched models are cached (default: $XDG_CACHE_HOME/tandem).
     #[arg(long, env = "TANDEM_CACHE")]
     cache_dir: Option<PathBuf>,
@@ -65,12 +66,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
-    if let Some(n) = args.threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
-        tandem_kernels::set_num_threads(n).context("setting --threads")?;
-    }
+    args.kernels.apply()?;
     let cache = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
     let path = fetch::resolve(&args.model, &cache)?;
     let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;

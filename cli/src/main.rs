@@ -4,6 +4,7 @@ mod bench;
 mod bench_engine;
 mod cluster;
 mod generate;
+mod kernel_args;
 mod serve;
 
 use anyhow::Result;

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+
+use crate::kernel_args::KernelArgs;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 use prometheus::{Encoder, TextEncoder};
 use tandem_engine::comm::{DeviceSpec, parse_devices};
@@ -50,9 +52,8 @@ pub struct EngineArgs {
     /// Do not reuse KV blocks of shared prompt prefixes.
     #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
-    /// Worker threads for the kernels (default: all cores).
-    #[arg(long, env = "TANDEM_THREADS")]
-    pub threads: Option<usize>,
+    #[command(flatten)]
+    pub kernels: KernelArgs,
     /// Tensor-parallel ranks (CPU threads sharing memory; must divide the
     /// model's heads, KV heads, FFN width and vocabulary).
     #[arg(long, env = "TANDEM_TP", default_value_t = 1)]
@@ -102,14 +103,9 @@ pub struct ServeArgs {
 }
 
 impl EngineArgs {
-    /// Sets the kernel threads, then fetches (if needed) and loads the model.
+    /// Sets up the kernels (ISA, threads), then fetches (if needed) and loads the model.
     pub fn load(&self) -> Result<(tandem_engine::LoadedModel, PathBuf)> {
-        if self.threads == Some(0) {
-            bail!("--threads must be at least 1");
-        }
-        if let Some(n) = self.threads {
-            tandem_kernels::set_num_threads(n).context("setting --threads")?;
-        }
+        self.kernels.apply()?;
         let cache = self.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
         let path = fetch::resolve(&self.model, &cache)?;
         let m =
@@ -219,12 +215,10 @@ impl ServeConfig {
     /// Validates `args` against a model with `context` tokens of context.
     fn new(args: &ServeArgs, context: usize, model_name: String) -> Result<Self> {
         let addr = args.http.addr()?;
-        if args.engine.threads == Some(0) {
-            bail!("--threads must be at least 1");
-        }
+        args.engine.kernels.validate()?;
         Ok(Self {
             addr,
-            threads: args.engine.threads,
+            threads: args.engine.kernels.threads,
             scheduler: args.engine.scheduler_config(context)?,
             server: args.http.server_config(model_name)?,
         })

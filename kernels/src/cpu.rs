@@ -1,6 +1,7 @@
 //! Runtime CPU feature detection and the matmul worker pool.
 
 use std::fmt;
+use std::str::FromStr;
 use std::sync::OnceLock;
 
 use crate::error::KernelError;
@@ -31,9 +32,33 @@ impl Isa {
         }
     }
 
-    /// Whether the running CPU can execute this ISA's kernels.
+    /// Whether the kernels may use this ISA: the CPU has it and
+    /// [`limit_isa`] did not rule it out.
     pub fn is_supported(self) -> bool {
         self <= isa()
+    }
+
+    /// Whether the running CPU can execute this ISA's kernels, whatever
+    /// [`limit_isa`] chose.
+    pub fn is_supported_by_cpu(self) -> bool {
+        self <= detect()
+    }
+
+    /// The best ISA of the running CPU, whatever [`limit_isa`] chose.
+    pub fn detected() -> Isa {
+        detect()
+    }
+}
+
+impl FromStr for Isa {
+    type Err = KernelError;
+
+    /// Parses a [`Isa::name`].
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Isa::ALL
+            .into_iter()
+            .find(|isa| isa.name() == s)
+            .ok_or_else(|| KernelError::UnknownIsa(s.to_owned()))
     }
 }
 
@@ -44,6 +69,11 @@ impl fmt::Display for Isa {
 }
 
 fn detect() -> Isa {
+    static DETECTED: OnceLock<Isa> = OnceLock::new();
+    *DETECTED.get_or_init(detect_uncached)
+}
+
+fn detect_uncached() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
         let avx2 = is_x86_feature_detected!("avx2")
@@ -64,10 +94,40 @@ fn detect() -> Isa {
     Isa::Scalar
 }
 
-/// The best instruction set of this CPU (detected once, cached).
+static ISA: OnceLock<Isa> = OnceLock::new();
+
+/// The instruction set every kernel dispatches on: the best one this CPU has
+/// (detected once, cached), unless [`limit_isa`] chose a smaller one first.
 pub fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(detect)
+}
+
+/// Makes the kernels use at most `max` (to compare kernel paths end to end, or
+/// to avoid a faulty unit), even where the CPU has more.
+///
+/// Like [`set_num_threads`], the choice is made once per process: call this
+/// before anything calls [`isa`] (weights packed for one ISA must not be read
+/// by another's kernels). Afterwards a call that would give the same ISA is a
+/// no-op returning `Ok`, and any other returns
+/// [`KernelError::IsaAlreadyChosen`]. An ISA the CPU lacks is
+/// [`KernelError::UnsupportedIsa`].
+pub fn limit_isa(max: Isa) -> Result<(), KernelError> {
+    let available = detect();
+    if max > available {
+        return Err(KernelError::UnsupportedIsa {
+            requested: max,
+            available,
+        });
+    }
+    let current = *ISA.get_or_init(|| max);
+    if current == max {
+        Ok(())
+    } else {
+        Err(KernelError::IsaAlreadyChosen {
+            current,
+            requested: max,
+        })
+    }
 }
 
 static POOL: OnceLock<Pool> = OnceLock::new();
@@ -121,4 +181,43 @@ pub fn set_num_threads(n: usize) -> Result<(), KernelError> {
 /// Number of kernel worker threads (builds the default pool if needed).
 pub fn num_threads() -> usize {
     pool().threads()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn isa_names_round_trip_and_unknown_names_are_errors() {
+        for isa in Isa::ALL {
+            assert_eq!(isa.name().parse::<Isa>().unwrap(), isa);
+        }
+        for bad in ["", "AVX2", "avx512", "sse4"] {
+            assert!(matches!(bad.parse::<Isa>(), Err(KernelError::UnknownIsa(s)) if s == bad));
+        }
+    }
+
+    #[test]
+    fn the_isa_is_chosen_once() {
+        let chosen = isa();
+        assert!(chosen <= detect());
+        limit_isa(chosen).unwrap();
+        for other in Isa::ALL.into_iter().filter(|&i| i != chosen) {
+            match limit_isa(other) {
+                Err(KernelError::IsaAlreadyChosen { current, requested }) => {
+                    assert_eq!((current, requested), (chosen, other));
+                }
+                Err(KernelError::UnsupportedIsa {
+                    requested,
+                    available,
+                }) => {
+                    assert_eq!(requested, other);
+                    assert!(other > available);
+                }
+                r => panic!("limit_isa({other}) after {chosen}: {r:?}"),
+            }
+        }
+        assert_eq!(isa(), chosen);
+    }
 }

@@ -32,6 +32,12 @@ pub enum KernelError {
     /// The requested instruction set is not available on this CPU.
     #[error("instruction set {requested} is not supported by this CPU (best: {available})")]
     UnsupportedIsa { requested: Isa, available: Isa },
+    /// A name that is not one of [`Isa::name`]'s.
+    #[error("unknown instruction set {0:?} (expected scalar, avx2 or avx512vnni)")]
+    UnknownIsa(String),
+    /// [`crate::limit_isa`] came after the kernels had chosen their ISA.
+    #[error("kernels already use instruction set {current} (requested {requested})")]
+    IsaAlreadyChosen { current: Isa, requested: Isa },
     /// A segmented matmul's segment count does not divide its blocks.
     #[error("{segments} column segments do not divide {blocks} blocks evenly")]
     Segments { segments: usize, blocks: usize },

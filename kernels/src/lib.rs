@@ -19,7 +19,7 @@ mod pool;
 pub mod quant;
 mod vmath;
 
-pub use cpu::{Isa, isa, num_threads, set_num_threads};
+pub use cpu::{Isa, isa, limit_isa, num_threads, set_num_threads};
 pub use error::KernelError;
 pub use matmul::{QMatrix, matmul, matmul_with_isa};
 pub use packed::{

@@ -637,3 +637,36 @@ fn device_flags_that_cannot_run_are_refused_at_startup() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn cpu_isa_flag_picks_the_kernels_and_keeps_greedy_output() {
+    let text = "The capital of France is";
+    let want = reference(model().tokenizer.encode(text, true).unwrap(), 12);
+    let run = |isa: &str| {
+        Command::new(tandem_tests::binary())
+            .args(["generate", "--model"])
+            .arg(gguf_path())
+            .args(["--prompt", text, "--max-tokens", "12", "--temperature", "0"])
+            .args(["--cpu-isa", isa])
+            .output()
+            .unwrap()
+    };
+    for isa in tandem_kernels::Isa::ALL {
+        let out = run(isa.name());
+        let err = String::from_utf8_lossy(&out.stderr);
+        if !isa.is_supported_by_cpu() {
+            assert!(!out.status.success(), "{isa} ran: {err}");
+            assert!(err.contains("this CPU supports at most"), "{isa}: {err}");
+            continue;
+        }
+        assert!(out.status.success(), "{isa}: {err}");
+        assert!(err.contains(&format!("kernels: {isa},")), "{isa}: {err}");
+        // Each instruction set's kernels are tested against the scalar
+        // reference; end to end, greedy decoding must not notice the switch.
+        let got = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(got.strip_suffix('\n'), Some(want.as_str()), "{isa}");
+    }
+    let out = run("sse2");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown instruction set"));
+}
