@@ -5,6 +5,7 @@
 //! (`TANDEM_BENCH=membw|cold|batch|peak` runs one section). `peak` measures
 //! the core's `vpdpbusd` throughput, the ceiling of the packed kernels;
 //! `batch` reports the generic and packed matmuls against it.
+//! `TANDEM_CPU_ISA=avx2` (or `scalar`) measures a smaller ISA's kernels.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -107,22 +108,32 @@ fn cold() {
             .collect();
         let x = acts(cols);
         let mut out = vec![0.0f32; rows];
-        let mut k = 0;
-        let cold = best_of(Duration::from_millis(1500), 20, || {
-            k = (k + 1) % copies;
+        let report = |kind: &str, f: &mut dyn FnMut(usize)| {
+            let mut k = 0;
+            let cold = best_of(Duration::from_millis(1500), 20, || {
+                k = (k + 1) % copies;
+                f(k);
+            });
+            let hot = best_of(Duration::from_millis(500), 20, || f(0));
+            println!(
+                "m=1 {ty:>5} {rows:>6}x{cols:<5} threads={} {kind:>7}  cold {:>8.1} us {:>6.2} GB/s   hot {:>8.1} us {:>6.2} GB/s",
+                tandem_kernels::num_threads(),
+                cold * 1e6,
+                bytes as f64 / cold / 1e9,
+                hot * 1e6,
+                bytes as f64 / hot / 1e9
+            );
+        };
+        report("generic", &mut |k| {
             matmul(&ws[k], black_box(&x), 1, &mut out).expect("matmul");
         });
-        let hot = best_of(Duration::from_millis(500), 20, || {
-            matmul(&ws[0], black_box(&x), 1, &mut out).expect("matmul");
-        });
-        println!(
-            "m=1 {ty:>5} {rows:>6}x{cols:<5} threads={}  cold {:>8.1} us {:>6.2} GB/s   hot {:>8.1} us {:>6.2} GB/s",
-            tandem_kernels::num_threads(),
-            cold * 1e6,
-            bytes as f64 / cold / 1e9,
-            hot * 1e6,
-            bytes as f64 / hot / 1e9
-        );
+        let packed: Option<Vec<PackedMatrix>> = ws.iter().map(PackedMatrix::pack).collect();
+        if let Some(ps) = packed {
+            drop(data);
+            report("packed", &mut |k| {
+                matmul_packed(&ps[k], black_box(&x), 1, &mut out).expect("matmul");
+            });
+        }
     }
 }
 
@@ -214,6 +225,11 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(1);
     tandem_kernels::set_num_threads(threads).expect("thread pool");
+    if let Ok(isa) = std::env::var("TANDEM_CPU_ISA") {
+        let isa = isa.parse().expect("TANDEM_CPU_ISA");
+        tandem_kernels::limit_isa(isa).expect("TANDEM_CPU_ISA");
+    }
+    println!("kernels: {}", tandem_kernels::isa());
     let which = std::env::var("TANDEM_BENCH").unwrap_or_default();
     if which.is_empty() || which == "membw" {
         membw();

@@ -19,8 +19,14 @@
 //! differs from ggml's, so results are close to, not equal to,
 //! [`crate::matmul`]'s.
 //!
-//! Only AVX-512 VNNI CPUs pack (see [`PackedMatrix::pack`]); elsewhere the
-//! ggml-order kernels run.
+//! AVX2 CPUs run the same layout in 256-bit halves (rows 0-7, then 8-15):
+//! `vpmaddubsw` + `vpmaddwd` stand in for `vpdpbusd`. Q4_1's products are
+//! small enough to sum eight of them in 16 bits before widening; Q8_0's
+//! weights go back to signed and multiply by sign-adjusted activations
+//! (`|w| * sign(w) x`), whose pair sums cannot saturate 16 bits. The integer
+//! sums are the same exact values, so the result is bitwise that of the
+//! reference too. Scalar-only CPUs keep the ggml-order kernels (see
+//! [`PackedMatrix::pack`]).
 
 use crate::cpu::{self, Isa};
 use crate::dot::{self, ActScratch, Acts};
@@ -75,10 +81,11 @@ fn record_bytes(ty: GgmlType) -> usize {
 }
 
 impl PackedMatrix {
-    /// Repacks `w` when this CPU has the packed kernel (AVX-512 VNNI) and
-    /// `w` is Q4_1 or Q8_0; `None` otherwise (keep using [`crate::matmul`]).
+    /// Repacks `w` when the kernels have a packed fast path here (AVX2 or
+    /// AVX-512 VNNI) and `w` is Q4_1 or Q8_0; `None` otherwise (keep using
+    /// [`crate::matmul`]).
     pub fn pack(w: &QMatrix<'_>) -> Option<PackedMatrix> {
-        if cpu::isa() != Isa::Avx512Vnni {
+        if cpu::isa() < Isa::Avx2 {
             return None;
         }
         Self::pack_any_cpu(w)
@@ -94,7 +101,7 @@ impl PackedMatrix {
     /// the conditions of [`PackedMatrix::pack`], or when the parts differ
     /// in type or columns.
     pub fn pack_concat(parts: &[QMatrix<'_>]) -> Option<PackedMatrix> {
-        if cpu::isa() != Isa::Avx512Vnni {
+        if cpu::isa() < Isa::Avx2 {
             return None;
         }
         Self::pack_concat_any_cpu(parts)
@@ -216,16 +223,11 @@ pub fn matmul_packed_segments(
     segments: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let isa = if cpu::isa() == Isa::Avx512Vnni {
-        Isa::Avx512Vnni
-    } else {
-        Isa::Scalar
-    };
-    matmul_packed_segments_with_isa(isa, w, x, m, segments, out)
+    matmul_packed_segments_with_isa(cpu::isa(), w, x, m, segments, out)
 }
 
-/// [`matmul_packed`] with a forced implementation: `Scalar` (the
-/// reference) or `Avx512Vnni`.
+/// [`matmul_packed`] with a forced implementation (`Scalar` is the
+/// reference).
 pub fn matmul_packed_with_isa(
     isa: Isa,
     w: &PackedMatrix,
@@ -245,7 +247,7 @@ pub fn matmul_packed_segments_with_isa(
     segments: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    if !isa.is_supported() || isa == Isa::Avx2 {
+    if !isa.is_supported() {
         return Err(KernelError::UnsupportedIsa {
             requested: isa,
             available: cpu::isa(),
@@ -380,6 +382,11 @@ impl Ctx<'_> {
                     Isa::Avx512Vnni => {
                         // SAFETY: CPU support checked by the caller.
                         unsafe { avx512::tile(self, g, blocks, i0, n, &mut acc) }
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => {
+                        // SAFETY: CPU support checked by the caller.
+                        unsafe { avx2::tile(self, g, blocks, i0, n, &mut acc) }
                     }
                     _ => self.tile_scalar(g, blocks, i0, n, &mut acc),
                 }
@@ -568,6 +575,174 @@ mod avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::{Ctx, PACK_ROWS, QK, TILE_TOKENS, record_bytes};
+    use crate::quant::GgmlType;
+
+    /// Tokens per 256-bit tile: 16 registers hold 4 tokens' float and
+    /// integer accumulators plus the weights in flight.
+    const TOKENS: usize = 4;
+
+    /// [`super::avx512::tile`] for AVX2 CPUs, in runs of up to [`TOKENS`]
+    /// tokens: one pass over both halves of the group (rows 0-7, 8-15) for
+    /// one or two tokens (each weight byte read once, as the memory-bound
+    /// single sequence wants), one pass per half for more (weights unpacked
+    /// once for four tokens).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `blocks` must lie inside
+    /// the matrix's blocks and `i0 + n <= m`, `n <= TILE_TOKENS`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile(
+        c: &Ctx<'_>,
+        g: usize,
+        blocks: Range<usize>,
+        i0: usize,
+        n: usize,
+        out: &mut [[f32; PACK_ROWS]; TILE_TOKENS],
+    ) {
+        let q4 = c.w.ty == GgmlType::Q4_1;
+        let mut j0 = 0;
+        while j0 < n {
+            let k = (n - j0).min(TOKENS);
+            let out = &mut out[j0..j0 + k];
+            let (b, t) = (blocks.clone(), i0 + j0);
+            // SAFETY: as this function's; `t + k <= m`.
+            unsafe {
+                match (q4, k) {
+                    (true, 1) => tile_n::<1, 2, true>(c, g, b, t, 0, out),
+                    (true, 2) => tile_n::<2, 2, true>(c, g, b, t, 0, out),
+                    (false, 1) => tile_n::<1, 2, false>(c, g, b, t, 0, out),
+                    (false, 2) => tile_n::<2, 2, false>(c, g, b, t, 0, out),
+                    _ => {
+                        for half in 0..2 {
+                            let b = blocks.clone();
+                            match (q4, k) {
+                                (true, 3) => tile_n::<3, 1, true>(c, g, b, t, half, out),
+                                (true, _) => tile_n::<TOKENS, 1, true>(c, g, b, t, half, out),
+                                (false, 3) => tile_n::<3, 1, false>(c, g, b, t, half, out),
+                                (false, _) => tile_n::<TOKENS, 1, false>(c, g, b, t, half, out),
+                            }
+                        }
+                    }
+                }
+            }
+            j0 += k;
+        }
+    }
+
+    /// Rows `8 * half0..8 * (half0 + H)` of group `g` for exactly `N`
+    /// tokens from `i0`, into `out[j][8 * half0..]`.
+    ///
+    /// # Safety
+    /// As [`tile`], with `i0 + N <= m` and `out.len() >= N`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    // Token and half indices address several arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn tile_n<const N: usize, const H: usize, const Q4: bool>(
+        c: &Ctx<'_>,
+        g: usize,
+        blocks: Range<usize>,
+        i0: usize,
+        half0: usize,
+        out: &mut [[f32; PACK_ROWS]],
+    ) {
+        let (nb, cols) = (c.w.nb(), c.w.cols);
+        let rec = record_bytes(c.w.ty);
+        let mut acc = [[_mm256_setzero_ps(); H]; N];
+        let low = _mm256_set1_epi8(0x0F);
+        let bias = _mm256_set1_epi8(-128);
+        let ones = _mm256_set1_epi16(1);
+        let base = c.w.data.as_ptr();
+        // SAFETY (whole body): record offsets stay inside `data` (groups x
+        // nb records; a half is 16 bytes of each scale run and 32 of each
+        // 64-byte quant chunk), activation offsets inside `qs`/`d`/`s`
+        // (m x cols, m x nb) because i0 + N <= m.
+        unsafe {
+            for b in blocks {
+                let r = base.add((g * nb + b) * rec);
+                let x: [*const i32; N] = std::array::from_fn(|j| {
+                    c.qs.as_ptr().add((i0 + j) * cols + b * QK).cast::<i32>()
+                });
+                let mut isum = [[_mm256_setzero_si256(); H]; N];
+                if Q4 {
+                    // Eight products of a nibble (<= 15) and an activation
+                    // (|x| <= 128) pairwise: |sum| <= 8 * 2 * 15 * 128 =
+                    // 30720, exact in 16 bits; widened once per block.
+                    for k in 0..4 {
+                        for h in 0..H {
+                            let off = 64 + k * 64 + (half0 + h) * 32;
+                            let raw = _mm256_loadu_si256(r.add(off).cast());
+                            let lo = _mm256_and_si256(raw, low);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
+                            for j in 0..N {
+                                let xl = _mm256_set1_epi32(x[j].add(k).read_unaligned());
+                                let xh = _mm256_set1_epi32(x[j].add(k + 4).read_unaligned());
+                                let s = &mut isum[j][h];
+                                *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(lo, xl));
+                                *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(hi, xh));
+                            }
+                        }
+                    }
+                    for s in isum.iter_mut().flatten() {
+                        *s = _mm256_madd_epi16(*s, ones);
+                    }
+                } else {
+                    // Stored as q + 128: back to signed, then |q| (<= 128,
+                    // unsigned) times sign(q) x (|x| <= 127): pair sums
+                    // <= 32512, no saturation.
+                    for k in 0..8 {
+                        for h in 0..H {
+                            let off = 32 + k * 64 + (half0 + h) * 32;
+                            let q = _mm256_xor_si256(_mm256_loadu_si256(r.add(off).cast()), bias);
+                            let aq = _mm256_abs_epi8(q);
+                            for j in 0..N {
+                                let xb = _mm256_set1_epi32(x[j].add(k).read_unaligned());
+                                let p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xb, q));
+                                let s = &mut isum[j][h];
+                                *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, ones));
+                            }
+                        }
+                    }
+                }
+                for h in 0..H {
+                    let half = half0 + h;
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(r.add(half * 16).cast()));
+                    let mw = if Q4 {
+                        _mm256_cvtph_ps(_mm_loadu_si128(r.add(32 + half * 16).cast()))
+                    } else {
+                        _mm256_setzero_ps()
+                    };
+                    for j in 0..N {
+                        let t = i0 + j;
+                        let dx = _mm256_set1_ps(*c.d.get_unchecked(t * nb + b));
+                        let a = &mut acc[j][h];
+                        *a = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(isum[j][h]),
+                            _mm256_mul_ps(dw, dx),
+                            *a,
+                        );
+                        if Q4 {
+                            let sx = _mm256_set1_ps(*c.s.get_unchecked(t * nb + b));
+                            *a = _mm256_fmadd_ps(mw, sx, *a);
+                        }
+                    }
+                }
+            }
+            for (o, a) in out.iter_mut().zip(&acc) {
+                for (h, ah) in a.iter().enumerate() {
+                    _mm256_storeu_ps(o.as_mut_ptr().add((half0 + h) * 8), *ah);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -622,11 +797,57 @@ mod tests {
                         .unwrap();
                         assert_eq!(bits(&one), bits(&want[i * rows..(i + 1) * rows]));
                     }
-                    if Isa::Avx512Vnni.is_supported() {
-                        let mut got = vec![0.0; m * rows];
-                        matmul_packed_with_isa(Isa::Avx512Vnni, &p, &x, m, &mut got).unwrap();
-                        assert_eq!(bits(&got), bits(&want), "{ty:?} {rows}x{cols} m={m}");
+                    for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+                        if isa.is_supported() {
+                            let mut got = vec![0.0; m * rows];
+                            matmul_packed_with_isa(isa, &p, &x, m, &mut got).unwrap();
+                            assert_eq!(bits(&got), bits(&want), "{isa} {ty:?} {rows}x{cols} m={m}");
+                        }
                     }
+                }
+            }
+        }
+    }
+
+    /// The largest products each format allows: AVX2 sums them in 16 bits.
+    #[test]
+    fn extreme_quants_match_the_reference_on_every_isa() {
+        let (rows, cols) = (19, 128);
+        let one = half::f16::from_f32(1.0).to_bits().to_le_bytes();
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+            let mut data = Vec::new();
+            for r in 0..rows {
+                for b in 0..cols / QK {
+                    data.extend_from_slice(&one);
+                    if ty == GgmlType::Q4_1 {
+                        data.extend_from_slice(&one); // m
+                        // Every nibble 15; row 3 all zero.
+                        data.extend_from_slice(&[if r == 3 { 0 } else { 0xFF }; 16]);
+                    } else {
+                        // -128 and 127 (the extremes of i8), by row and block.
+                        let q: u8 = if (r + b) % 2 == 0 { 0x80 } else { 0x7F };
+                        data.extend_from_slice(&[q; 32]);
+                    }
+                }
+            }
+            let q = QMatrix::new(ty, &data, rows, cols).unwrap();
+            let p = PackedMatrix::pack_any_cpu(&q).unwrap();
+            for sign in [1.0f32, -1.0] {
+                // Every activation quantises to +-127 (the block's max).
+                let x: Vec<f32> = (0..9 * cols)
+                    .map(|i| sign * (3.0 + (i % 2) as f32 * 1e-3))
+                    .collect();
+                let mut want = vec![0.0; 9 * rows];
+                matmul_packed_with_isa(Isa::Scalar, &p, &x, 9, &mut want).unwrap();
+                for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+                    let mut got = vec![0.0; 9 * rows];
+                    matmul_packed_with_isa(isa, &p, &x, 9, &mut got).unwrap();
+                    assert_eq!(bits(&got), bits(&want), "{isa} {ty:?} sign {sign}");
+                }
+                let mut ggml = vec![0.0; 9 * rows];
+                matmul_with_isa(Isa::Scalar, &q, &x, 9, &mut ggml).unwrap();
+                for (a, b) in want.iter().zip(&ggml) {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{ty:?} {a} vs {b}");
                 }
             }
         }
@@ -695,7 +916,7 @@ mod tests {
                         let out = &mut want[s * m * rows..(s + 1) * m * rows];
                         matmul_packed_with_isa(Isa::Scalar, &ps, &xs, m, out).unwrap();
                     }
-                    for isa in [Isa::Scalar, Isa::Avx512Vnni] {
+                    for isa in Isa::ALL {
                         if !isa.is_supported() {
                             continue;
                         }
@@ -726,7 +947,9 @@ mod tests {
         let mut out = vec![0.0; 4];
         assert!(matmul_packed(&p, &[0.0; 63], 1, &mut out).is_err());
         assert!(matmul_packed(&p, &[0.0; 64], 1, &mut out[..3]).is_err());
-        assert!(matmul_packed_with_isa(Isa::Avx2, &p, &[0.0; 64], 1, &mut out).is_err());
+        if !Isa::Avx512Vnni.is_supported() {
+            assert!(matmul_packed_with_isa(Isa::Avx512Vnni, &p, &[0.0; 64], 1, &mut out).is_err());
+        }
         // Two blocks split three ways, or zero ways, and a wrong output size.
         let mut seg_out = vec![0.0; 12];
         assert!(matmul_packed_segments(&p, &[0.0; 64], 1, 3, &mut seg_out).is_err());
