@@ -1,12 +1,15 @@
 //! Matmul throughput: Q4_1 576x1536 and Q8_0 49152x576 at m = 1 and m = 32,
 //! single thread (set TANDEM_BENCH_THREADS to change), reported as weight
-//! bytes per second.
+//! bytes per second: the ggml-order kernels (`generic`) and the packed ones
+//! (`packed`), for every ISA this CPU has.
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tandem_kernels::{GgmlType, Isa, QMatrix, matmul_with_isa};
+use tandem_kernels::{
+    GgmlType, Isa, PackedMatrix, QMatrix, matmul_packed_with_isa, matmul_with_isa,
+};
 
 fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     let bytes = ty.row_bytes(cols).expect("aligned") * rows;
@@ -46,6 +49,7 @@ fn bench(c: &mut Criterion) {
     for (ty, rows, cols) in cases {
         let data = weights(ty, rows, cols);
         let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
+        let packed = PackedMatrix::pack_any_cpu(&w).expect("Q4_1 and Q8_0 pack");
         for m in [1usize, 32] {
             let x: Vec<f32> = (0..m * cols)
                 .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
@@ -56,12 +60,25 @@ fn bench(c: &mut Criterion) {
                 .filter(|i| i.is_supported() && *i != Isa::Scalar)
             {
                 g.throughput(Throughput::Bytes(data.len() as u64));
-                g.bench_function(format!("{ty}_{rows}x{cols}_m{m}_{isa}_t{threads}"), |b| {
-                    b.iter(|| {
-                        matmul_with_isa(isa, &w, black_box(&x), m, &mut out).expect("matmul");
-                        black_box(&out);
-                    })
-                });
+                g.bench_function(
+                    format!("{ty}_{rows}x{cols}_m{m}_{isa}_generic_t{threads}"),
+                    |b| {
+                        b.iter(|| {
+                            matmul_with_isa(isa, &w, black_box(&x), m, &mut out).expect("matmul");
+                            black_box(&out);
+                        })
+                    },
+                );
+                g.bench_function(
+                    format!("{ty}_{rows}x{cols}_m{m}_{isa}_packed_t{threads}"),
+                    |b| {
+                        b.iter(|| {
+                            matmul_packed_with_isa(isa, &packed, black_box(&x), m, &mut out)
+                                .expect("matmul");
+                            black_box(&out);
+                        })
+                    },
+                );
             }
         }
     }
