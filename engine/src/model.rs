@@ -993,42 +993,120 @@ impl LlamaModel {
         };
         let k_slices: Vec<_> = chunks.iter().map(|ch| slices(ch, 0)).collect();
         let v_slices: Vec<_> = chunks.iter().map(|ch| slices(ch, 1)).collect();
-        tandem_kernels::parallel_chunks_mut(out, hd, &|i, out_h| {
-            let (t, h) = (i / c.n_heads, i % c.n_heads);
-            let (ci, pos) = placement[t];
-            let g = h / group;
+        // Work items: a run of up to ATTN_TILE_TOKENS consecutive tokens of
+        // one sequence with one KV head's query heads, so each K/V row is
+        // read once for all of them.
+        let tiles = attention_tiles(placement);
+        let (n_kv, width) = (c.n_kv_heads, group * hd);
+        let qkv_w = c.q_dim() + 2 * c.kv_dim();
+        let run = |(t0, nt): (usize, usize), g: usize, dst: &mut [f32]| {
+            let ci = placement[t0].0;
             // A decode step's context is cold (the previous step touched
-            // other sequences): fetch it in parallel for the group's first
-            // head; the group's other heads then find it in cache.
-            if h % group == 0 && chunks[ci].tokens.len() == 1 {
+            // other sequences): fetch it in parallel before reading it.
+            if chunks[ci].tokens.len() == 1 {
                 tandem_kernels::attention::prefetch_context(
                     &k_slices[ci][g],
                     &v_slices[ci][g],
                     bs,
                     hd,
-                    pos + 1,
+                    placement[t0].1 + 1,
                 );
             }
-            SCORES.with_borrow_mut(|scores| {
-                let q = t * (c.q_dim() + 2 * c.kv_dim()) + h * hd;
-                tandem_kernels::attention::attend(
-                    &qkv[q..q + hd],
+            ATTN_SCRATCH.with_borrow_mut(|(qs, n_ctx, scratch)| {
+                qs.clear();
+                n_ctx.clear();
+                for (t, &(_, pos)) in placement.iter().enumerate().skip(t0).take(nt) {
+                    let q = t * qkv_w + g * width;
+                    qs.extend_from_slice(&qkv[q..q + width]);
+                    n_ctx.extend(std::iter::repeat_n(pos + 1, group));
+                }
+                tandem_kernels::attention::attend_tile(
+                    qs,
+                    n_ctx,
                     &k_slices[ci][g],
                     &v_slices[ci][g],
                     bs,
-                    pos + 1,
                     scale,
-                    scores,
-                    out_h,
+                    scratch,
+                    dst,
                 );
             });
+        };
+        if tiles.iter().all(|&(_, nt)| nt == 1) {
+            // One token per sequence (decode): item (token, KV head) owns
+            // its slice of `out`.
+            tandem_kernels::parallel_chunks_mut(out, width, &|i, dst| {
+                run(tiles[i / n_kv], i % n_kv, dst);
+            });
+            return;
+        }
+        // A prompt's later runs see more context, and the pool hands each
+        // thread a contiguous range of items: alternating first and last
+        // runs balances the threads. Runs write to their own rows of
+        // `results`, copied into place afterwards.
+        let order: Vec<usize> = (0..tiles.len())
+            .map(|k| {
+                if k % 2 == 0 {
+                    k / 2
+                } else {
+                    tiles.len() - 1 - k / 2
+                }
+            })
+            .collect();
+        let item_len = ATTN_TILE_TOKENS * width;
+        ATTN_RESULTS.with_borrow_mut(|results| {
+            // Kept across calls (a prompt's would be megabytes to fault in
+            // and zero per layer); every slot read below is written first.
+            results.resize(results.len().max(order.len() * n_kv * item_len), 0.0);
+            tandem_kernels::parallel_chunks_mut(
+                &mut results[..order.len() * n_kv * item_len],
+                item_len,
+                &|i, res| {
+                    let tile = tiles[order[i / n_kv]];
+                    run(tile, i % n_kv, &mut res[..tile.1 * width]);
+                },
+            );
+            let mut item_of = vec![0; tiles.len()];
+            for (k, &ti) in order.iter().enumerate() {
+                item_of[ti] = k;
+            }
+            for (ti, &(t0, nt)) in tiles.iter().enumerate() {
+                for j in 0..nt {
+                    let row = &mut out[(t0 + j) * c.q_dim()..(t0 + j + 1) * c.q_dim()];
+                    for (g, dst) in row.chunks_exact_mut(width).enumerate() {
+                        let at = (item_of[ti] * n_kv + g) * item_len + j * width;
+                        dst.copy_from_slice(&results[at..at + width]);
+                    }
+                }
+            }
         });
     }
 }
 
+/// Most tokens of one sequence whose attention runs as one work item.
+const ATTN_TILE_TOKENS: usize = 8;
+
+/// Runs `(first token, count)` of at most [`ATTN_TILE_TOKENS`] consecutive
+/// tokens of the same sequence, covering every token in order.
+fn attention_tiles(placement: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    let mut tiles: Vec<(usize, usize)> = Vec::new();
+    for (t, &(ci, _)) in placement.iter().enumerate() {
+        match tiles.last_mut() {
+            Some((t0, n)) if *n < ATTN_TILE_TOKENS && placement[*t0].0 == ci => *n += 1,
+            _ => tiles.push((t, 1)),
+        }
+    }
+    tiles
+}
+
 thread_local! {
-    /// Attention score scratch, reused across calls on each pool thread.
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Attention scratch reused across calls on each pool thread: a work
+    /// item's queries, their context lengths, the kernel's scratch.
+    #[allow(clippy::type_complexity)]
+    static ATTN_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    /// A prompt's attention outputs by work item, on the calling thread.
+    static ATTN_RESULTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Packs `parts`' rows as one matrix where the packed kernel runs, and then

@@ -360,6 +360,77 @@ fn batched_forward_equals_single_sequence_forward() {
     }
 }
 
+/// A long prompt's attention runs in tiles of several tokens (each K/V row
+/// converted once for all of them, threads balanced across the causal
+/// triangle); chunked prefill and one-token decode steps read the same
+/// cache one query at a time. Every split gives bitwise the same logits.
+#[test]
+fn long_prompt_logits_do_not_depend_on_how_it_is_split() {
+    let m = &model().model;
+    let tok = &model().tokenizer;
+    let text = "Once upon a time, in a quiet village by the sea, there lived an old \
+                fisherman who told stories to the children every evening. "
+        .repeat(8);
+    let prompt = tok.encode(&text, true).expect("tok");
+    assert!(prompt.len() >= 200, "{} tokens", prompt.len());
+    let whole = last_logits(&prompt);
+    for splits in [vec![150], vec![64, 130, 131, 197], vec![9, 140]] {
+        let mut cache =
+            KvCache::new(m.kv_cache_config(16, prompt.len().div_ceil(16))).expect("cache");
+        let mut table = Vec::new();
+        cache.reserve(&mut table, prompt.len()).expect("space");
+        let mut bounds = splits.clone();
+        bounds.push(prompt.len());
+        let mut start = 0;
+        let mut logits = Vec::new();
+        for &end in &bounds {
+            logits = m
+                .forward(
+                    &[SeqChunk {
+                        tokens: &prompt[start..end],
+                        start_pos: start,
+                        block_table: &table,
+                        want_logits: end == prompt.len(),
+                    }],
+                    &mut cache,
+                )
+                .expect("forward");
+            start = end;
+        }
+        assert!(logits == whole, "split at {splits:?} differs");
+    }
+    // The last tokens one at a time, as decode steps.
+    let mut cache = KvCache::new(m.kv_cache_config(16, prompt.len().div_ceil(16))).expect("cache");
+    let mut table = Vec::new();
+    cache.reserve(&mut table, prompt.len()).expect("space");
+    let first = prompt.len() - 3;
+    m.forward(
+        &[SeqChunk {
+            tokens: &prompt[..first],
+            start_pos: 0,
+            block_table: &table,
+            want_logits: false,
+        }],
+        &mut cache,
+    )
+    .expect("prefill");
+    let mut logits = Vec::new();
+    for p in first..prompt.len() {
+        logits = m
+            .forward(
+                &[SeqChunk {
+                    tokens: &prompt[p..p + 1],
+                    start_pos: p,
+                    block_table: &table,
+                    want_logits: true,
+                }],
+                &mut cache,
+            )
+            .expect("decode");
+    }
+    assert!(logits == whole, "decode steps differ");
+}
+
 #[test]
 fn bad_requests_are_rejected_not_panicked() {
     let m = &model().model;

@@ -1,4 +1,10 @@
-//! Attention of one query head over a paged f16 KV context.
+//! Attention of query heads over a paged f16 KV context.
+//!
+//! [`attend_tile`] serves several queries sharing one KV head at once (the
+//! heads of a GQA group, for one token or a run of a prompt's tokens, each
+//! with its own causal length): every K and V row is read and converted
+//! from f16 once for all of them, and each query's result is bitwise what
+//! [`attend`] computes for it alone.
 //!
 //! The caller hands the head's K and V slices of each block of the sequence,
 //! in order (each `block_size x head_dim` f16 values), so the kernel knows
@@ -90,53 +96,191 @@ pub fn attend_with_isa(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let hd = q.len();
-    assert_eq!(out.len(), hd, "output length must equal head_dim");
-    assert!(
-        k_blocks.len() * block_size >= n_ctx && v_blocks.len() * block_size >= n_ctx,
-        "blocks cover fewer than {n_ctx} positions"
+    attend_tile_with_isa(
+        isa,
+        q,
+        &[n_ctx],
+        k_blocks,
+        v_blocks,
+        block_size,
+        scale,
+        scores,
+        out,
     );
+}
+
+/// Attention of `n_ctx.len()` queries over one context: query `i` is
+/// `qs[i * hd..(i + 1) * hd]` (with `hd = qs.len() / n_ctx.len()`), sees
+/// the first `n_ctx[i]` positions and writes `out[i * hd..(i + 1) * hd]`.
+/// Bitwise [`attend`] for each query; each K and V row is converted once
+/// for every query that sees it. `scratch` is scratch space.
+///
+/// # Panics
+/// As [`attend`], or if `qs` and `out` are not `n_ctx.len()` equal rows.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_tile(
+    qs: &[f32],
+    n_ctx: &[usize],
+    k_blocks: &[&[f16]],
+    v_blocks: &[&[f16]],
+    block_size: usize,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    attend_tile_with_isa(
+        crate::isa(),
+        qs,
+        n_ctx,
+        k_blocks,
+        v_blocks,
+        block_size,
+        scale,
+        scratch,
+        out,
+    );
+}
+
+/// [`attend_tile`] with an explicit instruction set.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_tile_with_isa(
+    isa: Isa,
+    qs: &[f32],
+    n_ctx: &[usize],
+    k_blocks: &[&[f16]],
+    v_blocks: &[&[f16]],
+    block_size: usize,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let nq = n_ctx.len();
+    if nq == 0 {
+        assert!(qs.is_empty() && out.is_empty(), "queries without lengths");
+        return;
+    }
+    let hd = qs.len() / nq;
+    assert!(
+        qs.len() == nq * hd && out.len() == qs.len(),
+        "queries and outputs must be {nq} rows of equal length"
+    );
+    assert!(hd <= 512, "head_dim above 512");
+    let max_ctx = n_ctx.iter().copied().max().unwrap_or(0);
+    assert!(
+        k_blocks.len() * block_size >= max_ctx && v_blocks.len() * block_size >= max_ctx,
+        "blocks cover fewer than {max_ctx} positions"
+    );
+    let simd = isa >= Isa::Avx2 && Isa::Avx2.is_supported() && hd.is_multiple_of(8);
+    // Converting rows once pays off only when enough queries share them: a
+    // decode step's few heads of a group read the f16 rows directly.
+    if !(simd && hd == 64 && nq >= MIN_TILE_QUERIES && max_ctx >= MIN_TILE_CONTEXT) {
+        for ((q, o), &n) in qs.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(n_ctx) {
+            attend_one(
+                simd, q, k_blocks, v_blocks, block_size, n, scale, scratch, o,
+            );
+        }
+        return;
+    }
+    // Scratch: the f16-rounded queries, then each query's score row.
+    scratch.clear();
+    scratch.resize(nq * hd + nq * max_ctx, 0.0);
+    let (qh, scores) = scratch.split_at_mut(nq * hd);
+    for (d, &s) in qh.iter_mut().zip(qs) {
+        *d = f16::from_f32(s).to_f32();
+    }
+    let mut rows = [[0.0f32; 64]; 8];
+    let mut p0 = 0;
+    for batch in context_batches(k_blocks, hd, block_size, max_ctx) {
+        // SAFETY: AVX2/F16C support checked above; rows hold 64 values.
+        unsafe { avx2::convert_rows_64(&batch.rows[..batch.len], &mut rows) };
+        for ((q, sc), &n) in qh
+            .chunks_exact(hd)
+            .zip(scores.chunks_exact_mut(max_ctx))
+            .zip(n_ctx)
+        {
+            let seen = n.saturating_sub(p0).min(batch.len);
+            if seen == 8 {
+                // SAFETY: as above.
+                let d = unsafe { avx2::dot8_64(q, &rows) };
+                for (s, v) in sc[p0..p0 + 8].iter_mut().zip(d) {
+                    *s = v * scale;
+                }
+            } else {
+                for (s, k) in sc[p0..p0 + seen].iter_mut().zip(&rows) {
+                    // SAFETY: as above.
+                    *s = unsafe { avx2::dot_64(q, k) } * scale;
+                }
+            }
+        }
+        p0 += batch.len;
+    }
+    for (sc, &n) in scores.chunks_exact_mut(max_ctx).zip(n_ctx) {
+        crate::ops::softmax(&mut sc[..n]);
+        crate::ops::round_through_f16(&mut sc[..n]);
+    }
+    out.fill(0.0);
+    let mut p0 = 0;
+    for batch in context_batches(v_blocks, hd, block_size, max_ctx) {
+        // SAFETY: AVX2/F16C support checked above; rows hold 64 values.
+        unsafe { avx2::convert_rows_64(&batch.rows[..batch.len], &mut rows) };
+        for ((o, sc), &n) in out
+            .chunks_exact_mut(hd)
+            .zip(scores.chunks_exact(max_ctx))
+            .zip(n_ctx)
+        {
+            let seen = n.saturating_sub(p0).min(batch.len);
+            if seen > 0 {
+                // SAFETY: as above; `o` holds 64 values.
+                unsafe { avx2::weighted_rows_64(o, &sc[p0..p0 + seen], &rows) };
+            }
+        }
+        p0 += batch.len;
+    }
+}
+
+/// Fewest queries, and shortest longest context, for which [`attend_tile`]
+/// converts each row once (measured: below these, per-query is faster).
+const MIN_TILE_QUERIES: usize = 8;
+const MIN_TILE_CONTEXT: usize = 128;
+
+/// One query, any head size: the scalar reference, or AVX2 (eight rows at
+/// a time for 64-value heads; the same operations).
+#[allow(clippy::too_many_arguments)]
+fn attend_one(
+    simd: bool,
+    q: &[f32],
+    k_blocks: &[&[f16]],
+    v_blocks: &[&[f16]],
+    block_size: usize,
+    n_ctx: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = q.len();
     let mut qh = [0.0f32; 512];
-    assert!(hd <= qh.len(), "head_dim above 512");
     for (d, &s) in qh.iter_mut().zip(q) {
         *d = f16::from_f32(s).to_f32();
     }
     let qh = &qh[..hd];
-    let simd = isa >= Isa::Avx2 && Isa::Avx2.is_supported() && hd.is_multiple_of(8);
-
     scores.clear();
     if simd && hd == 64 {
-        // Eight positions at a time, lanes summed through a transpose: the
-        // same additions per position as the one-row kernel.
-        let mut rows = context_rows(k_blocks, hd, block_size, n_ctx);
-        loop {
-            let mut batch: [&[f16]; 8] = [&[]; 8];
-            let mut n = 0;
-            for slot in &mut batch {
-                match rows.next() {
-                    Some(r) => {
-                        *slot = r;
-                        n += 1;
-                    }
-                    None => break,
-                }
-            }
-            if n == 8 {
-                // SAFETY: AVX2/F16C support checked above; every row has 64 values.
-                let d = unsafe { avx2::dot8_f32_f16_64(qh, &batch) };
+        for batch in context_batches(k_blocks, hd, block_size, n_ctx) {
+            if batch.len == 8 {
+                // SAFETY: the caller checked AVX2/F16C support; rows hold 64 values.
+                let d = unsafe { avx2::dot8_f32_f16_64(qh, &batch.rows) };
                 scores.extend(d.iter().map(|&v| v * scale));
             } else {
-                for k in &batch[..n] {
+                for k in &batch.rows[..batch.len] {
                     // SAFETY: as above.
                     scores.push(unsafe { avx2::dot_f32_f16(qh, k) } * scale);
                 }
-                break;
             }
         }
     } else {
         for k in context_rows(k_blocks, hd, block_size, n_ctx) {
             let dot = if simd {
-                // SAFETY: AVX2/F16C support was checked above; lengths are equal.
+                // SAFETY: the caller checked AVX2/F16C support; lengths are equal.
                 unsafe { avx2::dot_f32_f16(qh, k) }
             } else {
                 crate::ops::dot_f32_f16(qh, k)
@@ -146,22 +290,49 @@ pub fn attend_with_isa(
     }
     crate::ops::softmax(scores);
     crate::ops::round_through_f16(scores);
-
     let v_rows = context_rows(v_blocks, hd, block_size, n_ctx);
     if simd && hd == 64 {
-        // SAFETY: AVX2/F16C support checked above; rows hold 64 values.
-        unsafe { avx2::weighted_rows_64(out, scores, v_rows) };
+        // SAFETY: the caller checked AVX2/F16C support; rows hold 64 values.
+        unsafe { avx2::weighted_f16_rows_64(out, scores, v_rows) };
         return;
     }
     out.fill(0.0);
     for (&p, v) in scores.iter().zip(v_rows) {
         if simd {
-            // SAFETY: AVX2/F16C support was checked above; lengths are equal.
+            // SAFETY: as above.
             unsafe { avx2::axpy_f16(out, p, v) }
         } else {
             crate::ops::axpy_f16(out, p, v);
         }
     }
+}
+
+/// Up to 8 consecutive context rows.
+struct Batch<'a> {
+    rows: [&'a [f16]; 8],
+    len: usize,
+}
+
+/// The first `n_ctx` rows of a paged context in runs of 8 (a short run
+/// only at the end).
+fn context_batches<'a>(
+    blocks: &'a [&'a [f16]],
+    hd: usize,
+    block_size: usize,
+    n_ctx: usize,
+) -> impl Iterator<Item = Batch<'a>> + 'a {
+    let mut rows = context_rows(blocks, hd, block_size, n_ctx);
+    std::iter::from_fn(move || {
+        let mut b = Batch {
+            rows: [&[]; 8],
+            len: 0,
+        };
+        for (slot, r) in b.rows.iter_mut().zip(rows.by_ref()) {
+            *slot = r;
+            b.len += 1;
+        }
+        (b.len > 0).then_some(b)
+    })
 }
 
 /// The first `n_ctx` rows (`head_dim` values each) of a paged context, in order.
@@ -206,9 +377,64 @@ mod avx2 {
         lanes.iter().sum::<f32>()
     }
 
-    /// [`dot_f32_f16`] of a 64-value query with 8 rows at once; each
-    /// row's 8 lanes are transposed into place and summed in lane order
-    /// from -0.0, as `lanes.iter().sum()` does.
+    /// `rows[r] = f32(batch[r])` for each 64-value row of `batch` (at
+    /// most 8); exact.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn convert_rows_64(batch: &[&[f16]], rows: &mut [[f32; 64]; 8]) {
+        for (dst, src) in rows.iter_mut().zip(batch) {
+            debug_assert_eq!(src.len(), 64);
+            for c in 0..8 {
+                // SAFETY: both rows hold 64 values.
+                unsafe {
+                    let x = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(c * 8).cast()));
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(c * 8), x);
+                }
+            }
+        }
+    }
+
+    /// [`dot_f32_f16`] of a 64-value query with one converted row: the
+    /// same operations in the same order.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn dot_64(q: &[f32], k: &[f32; 64]) -> f32 {
+        debug_assert_eq!(q.len(), 64);
+        let mut acc = _mm256_setzero_ps();
+        for c in 0..8 {
+            // SAFETY: both hold 64 values.
+            unsafe {
+                let qv = _mm256_loadu_ps(q.as_ptr().add(c * 8));
+                let kv = _mm256_loadu_ps(k.as_ptr().add(c * 8));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(qv, kv));
+            }
+        }
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        lanes.iter().sum::<f32>()
+    }
+
+    /// [`dot_64`] of a query with 8 converted rows at once.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn dot8_64(q: &[f32], rows: &[[f32; 64]; 8]) -> [f32; 8] {
+        debug_assert_eq!(q.len(), 64);
+        // SAFETY (whole body): q and every row hold 64 elements.
+        unsafe {
+            let mut qv = [_mm256_setzero_ps(); 8];
+            for (c, v) in qv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(q.as_ptr().add(c * 8));
+            }
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (a, row) in acc.iter_mut().zip(rows) {
+                for (c, &qc) in qv.iter().enumerate() {
+                    let k = _mm256_loadu_ps(row.as_ptr().add(c * 8));
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(qc, k));
+                }
+            }
+            sum_lanes8(&acc)
+        }
+    }
+
+    /// [`dot_f32_f16`] of a 64-value query with 8 f16 rows at once.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn dot8_f32_f16_64(q: &[f32], rows: &[&[f16]; 8]) -> [f32; 8] {
         debug_assert!(q.len() == 64 && rows.iter().all(|r| r.len() == 64));
@@ -225,6 +451,18 @@ mod avx2 {
                     *a = _mm256_add_ps(*a, _mm256_mul_ps(qc, k));
                 }
             }
+            sum_lanes8(&acc)
+        }
+    }
+
+    /// Sums each of 8 rows' lane accumulators: transposed into place, then
+    /// added in lane order from -0.0 as `lanes.iter().sum()` does, so the
+    /// same additions per row as the one-row kernels.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn sum_lanes8(acc: &[__m256; 8]) -> [f32; 8] {
+        // SAFETY (whole body): `out` holds 8 f32.
+        unsafe {
             // 8x8 transpose: t[l] holds lane l of every row.
             let t0 = _mm256_unpacklo_ps(acc[0], acc[1]);
             let t1 = _mm256_unpackhi_ps(acc[0], acc[1]);
@@ -263,11 +501,11 @@ mod avx2 {
         }
     }
 
-    /// `out = sum_j p[j] * v_j` over 64-value rows, in row order, mul then
-    /// add per element as [`axpy_f16`] (from zeros), the accumulators kept
+    /// `out = sum_j p[j] * v_j` over 64-value f16 rows, in row order, mul
+    /// then add per element as [`axpy_f16`] (from zeros), the accumulators
     /// in registers.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn weighted_rows_64<'a>(
+    pub(super) unsafe fn weighted_f16_rows_64<'a>(
         out: &mut [f32],
         p: &[f32],
         rows: impl Iterator<Item = &'a [f16]>,
@@ -286,6 +524,31 @@ mod avx2 {
         for (c, a) in acc.iter().enumerate() {
             // SAFETY: `out` holds 64 values.
             unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(c * 8), *a) };
+        }
+    }
+
+    /// `out += sum_j p[j] * rows[j]` over converted 64-value rows, in row
+    /// order, mul then add per element as [`axpy_f16`], the accumulators
+    /// kept in registers across the rows.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn weighted_rows_64(out: &mut [f32], p: &[f32], rows: &[[f32; 64]; 8]) {
+        debug_assert_eq!(out.len(), 64);
+        // SAFETY (whole body): `out` and every row hold 64 values.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(out.as_ptr().add(c * 8));
+            }
+            for (&w, v) in p.iter().zip(rows) {
+                let wv = _mm256_set1_ps(w);
+                for (c, a) in acc.iter_mut().enumerate() {
+                    let x = _mm256_loadu_ps(v.as_ptr().add(c * 8));
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, x));
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(c * 8), *a);
+            }
         }
     }
 
@@ -366,6 +629,51 @@ mod tests {
                     bits(&want),
                     "{isa} hd {hd} bs {bs} n_ctx {n_ctx}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn a_tile_is_bitwise_each_query_alone() {
+        let mut rng = ChaCha8Rng::seed_from_u64(29);
+        // (head_dim, block_size, per-query context lengths): GQA groups of
+        // one token, causal runs of a prompt, lengths around the 8-row
+        // batches, a query that sees nothing; both sides of the
+        // converted-rows thresholds.
+        let cases: &[(usize, usize, Vec<usize>)] = &[
+            (64, 16, vec![37; 3]),
+            (64, 16, (1..=10).collect()),
+            (64, 16, (5..13).flat_map(|n| [n; 3]).collect()),
+            (64, 3, vec![130, 7, 8, 9, 0, 64]),
+            // The converted-rows path: enough queries and context.
+            (64, 16, (120..=140).collect()),
+            (64, 16, (125..133).flat_map(|n| [n; 3]).collect()),
+            (64, 3, vec![130, 7, 8, 9, 0, 64, 1, 200]),
+            (64, 16, vec![1]),
+            (32, 4, vec![5, 6, 7, 20]),
+            (6, 2, vec![3, 5]),
+        ];
+        for (hd, bs, n_ctx) in cases {
+            let (hd, bs) = (*hd, *bs);
+            let max = n_ctx.iter().copied().max().unwrap_or(0);
+            let n_blocks = max.div_ceil(bs) + 1;
+            let kb = blocks(&mut rng, n_blocks, bs * hd);
+            let vb = blocks(&mut rng, n_blocks, bs * hd);
+            let ks: Vec<&[f16]> = kb.iter().map(Vec::as_slice).collect();
+            let vs: Vec<&[f16]> = vb.iter().map(Vec::as_slice).collect();
+            let qs: Vec<f32> = (0..n_ctx.len() * hd)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let mut scratch = Vec::new();
+            let mut want = vec![0.0; qs.len()];
+            for ((q, o), &n) in qs.chunks(hd).zip(want.chunks_mut(hd)).zip(n_ctx) {
+                attend_with_isa(Isa::Scalar, q, &ks, &vs, bs, n, 0.125, &mut scratch, o);
+            }
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+                let mut got = vec![f32::NAN; qs.len()];
+                attend_tile_with_isa(isa, &qs, n_ctx, &ks, &vs, bs, 0.125, &mut scratch, &mut got);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{isa} hd {hd} bs {bs} {n_ctx:?}");
             }
         }
     }
