@@ -28,6 +28,24 @@ use tandem_engine::sampler::argmax;
 
 const BLOCK_SIZE: usize = 16;
 
+/// Comma-separated batch sizes; the empty string is none.
+#[derive(Debug, Clone)]
+struct BatchSizes(Vec<usize>);
+
+impl std::str::FromStr for BatchSizes {
+    type Err = std::num::ParseIntError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.trim().is_empty() {
+            return Ok(Self(Vec::new()));
+        }
+        s.split(',')
+            .map(|b| b.trim().parse())
+            .collect::<Result<_, _>>()
+            .map(Self)
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct BenchEngineArgs {
     /// A .gguf file, an HF model directory, or the alias smollm2-135m.
@@ -45,13 +63,8 @@ pub struct BenchEngineArgs {
     #[arg(long, env = "TANDEM_BENCH_TG", default_value_t = 128)]
     tg: usize,
     /// Batch sizes for the batched test, comma-separated (empty skips it).
-    #[arg(
-        long,
-        env = "TANDEM_BENCH_BATCH",
-        value_delimiter = ',',
-        default_value = "1,8,32"
-    )]
-    batch: Vec<usize>,
+    #[arg(long, env = "TANDEM_BENCH_BATCH", default_value = "1,8,32")]
+    batch: BatchSizes,
     /// Batched test: prompt tokens per sequence.
     #[arg(long, env = "TANDEM_BENCH_NPP", default_value_t = 128)]
     npp: usize,
@@ -314,10 +327,10 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     if args.reps == 0 {
         bail!("--reps must be at least 1");
     }
-    if args.batch.contains(&0) {
+    if args.batch.0.contains(&0) {
         bail!("--batch sizes must be at least 1");
     }
-    if !args.batch.is_empty() && (args.npp == 0 || args.ntg == 0) {
+    if !args.batch.0.is_empty() && (args.npp == 0 || args.ntg == 0) {
         bail!("--npp and --ntg must be at least 1 for the batched test");
     }
     args.kernels.apply()?;
@@ -326,7 +339,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
     let cfg = m.model.config();
     let vocab = cfg.vocab_size;
-    let longest = args.pp.max(args.tg + 1).max(if args.batch.is_empty() {
+    let longest = args.pp.max(args.tg + 1).max(if args.batch.0.is_empty() {
         0
     } else {
         args.npp + args.ntg
@@ -402,7 +415,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
         rows.push(row);
     }
 
-    for &b in &args.batch {
+    for &b in &args.batch.0 {
         let per_seq = args.npp + args.ntg;
         let mut cache = bench.cache(b * per_seq.div_ceil(BLOCK_SIZE) * BLOCK_SIZE)?;
         let mut tables = Vec::with_capacity(b);
@@ -561,6 +574,15 @@ mod tests {
     #[test]
     fn json_strings_are_escaped() {
         assert_eq!(json_str("a\"b\\c\n\u{1}"), "\"a\\\"b\\\\c\\n\\u0001\"");
+    }
+
+    #[test]
+    fn batch_sizes_parse_and_empty_is_none() {
+        let parse = |s: &str| s.parse::<BatchSizes>().map(|b| b.0);
+        assert_eq!(parse("1,8, 32"), Ok(vec![1, 8, 32]));
+        assert_eq!(parse(""), Ok(vec![]));
+        assert!(parse("1,,2").is_err());
+        assert!(parse("x").is_err());
     }
 
     #[test]
