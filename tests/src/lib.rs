@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+pub mod cluster;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
