@@ -21,8 +21,9 @@ use tandem_worker::service::WorkerService;
 use tandem_worker::{NodeCore, NodeOptions};
 
 use crate::serve::{
-    EngineArgs, HttpArgs, SHUTDOWN_GRACE, install_metrics, parse_addr, served_name, shutdown_signal,
+    EngineArgs, HttpArgs, SHUTDOWN_GRACE, parse_addr, runtime, served_name, shutdown_signal,
 };
+use crate::telemetry::{Telemetry, TelemetryArgs};
 
 /// Where the cluster's etcd is and how workers register there.
 #[derive(Debug, Args)]
@@ -79,6 +80,8 @@ pub struct NodeArgs {
     /// UCX transports (UCX_TLS) for the ucx connector, e.g. tcp or posix,sysv,cma,self.
     #[arg(long, env = "TANDEM_UCX_TLS")]
     pub ucx_tls: Option<String>,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
 }
 
 #[derive(Debug, Args)]
@@ -135,14 +138,8 @@ pub struct RouterArgs {
     /// Prefill workers named per request, best first (the rest are retries).
     #[arg(long, env = "TANDEM_PREFILL_CANDIDATES", default_value_t = 2)]
     pub prefill_candidates: usize,
-}
-
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().min(4)))
-        .enable_all()
-        .build()
-        .context("starting the async runtime")
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
 }
 
 fn node_options(node: &NodeArgs, role: Role) -> Result<NodeOptions> {
@@ -176,13 +173,32 @@ fn run_node(
     if let Some(d) = &decode {
         d.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     }
-    let (meter_provider, render) = install_metrics()?;
+    let rt = runtime()?;
+    // Before anything records: instruments made earlier would be no-ops.
+    let telemetry = {
+        let _rt = rt.enter();
+        Telemetry::install(role.as_str(), &node.telemetry)?
+    };
+    let result = serve_node_role(engine, &opts, decode, &rt, &telemetry);
+    telemetry.shutdown();
+    rt.shutdown_timeout(Duration::from_secs(1));
+    eprintln!("tandem: {} node stopped", role.as_str());
+    result
+}
+
+fn serve_node_role(
+    engine: &EngineArgs,
+    opts: &NodeOptions,
+    decode: Option<DecodeConfig>,
+    rt: &tokio::runtime::Runtime,
+    telemetry: &Telemetry,
+) -> Result<()> {
+    let render = telemetry.render();
     let (m, _) = engine.load()?;
     let sched = engine.scheduler_config(m.model.config().context_length)?;
     let model = Arc::new(m);
-    let rt = runtime()?;
-    let result: Result<()> = rt.block_on(async {
-        let (core, scheduler) = NodeCore::start(model, sched, &opts)?;
+    rt.block_on(async {
+        let (core, scheduler) = NodeCore::start(model, sched, opts)?;
         let mut builder = tonic::transport::Server::builder();
         let worker = WorkerService::new(Arc::clone(&core)).into_server();
         let r = match decode {
@@ -190,14 +206,14 @@ fn run_node(
                 let grpc = builder
                     .add_service(worker)
                     .add_service(PrefillService::new(Arc::clone(&core)).into_server());
-                serve_node(Arc::clone(&core), &opts, grpc, render, shutdown_signal()).await
+                serve_node(Arc::clone(&core), opts, grpc, render, shutdown_signal()).await
             }
             Some(cfg) => {
                 let svc = DecodeService::new(Arc::clone(&core), cfg);
                 let grpc = builder
                     .add_service(worker)
                     .add_service(svc.clone().into_server());
-                let r = serve_node(Arc::clone(&core), &opts, grpc, render, shutdown_signal()).await;
+                let r = serve_node(Arc::clone(&core), opts, grpc, render, shutdown_signal()).await;
                 svc.drain(SHUTDOWN_GRACE).await;
                 r
             }
@@ -208,13 +224,7 @@ fn run_node(
             .await
             .context("stopping the scheduler")?;
         r.map_err(anyhow::Error::from)
-    });
-    rt.shutdown_timeout(Duration::from_secs(1));
-    if let Err(e) = meter_provider.shutdown() {
-        tracing::warn!("stopping metrics: {e}");
-    }
-    eprintln!("tandem: {} node stopped", role.as_str());
-    result
+    })
 }
 
 pub fn run_prefill(args: PrefillArgs) -> Result<()> {
@@ -245,7 +255,26 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
     if args.kv_cache_page_size == 0 {
         bail!("--kv-cache-page-size must be at least 1");
     }
-    let (meter_provider, render) = install_metrics()?;
+    let rt = runtime()?;
+    let telemetry = {
+        let _rt = rt.enter();
+        Telemetry::install("router", &args.telemetry)?
+    };
+    let result = route(&args, addr, &etcd, routing, &rt, &telemetry);
+    telemetry.shutdown();
+    rt.shutdown_timeout(Duration::from_secs(1));
+    eprintln!("tandem: router stopped");
+    result
+}
+
+fn route(
+    args: &RouterArgs,
+    addr: std::net::SocketAddr,
+    etcd: &EtcdConfig,
+    routing: RoutingConfig,
+    rt: &tokio::runtime::Runtime,
+    telemetry: &Telemetry,
+) -> Result<()> {
     let cache = args
         .cache_dir
         .clone()
@@ -262,9 +291,8 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
     let fingerprint = m.fingerprint(args.kv_cache_page_size);
     let server = args.http.server_config(served_name(&args.model, &path))?;
     let model = Arc::new(m);
-    let rt = runtime()?;
-    let result: Result<()> = rt.block_on(async {
-        let cluster = ClusterHandle::start(&etcd, fingerprint, routing)
+    rt.block_on(async {
+        let cluster = ClusterHandle::start(etcd, fingerprint, routing)
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
         let backend = Backend::Cluster {
@@ -272,7 +300,7 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
             max_length,
         };
         let state = AppState::with_backend(model, backend, server.clone());
-        state.set_metrics_renderer(render);
+        state.set_metrics_renderer(telemetry.render());
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
@@ -291,13 +319,7 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
             .context("serving HTTP");
         cluster.shutdown().await;
         r
-    });
-    rt.shutdown_timeout(Duration::from_secs(1));
-    if let Err(e) = meter_provider.shutdown() {
-        tracing::warn!("stopping metrics: {e}");
-    }
-    eprintln!("tandem: router stopped");
-    result
+    })
 }
 
 #[derive(Debug, Subcommand)]
@@ -329,32 +351,69 @@ pub struct ClusterUpArgs {
     /// KV connector of the nodes.
     #[arg(long, env = "TANDEM_KV_CONNECTOR", default_value = "ucx", value_parser = ["ucx", "local"])]
     pub kv_connector: String,
+    /// Passed on to every process.
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
 }
 
-/// Children killed (SIGTERM, then SIGKILL) when dropped.
-struct Procs(Vec<(String, Child)>);
+/// Children stopped when dropped, in drain order: the router first (it
+/// stops taking requests and finishes its streams), then the nodes (they
+/// drain and deregister from etcd), then etcd. Each stage gets SIGTERM,
+/// then SIGKILL after a deadline.
+struct Procs(Vec<(String, Stage, Child)>);
+
+/// When a child stops: higher stages first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Stage {
+    Etcd,
+    Node,
+    Router,
+}
+
+impl Procs {
+    fn push(&mut self, name: &str, stage: Stage, child: Child) {
+        self.0.push((name.to_string(), stage, child));
+    }
+}
 
 impl Drop for Procs {
     fn drop(&mut self) {
-        for (_, c) in self.0.iter_mut().rev() {
-            // SAFETY: plain kill(2) on our own child's pid.
-            unsafe { libc_kill(c.id() as i32, 15) };
-        }
-        let deadline = Instant::now() + Duration::from_secs(15);
-        for (name, c) in self.0.iter_mut().rev() {
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = c.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            if let Ok(None) = c.try_wait() {
-                eprintln!("tandem cluster: {name} did not stop; killing it");
-                let _ = c.kill();
-            }
-            let _ = c.wait();
+        for stage in [Stage::Router, Stage::Node, Stage::Etcd] {
+            let group: Vec<_> = self.0.iter_mut().filter(|(_, s, _)| *s == stage).collect();
+            stop_all(group);
         }
     }
+}
+
+/// SIGTERM to each, then waits for all (SIGKILL past a deadline above the
+/// binary's own drain grace).
+fn stop_all(mut group: Vec<&mut (String, Stage, Child)>) {
+    for (_, _, c) in group.iter_mut() {
+        if let Ok(None) = c.try_wait() {
+            // SAFETY: plain kill(2) on our own, not yet reaped child's pid.
+            unsafe { libc_kill(c.id() as i32, 15) };
+        }
+    }
+    let deadline = Instant::now() + SHUTDOWN_GRACE + Duration::from_secs(5);
+    for (name, _, c) in group {
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = c.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Ok(None) = c.try_wait() {
+            eprintln!("tandem cluster: {name} did not stop; killing it");
+            let _ = c.kill();
+        }
+        let _ = c.wait();
+    }
+}
+
+/// A terminal's Ctrl-C signals the whole foreground process group; each
+/// child gets its own group so that only we see it and stop them in order.
+fn own_group(cmd: &mut Command) -> &mut Command {
+    std::os::unix::process::CommandExt::process_group(cmd, 0)
 }
 
 unsafe extern "C" {
@@ -368,13 +427,19 @@ fn free_port() -> Result<u16> {
 }
 
 /// Starts `cmd` and waits for its stdout line containing `marker`.
-fn start(procs: &mut Procs, name: &str, mut cmd: Command, marker: &str) -> Result<String> {
-    let mut child = cmd
+fn start(
+    procs: &mut Procs,
+    name: &str,
+    stage: Stage,
+    mut cmd: Command,
+    marker: &str,
+) -> Result<String> {
+    let mut child = own_group(&mut cmd)
         .stdout(Stdio::piped())
         .spawn()
         .with_context(|| format!("starting {name}"))?;
     let stdout = child.stdout.take().context("child stdout")?;
-    procs.0.push((name.to_string(), child));
+    procs.push(name, stage, child);
     let mut lines = BufReader::new(stdout).lines();
     loop {
         match lines.next() {
@@ -399,6 +464,12 @@ pub fn run_cluster(cmd: ClusterCommand) -> Result<()> {
     if args.decode == 0 {
         bail!("--decode must be at least 1 (the router needs a decode node)");
     }
+    args.telemetry.validate()?;
+    let telemetry = |c: &mut Command| {
+        if let Some(e) = &args.telemetry.otlp_endpoint {
+            c.args(["--otlp-endpoint", e]);
+        }
+    };
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut procs = Procs(Vec::new());
     let data = std::env::temp_dir().join(format!("tandem-cluster-etcd-{}", std::process::id()));
@@ -424,11 +495,11 @@ pub fn run_cluster(cmd: ClusterCommand) -> Result<()> {
                 ])
                 .args(["--initial-cluster", &format!("default={peer_url}")])
                 .stderr(Stdio::null());
-            let child = c
+            let child = own_group(&mut c)
                 .stdout(Stdio::null())
                 .spawn()
                 .context("starting etcd (apt install etcd-server)")?;
-            procs.0.push(("etcd".into(), child));
+            procs.push("etcd", Stage::Etcd, child);
             let deadline = Instant::now() + Duration::from_secs(20);
             while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
                 if Instant::now() > deadline {
@@ -447,12 +518,14 @@ pub fn run_cluster(cmd: ClusterCommand) -> Result<()> {
             .args(["--id", &format!("{role}-{i}")])
             .args(["--threads", &args.threads.to_string()])
             .args(["--kv-connector", &args.kv_connector]);
+        telemetry(&mut c);
         c
     };
     for i in 0..args.prefill {
         start(
             &mut procs,
             &format!("prefill-{i}"),
+            Stage::Node,
             node("prefill", i),
             "serving gRPC",
         )?;
@@ -461,6 +534,7 @@ pub fn run_cluster(cmd: ClusterCommand) -> Result<()> {
         start(
             &mut procs,
             &format!("decode-{i}"),
+            Stage::Node,
             node("decode", i),
             "serving gRPC",
         )?;
@@ -470,7 +544,8 @@ pub fn run_cluster(cmd: ClusterCommand) -> Result<()> {
         .arg("router")
         .args(["--etcd", &etcd_url, "--model", &args.model])
         .args(["--port", &args.port.to_string()]);
-    start(&mut procs, "router", router, "router for")?;
+    telemetry(&mut router);
+    start(&mut procs, "router", Stage::Router, router, "router for")?;
     println!(
         "tandem cluster: up ({} prefill, {} decode); Ctrl-C stops it",
         args.prefill, args.decode

@@ -6,6 +6,7 @@ mod cluster;
 mod generate;
 mod kernel_args;
 mod serve;
+mod telemetry;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -40,14 +41,16 @@ enum Command {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+    let command = Cli::parse().command;
+    // The serving roles install logging with their telemetry (spans may
+    // be exported); the others only log.
+    if !matches!(
+        command,
+        Command::Serve(_) | Command::Prefill(_) | Command::Decode(_) | Command::Router(_)
+    ) {
+        telemetry::init_logs();
+    }
+    match command {
         Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(args),
         Command::BenchEngine(args) => bench_engine::run(args),

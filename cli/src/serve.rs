@@ -11,13 +11,12 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use crate::kernel_args::KernelArgs;
-use opentelemetry_sdk::metrics::SdkMeterProvider;
-use prometheus::{Encoder, TextEncoder};
+use crate::telemetry::{Telemetry, TelemetryArgs};
 use tandem_engine::comm::{DeviceSpec, parse_devices};
 use tandem_engine::fetch;
 use tandem_engine::moe::Combine;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
-use tandem_router::{AppState, MetricsRenderer, ServerConfig};
+use tandem_router::{AppState, ServerConfig};
 
 /// How long in-flight requests may run on after SIGINT/SIGTERM.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -100,6 +99,8 @@ pub struct ServeArgs {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub http: HttpArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
 }
 
 impl EngineArgs {
@@ -238,14 +239,47 @@ pub fn served_name(model: &str, path: &Path) -> String {
     stem.map_or_else(|| model.to_string(), |s| s.to_string_lossy().into_owned())
 }
 
+/// The async runtime of a serving process (HTTP, gRPC, telemetry export).
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().min(4)))
+        .thread_name("tandem-io")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
 pub fn run(args: ServeArgs) -> Result<()> {
     // Flags that need no model are checked before the (slow) load.
     args.http.addr()?;
+    let runtime = runtime()?;
     // Before anything records: instruments made earlier would be no-ops.
-    let (meter_provider, render) = install_metrics()?;
+    let telemetry = {
+        let _rt = runtime.enter();
+        Telemetry::install("serve", &args.telemetry)?
+    };
+    let mut scheduler = None;
+    let result = serve_loaded(&args, &runtime, &telemetry, &mut scheduler);
+    telemetry.shutdown();
+    // Dropping the runtime drops every task still holding a scheduler
+    // handle, so the scheduler can stop.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    if let Some(s) = scheduler {
+        s.shutdown();
+    }
+    eprintln!("tandem: stopped");
+    result
+}
+
+fn serve_loaded(
+    args: &ServeArgs,
+    runtime: &tokio::runtime::Runtime,
+    telemetry: &Telemetry,
+    scheduler_slot: &mut Option<Scheduler>,
+) -> Result<()> {
     let (m, path) = args.engine.load()?;
     let context = m.model.config().context_length;
-    let config = ServeConfig::new(&args, context, served_name(&args.engine.model, &path))?;
+    let config = ServeConfig::new(args, context, served_name(&args.engine.model, &path))?;
     eprintln!(
         "tandem: loaded {} ({} layers) in {:.0} ms; kernels: {}, {} threads; \
          max length {}, {} KV blocks of {} tokens, prefix caching {}",
@@ -264,17 +298,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
         },
     );
     let model = Arc::new(m);
-    let scheduler = Scheduler::spawn(Arc::clone(&model), config.scheduler.clone())?;
+    let scheduler = scheduler_slot.insert(Scheduler::spawn(
+        Arc::clone(&model),
+        config.scheduler.clone(),
+    )?);
     let state = AppState::new(model, scheduler.handle().clone(), config.server.clone());
-    state.set_metrics_renderer(render);
-
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().min(4)))
-        .thread_name("tandem-http")
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let result = runtime.block_on(async move {
+    state.set_metrics_renderer(telemetry.render());
+    runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(config.addr)
             .await
             .with_context(|| format!("binding {}", config.addr))?;
@@ -290,38 +320,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tandem_router::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE)
             .await
             .context("serving HTTP")
-    });
-    // Dropping the runtime drops every task still holding a scheduler handle,
-    // so the scheduler can stop.
-    runtime.shutdown_timeout(Duration::from_secs(1));
-    scheduler.shutdown();
-    if let Err(e) = meter_provider.shutdown() {
-        tracing::warn!("stopping metrics: {e}");
-    }
-    eprintln!("tandem: stopped");
-    result
-}
-
-/// Installs the global OpenTelemetry meter provider, exporting to a
-/// Prometheus registry; returns it and the `/metrics` renderer.
-pub fn install_metrics() -> Result<(SdkMeterProvider, MetricsRenderer)> {
-    let registry = prometheus::Registry::new();
-    let exporter = opentelemetry_prometheus::exporter()
-        .with_registry(registry.clone())
-        .scope_info_enabled(false)
-        .without_target_info()
-        .build()
-        .context("building the Prometheus exporter")?;
-    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-    opentelemetry::global::set_meter_provider(provider.clone());
-    let render: MetricsRenderer = Arc::new(move || {
-        let mut out = Vec::new();
-        if let Err(e) = TextEncoder::new().encode(&registry.gather(), &mut out) {
-            tracing::warn!("encoding metrics: {e}");
-        }
-        String::from_utf8_lossy(&out).into_owned()
-    });
-    Ok((provider, render))
+    })
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -1,8 +1,14 @@
 //! W3C trace context carried in gRPC metadata (`traceparent`), so that one
 //! request's spans on the router, the decode node and the prefill node
-//! share a trace id.
+//! form one trace. When the binary exports spans (OTLP), each hop's
+//! `tracing` span becomes an OpenTelemetry span whose parent is the
+//! caller's; without an exporter the ids still tie every hop's logs
+//! together.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// The metadata key.
 pub const TRACEPARENT: &str = "traceparent";
@@ -77,9 +83,48 @@ impl TraceContext {
     pub fn trace_id_hex(&self) -> String {
         format!("{:032x}", self.trace_id)
     }
+
+    /// The ids of `span`'s exported OpenTelemetry span; `None` when spans
+    /// are not exported (no OpenTelemetry layer) or `span` is disabled.
+    pub fn of_span(span: &tracing::Span) -> Option<Self> {
+        let cx = span.context();
+        let sc = cx.span().span_context().clone();
+        sc.is_valid().then(|| Self {
+            trace_id: u128::from_be_bytes(sc.trace_id().to_bytes()),
+            span_id: u64::from_be_bytes(sc.span_id().to_bytes()),
+        })
+    }
+
+    /// Starts one hop of a request in `span` (not yet entered): the span
+    /// continues the caller's trace when there is one (`parent`, from the
+    /// incoming `traceparent`) and otherwise starts a trace. Returns the
+    /// context that this hop's outgoing calls carry: the span's own ids
+    /// when spans are exported (so the next hop becomes its child), else a
+    /// child of `parent` or a new root. Records `trace_id` on the span if it
+    /// has that field.
+    pub fn start_hop(span: &tracing::Span, parent: Option<Self>) -> Self {
+        if let Some(p) = parent {
+            let remote = SpanContext::new(
+                TraceId::from_bytes(p.trace_id.to_be_bytes()),
+                SpanId::from_bytes(p.span_id.to_be_bytes()),
+                TraceFlags::SAMPLED,
+                true,
+                TraceState::NONE,
+            );
+            // Fails only without an OpenTelemetry layer (nothing exported,
+            // nothing to parent) or on a span already started, which
+            // callers never pass.
+            let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(remote));
+        }
+        let out = Self::of_span(span)
+            .unwrap_or_else(|| parent.map_or_else(Self::new_root, |p| p.child()));
+        span.record("trace_id", out.trace_id_hex());
+        out
+    }
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -100,5 +145,56 @@ mod tests {
         ] {
             assert_eq!(TraceContext::parse(bad), None, "{bad}");
         }
+    }
+
+    /// With spans exported, a hop's span is the caller's child and its
+    /// outgoing context names the hop's own span; without, the trace id
+    /// still carries through.
+    #[test]
+    fn hops_join_the_callers_trace() {
+        use opentelemetry::trace::TracerProvider as _;
+        use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+        use tracing_subscriber::layer::SubscriberExt;
+
+        let parent = TraceContext::new_root();
+        let span = tracing::info_span!("hop", trace_id = tracing::field::Empty);
+        let out = TraceContext::start_hop(&span, Some(parent));
+        assert_eq!(out.trace_id, parent.trace_id);
+        assert_ne!(out.span_id, parent.span_id);
+        assert_eq!(TraceContext::of_span(&span), None);
+
+        let exporter = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("test"));
+        let subscriber = tracing_subscriber::registry().with(layer);
+        let (out, root_out) = tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("hop", trace_id = tracing::field::Empty);
+            let out = TraceContext::start_hop(&span, Some(parent));
+            let root = tracing::info_span!("root");
+            let root_out = TraceContext::start_hop(&root, None);
+            (out, root_out)
+        });
+        let spans = exporter.get_finished_spans().unwrap();
+        assert_eq!(spans.len(), 2, "{spans:?}");
+        let hop = spans.iter().find(|s| s.name == "hop").unwrap();
+        assert_eq!(
+            hop.span_context.trace_id().to_bytes(),
+            parent.trace_id.to_be_bytes()
+        );
+        assert_eq!(hop.parent_span_id.to_bytes(), parent.span_id.to_be_bytes());
+        assert_eq!(
+            hop.span_context.span_id().to_bytes(),
+            out.span_id.to_be_bytes()
+        );
+        assert_eq!(out.trace_id, parent.trace_id);
+        let root = spans.iter().find(|s| s.name == "root").unwrap();
+        assert_eq!(root.parent_span_id, opentelemetry::trace::SpanId::INVALID);
+        assert_eq!(
+            root.span_context.trace_id().to_bytes(),
+            root_out.trace_id.to_be_bytes()
+        );
+        assert_ne!(root_out.trace_id, parent.trace_id);
     }
 }
