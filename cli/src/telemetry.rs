@@ -148,6 +148,9 @@ impl Telemetry {
         let spans = tracer.as_ref().map(|t| {
             tracing_opentelemetry::layer()
                 .with_tracer(t.tracer("tandem"))
+                .with_location(false)
+                .with_threads(false)
+                .with_tracked_inactivity(false)
                 .with_filter(
                     tracing_subscriber::filter::Targets::new()
                         .with_target("tandem", tracing::Level::INFO),

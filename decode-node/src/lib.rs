@@ -266,7 +266,7 @@ impl Inner {
         }
         .to_pb(&core.fingerprint);
         let mut request = tonic::Request::new(req);
-        trace.child().inject(request.metadata_mut());
+        trace.inject(request.metadata_mut());
         request.set_timeout(deadline);
         let mut client = pb::prefill_client::PrefillClient::new(self.channel(&target.endpoint)?);
         let watchdog = |what: &str| {
@@ -341,9 +341,12 @@ impl pb::decode_server::Decode for DecodeService {
         if core.is_draining() {
             return Err(Status::unavailable("decode node is shutting down"));
         }
-        let trace =
-            TraceContext::from_metadata(req.metadata()).unwrap_or_else(TraceContext::new_root);
-        let span = tracing::info_span!("generate", trace_id = %trace.trace_id_hex());
+        let span = tracing::info_span!(
+            "generate",
+            trace_id = tracing::field::Empty,
+            prompt_tokens = req.get_ref().prompt.len() as i64,
+        );
+        let trace = TraceContext::start_hop(&span, TraceContext::from_metadata(req.metadata()));
         let job = GenerateJob::validate(req.into_inner(), &core.fingerprint)
             .map_err(|e| Status::from(WorkerError::from(e)))?;
         let handoff = if job.prefill.is_empty() {

@@ -3,6 +3,8 @@
 //! used; without one every instrument is a no-op.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Instant;
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Gauge, Histogram, UpDownCounter};
@@ -64,10 +66,14 @@ pub(crate) struct EngineMetrics {
     pub prefix_cache_hits: Counter<u64>,
     pub prefix_cache_misses: Counter<u64>,
     pub preemptions: Counter<u64>,
-    /// Events sent by the scheduler, not yet taken by the request's reader.
+    /// Responses produced, not yet taken by the layer that sends them on.
     pub num_responses_buffered: UpDownCounter<i64>,
-    /// Time events wait between the scheduler and the request's reader.
+    /// That backlog, sampled at each change.
+    pub responses_buffered: Histogram<u64>,
+    /// Time responses wait in that backlog.
     pub response_queue_time: Histogram<f64>,
+    /// The backlog now (the histogram's sample).
+    responses_buffered_now: AtomicI64,
 }
 
 pub(crate) fn metrics() -> &'static EngineMetrics {
@@ -116,19 +122,67 @@ pub(crate) fn metrics() -> &'static EngineMetrics {
             num_responses_buffered: m
                 .i64_up_down_counter("tandem.num_responses_buffered")
                 .with_description(
-                    "Events produced by the scheduler not yet taken by the HTTP layer",
+                    "Responses produced (by the scheduler, or received from a decode node) \
+                     not yet taken by the layer that sends them on",
                 )
+                .build(),
+            responses_buffered: m
+                .u64_histogram("tandem.responses_buffered")
+                .with_description("Egress backlog, sampled at each change")
+                .with_boundaries(COUNT_BUCKETS.to_vec())
                 .build(),
             response_queue_time: m
                 .f64_histogram("tandem.response_queue_time")
                 .with_description(
-                    "Time from the scheduler producing an event to the HTTP layer taking it",
+                    "Time from a response being produced to the layer that sends it on taking it",
                 )
                 .with_unit("ms")
                 .with_boundaries(LATENCY_MS_BUCKETS.to_vec())
                 .build(),
+            responses_buffered_now: AtomicI64::new(0),
         }
     })
+}
+
+/// The egress backlog: responses produced (tokens and final events, by
+/// this process's scheduler or received by the router from a decode node)
+/// that the layer sending them on (HTTP, or a node's gRPC stream) has not
+/// taken yet. Every `produced` is matched by one `taken` or `discarded`.
+pub mod egress {
+    use super::*;
+
+    fn change(by: i64) {
+        let m = metrics();
+        m.num_responses_buffered.add(by, &[]);
+        let now = m.responses_buffered_now.fetch_add(by, Ordering::Relaxed) + by;
+        m.responses_buffered.record(now.max(0) as u64, &[]);
+    }
+
+    /// A response entered the backlog; returns its timestamp.
+    pub fn produced() -> Instant {
+        change(1);
+        Instant::now()
+    }
+
+    /// A response produced at `at` left the backlog to be sent on.
+    pub fn taken(at: Instant) {
+        change(-1);
+        metrics()
+            .response_queue_time
+            .record(at.elapsed().as_secs_f64() * 1e3, &[]);
+    }
+
+    /// `n` responses left the backlog unsent (their reader went away).
+    pub fn discarded(n: usize) {
+        if n > 0 {
+            change(-(n as i64));
+        }
+    }
+
+    /// The backlog now.
+    pub fn buffered() -> i64 {
+        metrics().responses_buffered_now.load(Ordering::Relaxed)
+    }
 }
 
 /// Records `tandem.model_load_time{phase}` (ms) for one model load. Call it

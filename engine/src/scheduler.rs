@@ -34,7 +34,7 @@ use crate::error::RequestError;
 use crate::generate::FinishReason;
 use crate::kv_cache::{BlockId, ExternalMemory, KvCache, KvCacheConfig, KvCacheError, KvPool};
 use crate::loader::LoadedModel;
-use crate::metrics::{BatchType, metrics};
+use crate::metrics::{BatchType, egress, metrics};
 use crate::model::{LlamaModel, SeqChunk};
 use crate::moe::Combine;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
@@ -230,10 +230,8 @@ type EventTx = tmpsc::UnboundedSender<Stamped>;
 /// Sends `ev`, counting it as buffered until the reader takes it. A reader
 /// that went away is not an error: its stream's drop cancels the request.
 fn emit(tx: &EventTx, ev: Event) {
-    let m = &metrics().num_responses_buffered;
-    m.add(1, &[]);
-    if tx.send((Instant::now(), ev)).is_err() {
-        m.add(-1, &[]);
+    if tx.send((egress::produced(), ev)).is_err() {
+        egress::discarded(1);
     }
 }
 
@@ -302,10 +300,7 @@ impl RequestStream {
 
     fn note(&mut self, ev: Option<Stamped>) -> Option<Event> {
         if let Some((sent, _)) = &ev {
-            let m = metrics();
-            m.num_responses_buffered.add(-1, &[]);
-            m.response_queue_time
-                .record(sent.elapsed().as_secs_f64() * 1e3, &[]);
+            egress::taken(*sent);
         }
         let ev = ev.map(|(_, e)| e);
         if matches!(ev, None | Some(Event::Finished(_)) | Some(Event::Failed(_))) {
@@ -319,13 +314,11 @@ impl Drop for RequestStream {
     fn drop(&mut self) {
         // Events never read are no longer buffered.
         self.rx.close();
-        let mut unread = 0;
+        let mut unread = 0usize;
         while self.rx.try_recv().is_ok() {
             unread += 1;
         }
-        if unread > 0 {
-            metrics().num_responses_buffered.add(-unread, &[]);
-        }
+        egress::discarded(unread);
         if !self.done {
             // The scheduler may already be gone; then there is nothing to free.
             let _ = self.tx.send(Command::Cancel(self.id));

@@ -74,6 +74,7 @@ impl PrefillService {
                 handoff: KvHandoff::Export,
             })?;
             let mut writes = FuturesUnordered::new();
+            let mut xfer = TransferSpan(None);
             let mut sent = vec![false; skip + job.dst_blocks.len()];
             let mut bytes = 0u64;
             // Layers of blocks leave as the prefill writes them, overlapping
@@ -96,7 +97,7 @@ impl PrefillService {
                                     }
                                 }
                                 if !ops.is_empty() {
-                                    writes.push(send(core, &core.region, remote, ops, deadline));
+                                    writes.push(send(core, &core.region, remote, ops, deadline, xfer.get(core)));
                                 }
                             }
                             Some(Event::Token(s)) => first = Some(s),
@@ -122,7 +123,14 @@ impl PrefillService {
             if same_shape {
                 let ops = layout.block_ops(&src, &dst)?;
                 if !ops.is_empty() {
-                    writes.push(send(core, &core.region, remote, ops, deadline));
+                    writes.push(send(
+                        core,
+                        &core.region,
+                        remote,
+                        ops,
+                        deadline,
+                        xfer.get(core),
+                    ));
                 }
             } else if !src.is_empty() {
                 // Source rank s holds KV heads s*hs..(s+1)*hs of every block,
@@ -159,7 +167,7 @@ impl PrefillService {
                             lo - s_heads.start..hi - s_heads.start,
                             lo - d_heads.start,
                         )?;
-                        writes.push(send(core, region, remote, ops, deadline));
+                        writes.push(send(core, region, remote, ops, deadline, xfer.get(core)));
                     }
                 }
             }
@@ -167,6 +175,11 @@ impl PrefillService {
                 bytes += r?.bytes;
             }
             let blocks = job.dst_blocks.len();
+            if let Some(span) = &xfer.0 {
+                // Signed: exporters carry integers as i64 (a u64 arrives as text).
+                span.record("bytes", i64::try_from(bytes).unwrap_or(i64::MAX));
+                span.record("blocks", blocks as i64);
+            }
             tandem_dkv::metrics().blocks_transferred.add(
                 blocks as u64,
                 &[KeyValue::new("connector", core.dkv.connector())],
@@ -195,15 +208,39 @@ impl PrefillService {
 }
 
 /// One transfer owning its ops (so that all of a request's transfers are
-/// the same future type).
+/// the same future type), in the request's `dkv.write` span.
 async fn send(
     core: &NodeCore,
     region: &Region,
     remote: &RemoteRegion,
     ops: Vec<WriteOp>,
     deadline: Instant,
+    span: tracing::Span,
 ) -> Result<tandem_dkv::TransferStats, tandem_dkv::DkvError> {
-    core.dkv.write(region, remote, &ops, deadline).await
+    core.dkv
+        .write(region, remote, &ops, deadline)
+        .instrument(span)
+        .await
+}
+
+/// The request's `dkv.write` span: opened by its first write (layer writes
+/// overlap the rest of the prefill), closed once the last write and the
+/// request are done.
+struct TransferSpan(Option<tracing::Span>);
+
+impl TransferSpan {
+    fn get(&mut self, core: &NodeCore) -> tracing::Span {
+        self.0
+            .get_or_insert_with(|| {
+                tracing::info_span!(
+                    "dkv.write",
+                    connector = core.dkv.connector(),
+                    blocks = tracing::field::Empty,
+                    bytes = tracing::field::Empty,
+                )
+            })
+            .clone()
+    }
 }
 
 /// One layer of the blocks in `l` that the decode node lacks, block by
@@ -245,10 +282,13 @@ impl pb::prefill_server::Prefill for PrefillService {
         &self,
         req: tonic::Request<pb::PrefillRequest>,
     ) -> Result<tonic::Response<pb::PrefillResponse>, tonic::Status> {
-        let trace =
-            TraceContext::from_metadata(req.metadata()).unwrap_or_else(TraceContext::new_root);
-        let span = tracing::info_span!("prefill", trace_id = %trace.trace_id_hex());
         let prompt_tokens = req.get_ref().prompt.len();
+        let span = tracing::info_span!(
+            "prefill",
+            trace_id = tracing::field::Empty,
+            prompt_tokens = prompt_tokens as i64,
+        );
+        TraceContext::start_hop(&span, TraceContext::from_metadata(req.metadata()));
         async move {
             match self.prefill(req.into_inner()).await {
                 Ok(r) => {

@@ -14,15 +14,17 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use opentelemetry::metrics::{Histogram, UpDownCounter};
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Gauge, Histogram};
 use tandem_discovery::{EtcdConfig, Membership, Role, Snapshot};
 use tandem_engine::ModelFingerprint;
 use tandem_engine::block_manager::{BlockHash, block_hashes};
+use tandem_engine::metrics::egress;
 use tandem_engine::sampler::{Sampled, SamplingParams};
 use tandem_engine::scheduler::{Event, Usage};
 use tandem_proto::trace::TraceContext;
 use tandem_proto::{GenerateJob, PrefillTarget, WorkerRecord, finish_from_pb, pb};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Streaming};
@@ -60,13 +62,11 @@ impl RoutingConfig {
 }
 
 struct ClusterMetrics {
-    awaiting: UpDownCounter<i64>,
-    awaiting_hist: Histogram<u64>,
     hashing: Histogram<f64>,
     lookup: Histogram<f64>,
     scheduling: Histogram<f64>,
     overlap: Histogram<u64>,
-    awaiting_now: AtomicUsize,
+    workers: Gauge<u64>,
 }
 
 const US_BUCKETS: [f64; 12] = [
@@ -85,14 +85,6 @@ fn metrics() -> &'static ClusterMetrics {
                 .build()
         };
         ClusterMetrics {
-            awaiting: m
-                .i64_up_down_counter("tandem.num_requests_awaiting_admission")
-                .with_description("Requests accepted by the router, not yet handed to a worker")
-                .build(),
-            awaiting_hist: m
-                .u64_histogram("tandem.requests_awaiting_admission")
-                .with_description("Admission backlog, sampled at each change")
-                .build(),
             hashing: us(
                 "tandem.router.hashing_time",
                 "Time hashing a prompt's blocks",
@@ -106,30 +98,21 @@ fn metrics() -> &'static ClusterMetrics {
                 .u64_histogram("tandem.router.chosen_overlap")
                 .with_description("Prompt blocks already cached on the chosen decode worker")
                 .build(),
-            awaiting_now: AtomicUsize::new(0),
+            workers: m
+                .u64_gauge("tandem.router.workers")
+                .with_description("Workers this router routes to, by role")
+                .build(),
         }
     })
 }
 
-/// Counts a request in the admission backlog until dropped.
-struct Awaiting;
-
-impl Awaiting {
-    fn new() -> Self {
-        let m = metrics();
-        m.awaiting.add(1, &[]);
-        let n = m.awaiting_now.fetch_add(1, Ordering::Relaxed) + 1;
-        m.awaiting_hist.record(n as u64, &[]);
-        Awaiting
-    }
-}
-
-impl Drop for Awaiting {
-    fn drop(&mut self) {
-        let m = metrics();
-        m.awaiting.add(-1, &[]);
-        let n = m.awaiting_now.fetch_sub(1, Ordering::Relaxed) - 1;
-        m.awaiting_hist.record(n as u64, &[]);
+/// `tandem.router.workers{role}`: the workers routed to now.
+fn record_workers(workers: &BTreeMap<(Role, String), Arc<Worker>>) {
+    for role in [Role::Prefill, Role::Decode] {
+        let n = workers.values().filter(|w| w.role == role).count();
+        metrics()
+            .workers
+            .record(n as u64, &[KeyValue::new("role", role.as_str())]);
     }
 }
 
@@ -295,11 +278,13 @@ impl ClusterHandle {
         if let Some(t) = self.task.take() {
             let _ = t.await;
         }
-        self.cluster
+        let mut workers = self
+            .cluster
             .workers
             .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clear();
+            .unwrap_or_else(PoisonError::into_inner);
+        workers.clear();
+        record_workers(&workers);
     }
 
     pub fn is_connected(&self) -> bool {
@@ -309,50 +294,140 @@ impl ClusterHandle {
     }
 }
 
-/// A generation in flight on a decode node.
+/// A generation in flight on a decode node. A reader task takes the
+/// decode node's messages off the gRPC stream as they arrive, so that
+/// responses waiting for a slow client are counted in the egress backlog
+/// (`tandem.num_responses_buffered`, `tandem.response_queue_time`) instead of
+/// hiding in HTTP/2 flow control. Dropping the stream stops the reader,
+/// which drops the gRPC stream: the decode node sees the cancellation.
 #[derive(Debug)]
 pub struct RemoteStream {
-    stream: Streaming<pb::GenerateResponse>,
-    vocab: usize,
+    rx: mpsc::Receiver<Buffered>,
+    _reader: AbortOnDrop,
     done: bool,
 }
 
+/// Responses the reader may run ahead of the client before it waits.
+const EGRESS_BUFFER: usize = 1024;
+
+/// One response in the egress backlog until taken or dropped.
+#[derive(Debug)]
+struct Buffered {
+    event: Option<Event>,
+    at: Instant,
+}
+
+impl Buffered {
+    fn new(event: Event) -> Self {
+        Self {
+            event: Some(event),
+            at: egress::produced(),
+        }
+    }
+
+    fn take(mut self) -> Option<Event> {
+        egress::taken(self.at);
+        self.event.take()
+    }
+}
+
+impl Drop for Buffered {
+    fn drop(&mut self) {
+        if self.event.is_some() {
+            egress::discarded(1);
+        }
+    }
+}
+
+/// Aborts the task when dropped, so that no reader outlives its stream.
+#[derive(Debug)]
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl RemoteStream {
+    fn start(stream: Streaming<pb::GenerateResponse>, vocab: usize) -> Self {
+        let (tx, rx) = mpsc::channel(EGRESS_BUFFER);
+        let reader = AbortOnDrop(tokio::spawn(read_remote(stream, vocab, tx)));
+        Self {
+            rx,
+            _reader: reader,
+            done: false,
+        }
+    }
+
     /// The next event, in the scheduler's terms; a broken stream (decode
     /// node gone) ends with `Failed`.
     pub async fn next(&mut self) -> Option<Event> {
-        use pb::generate_response::Kind;
         if self.done {
             return None;
         }
-        let ev = match self.stream.message().await {
-            Ok(Some(pb::GenerateResponse {
-                kind: Some(Kind::Token(t)),
-            })) => match Sampled::try_from(t) {
-                Ok(s) if (s.token as usize) < self.vocab => return Some(Event::Token(s)),
-                Ok(s) => Event::Failed(format!(
-                    "decode node sent token {} outside the vocabulary",
-                    s.token
-                )),
-                Err(e) => Event::Failed(format!("decode node sent a bad token: {e}")),
-            },
-            Ok(Some(pb::GenerateResponse {
-                kind: Some(Kind::Finished(f)),
-            })) => match finish_from_pb(f.finish) {
-                Ok(finish) => Event::Finished(Usage {
-                    prompt_tokens: f.prompt_tokens as usize,
-                    completion_tokens: f.completion_tokens as usize,
-                    cached_tokens: f.cached_tokens as usize,
-                    finish,
-                }),
-                Err(e) => Event::Failed(format!("decode node sent a bad finish: {e}")),
-            },
-            Ok(Some(_)) => Event::Failed("decode node sent an empty message".into()),
-            Ok(None) => Event::Failed("decode node closed the stream before finishing".into()),
-            Err(s) => Event::Failed(format!("decode node failed: {}", s.message())),
+        let ev = match self.rx.recv().await.and_then(Buffered::take) {
+            Some(ev) => ev,
+            // The reader ends only after a final event, or if aborted.
+            None => Event::Failed("decode stream reader stopped".into()),
         };
-        self.done = true;
+        if !matches!(ev, Event::Token(_)) {
+            self.done = true;
+        }
         Some(ev)
+    }
+}
+
+/// Moves a decode node's messages into the egress backlog until the final
+/// one, or until the client side goes away (then dropping `stream` cancels
+/// the request on the decode node at once, even mid-wait).
+async fn read_remote(
+    mut stream: Streaming<pb::GenerateResponse>,
+    vocab: usize,
+    tx: mpsc::Sender<Buffered>,
+) {
+    loop {
+        let msg = tokio::select! {
+            () = tx.closed() => return,
+            msg = stream.message() => msg,
+        };
+        let ev = remote_event(msg, vocab);
+        let last = !matches!(ev, Event::Token(_));
+        if tx.send(Buffered::new(ev)).await.is_err() || last {
+            return;
+        }
+    }
+}
+
+/// A decode node's message (or the stream's end) in the scheduler's terms,
+/// validated: anything malformed is a failure of the request.
+fn remote_event(msg: Result<Option<pb::GenerateResponse>, tonic::Status>, vocab: usize) -> Event {
+    use pb::generate_response::Kind;
+    match msg {
+        Ok(Some(pb::GenerateResponse {
+            kind: Some(Kind::Token(t)),
+        })) => match Sampled::try_from(t) {
+            Ok(s) if (s.token as usize) < vocab => Event::Token(s),
+            Ok(s) => Event::Failed(format!(
+                "decode node sent token {} outside the vocabulary",
+                s.token
+            )),
+            Err(e) => Event::Failed(format!("decode node sent a bad token: {e}")),
+        },
+        Ok(Some(pb::GenerateResponse {
+            kind: Some(Kind::Finished(f)),
+        })) => match finish_from_pb(f.finish) {
+            Ok(finish) => Event::Finished(Usage {
+                prompt_tokens: f.prompt_tokens as usize,
+                completion_tokens: f.completion_tokens as usize,
+                cached_tokens: f.cached_tokens as usize,
+                finish,
+            }),
+            Err(e) => Event::Failed(format!("decode node sent a bad finish: {e}")),
+        },
+        Ok(Some(_)) => Event::Failed("decode node sent an empty message".into()),
+        Ok(None) => Event::Failed("decode node closed the stream before finishing".into()),
+        Err(s) => Event::Failed(format!("decode node failed: {}", s.message())),
     }
 }
 
@@ -420,6 +495,7 @@ impl Cluster {
             *w.events_task.lock().unwrap_or_else(PoisonError::into_inner) = Some(task);
             workers.insert(key.clone(), w);
         }
+        record_workers(&workers);
     }
 
     /// Worker ids by role (for `/health` and tests).
@@ -475,8 +551,8 @@ impl Cluster {
         max_tokens: usize,
         stop_token_ids: Vec<u32>,
         vocab: usize,
+        trace: TraceContext,
     ) -> Result<(RemoteStream, Placement), ApiError> {
-        let _awaiting = Awaiting::new();
         let m = metrics();
         let t0 = Instant::now();
         let hashes = block_hashes(&prompt, self.fingerprint.block_size);
@@ -509,12 +585,10 @@ impl Cluster {
         m.hashing.record((t1 - t0).as_secs_f64() * 1e6, &[]);
         m.lookup.record((t2 - t1).as_secs_f64() * 1e6, &[]);
         m.scheduling.record(t2.elapsed().as_secs_f64() * 1e6, &[]);
-        let trace = TraceContext::new_root();
-        tracing::debug!(trace_id = %trace.trace_id_hex(), "routing");
         let mut last_err = None;
         for (w, overlap) in decodes.iter().take(self.routing.decode_attempts) {
             let mut request = tonic::Request::new(req.clone());
-            trace.child().inject(request.metadata_mut());
+            trace.inject(request.metadata_mut());
             let mut client = pb::decode_client::DecodeClient::new(w.channel.clone());
             w.pending.fetch_add(1, Ordering::Relaxed);
             let result = client.generate(request).await;
@@ -526,11 +600,7 @@ impl Cluster {
                         decode: w.record.id.clone(),
                         prefill: job.prefill.iter().map(|t| t.worker_id.clone()).collect(),
                     };
-                    let stream = RemoteStream {
-                        stream: resp.into_inner(),
-                        vocab,
-                        done: false,
-                    };
+                    let stream = RemoteStream::start(resp.into_inner(), vocab);
                     return Ok((stream, placement));
                 }
                 Err(s) if s.code() == Code::InvalidArgument => {

@@ -2,11 +2,12 @@
 //! (the binary installs the SDK and exporter; `/metrics` renders through
 //! the [`MetricsRenderer`] it hands to [`crate::AppState`]).
 
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram};
+use opentelemetry::metrics::{Counter, Histogram, UpDownCounter};
 use tandem_engine::metrics::LATENCY_MS_BUCKETS;
 
 use crate::ApiError;
@@ -23,6 +24,9 @@ struct RouterMetrics {
     input_tokens: Counter<u64>,
     output_tokens: Counter<u64>,
     requests: Counter<u64>,
+    awaiting: UpDownCounter<i64>,
+    awaiting_hist: Histogram<u64>,
+    awaiting_now: AtomicI64,
 }
 
 fn metrics() -> &'static RouterMetrics {
@@ -65,8 +69,52 @@ fn metrics() -> &'static RouterMetrics {
                 .u64_counter("tandem.requests")
                 .with_description("Finished requests by status")
                 .build(),
+            awaiting: m
+                .i64_up_down_counter("tandem.num_requests_awaiting_admission")
+                .with_description(
+                    "Requests accepted by the HTTP front end, not yet handed to a worker \
+                     (the local scheduler's queue or a decode node)",
+                )
+                .build(),
+            awaiting_hist: m
+                .u64_histogram("tandem.requests_awaiting_admission")
+                .with_description("Admission backlog, sampled at each change")
+                .build(),
+            awaiting_now: AtomicI64::new(0),
         }
     })
+}
+
+/// Counts a request in the admission backlog (templating, tokenization,
+/// routing, the hand-off call) until dropped, in `tandem serve` and the
+/// router alike.
+#[derive(Debug)]
+pub struct AwaitingAdmission(());
+
+impl AwaitingAdmission {
+    pub fn new() -> Self {
+        change_awaiting(1);
+        Self(())
+    }
+}
+
+impl Default for AwaitingAdmission {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for AwaitingAdmission {
+    fn drop(&mut self) {
+        change_awaiting(-1);
+    }
+}
+
+fn change_awaiting(by: i64) {
+    let m = metrics();
+    m.awaiting.add(by, &[]);
+    let now = m.awaiting_now.fetch_add(by, Ordering::Relaxed) + by;
+    m.awaiting_hist.record(now.max(0) as u64, &[]);
 }
 
 /// How a request ended (the `status` label of `tandem.requests`).

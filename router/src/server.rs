@@ -13,7 +13,7 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -25,12 +25,14 @@ use tandem_engine::generate::{FinishReason, StopStrings};
 use tandem_engine::sampler::Sampled;
 use tandem_engine::scheduler::{Event, KvHandoff, Request, RequestStream, SchedulerHandle};
 use tandem_engine::tokenizer::Tokenizer;
+use tandem_proto::trace::{TRACEPARENT, TraceContext};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tracing::Instrument;
 
 use crate::cluster::{Cluster, RemoteStream};
 use crate::error::ApiError;
-use crate::metrics::{MetricsRenderer, RequestTracker, record_rejected};
+use crate::metrics::{AwaitingAdmission, MetricsRenderer, RequestTracker, record_rejected};
 use crate::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChatRequest,
     ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Delta,
@@ -205,6 +207,7 @@ impl AppState {
         params: &GenParams,
         permit: OwnedSemaphorePermit,
         arrived: Instant,
+        trace: &RequestTrace,
     ) -> Result<Generation, ApiError> {
         let prompt_tokens = prompt.len();
         let max_length = self.inner.backend.max_length();
@@ -251,6 +254,7 @@ impl AppState {
                         max_tokens,
                         stop_token_ids,
                         vocab,
+                        trace.outgoing,
                     )
                     .await?;
                 tracing::debug!(decode = %placement.decode, prefill = ?placement.prefill, "routed");
@@ -265,7 +269,34 @@ impl AppState {
             logprobs: params.sampling.logprobs,
             permit,
             tracker: RequestTracker::new(arrived, prompt_tokens),
+            span: trace.span.clone(),
         })
+    }
+}
+
+/// The span of one HTTP request (exported over OTLP when configured),
+/// continuing the client's trace if it sent a `traceparent`, and the
+/// context that calls to workers carry.
+#[derive(Debug)]
+struct RequestTrace {
+    span: tracing::Span,
+    outgoing: TraceContext,
+}
+
+impl RequestTrace {
+    fn new(route: &'static str, headers: &HeaderMap) -> Self {
+        let span = tracing::info_span!(
+            "request",
+            route,
+            trace_id = tracing::field::Empty,
+            prompt_tokens = tracing::field::Empty,
+        );
+        let parent = headers
+            .get(TRACEPARENT)
+            .and_then(|v| v.to_str().ok())
+            .and_then(TraceContext::parse);
+        let outgoing = TraceContext::start_hop(&span, parent);
+        Self { span, outgoing }
     }
 }
 
@@ -278,6 +309,8 @@ struct Generation {
     logprobs: bool,
     permit: OwnedSemaphorePermit,
     tracker: RequestTracker,
+    /// The request's span: it ends when the generation's stream does.
+    span: tracing::Span,
 }
 
 /// What a generation produces, in order: text pieces, then `Done` or `Error`.
@@ -329,9 +362,11 @@ impl Generation {
             logprobs,
             permit,
             mut tracker,
+            span,
         } = self;
         async_stream::stream! {
             let _permit = permit;
+            let _span = span;
             let tok = &model.tokenizer;
             let mut decoder = tok.stream_decoder(true);
             let mut stops = StopStrings::new(&stop);
@@ -466,23 +501,41 @@ fn counted(r: Result<Response, ApiError>) -> Result<Response, ApiError> {
 
 async fn chat_completions(
     state: State<AppState>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    counted(chat_completions_inner(state, body, Instant::now()).await)
+    let arrived = Instant::now();
+    let trace = RequestTrace::new("chat", &headers);
+    let span = trace.span.clone();
+    counted(
+        chat_completions_inner(state, body, arrived, trace)
+            .instrument(span)
+            .await,
+    )
 }
 
 async fn completions(
     state: State<AppState>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    counted(completions_inner(state, body, Instant::now()).await)
+    let arrived = Instant::now();
+    let trace = RequestTrace::new("completions", &headers);
+    let span = trace.span.clone();
+    counted(
+        completions_inner(state, body, arrived, trace)
+            .instrument(span)
+            .await,
+    )
 }
 
 async fn chat_completions_inner(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
     arrived: Instant,
+    trace: RequestTrace,
 ) -> Result<Response, ApiError> {
+    let awaiting = AwaitingAdmission::new();
     let body = body.map_err(|e| body_error(state.config().max_body_bytes, e))?;
     let req = ChatRequest::parse(&body, state.config().allow_extra_request_fields)?;
     let params = req.params()?;
@@ -504,7 +557,11 @@ async fn chat_completions_inner(
         .encode(&text, false)
         .map_err(tandem_engine::RequestError::from)?;
     let permit = state.permit()?;
-    let generation = state.submit(prompt, &params, permit, arrived).await?;
+    trace.span.record("prompt_tokens", prompt.len() as i64);
+    let generation = state
+        .submit(prompt, &params, permit, arrived, &trace)
+        .await?;
+    drop(awaiting);
     let id = state.new_id("chatcmpl");
     let created = unix_now();
     let name = state.config().model_name.clone();
@@ -587,7 +644,9 @@ async fn completions_inner(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
     arrived: Instant,
+    trace: RequestTrace,
 ) -> Result<Response, ApiError> {
+    let awaiting = AwaitingAdmission::new();
     let body = body.map_err(|e| body_error(state.config().max_body_bytes, e))?;
     let req = CompletionRequest::parse(&body, state.config().allow_extra_request_fields)?;
     let params = req.params()?;
@@ -612,7 +671,11 @@ async fn completions_inner(
         Prompt::TokenLists(v) => return Err(one(v.len())),
     };
     let permit = state.permit()?;
-    let generation = state.submit(prompt, &params, permit, arrived).await?;
+    trace.span.record("prompt_tokens", prompt.len() as i64);
+    let generation = state
+        .submit(prompt, &params, permit, arrived, &trace)
+        .await?;
+    drop(awaiting);
     let id = state.new_id("cmpl");
     let created = unix_now();
     let name = state.config().model_name.clone();

@@ -21,6 +21,18 @@ pub struct Node {
 
 impl Node {
     pub fn start(etcd: &str, cluster: &str, role: &str, id: &str, extra: &[&str]) -> Node {
+        Self::start_env(etcd, cluster, role, id, extra, &[])
+    }
+
+    /// A node with `extra` flags and `env` variables.
+    pub fn start_env(
+        etcd: &str,
+        cluster: &str,
+        role: &str,
+        id: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Node {
         let mut args: Vec<String> = [
             role,
             "--cluster",
@@ -60,7 +72,7 @@ impl Node {
             );
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut proc = Proc::spawn(id, &args, &[]);
+        let mut proc = Proc::spawn(id, &args, env);
         let line = proc.wait_line("serving gRPC", Duration::from_secs(120));
         let ports = ports_in(&line);
         assert_eq!(ports.len(), 2, "{line}");
@@ -120,6 +132,11 @@ impl Router {
 
     /// A router with `extra` flags after the defaults (a later flag wins).
     pub fn start_with(etcd: &str, cluster: &str, extra: &[&str]) -> Router {
+        Self::start_env(etcd, cluster, extra, &[])
+    }
+
+    /// A router with `extra` flags and `env` variables.
+    pub fn start_env(etcd: &str, cluster: &str, extra: &[&str], env: &[(&str, &str)]) -> Router {
         let mut args: Vec<String> = [
             "router",
             "--etcd",
@@ -137,7 +154,7 @@ impl Router {
         .map(|s| s.to_string())
         .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut proc = Proc::spawn("router", &args, &[]);
+        let mut proc = Proc::spawn("router", &args, env);
         let line = proc.wait_line("router for", Duration::from_secs(120));
         let port = ports_in(&line)[0];
         Router { proc, port }
