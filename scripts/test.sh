@@ -7,24 +7,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '\n== %s\n' "$*" >&2; }
+. scripts/lib.sh
 
 # System packages the build and tests need: UCX (the KV transfer engine's
 # transport, bound with bindgen, hence clang), etcd (worker discovery; the
-# end-to-end tests start their own), protoc (gRPC code generation).
-apt_packages=(libucx-dev ucx-utils etcd-server etcd-client protobuf-compiler clang libclang-dev pkg-config)
-missing=()
-for p in "${apt_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-if ((${#missing[@]})); then
-  log "installing ${missing[*]}"
-  sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
-fi
+# end-to-end tests start their own), protoc (gRPC code generation), haproxy
+# (the load balancer in front of two routers in tests/deploy), promtool
+# (Prometheus, to check the alert rules in tests/telemetry).
+ensure_packages libucx-dev ucx-utils etcd-server etcd-client protobuf-compiler clang \
+  libclang-dev pkg-config haproxy prometheus
 
 log "formatting and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --release -- -D warnings
+
+# The chart, values files and Dockerfile: lint and schema checks (installs
+# helm, kubernetes-validate and hadolint into ~/.cache/tandem/tools once).
+log "deployment files"
+scripts/check-deploy.sh
+export TANDEM_HELM=${TANDEM_HELM:-${TANDEM_TOOLS:-$HOME/.cache/tandem/tools}/bin/helm}
 
 log "building"
 cargo build --workspace --release
