@@ -18,6 +18,9 @@ pub const TRACEPARENT: &str = "traceparent";
 pub struct TraceContext {
     pub trace_id: u128,
     pub span_id: u64,
+    /// The caller's sampling decision (the `sampled` trace flag): every
+    /// hop exports its span only if the trace is sampled.
+    pub sampled: bool,
 }
 
 fn random_u64() -> u64 {
@@ -39,6 +42,7 @@ impl TraceContext {
         Self {
             trace_id: (u128::from(random_u64()) << 64) | u128::from(random_u64()),
             span_id: random_u64(),
+            sampled: true,
         }
     }
 
@@ -47,25 +51,40 @@ impl TraceContext {
         Self {
             trace_id: self.trace_id,
             span_id: random_u64(),
+            sampled: self.sampled,
         }
     }
 
     pub fn to_header(&self) -> String {
-        format!("00-{:032x}-{:016x}-01", self.trace_id, self.span_id)
+        let flags = u8::from(self.sampled);
+        format!(
+            "00-{:032x}-{:016x}-{flags:02x}",
+            self.trace_id, self.span_id
+        )
     }
 
     /// Parses a `traceparent` value; `None` if malformed (then the callee
     /// starts its own trace).
     pub fn parse(v: &str) -> Option<Self> {
         let mut parts = v.split('-');
-        let (ver, trace, span, _flags) =
+        let (ver, trace, span, flags) =
             (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-        if ver != "00" || trace.len() != 32 || span.len() != 16 || parts.next().is_some() {
+        if ver != "00"
+            || trace.len() != 32
+            || span.len() != 16
+            || flags.len() != 2
+            || parts.next().is_some()
+        {
             return None;
         }
         let trace_id = u128::from_str_radix(trace, 16).ok().filter(|&t| t != 0)?;
         let span_id = u64::from_str_radix(span, 16).ok().filter(|&s| s != 0)?;
-        Some(Self { trace_id, span_id })
+        let flags = u8::from_str_radix(flags, 16).ok()?;
+        Some(Self {
+            trace_id,
+            span_id,
+            sampled: flags & 1 == 1,
+        })
     }
 
     /// Reads the context from a request's metadata.
@@ -92,6 +111,7 @@ impl TraceContext {
         sc.is_valid().then(|| Self {
             trace_id: u128::from_be_bytes(sc.trace_id().to_bytes()),
             span_id: u64::from_be_bytes(sc.span_id().to_bytes()),
+            sampled: sc.is_sampled(),
         })
     }
 
@@ -107,7 +127,11 @@ impl TraceContext {
             let remote = SpanContext::new(
                 TraceId::from_bytes(p.trace_id.to_be_bytes()),
                 SpanId::from_bytes(p.span_id.to_be_bytes()),
-                TraceFlags::SAMPLED,
+                if p.sampled {
+                    TraceFlags::SAMPLED
+                } else {
+                    TraceFlags::default()
+                },
                 true,
                 TraceState::NONE,
             );
@@ -135,12 +159,19 @@ mod tests {
         let child = c.child();
         assert_eq!(child.trace_id, c.trace_id);
         assert_ne!(child.span_id, c.span_id);
+        let unsampled =
+            TraceContext::parse("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00").unwrap();
+        assert!(!unsampled.sampled && c.sampled);
+        assert!(unsampled.to_header().ends_with("-00"));
+        assert!(!unsampled.child().sampled);
         for bad in [
             "",
             "00-abc-def-01",
             "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
             "00-00000000000000000000000000000000-b7ad6b7169203331-01",
             "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-x",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-1",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-zz",
             "00-0af7651916cd43dd8448eb211c80319z-b7ad6b7169203331-01",
         ] {
             assert_eq!(TraceContext::parse(bad), None, "{bad}");
@@ -174,6 +205,14 @@ mod tests {
             let out = TraceContext::start_hop(&span, Some(parent));
             let root = tracing::info_span!("root");
             let root_out = TraceContext::start_hop(&root, None);
+            // A caller that did not sample: this hop exports nothing either,
+            // and passes the decision on.
+            let skipped = tracing::info_span!("skipped");
+            let unsampled = TraceContext {
+                sampled: false,
+                ..TraceContext::new_root()
+            };
+            assert!(!TraceContext::start_hop(&skipped, Some(unsampled)).sampled);
             (out, root_out)
         });
         let spans = exporter.get_finished_spans().unwrap();
