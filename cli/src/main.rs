@@ -11,8 +11,17 @@ mod telemetry;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+/// `tandem --version`: the release and the hash of the sources it was
+/// built from (the end-to-end tests compare it with theirs).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (source ",
+    env!("TANDEM_SOURCE_HASH"),
+    ")"
+);
+
 #[derive(Debug, Parser)]
-#[command(name = "tandem", version, about = "Disaggregated LLM serving")]
+#[command(name = "tandem", version = VERSION, about = "Disaggregated LLM serving")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
