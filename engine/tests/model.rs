@@ -1,6 +1,6 @@
 //! The forward pass on the real SmolLM2 GGUF against independent references
-//! (llama.cpp greedy output, a numpy float32 forward pass), and batched vs
-//! single-sequence equivalence.
+//! (llama.cpp's greedy output and perplexity, a numpy float32 forward pass),
+//! and batched vs single-sequence equivalence.
 //!
 //! Needs `TANDEM_TEST_GGUF` pointing at SmolLM2-135M-Instruct.Q4_1.gguf
 //! (`scripts/test.sh` fetches it and sets the variable).
@@ -58,6 +58,8 @@ fn ids(v: &Value) -> Vec<u32> {
 ///   tripwire for systematic drift. Measured: 2 with our block-order
 ///   matmuls, 5 when they summed in ggml's order; llama.cpp's two variants,
 ///   which share their matmul kernels, agree fully on 4.
+///
+/// `perplexity_matches_llama_cpp` compares with llama.cpp without ties.
 #[test]
 fn greedy_decoding_matches_llama_cpp() {
     const NEAR_TIE: f32 = 0.35;
@@ -167,6 +169,197 @@ fn greedy_decoding_matches_llama_cpp() {
         "only {full_matches} prompts match llama.cpp fully \
          (its own variants agree on {llama_self_matches})"
     );
+}
+
+/// Perplexity of the model on a fixed English text against llama.cpp's
+/// `llama-perplexity` on the same GGUF (engine/tests/data/perplexity_refs.json,
+/// made by scripts/reference/perplexity_refs.py). Unlike greedy tokens, these
+/// means over 1530 scored tokens do not hinge on near-ties.
+///
+/// Same tokens, same scheme as llama-perplexity's default: the text less one
+/// trailing newline, tokenized without BOS (this vocab adds none, so no
+/// chunk's first token becomes BOS), cut into whole chunks of `n_ctx`
+/// tokens; each chunk runs from an empty cache at positions 0..n_ctx, and
+/// the logits at positions n_ctx/2 ..= n_ctx-2 score the next token. Here
+/// the first half of every chunk is prefilled, then the chunks advance
+/// together one token per step (the split does not change the logits: see
+/// `long_prompt_logits_do_not_depend_on_how_it_is_split`).
+///
+/// Against each of llama.cpp's two attention paths (flash attention off, on):
+/// - perplexity within 1%. Measured: ours 16.264, llama.cpp 16.321 and 16.276
+///   (0.35% and 0.08% apart; llama.cpp's paths are 0.27% apart).
+/// - the mean per-token |NLL difference| at most 1.5 times the one between
+///   llama.cpp's two paths. Measured: 0.057 and 0.059 nats; llama.cpp's
+///   paths 0.058, so the bound is 0.087. Quantization noise sets this floor;
+///   a model error adds to it even where it leaves perplexity unchanged.
+///
+/// Regressions tried, our perplexity and per-token difference (vs flash
+/// attention off): activations quantized to 7 bits instead of 8: 16.460
+/// (+1.2%), 0.119, fails; 6 bits: 16.965, 0.205; layer 15's attention
+/// dropped: 18.315, 0.333. Too small to fail, and to matter: RoPE base 10%
+/// off: 16.341, 0.064; K/V stored as bf16: 16.306, 0.059.
+#[test]
+fn perplexity_matches_llama_cpp() {
+    const PPL_BOUND: f64 = 0.01;
+    const PER_TOKEN_FACTOR: f64 = 1.5;
+    let refs = data("perplexity_refs.json");
+    let m = model();
+    let gguf = PathBuf::from(std::env::var_os("TANDEM_TEST_GGUF").expect("model() checked it"));
+    assert_eq!(
+        sha256_hex(&std::fs::read(&gguf).expect("reads the GGUF")),
+        refs["gguf"]["sha256"].as_str().expect("sha256"),
+        "{} is not the GGUF the reference was made with",
+        gguf.display()
+    );
+    let text_path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/perplexity_text.txt");
+    let text = std::fs::read_to_string(&text_path).expect("text");
+    let text = text.strip_suffix('\n').unwrap_or(&text);
+    let tokens = ids(&refs["tokens"]);
+    assert!(
+        !m.tokenizer.add_bos(),
+        "llama-perplexity would put BOS first in each chunk"
+    );
+    assert_eq!(
+        m.tokenizer.encode(text, true).expect("tokenizes"),
+        tokens,
+        "our tokens differ from llama-tokenize's"
+    );
+
+    let n_ctx = refs["n_ctx"].as_u64().expect("n_ctx") as usize;
+    let first = n_ctx / 2;
+    let scored = n_ctx - first - 1;
+    let chunks: Vec<&[u32]> = tokens.chunks_exact(n_ctx).collect();
+    let mm = &m.model;
+    let vocab = mm.config().vocab_size;
+    let bs = 16;
+    let mut cache =
+        KvCache::new(mm.kv_cache_config(bs, chunks.len() * n_ctx.div_ceil(bs))).expect("cache");
+    let tables: Vec<Vec<u32>> = chunks
+        .iter()
+        .map(|_| {
+            let mut t = Vec::new();
+            cache.reserve(&mut t, n_ctx).expect("space");
+            t
+        })
+        .collect();
+    let step = |range: std::ops::Range<usize>, want_logits: bool| -> Vec<SeqChunk> {
+        chunks
+            .iter()
+            .zip(&tables)
+            .map(|(c, t)| SeqChunk {
+                tokens: &c[range.clone()],
+                start_pos: range.start,
+                block_table: t,
+                want_logits,
+            })
+            .collect()
+    };
+    mm.forward(&step(0..first, false), &mut cache)
+        .expect("prefill");
+    // Negative log-likelihood of each scored token, chunk-major, with the
+    // softmax sum in f64 as llama.cpp does.
+    let mut nll = vec![0.0f64; chunks.len() * scored];
+    let mut logits = Vec::new();
+    for pos in first..n_ctx - 1 {
+        mm.forward_into(
+            &step(pos..pos + 1, true),
+            &mut cache,
+            &mut |_| {},
+            &mut logits,
+        )
+        .expect("decode step");
+        for (ci, c) in chunks.iter().enumerate() {
+            let l = &logits[ci * vocab..(ci + 1) * vocab];
+            let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = l.iter().map(|&v| f64::from(v - max).exp()).sum();
+            nll[ci * scored + pos - first] = sum.ln() - f64::from(l[c[pos + 1] as usize] - max);
+        }
+    }
+    // Perplexity after each chunk, as llama-perplexity prints it.
+    let running: Vec<f64> = (1..=chunks.len())
+        .map(|k| (nll[..k * scored].iter().sum::<f64>() / (k * scored) as f64).exp())
+        .collect();
+    let ours = running[running.len() - 1];
+    let ours_nll: Vec<Option<f64>> = nll.iter().copied().map(Some).collect();
+    // llama.cpp's next-token NLLs; None where its log-probability file
+    // clipped the value (more than 16 below the top logit).
+    let their_nll = |run: &Value| -> Vec<Option<f64>> {
+        run["next_token_logprobs"]
+            .as_array()
+            .expect("logprobs")
+            .iter()
+            .map(|x| x.as_f64().map(|lp| -lp))
+            .collect()
+    };
+    let mean_abs_diff = |a: &[Option<f64>], b: &[Option<f64>]| {
+        assert_eq!(a.len(), b.len(), "scored tokens");
+        let d: Vec<f64> = a
+            .iter()
+            .zip(b)
+            .filter_map(|(x, y)| Some((x.as_ref()? - y.as_ref()?).abs()))
+            .collect();
+        assert!(d.len() * 10 >= a.len() * 9, "too many clipped values");
+        d.iter().sum::<f64>() / d.len() as f64
+    };
+    let runs = refs["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2, "llama.cpp with flash attention off and on");
+    let llama_spread = mean_abs_diff(&their_nll(&runs[0]), &their_nll(&runs[1]));
+    let per_token_bound = PER_TOKEN_FACTOR * llama_spread;
+    eprintln!(
+        "{} chunks of {n_ctx}, {} scored tokens; mean per-token |NLL difference| between \
+         llama.cpp's two attention paths {llama_spread:.4} (bound {per_token_bound:.4})",
+        chunks.len(),
+        nll.len()
+    );
+    let mut failures = Vec::new();
+    for run in runs {
+        let name = format!(
+            "llama.cpp (flash attention {})",
+            run["flash_attn"].as_str().expect("name")
+        );
+        let theirs = run["ppl"].as_f64().expect("ppl");
+        let their_running: Vec<f64> = run["running_ppl"]
+            .as_array()
+            .expect("running")
+            .iter()
+            .map(|x| x.as_f64().expect("ppl"))
+            .collect();
+        assert_eq!(their_running.len(), chunks.len(), "chunk count");
+        let per_token = mean_abs_diff(&ours_nll, &their_nll(run));
+        let ratios: Vec<String> = running
+            .iter()
+            .zip(&their_running)
+            .map(|(a, b)| format!("{:.4}", a / b))
+            .collect();
+        eprintln!(
+            "perplexity ours {ours:.4}, {name} {theirs:.4}: ratio {:.5} (after each chunk {}); \
+             mean per-token |NLL difference| {per_token:.4}",
+            ours / theirs,
+            ratios.join(" ")
+        );
+        if (ours / theirs - 1.0).abs() > PPL_BOUND {
+            failures.push(format!(
+                "perplexity {ours:.4} vs {name} {theirs:.4}: more than {}% apart",
+                PPL_BOUND * 100.0
+            ));
+        }
+        if per_token > per_token_bound {
+            failures.push(format!(
+                "mean per-token |NLL difference| vs {name} {per_token:.4} > {per_token_bound:.4} \
+                 ({PER_TOKEN_FACTOR} x llama.cpp's own {llama_spread:.4})"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Our last-position logits against two independent references: a numpy

