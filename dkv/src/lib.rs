@@ -111,6 +111,8 @@ enum Backend {
 struct DkvInner {
     id: u64,
     backend: Backend,
+    /// Where `write` records its transfers.
+    metrics: &'static DkvMetrics,
     /// Registrations not yet undone (UCX: counted by the actor as it maps
     /// and unmaps).
     live: Arc<AtomicUsize>,
@@ -154,7 +156,14 @@ impl fmt::Debug for Dkv {
 }
 
 impl Dkv {
+    /// A transport recording into the process's [`metrics()`].
     pub fn new(cfg: DkvConfig) -> Result<Dkv, DkvError> {
+        Self::with_metrics(cfg, metrics())
+    }
+
+    /// A transport recording into `metrics` (instruments on a meter of the
+    /// caller's choice, e.g. a test's own provider).
+    pub fn with_metrics(cfg: DkvConfig, metrics: &'static DkvMetrics) -> Result<Dkv, DkvError> {
         let id = next_id();
         let live = Arc::new(AtomicUsize::new(0));
         let backend = match cfg.transport {
@@ -175,14 +184,17 @@ impl Dkv {
                 ));
             }
         };
-        Ok(Dkv {
+        let dkv = Dkv {
             inner: Arc::new(DkvInner {
                 id,
                 backend,
+                metrics,
                 live,
                 closed: AtomicBool::new(false),
             }),
-        })
+        };
+        metrics.expose_zeros(dkv.connector());
+        Ok(dkv)
     }
 
     /// The metrics label of this transport: `"ucx"` or `"local"`.
@@ -316,7 +328,7 @@ impl Dkv {
     ) -> Result<TransferStats, DkvError> {
         let start = Instant::now();
         let labels = [KeyValue::new("connector", self.connector())];
-        let m = metrics();
+        let m = self.inner.metrics;
         let mut guard = CancelGuard {
             dkv: self,
             id: 0,
@@ -418,7 +430,6 @@ impl Dkv {
 
 /// Cancels the transfer on the actor if `write`'s future is dropped early.
 struct CancelGuard<'a> {
-    #[cfg_attr(not(dkv_ucx), allow(dead_code))]
     dkv: &'a Dkv,
     #[cfg_attr(not(dkv_ucx), allow(dead_code))]
     id: u64,
@@ -435,7 +446,7 @@ impl Drop for CancelGuard<'_> {
         if let Backend::Ucx(h) = &self.dkv.inner.backend {
             let _ = h.send(ucx::Cmd::Cancel(self.id));
         }
-        metrics().transfer_failures.add(
+        self.dkv.inner.metrics.transfer_failures.add(
             1,
             &[self.labels[0].clone(), KeyValue::new("reason", "cancelled")],
         );

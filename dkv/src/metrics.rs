@@ -4,7 +4,12 @@
 
 use std::sync::OnceLock;
 
-use opentelemetry::metrics::{Counter, Histogram};
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Counter, Histogram, Meter};
+
+/// Every `reason` of `tandem.dkv.transfer_failures`: [`crate::DkvError::reason`]
+/// and `cancelled` (a transfer dropped before it completed).
+pub const FAILURE_REASONS: [&str; 5] = ["deadline", "peer", "bounds", "transport", "cancelled"];
 
 /// Buckets (ms) for one transfer: sub-millisecond local copies up to stalls.
 const TRANSFER_MS_BUCKETS: [f64; 16] = [
@@ -27,11 +32,17 @@ pub struct DkvMetrics {
     pub watchdog_firings: Counter<u64>,
 }
 
+/// The process's instruments, from the global meter provider (installed by
+/// the binary before anything records).
 pub fn metrics() -> &'static DkvMetrics {
     static M: OnceLock<DkvMetrics> = OnceLock::new();
-    M.get_or_init(|| {
-        let m = opentelemetry::global::meter("tandem");
-        DkvMetrics {
+    M.get_or_init(|| DkvMetrics::new(&opentelemetry::global::meter("tandem")))
+}
+
+impl DkvMetrics {
+    /// The instruments on `m` (the global meter's, or a test's).
+    pub fn new(m: &Meter) -> Self {
+        Self {
             bytes_transferred: m
                 .u64_counter("tandem.dkv.bytes_transferred")
                 .with_description("Bytes written into remote KV memory")
@@ -56,5 +67,45 @@ pub fn metrics() -> &'static DkvMetrics {
                 .with_description("Decode-stall watchdog firings")
                 .build(),
         }
-    })
+    }
+
+    /// Exports the failure counters of `connector` at zero, so that they
+    /// exist before the first failure: alerts and dashboards on their rate
+    /// then see 0 rather than no series.
+    pub fn expose_zeros(&self, connector: &'static str) {
+        let c = KeyValue::new("connector", connector);
+        for reason in FAILURE_REASONS {
+            self.transfer_failures
+                .add(0, &[c.clone(), KeyValue::new("reason", reason)]);
+        }
+        self.watchdog_firings.add(0, &[c]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DkvError;
+
+    #[test]
+    fn every_error_reason_is_a_label_exposed_at_zero() {
+        let s = String::new;
+        let errors = [
+            DkvError::UcxUnavailable(s()),
+            DkvError::Ucx {
+                op: "put",
+                status: s(),
+            },
+            DkvError::OutOfBounds(s()),
+            DkvError::InvalidDescriptor(s()),
+            DkvError::InvalidRegion(s()),
+            DkvError::InvalidLayout(s()),
+            DkvError::DeadlineExceeded,
+            DkvError::PeerUnreachable(s()),
+            DkvError::Shutdown,
+        ];
+        for e in &errors {
+            assert!(FAILURE_REASONS.contains(&e.reason()), "{e:?}");
+        }
+    }
 }

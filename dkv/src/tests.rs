@@ -1,8 +1,13 @@
 //! Transfers between two `Dkv`s in one process, over UCX (tcp and shared
 //! memory) and the in-process transport.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 
 use crate::*;
 
@@ -427,22 +432,202 @@ fn in_process_peer_gone() {
     assert!(dst.bytes().iter().all(|&x| x == 0xEE));
 }
 
+/// Reads back what instruments on its own meter provider recorded.
+pub(crate) struct TestMeter {
+    provider: SdkMeterProvider,
+    exporter: InMemoryMetricExporter,
+}
+
+/// One exported data point: a counter's value, or a histogram's sum and count.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Point {
+    pub name: String,
+    pub unit: String,
+    pub labels: BTreeMap<String, String>,
+    pub value: f64,
+    pub count: u64,
+}
+
+impl TestMeter {
+    pub(crate) fn new() -> Self {
+        let exporter = InMemoryMetricExporter::default();
+        let provider = SdkMeterProvider::builder()
+            .with_reader(PeriodicReader::builder(exporter.clone()).build())
+            .build();
+        Self { provider, exporter }
+    }
+
+    /// dkv's instruments on this provider (leaked: a `Dkv` keeps them for
+    /// its life, as it keeps the process's).
+    pub(crate) fn dkv_metrics(&self) -> &'static DkvMetrics {
+        Box::leak(Box::new(DkvMetrics::new(&self.provider.meter("tandem"))))
+    }
+
+    /// Every data point recorded so far (cumulative).
+    pub(crate) fn points(&self) -> Vec<Point> {
+        self.exporter.reset();
+        self.provider.force_flush().expect("flush");
+        let mut out = Vec::new();
+        for rm in self.exporter.get_finished_metrics().expect("read") {
+            for m in rm.scope_metrics().flat_map(|s| s.metrics()) {
+                let mut push = |attrs: &mut dyn Iterator<Item = &opentelemetry::KeyValue>,
+                                value: f64,
+                                count: u64| {
+                    out.push(Point {
+                        name: m.name().to_owned(),
+                        unit: m.unit().to_owned(),
+                        labels: attrs
+                            .map(|kv| (kv.key.to_string(), kv.value.to_string()))
+                            .collect(),
+                        value,
+                        count,
+                    })
+                };
+                match m.data() {
+                    AggregatedMetrics::U64(MetricData::Sum(s)) => s
+                        .data_points()
+                        .for_each(|p| push(&mut p.attributes(), p.value() as f64, 1)),
+                    AggregatedMetrics::F64(MetricData::Histogram(h)) => h
+                        .data_points()
+                        .for_each(|p| push(&mut p.attributes(), p.sum(), p.count())),
+                    other => panic!("{}: unexpected kind {other:?}", m.name()),
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The one point of `name` with exactly `labels`.
+pub(crate) fn point(points: &[Point], name: &str, labels: &[(&str, &str)]) -> Point {
+    let want: BTreeMap<String, String> = labels
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    let found: Vec<&Point> = points
+        .iter()
+        .filter(|p| p.name == name && p.labels == want)
+        .collect();
+    match found.as_slice() {
+        [p] => (*p).clone(),
+        _ => panic!("{name}{want:?}: {found:?} among {points:#?}"),
+    }
+}
+
+/// Each outcome of `write` is recorded once, under the bounded labels:
+/// `connector` on everything, plus `reason` on failures.
 #[test]
-fn metrics_are_noops_without_a_provider() {
-    let m = metrics();
-    m.blocks_transferred
-        .add(3, &[opentelemetry::KeyValue::new("connector", "local")]);
-    m.watchdog_firings
-        .add(1, &[opentelemetry::KeyValue::new("connector", "local")]);
-    assert_eq!(DkvError::DeadlineExceeded.reason(), "deadline");
-    assert_eq!(DkvError::OutOfBounds(String::new()).reason(), "bounds");
-    assert_eq!(DkvError::PeerUnreachable(String::new()).reason(), "peer");
+fn writes_are_recorded_with_bounded_labels() {
+    let meter = TestMeter::new();
+    let a = Dkv::with_metrics(DkvConfig::in_process(), meter.dkv_metrics()).expect("dkv a");
+    let b = Dkv::new(DkvConfig::in_process()).expect("dkv b");
+    let src = Buf::new(4 * BLOCK as usize, |i| i as u8);
+    let dst = Buf::new(4 * BLOCK as usize, |_| 0);
+    let (ra, rb) = (register(&a, &src), register(&b, &dst));
+    let desc = rb.descriptor();
+    let rt = rt();
+    let local = [("connector", "local")];
+    let failures = |points: &[Point]| -> BTreeMap<String, f64> {
+        points
+            .iter()
+            .filter(|p| p.name == "tandem.dkv.transfer_failures")
+            .map(|p| (p.labels["reason"].clone(), p.value))
+            .collect()
+    };
+    let reasons = |counts: [f64; 5]| -> BTreeMap<String, f64> {
+        ["bounds", "cancelled", "deadline", "peer", "transport"]
+            .into_iter()
+            .map(str::to_owned)
+            .zip(counts)
+            .collect()
+    };
+    // Every reason exists, at zero, before the first failure.
+    assert_eq!(failures(&meter.points()), reasons([0.0; 5]));
+
+    rt.block_on(a.write(&ra, &desc, &[block_op(0, 1), block_op(2, 3)], deadline()))
+        .expect("write");
+    rt.block_on(a.write(&ra, &desc, &[block_op(1, 0)], deadline()))
+        .expect("write");
+    let p = meter.points();
+    let bytes = point(&p, "tandem.dkv.bytes_transferred", &local);
+    assert_eq!(
+        (bytes.value, bytes.unit.as_str()),
+        (3.0 * BLOCK as f64, "By")
+    );
+    let latency = point(&p, "tandem.dkv.transfer_latency", &local);
+    assert_eq!((latency.count, latency.unit.as_str()), (2, "ms"));
+    assert!(
+        latency.value > 0.0 && latency.value < 10_000.0,
+        "{latency:?}"
+    );
+    assert_eq!(failures(&p), reasons([0.0; 5]));
+
+    // One failure of each kind a local write can have.
+    let bounds = rt.block_on(a.write(&ra, &desc, &[block_op(0, 4)], deadline()));
+    assert!(
+        matches!(bounds, Err(DkvError::OutOfBounds(_))),
+        "{bounds:?}"
+    );
+    let late = rt.block_on(a.write(&ra, &desc, &[block_op(0, 0)], Instant::now()));
+    assert!(matches!(late, Err(DkvError::DeadlineExceeded)), "{late:?}");
+    b.shutdown();
+    for _ in 0..2 {
+        let gone = rt.block_on(a.write(&ra, &desc, &[block_op(0, 0)], deadline()));
+        assert!(
+            matches!(gone, Err(DkvError::PeerUnreachable(_))),
+            "{gone:?}"
+        );
+    }
+    a.shutdown();
+    let closed = rt.block_on(a.write(&ra, &desc, &[block_op(0, 0)], deadline()));
+    assert!(matches!(closed, Err(DkvError::Shutdown)), "{closed:?}");
+
+    let p = meter.points();
+    assert_eq!(failures(&p), reasons([1.0, 0.0, 1.0, 2.0, 1.0]));
+    // Failures moved no bytes and took no latency sample.
+    assert_eq!(point(&p, "tandem.dkv.bytes_transferred", &local), bytes);
+    assert_eq!(point(&p, "tandem.dkv.transfer_latency", &local).count, 2);
+    for pt in &p {
+        let keys: Vec<&str> = pt.labels.keys().map(String::as_str).collect();
+        let want_keys: &[&str] = if pt.name == "tandem.dkv.transfer_failures" {
+            &["connector", "reason"]
+        } else {
+            &["connector"]
+        };
+        assert_eq!(keys, want_keys, "{pt:?}");
+        assert_eq!(pt.labels["connector"], "local", "{pt:?}");
+    }
+    drop((ra, rb));
+}
+
+/// Every error maps to one of the documented, bounded `reason` values.
+#[test]
+fn every_error_has_a_bounded_reason() {
+    let cases = [
+        (DkvError::UcxUnavailable(String::new()), "transport"),
+        (
+            DkvError::Ucx {
+                op: "put",
+                status: String::new(),
+            },
+            "transport",
+        ),
+        (DkvError::OutOfBounds(String::new()), "bounds"),
+        (DkvError::InvalidDescriptor(String::new()), "bounds"),
+        (DkvError::InvalidRegion(String::new()), "bounds"),
+        (DkvError::InvalidLayout(String::new()), "bounds"),
+        (DkvError::DeadlineExceeded, "deadline"),
+        (DkvError::PeerUnreachable(String::new()), "peer"),
+        (DkvError::Shutdown, "transport"),
+    ];
+    for (e, reason) in cases {
+        assert_eq!(e.reason(), reason, "{e:?}");
+    }
 }
 
 /// A peer that stops progressing (TCP puts need the target to progress):
 /// the write fails at its deadline, its state is reclaimed, and the next
 /// write after the peer recovers succeeds.
-#[cfg(dkv_ucx)]
 #[cfg(dkv_ucx)]
 #[test]
 fn ucx_deadline_with_stalled_peer() {
@@ -495,10 +680,11 @@ fn ucx_deadline_with_stalled_peer() {
 /// Dropping the write future stops it: no more puts are issued, the
 /// transfer is reclaimed, and the tail of a large write never arrives.
 #[cfg(dkv_ucx)]
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_drop_cancels() {
-    let (a, b) = pair(&tcp());
+    let meter = TestMeter::new();
+    let a = Dkv::with_metrics(tcp(), meter.dkv_metrics()).expect("dkv a");
+    let b = Dkv::new(tcp()).expect("dkv b");
     const LEN: usize = 48 << 20;
     let src = Buf::new(LEN, |i| (i % 253) as u8 | 1);
     let dst = Buf::new(LEN, |_| 0);
@@ -534,6 +720,19 @@ fn ucx_drop_cancels() {
         || a.inspect().transfers == 0,
         "cancelled transfer reclaimed",
     );
+    // Counted once, as cancelled (not as the deadline or peer failure the
+    // transport might see afterwards).
+    let p = meter.points();
+    let failures: Vec<&Point> = p
+        .iter()
+        .filter(|p| p.name == "tandem.dkv.transfer_failures" && p.value > 0.0)
+        .collect();
+    let cancelled = point(
+        &p,
+        "tandem.dkv.transfer_failures",
+        &[("connector", "ucx"), ("reason", "cancelled")],
+    );
+    assert_eq!((failures.len(), cancelled.value), (1, 1.0), "{failures:?}");
     // Let the peer wake up and drain whatever reached it.
     std::thread::sleep(Duration::from_millis(900));
     assert_eq!(b.inspect().transfers, 0);
@@ -554,7 +753,6 @@ fn ucx_drop_cancels() {
 }
 
 /// A peer that shut down is reported as unreachable, promptly.
-#[cfg(dkv_ucx)]
 #[cfg(dkv_ucx)]
 #[test]
 fn ucx_peer_gone() {
@@ -584,7 +782,6 @@ fn ucx_peer_gone() {
 }
 
 /// Concurrent writes from several tasks to one peer share its endpoint.
-#[cfg(dkv_ucx)]
 #[cfg(dkv_ucx)]
 #[test]
 fn ucx_concurrent_writes() {
@@ -625,14 +822,40 @@ fn ucx_concurrent_writes() {
     assert_eq!(a.inspect().peers, 1);
 }
 
-#[cfg(not(dkv_ucx))]
-#[cfg(dkv_ucx)]
+/// A UCX that cannot start is reported as unavailable, as an error, in
+/// every build: with UCX compiled in, a transport list UCX rejects (its
+/// "transport is not available" lines on stderr are expected); without it,
+/// any UCX request.
 #[test]
 fn ucx_unavailable_is_reported() {
-    match Dkv::new(DkvConfig::ucx()) {
-        Err(DkvError::UcxUnavailable(m)) => assert!(m.contains("without UCX"), "{m}"),
-        other => panic!("{other:?}"),
+    for tls in ["no_such_transport", "tcp\0posix"] {
+        let cfg = DkvConfig {
+            transport: TransportKind::Ucx,
+            ucx_tls: Some(tls.into()),
+        };
+        let m = match Dkv::new(cfg) {
+            Err(DkvError::UcxUnavailable(m)) => m,
+            other => panic!("UCX_TLS={tls:?}: {other:?}"),
+        };
+        #[cfg(dkv_ucx)]
+        let want = if tls.contains('\0') {
+            "contains NUL"
+        } else {
+            "ucp_init"
+        };
+        #[cfg(not(dkv_ucx))]
+        let want = "without UCX";
+        assert!(m.contains(want), "UCX_TLS={tls:?}: {m}");
     }
+    // The default configuration works exactly when UCX is compiled in.
+    let default = Dkv::new(DkvConfig::ucx());
+    #[cfg(dkv_ucx)]
+    assert_eq!(default.expect("UCX with its defaults").connector(), "ucx");
+    #[cfg(not(dkv_ucx))]
+    assert!(
+        matches!(&default, Err(DkvError::UcxUnavailable(m)) if m.contains("without UCX")),
+        "{default:?}"
+    );
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Instant;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Gauge, Histogram, UpDownCounter};
+use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter, UpDownCounter};
 
 use crate::loader::LoadTimes;
 
@@ -76,11 +76,17 @@ pub(crate) struct EngineMetrics {
     responses_buffered_now: AtomicI64,
 }
 
+/// The process's instruments, from the global meter provider (installed by
+/// the binary before anything records).
 pub(crate) fn metrics() -> &'static EngineMetrics {
     static M: OnceLock<EngineMetrics> = OnceLock::new();
-    M.get_or_init(|| {
-        let m = opentelemetry::global::meter("tandem");
-        EngineMetrics {
+    M.get_or_init(|| EngineMetrics::new(&opentelemetry::global::meter("tandem")))
+}
+
+impl EngineMetrics {
+    /// The instruments on `m` (the global meter's, or a test's).
+    pub(crate) fn new(m: &Meter) -> Self {
+        Self {
             batch_size: m
                 .u64_histogram("tandem.batch_size")
                 .with_description("Sequences in one scheduler step")
@@ -141,7 +147,30 @@ pub(crate) fn metrics() -> &'static EngineMetrics {
                 .build(),
             responses_buffered_now: AtomicI64::new(0),
         }
-    })
+    }
+
+    fn egress_change(&self, by: i64) {
+        self.num_responses_buffered.add(by, &[]);
+        let now = self.responses_buffered_now.fetch_add(by, Ordering::Relaxed) + by;
+        self.responses_buffered.record(now.max(0) as u64, &[]);
+    }
+
+    fn egress_produced(&self) -> Instant {
+        self.egress_change(1);
+        Instant::now()
+    }
+
+    fn egress_taken(&self, at: Instant) {
+        self.egress_change(-1);
+        self.response_queue_time
+            .record(at.elapsed().as_secs_f64() * 1e3, &[]);
+    }
+
+    fn egress_discarded(&self, n: usize) {
+        if n > 0 {
+            self.egress_change(-(n as i64));
+        }
+    }
 }
 
 /// The egress backlog: responses produced (tokens and final events, by
@@ -151,32 +180,19 @@ pub(crate) fn metrics() -> &'static EngineMetrics {
 pub mod egress {
     use super::*;
 
-    fn change(by: i64) {
-        let m = metrics();
-        m.num_responses_buffered.add(by, &[]);
-        let now = m.responses_buffered_now.fetch_add(by, Ordering::Relaxed) + by;
-        m.responses_buffered.record(now.max(0) as u64, &[]);
-    }
-
     /// A response entered the backlog; returns its timestamp.
     pub fn produced() -> Instant {
-        change(1);
-        Instant::now()
+        metrics().egress_produced()
     }
 
     /// A response produced at `at` left the backlog to be sent on.
     pub fn taken(at: Instant) {
-        change(-1);
-        metrics()
-            .response_queue_time
-            .record(at.elapsed().as_secs_f64() * 1e3, &[]);
+        metrics().egress_taken(at);
     }
 
     /// `n` responses left the backlog unsent (their reader went away).
     pub fn discarded(n: usize) {
-        if n > 0 {
-            change(-(n as i64));
-        }
+        metrics().egress_discarded(n);
     }
 
     /// The backlog now.
@@ -188,7 +204,11 @@ pub mod egress {
 /// Records `tandem.model_load_time{phase}` (ms) for one model load. Call it
 /// after the binary installs its meter provider.
 pub fn record_load_times(t: &LoadTimes) {
-    let h = opentelemetry::global::meter("tandem")
+    record_load_times_on(&opentelemetry::global::meter("tandem"), t);
+}
+
+fn record_load_times_on(m: &Meter, t: &LoadTimes) {
+    let h = m
         .f64_histogram("tandem.model_load_time")
         .with_description("Model load time by phase")
         .with_unit("ms")
@@ -210,6 +230,12 @@ pub fn record_load_times(t: &LoadTimes) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use opentelemetry::metrics::MeterProvider as _;
+    use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 
     #[test]
     fn batch_types() {
@@ -232,11 +258,203 @@ mod tests {
         assert_eq!(BatchType::TokenGeneration.label(), "TG");
     }
 
+    /// One exported data point: a counter's or gauge's value, or a
+    /// histogram's sum, count and bucket bounds.
+    #[derive(Debug, Clone, PartialEq)]
+    struct Point {
+        unit: String,
+        labels: Vec<(String, String)>,
+        value: f64,
+        count: u64,
+        bounds: Vec<f64>,
+    }
+
+    /// Instruments on a provider of the test's own, read back in memory.
+    struct TestMeter {
+        provider: SdkMeterProvider,
+        exporter: InMemoryMetricExporter,
+    }
+
+    impl TestMeter {
+        fn new() -> Self {
+            let exporter = InMemoryMetricExporter::default();
+            let provider = SdkMeterProvider::builder()
+                .with_reader(PeriodicReader::builder(exporter.clone()).build())
+                .build();
+            Self { provider, exporter }
+        }
+
+        fn meter(&self) -> Meter {
+            self.provider.meter("tandem")
+        }
+
+        /// Every point recorded so far (cumulative), by instrument name.
+        fn points(&self) -> BTreeMap<String, Vec<Point>> {
+            fn add<T: Copy>(
+                out: &mut Vec<Point>,
+                unit: &str,
+                d: &MetricData<T>,
+                f: impl Fn(T) -> f64,
+            ) {
+                let labels = |a: &mut dyn Iterator<Item = &KeyValue>| {
+                    a.map(|kv| (kv.key.to_string(), kv.value.to_string()))
+                        .collect()
+                };
+                let point = |labels, value, count, bounds| Point {
+                    unit: unit.to_owned(),
+                    labels,
+                    value,
+                    count,
+                    bounds,
+                };
+                match d {
+                    MetricData::Sum(s) => out.extend(
+                        s.data_points()
+                            .map(|p| point(labels(&mut p.attributes()), f(p.value()), 1, vec![])),
+                    ),
+                    MetricData::Gauge(g) => out.extend(
+                        g.data_points()
+                            .map(|p| point(labels(&mut p.attributes()), f(p.value()), 1, vec![])),
+                    ),
+                    MetricData::Histogram(h) => out.extend(h.data_points().map(|p| {
+                        let bounds = p.bounds().collect();
+                        point(labels(&mut p.attributes()), f(p.sum()), p.count(), bounds)
+                    })),
+                    MetricData::ExponentialHistogram(_) => {
+                        panic!("no exponential histograms are configured")
+                    }
+                }
+            }
+            self.exporter.reset();
+            self.provider.force_flush().expect("flush");
+            let mut out: BTreeMap<String, Vec<Point>> = BTreeMap::new();
+            for rm in self.exporter.get_finished_metrics().expect("read") {
+                for m in rm.scope_metrics().flat_map(|s| s.metrics()) {
+                    let v = out.entry(m.name().to_owned()).or_default();
+                    match m.data() {
+                        AggregatedMetrics::F64(d) => add(v, m.unit(), d, |x| x),
+                        AggregatedMetrics::U64(d) => add(v, m.unit(), d, |x| x as f64),
+                        AggregatedMetrics::I64(d) => add(v, m.unit(), d, |x| x as f64),
+                    }
+                }
+            }
+            out
+        }
+    }
+
+    /// The single unlabeled point of `name`.
+    fn only(points: &BTreeMap<String, Vec<Point>>, name: &str) -> Point {
+        match points.get(name).map(Vec::as_slice) {
+            Some([p]) if p.labels.is_empty() => p.clone(),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+
+    /// Every response that enters the egress backlog leaves it once: the
+    /// up-down counter returns to 0, the histogram samples the backlog at
+    /// each change, queue time is sampled for responses taken (not for
+    /// discarded ones).
     #[test]
-    fn instruments_are_noops_without_a_provider() {
-        let m = metrics();
-        m.batch_size.record(3, &[KeyValue::new("batch_type", "TG")]);
-        m.num_responses_buffered.add(1, &[]);
-        record_load_times(&LoadTimes::default());
+    fn egress_backlog_returns_to_zero() {
+        let meter = TestMeter::new();
+        let m = EngineMetrics::new(&meter.meter());
+        let at: Vec<Instant> = (0..3).map(|_| m.egress_produced()).collect();
+        assert_eq!(m.responses_buffered_now.load(Ordering::Relaxed), 3);
+        let p = meter.points();
+        assert_eq!(only(&p, "tandem.num_responses_buffered").value, 3.0);
+        m.egress_taken(at[0]);
+        m.egress_discarded(0);
+        m.egress_discarded(2);
+        assert_eq!(m.responses_buffered_now.load(Ordering::Relaxed), 0);
+
+        let p = meter.points();
+        assert_eq!(only(&p, "tandem.num_responses_buffered").value, 0.0);
+        // Samples 1, 2, 3 (produced), 2 (taken), 0 (two discarded at once).
+        let sampled = only(&p, "tandem.responses_buffered");
+        assert_eq!((sampled.count, sampled.value), (5, 8.0), "{sampled:?}");
+        assert_eq!(sampled.bounds, COUNT_BUCKETS);
+        let queued = only(&p, "tandem.response_queue_time");
+        assert_eq!((queued.count, queued.unit.as_str()), (1, "ms"));
+        assert!(queued.value >= 0.0 && queued.value < 10_000.0, "{queued:?}");
+        assert_eq!(queued.bounds, LATENCY_MS_BUCKETS);
+    }
+
+    /// The scheduler's instruments export under their documented names,
+    /// kinds, units and buckets, with the labels they are given.
+    #[test]
+    fn scheduler_instruments_export_their_names_and_labels() {
+        let meter = TestMeter::new();
+        let m = EngineMetrics::new(&meter.meter());
+        let tg = [KeyValue::new(
+            "batch_type",
+            BatchType::TokenGeneration.label(),
+        )];
+        m.batch_size.record(3, &tg);
+        m.batch_size.record(5, &tg);
+        m.batch_input_tokens.record(40, &[]);
+        m.num_requests_queued.record(2, &[]);
+        m.num_requests_running.record(7, &[]);
+        m.kv_blocks_used.record(11, &[]);
+        m.kv_blocks_free.record(13, &[]);
+        m.prefix_cache_hits.add(16, &[]);
+        m.prefix_cache_misses.add(4, &[]);
+        m.preemptions.add(1, &[]);
+        let p = meter.points();
+        let batch = match p.get("tandem.batch_size").map(Vec::as_slice) {
+            Some([b]) => b.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(batch.labels, [("batch_type".into(), "TG".into())]);
+        assert_eq!((batch.count, batch.value), (2, 8.0));
+        assert_eq!(batch.bounds, COUNT_BUCKETS);
+        for (name, value) in [
+            ("tandem.num_requests_queued", 2.0),
+            ("tandem.num_requests_running", 7.0),
+            ("tandem.kv_blocks_used", 11.0),
+            ("tandem.kv_blocks_free", 13.0),
+            ("tandem.prefix_cache_hits", 16.0),
+            ("tandem.prefix_cache_misses", 4.0),
+            ("tandem.preemptions", 1.0),
+        ] {
+            assert_eq!(only(&p, name).value, value, "{name}");
+        }
+        assert_eq!(only(&p, "tandem.batch_input_tokens").value, 40.0);
+    }
+
+    /// One load-time sample per phase, in milliseconds.
+    #[test]
+    fn load_times_are_recorded_per_phase() {
+        let meter = TestMeter::new();
+        let ms = Duration::from_millis;
+        let t = LoadTimes {
+            read: ms(12),
+            dequantize: ms(3),
+            init: ms(5),
+            total: ms(20),
+        };
+        record_load_times_on(&meter.meter(), &t);
+        let p = meter.points();
+        let mut phases: Vec<(String, f64, u64)> = p["tandem.model_load_time"]
+            .iter()
+            .map(|pt| {
+                assert_eq!(pt.unit, "ms");
+                match pt.labels.as_slice() {
+                    [(k, v)] if k == "phase" => (v.clone(), pt.value, pt.count),
+                    other => panic!("labels {other:?}"),
+                }
+            })
+            .collect();
+        phases.sort_by(|a, b| a.0.cmp(&b.0));
+        let want = [
+            ("dequantize", 3.0),
+            ("init", 5.0),
+            ("read", 12.0),
+            ("total", 20.0),
+        ];
+        assert_eq!(phases.len(), want.len(), "{phases:?}");
+        for ((phase, value, count), (wp, wv)) in phases.iter().zip(want) {
+            assert_eq!((phase.as_str(), count), (wp, &1));
+            assert!((value - wv).abs() < 1e-9, "{phase}: {value}");
+        }
     }
 }

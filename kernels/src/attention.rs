@@ -571,6 +571,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::IsaCoverage;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
@@ -587,6 +588,7 @@ mod tests {
     #[test]
     fn every_isa_matches_the_scalar_reference_bitwise() {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut cov = IsaCoverage::new("attention::every_isa_matches_the_scalar_reference_bitwise");
         for &(hd, bs, n_ctx) in &[
             (64usize, 16usize, 1usize),
             (64, 16, 37),
@@ -620,7 +622,7 @@ mod tests {
                 &mut scratch,
                 &mut want,
             );
-            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            for isa in cov.isas() {
                 let mut got = vec![0.0; hd];
                 attend_with_isa(isa, &q, &ks, &vs, bs, n_ctx, 0.125, &mut scratch, &mut got);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -629,6 +631,7 @@ mod tests {
                     bits(&want),
                     "{isa} hd {hd} bs {bs} n_ctx {n_ctx}"
                 );
+                cov.ran(isa);
             }
         }
     }
@@ -636,6 +639,7 @@ mod tests {
     #[test]
     fn a_tile_is_bitwise_each_query_alone() {
         let mut rng = ChaCha8Rng::seed_from_u64(29);
+        let mut cov = IsaCoverage::new("attention::a_tile_is_bitwise_each_query_alone");
         // (head_dim, block_size, per-query context lengths): GQA groups of
         // one token, causal runs of a prompt, lengths around the 8-row
         // batches, a query that sees nothing; both sides of the
@@ -669,11 +673,12 @@ mod tests {
             for ((q, o), &n) in qs.chunks(hd).zip(want.chunks_mut(hd)).zip(n_ctx) {
                 attend_with_isa(Isa::Scalar, q, &ks, &vs, bs, n, 0.125, &mut scratch, o);
             }
-            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            for isa in cov.isas() {
                 let mut got = vec![f32::NAN; qs.len()];
                 attend_tile_with_isa(isa, &qs, n_ctx, &ks, &vs, bs, 0.125, &mut scratch, &mut got);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&want), "{isa} hd {hd} bs {bs} {n_ctx:?}");
+                cov.ran(isa);
             }
         }
     }

@@ -183,6 +183,71 @@ pub fn num_threads() -> usize {
     pool().threads()
 }
 
+/// For the "every ISA equals the scalar reference" tests: the ISAs a test
+/// must run (every one this CPU has), and a check, when the test ends, that
+/// it ran each of them. A test that skips an ISA the machine has fails
+/// instead of passing silently; the ISAs run are printed (past the test
+/// harness's capture, so they show in CI logs).
+#[cfg(test)]
+pub(crate) struct IsaCoverage {
+    test: &'static str,
+    ran: std::collections::BTreeSet<Isa>,
+}
+
+#[cfg(test)]
+impl IsaCoverage {
+    pub(crate) fn new(test: &'static str) -> Self {
+        Self {
+            test,
+            ran: Default::default(),
+        }
+    }
+
+    /// Every ISA the CPU runs, smallest first. Each must also be usable
+    /// here: a limit on the kernels would hide one from the test.
+    pub(crate) fn isas(&self) -> Vec<Isa> {
+        let all: Vec<Isa> = Isa::ALL
+            .into_iter()
+            .filter(|i| i.is_supported_by_cpu())
+            .collect();
+        for isa in &all {
+            assert!(
+                isa.is_supported(),
+                "{}: the CPU has {isa} but the kernels are limited to {}",
+                self.test,
+                crate::isa()
+            );
+        }
+        all
+    }
+
+    /// The test compared `isa`'s result with the reference.
+    pub(crate) fn ran(&mut self, isa: Isa) {
+        self.ran.insert(isa);
+    }
+}
+
+#[cfg(test)]
+impl Drop for IsaCoverage {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        let names =
+            |v: &mut dyn Iterator<Item = Isa>| v.map(Isa::name).collect::<Vec<_>>().join(", ");
+        let ran = names(&mut self.ran.iter().copied());
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "tandem-kernels: {} ran {ran} (CPU: {})",
+            self.test,
+            Isa::detected()
+        );
+        let want = names(&mut self.isas().into_iter());
+        assert_eq!(ran, want, "{}: ISAs run vs ISAs this CPU has", self.test);
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -195,6 +260,53 @@ mod tests {
         }
         for bad in ["", "AVX2", "avx512", "sse4"] {
             assert!(matches!(bad.parse::<Isa>(), Err(KernelError::UnknownIsa(s)) if s == bad));
+        }
+    }
+
+    /// Detection against the kernel's own account of the CPU: an ISA missed
+    /// here would go untested (and unused) without any test noticing. With
+    /// `TANDEM_REQUIRE_ISA=<name>` (CI, on runners known to have it) a CPU
+    /// without that ISA fails the run instead of skipping its kernels.
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+    #[test]
+    fn detection_agrees_with_the_cpu_flags() {
+        let info = std::fs::read_to_string("/proc/cpuinfo").expect("reading /proc/cpuinfo");
+        let flags: std::collections::BTreeSet<&str> = info
+            .lines()
+            .find_map(|l| l.strip_prefix("flags"))
+            .and_then(|l| l.split_once(':'))
+            .expect("a flags line in /proc/cpuinfo")
+            .1
+            .split_whitespace()
+            .collect();
+        let has = |names: &[&str]| names.iter().all(|f| flags.contains(f));
+        let want = if has(&[
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bw",
+            "avx512vl",
+            "avx512_vnni",
+        ]) {
+            Isa::Avx512Vnni
+        } else if has(&["avx2", "fma", "f16c"]) {
+            Isa::Avx2
+        } else {
+            Isa::Scalar
+        };
+        assert_eq!(Isa::detected(), want, "CPU flags: {flags:?}");
+        // No kernel test limits the ISA: the equality tests can run them all.
+        assert_eq!(isa(), Isa::detected());
+        if let Ok(required) = std::env::var("TANDEM_REQUIRE_ISA") {
+            let required: Isa = required.parse().unwrap_or_else(|e| {
+                panic!("TANDEM_REQUIRE_ISA: {e} (one of scalar, avx2, avx512vnni)")
+            });
+            assert!(
+                Isa::detected() >= required,
+                "TANDEM_REQUIRE_ISA={required} but this CPU has only {}: its kernels would go untested",
+                Isa::detected()
+            );
         }
     }
 

@@ -275,6 +275,7 @@ fn run_parts(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::IsaCoverage;
     use crate::quant::{self, f32_to_f16_bits};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
@@ -391,7 +392,8 @@ mod tests {
     #[test]
     fn all_isas_match_scalar_bitwise() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.is_supported()).collect();
+        let mut cov = IsaCoverage::new("matmul::all_isas_match_scalar_bitwise");
+        let isas = cov.isas();
         for ty in TYPES {
             for (rows, cols, m) in shapes(ty) {
                 let data = rand_weights(ty, rows, cols, &mut rng);
@@ -405,6 +407,7 @@ mod tests {
                         bits(&want),
                         "{ty:?} {isa} rows={rows} cols={cols} m={m}"
                     );
+                    cov.ran(isa);
                 }
                 // Sanity against an f64 reference of the same quantised data.
                 let r = reference_f64(&w, &x, m);
@@ -419,13 +422,14 @@ mod tests {
     #[test]
     fn batch_invariance() {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut cov = IsaCoverage::new("matmul::batch_invariance");
         for ty in TYPES {
             let (rows, cols) = (37, ty.block_len().max(32) * 4);
             let data = rand_weights(ty, rows, cols, &mut rng);
             let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
             let m = 19;
             let x = rand_x(m * cols, &mut rng);
-            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            for isa in cov.isas() {
                 let all = run(isa, &w, &x, m);
                 for i in 0..m {
                     let one = run(isa, &w, &x[i * cols..(i + 1) * cols], 1);
@@ -440,6 +444,7 @@ mod tests {
                     let part = run(isa, &w, &x[..mm * cols], mm);
                     assert_eq!(bits(&part), bits(&all[..mm * rows]), "{ty:?} {isa} m={mm}");
                 }
+                cov.ran(isa);
             }
         }
     }
@@ -465,12 +470,13 @@ mod tests {
     #[test]
     fn thread_partition_invariance() {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let mut cov = IsaCoverage::new("matmul::thread_partition_invariance");
         for ty in TYPES {
             let (rows, cols, m) = (203, ty.block_len().max(32) * 12, 5);
             let data = rand_weights(ty, rows, cols, &mut rng);
             let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
             let x = rand_x(m * cols, &mut rng);
-            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            for isa in cov.isas() {
                 let mut base = vec![0.0f32; m * rows];
                 matmul_impl(isa, &w, &x, m, &mut base, 1).expect("matmul");
                 for threads in [2, 3, 7, 64] {
@@ -484,6 +490,7 @@ mod tests {
                         );
                     }
                 }
+                cov.ran(isa);
             }
         }
     }
@@ -584,11 +591,13 @@ mod tests {
         let w = QMatrix::new(GgmlType::Q8_0, &blk, 1, 32).expect("shape");
         let x = vec![1.0f32; 32];
         let mut out = [0.0f32];
-        for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+        let mut cov = IsaCoverage::new("matmul::known_small_product");
+        for isa in cov.isas() {
             matmul_with_isa(isa, &w, &x, 1, &mut out).expect("matmul");
             let d = quant::f16_bits_to_f32(f32_to_f16_bits(1.0 / 127.0));
             let want = (0..32).map(|k| (k - 16) * 127).sum::<i32>() as f32 * d;
             assert!((out[0] - want).abs() < 1e-3, "{isa}: {} vs {want}", out[0]);
+            cov.ran(isa);
         }
         // F32 exact small product.
         let wf: Vec<u8> = [1.0f32, 2.0, 3.0]

@@ -747,6 +747,7 @@ mod avx2 {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::cpu::IsaCoverage;
     use crate::matmul::matmul_with_isa;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
@@ -767,6 +768,7 @@ mod tests {
     #[test]
     fn fast_kernel_is_bitwise_the_scalar_reference() {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut cov = IsaCoverage::new("packed::fast_kernel_is_bitwise_the_scalar_reference");
         for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
             for (rows, cols) in [(1, 32), (15, 64), (16, 32), (17, 96), (40, 576), (3, 1536)] {
                 let data = weights(ty, rows, cols, &mut rng);
@@ -797,12 +799,11 @@ mod tests {
                         .unwrap();
                         assert_eq!(bits(&one), bits(&want[i * rows..(i + 1) * rows]));
                     }
-                    for isa in [Isa::Avx2, Isa::Avx512Vnni] {
-                        if isa.is_supported() {
-                            let mut got = vec![0.0; m * rows];
-                            matmul_packed_with_isa(isa, &p, &x, m, &mut got).unwrap();
-                            assert_eq!(bits(&got), bits(&want), "{isa} {ty:?} {rows}x{cols} m={m}");
-                        }
+                    for isa in cov.isas() {
+                        let mut got = vec![0.0; m * rows];
+                        matmul_packed_with_isa(isa, &p, &x, m, &mut got).unwrap();
+                        assert_eq!(bits(&got), bits(&want), "{isa} {ty:?} {rows}x{cols} m={m}");
+                        cov.ran(isa);
                     }
                 }
             }
@@ -813,6 +814,7 @@ mod tests {
     #[test]
     fn extreme_quants_match_the_reference_on_every_isa() {
         let (rows, cols) = (19, 128);
+        let mut cov = IsaCoverage::new("packed::extreme_quants_match_the_reference_on_every_isa");
         let one = half::f16::from_f32(1.0).to_bits().to_le_bytes();
         for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
             let mut data = Vec::new();
@@ -839,10 +841,11 @@ mod tests {
                     .collect();
                 let mut want = vec![0.0; 9 * rows];
                 matmul_packed_with_isa(Isa::Scalar, &p, &x, 9, &mut want).unwrap();
-                for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+                for isa in cov.isas() {
                     let mut got = vec![0.0; 9 * rows];
                     matmul_packed_with_isa(isa, &p, &x, 9, &mut got).unwrap();
                     assert_eq!(bits(&got), bits(&want), "{isa} {ty:?} sign {sign}");
+                    cov.ran(isa);
                 }
                 let mut ggml = vec![0.0; 9 * rows];
                 matmul_with_isa(Isa::Scalar, &q, &x, 9, &mut ggml).unwrap();
@@ -889,6 +892,7 @@ mod tests {
     #[test]
     fn segments_equal_each_column_slice_packed_alone() {
         let mut rng = ChaCha8Rng::seed_from_u64(23);
+        let mut cov = IsaCoverage::new("packed::segments_equal_each_column_slice_packed_alone");
         for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
             for (rows, cols, segments) in [(17, 96, 3), (40, 576, 3), (5, 128, 4), (16, 64, 1)] {
                 let data = weights(ty, rows, cols, &mut rng);
@@ -916,10 +920,7 @@ mod tests {
                         let out = &mut want[s * m * rows..(s + 1) * m * rows];
                         matmul_packed_with_isa(Isa::Scalar, &ps, &xs, m, out).unwrap();
                     }
-                    for isa in Isa::ALL {
-                        if !isa.is_supported() {
-                            continue;
-                        }
+                    for isa in cov.isas() {
                         let mut got = vec![0.0; segments * m * rows];
                         matmul_packed_segments_with_isa(isa, &p, &x, m, segments, &mut got)
                             .unwrap();
@@ -928,6 +929,7 @@ mod tests {
                             bits(&want),
                             "{ty:?} {isa} {rows}x{cols}/{segments} m={m}"
                         );
+                        cov.ran(isa);
                     }
                 }
             }

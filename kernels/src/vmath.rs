@@ -398,6 +398,7 @@ mod avx512 {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::cpu::IsaCoverage;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
@@ -463,6 +464,8 @@ mod tests {
     #[test]
     fn silu_mul_is_bitwise_the_scalar_reference_on_every_isa() {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let mut cov =
+            IsaCoverage::new("vmath::silu_mul_is_bitwise_the_scalar_reference_on_every_isa");
         for len in [0, 1, 7, 8, 15, 16, 17, 33, 1536] {
             let g = inputs(&mut rng, len);
             let u: Vec<f32> = (0..len).map(|_| rng.random_range(-2.0f32..2.0)).collect();
@@ -471,10 +474,11 @@ mod tests {
             for (w, (&gi, &ui)) in want.iter().zip(g.iter().zip(&u)) {
                 assert_eq!(w.to_bits(), (silu(gi) * ui).to_bits());
             }
-            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            for isa in cov.isas() {
                 let mut got = g.clone();
                 silu_mul_with_isa(isa, &mut got, &u);
                 assert_eq!(bits(&got), bits(&want), "{isa} len {len}");
+                cov.ran(isa);
             }
         }
         let mut nan = [f32::NAN; 19];
@@ -514,6 +518,8 @@ mod tests {
     #[test]
     fn softmax_is_bitwise_the_scalar_reference_on_every_isa() {
         let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let mut cov =
+            IsaCoverage::new("vmath::softmax_is_bitwise_the_scalar_reference_on_every_isa");
         for len in [0, 1, 5, 8, 9, 16, 23, 64, 193, 1000] {
             let mut x: Vec<f32> = (0..len).map(|_| rng.random_range(-20.0f32..5.0)).collect();
             if len > 4 {
@@ -532,10 +538,11 @@ mod tests {
                     assert!((f64::from(w) - p).abs() <= 1e-6 * p + 1e-30, "{w} vs {p}");
                 }
             }
-            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            for isa in cov.isas() {
                 let mut got = x.clone();
                 softmax_with_isa(isa, &mut got);
                 assert_eq!(bits(&got), bits(&want), "{isa} len {len}");
+                cov.ran(isa);
             }
         }
         let mut masked = [f32::NEG_INFINITY; 9];

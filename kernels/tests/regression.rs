@@ -153,6 +153,8 @@ const EXPECTED: &[(GgmlType, usize, u64)] = &[
 
 fn hashes() -> Vec<(GgmlType, usize, u64)> {
     let mut v = Vec::new();
+    // Every ISA this CPU has must be compared (none skipped silently).
+    let mut ran = std::collections::BTreeSet::new();
     let mut rng = Rng(0x7a6d_656d);
     for (ty, rows, cols) in CASES {
         let data = weights(ty, rows, cols, &mut rng);
@@ -161,17 +163,33 @@ fn hashes() -> Vec<(GgmlType, usize, u64)> {
         for m in MS {
             let mut out = vec![f32::NAN; m * rows];
             matmul(&w, &x[..m * cols], m, &mut out).expect("matmul");
-            for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            for isa in Isa::ALL.into_iter().filter(|i| *i <= Isa::detected()) {
                 if isa == Isa::Scalar && m > 8 {
                     continue;
                 }
                 let mut o = vec![f32::NAN; m * rows];
                 matmul_with_isa(isa, &w, &x[..m * cols], m, &mut o).expect("matmul");
                 assert_eq!(fnv(&o), fnv(&out), "{ty:?} m={m} {isa}");
+                ran.insert(isa);
             }
             v.push((ty, m, fnv(&out)));
         }
     }
+    let ran: Vec<Isa> = ran.into_iter().collect();
+    let names: Vec<&str> = ran.iter().map(|i| i.name()).collect();
+    use std::io::Write as _;
+    // Past the test harness's capture, so that CI logs show it.
+    let _ = writeln!(
+        std::io::stderr(),
+        "tandem-kernels: regression::matmul_outputs_unchanged ran {} (CPU: {})",
+        names.join(", "),
+        Isa::detected()
+    );
+    let want: Vec<Isa> = Isa::ALL
+        .into_iter()
+        .filter(|i| *i <= Isa::detected())
+        .collect();
+    assert_eq!(ran, want, "ISAs compared vs ISAs this CPU has");
     v
 }
 

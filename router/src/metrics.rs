@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram, UpDownCounter};
+use opentelemetry::metrics::{Counter, Histogram, Meter, UpDownCounter};
 use tandem_engine::metrics::LATENCY_MS_BUCKETS;
 
 use crate::ApiError;
@@ -29,10 +29,16 @@ struct RouterMetrics {
     awaiting_now: AtomicI64,
 }
 
+/// The process's instruments, from the global meter provider (installed by
+/// the binary before anything records).
 fn metrics() -> &'static RouterMetrics {
     static M: OnceLock<RouterMetrics> = OnceLock::new();
-    M.get_or_init(|| {
-        let m = opentelemetry::global::meter("tandem");
+    M.get_or_init(|| RouterMetrics::new(&opentelemetry::global::meter("tandem")))
+}
+
+impl RouterMetrics {
+    /// The instruments on `m` (the global meter's, or a test's).
+    fn new(m: &Meter) -> Self {
         let ms = |name: &'static str, description: &'static str| {
             m.f64_histogram(name)
                 .with_description(description)
@@ -40,7 +46,7 @@ fn metrics() -> &'static RouterMetrics {
                 .with_boundaries(LATENCY_MS_BUCKETS.to_vec())
                 .build()
         };
-        RouterMetrics {
+        Self {
             time_to_first_token: ms(
                 "tandem.time_to_first_token",
                 "Time from a request's arrival to its first generated token",
@@ -82,19 +88,33 @@ fn metrics() -> &'static RouterMetrics {
                 .build(),
             awaiting_now: AtomicI64::new(0),
         }
-    })
+    }
+
+    fn change_awaiting(&self, by: i64) {
+        self.awaiting.add(by, &[]);
+        let now = self.awaiting_now.fetch_add(by, Ordering::Relaxed) + by;
+        self.awaiting_hist.record(now.max(0) as u64, &[]);
+    }
+
+    fn record_status(&self, s: Status) {
+        self.requests.add(1, &[KeyValue::new("status", s.label())]);
+    }
 }
 
 /// Counts a request in the admission backlog (templating, tokenization,
 /// routing, the hand-off call) until dropped, in `tandem serve` and the
 /// router alike.
 #[derive(Debug)]
-pub struct AwaitingAdmission(());
+pub struct AwaitingAdmission(&'static RouterMetrics);
 
 impl AwaitingAdmission {
     pub fn new() -> Self {
-        change_awaiting(1);
-        Self(())
+        Self::on(metrics())
+    }
+
+    fn on(m: &'static RouterMetrics) -> Self {
+        m.change_awaiting(1);
+        Self(m)
     }
 }
 
@@ -106,15 +126,8 @@ impl Default for AwaitingAdmission {
 
 impl Drop for AwaitingAdmission {
     fn drop(&mut self) {
-        change_awaiting(-1);
+        self.0.change_awaiting(-1);
     }
-}
-
-fn change_awaiting(by: i64) {
-    let m = metrics();
-    m.awaiting.add(by, &[]);
-    let now = m.awaiting_now.fetch_add(by, Ordering::Relaxed) + by;
-    m.awaiting_hist.record(now.max(0) as u64, &[]);
 }
 
 /// How a request ended (the `status` label of `tandem.requests`).
@@ -147,13 +160,7 @@ impl Status {
 
 /// Counts a request that failed before it reached the scheduler.
 pub fn record_rejected(e: &ApiError) {
-    record_status(Status::of_error(e));
-}
-
-fn record_status(s: Status) {
-    metrics()
-        .requests
-        .add(1, &[KeyValue::new("status", s.label())]);
+    metrics().record_status(Status::of_error(e));
 }
 
 /// `decode time / (n - 1)` in ms, when a request produced two tokens or more.
@@ -165,6 +172,7 @@ pub fn time_per_output_token(first: Instant, last: Instant, n: u64) -> Option<f6
 /// finishes counts as cancelled.
 #[derive(Debug)]
 pub struct RequestTracker {
+    m: &'static RouterMetrics,
     arrived: Instant,
     first: Option<Instant>,
     last: Option<Instant>,
@@ -175,8 +183,13 @@ pub struct RequestTracker {
 impl RequestTracker {
     /// Starts tracking an accepted request of `prompt_tokens` tokens.
     pub fn new(arrived: Instant, prompt_tokens: usize) -> Self {
-        metrics().input_tokens.add(prompt_tokens as u64, &[]);
+        Self::on(metrics(), arrived, prompt_tokens)
+    }
+
+    fn on(m: &'static RouterMetrics, arrived: Instant, prompt_tokens: usize) -> Self {
+        m.input_tokens.add(prompt_tokens as u64, &[]);
         Self {
+            m,
             arrived,
             first: None,
             last: None,
@@ -187,8 +200,11 @@ impl RequestTracker {
 
     /// A generated token reached the HTTP layer.
     pub fn token(&mut self) {
-        let now = Instant::now();
-        let m = metrics();
+        self.token_at(Instant::now());
+    }
+
+    fn token_at(&mut self, now: Instant) {
+        let m = self.m;
         match self.last {
             None => m
                 .time_to_first_token
@@ -206,12 +222,17 @@ impl RequestTracker {
     /// The request ended: successfully, or with `error` (recorded only when
     /// `count_error`, i.e. when no caller will count it).
     pub fn finish(&mut self, error: Option<&ApiError>, count_error: bool) {
+        self.finish_at(Instant::now(), error, count_error);
+    }
+
+    fn finish_at(&mut self, now: Instant, error: Option<&ApiError>, count_error: bool) {
         if self.done {
             return;
         }
         self.done = true;
-        let m = metrics();
-        m.request_latency.record(ms(self.arrived.elapsed()), &[]);
+        let m = self.m;
+        m.request_latency
+            .record(ms(now.saturating_duration_since(self.arrived)), &[]);
         match error {
             None => {
                 if let (Some(first), Some(last)) = (self.first, self.last)
@@ -219,9 +240,9 @@ impl RequestTracker {
                 {
                     m.time_per_output_token.record(t, &[]);
                 }
-                record_status(Status::Ok);
+                m.record_status(Status::Ok);
             }
-            Some(e) if count_error => record_status(Status::of_error(e)),
+            Some(e) if count_error => m.record_status(Status::of_error(e)),
             Some(_) => {}
         }
     }
@@ -231,7 +252,7 @@ impl Drop for RequestTracker {
     fn drop(&mut self) {
         if !self.done {
             self.done = true;
-            record_status(Status::Cancelled);
+            self.m.record_status(Status::Cancelled);
         }
     }
 }
@@ -244,7 +265,12 @@ fn ms(d: std::time::Duration) -> f64 {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
     use std::time::Duration;
+
+    use opentelemetry::metrics::MeterProvider as _;
+    use opentelemetry_sdk::metrics::data::{AggregatedMetrics, Metric, MetricData};
+    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 
     #[test]
     fn tpot() {
@@ -273,12 +299,232 @@ mod tests {
         assert_eq!(Status::Cancelled.label(), "cancelled");
     }
 
+    /// One exported data point: a counter's value, or a histogram's sum
+    /// and count.
+    #[derive(Debug, Clone, PartialEq)]
+    struct Point {
+        name: String,
+        unit: String,
+        labels: Vec<(String, String)>,
+        value: f64,
+        count: u64,
+    }
+
+    /// Instruments on a provider of the test's own, read back in memory.
+    struct TestMeter {
+        provider: SdkMeterProvider,
+        exporter: InMemoryMetricExporter,
+    }
+
+    impl TestMeter {
+        fn new() -> Self {
+            let exporter = InMemoryMetricExporter::default();
+            let provider = SdkMeterProvider::builder()
+                .with_reader(PeriodicReader::builder(exporter.clone()).build())
+                .build();
+            Self { provider, exporter }
+        }
+
+        /// The router's instruments on this provider (leaked: trackers hold
+        /// them for `'static`, as they hold the process's).
+        fn metrics(&self) -> &'static RouterMetrics {
+            Box::leak(Box::new(RouterMetrics::new(&self.provider.meter("tandem"))))
+        }
+
+        /// Every point recorded so far (cumulative).
+        fn points(&self) -> Vec<Point> {
+            fn add<T: Copy>(
+                out: &mut Vec<Point>,
+                m: &Metric,
+                d: &MetricData<T>,
+                f: impl Fn(T) -> f64,
+            ) {
+                let point = |a: &mut dyn Iterator<Item = &KeyValue>, value, count| Point {
+                    name: m.name().to_owned(),
+                    unit: m.unit().to_owned(),
+                    labels: a
+                        .map(|kv| (kv.key.to_string(), kv.value.to_string()))
+                        .collect(),
+                    value,
+                    count,
+                };
+                match d {
+                    MetricData::Sum(s) => out.extend(
+                        s.data_points()
+                            .map(|p| point(&mut p.attributes(), f(p.value()), 1)),
+                    ),
+                    MetricData::Histogram(h) => out.extend(
+                        h.data_points()
+                            .map(|p| point(&mut p.attributes(), f(p.sum()), p.count())),
+                    ),
+                    _ => panic!("{}: not a sum or a histogram", m.name()),
+                }
+            }
+            self.exporter.reset();
+            self.provider.force_flush().expect("flush");
+            let mut out = Vec::new();
+            for rm in self.exporter.get_finished_metrics().expect("read") {
+                for m in rm.scope_metrics().flat_map(|s| s.metrics()) {
+                    match m.data() {
+                        AggregatedMetrics::F64(d) => add(&mut out, m, d, |x| x),
+                        AggregatedMetrics::U64(d) => add(&mut out, m, d, |x| x as f64),
+                        AggregatedMetrics::I64(d) => add(&mut out, m, d, |x| x as f64),
+                    }
+                }
+            }
+            out
+        }
+    }
+
+    /// (sum or value, count) of the unlabeled point of `name`, asserting
+    /// its unit; (0, 0) if nothing was recorded.
+    fn read(points: &[Point], name: &str, unit: &str) -> (f64, u64) {
+        let found: Vec<&Point> = points.iter().filter(|p| p.name == name).collect();
+        match found.as_slice() {
+            [] => (0.0, 0),
+            [p] if p.labels.is_empty() && p.unit == unit => (p.value, p.count),
+            _ => panic!("{name}: {found:?}"),
+        }
+    }
+
+    fn by_status(points: &[Point]) -> BTreeMap<String, f64> {
+        points
+            .iter()
+            .filter(|p| p.name == "tandem.requests")
+            .map(|p| match p.labels.as_slice() {
+                [(k, v)] if k == "status" => (v.clone(), p.value),
+                other => panic!("tandem.requests labels {other:?}"),
+            })
+            .collect()
+    }
+
+    fn close(got: (f64, u64), want: (f64, u64), what: &str) {
+        assert!(
+            got.1 == want.1 && (got.0 - want.0).abs() < 1e-6,
+            "{what}: {got:?} != {want:?}"
+        );
+    }
+
+    /// TTFT once per request, ITL for every later token, TPOT and latency
+    /// once per finished request, and one status per request: `ok`,
+    /// `cancelled` when dropped unfinished, an error's class only when the
+    /// tracker is to count it.
     #[test]
-    fn tracker_without_a_provider() {
-        let mut t = RequestTracker::new(Instant::now(), 3);
-        t.token();
-        t.token();
-        t.finish(None, true);
-        drop(RequestTracker::new(Instant::now(), 1));
+    fn tracker_records_latencies_and_one_status_per_request() {
+        let meter = TestMeter::new();
+        let m = meter.metrics();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+
+        let mut t = RequestTracker::on(m, t0, 7);
+        for ms in [10, 30, 60] {
+            t.token_at(at(ms));
+        }
+        t.finish_at(at(65), None, true);
+        t.finish_at(at(99), None, true); // a second finish changes nothing
+        drop(t);
+        let p = meter.points();
+        close(
+            read(&p, "tandem.time_to_first_token", "ms"),
+            (10.0, 1),
+            "ttft",
+        );
+        close(
+            read(&p, "tandem.inter_token_latency", "ms"),
+            (50.0, 2),
+            "itl",
+        );
+        // (60 - 10) ms over 3 - 1 tokens.
+        close(
+            read(&p, "tandem.time_per_output_token", "ms"),
+            (25.0, 1),
+            "tpot",
+        );
+        close(
+            read(&p, "tandem.request_latency", "ms"),
+            (65.0, 1),
+            "latency",
+        );
+        close(read(&p, "tandem.input_tokens", ""), (7.0, 1), "input");
+        close(read(&p, "tandem.output_tokens", ""), (3.0, 1), "output");
+        assert_eq!(by_status(&p), BTreeMap::from([("ok".into(), 1.0)]));
+
+        // Dropped after two tokens: cancelled; no TPOT or latency sample.
+        let mut c = RequestTracker::on(m, t0, 2);
+        c.token_at(at(5));
+        c.token_at(at(8));
+        drop(c);
+        // One token, then finished: no TPOT (it needs two).
+        let mut one = RequestTracker::on(m, t0, 1);
+        one.token_at(at(4));
+        one.finish_at(at(6), None, true);
+        // Failures: counted here only when no caller counts them.
+        let mut bad = RequestTracker::on(m, t0, 1);
+        bad.finish_at(at(1), Some(&ApiError::invalid("x", None)), true);
+        let mut counted_elsewhere = RequestTracker::on(m, t0, 1);
+        counted_elsewhere.finish_at(at(1), Some(&ApiError::Internal("x".into())), false);
+        drop((bad, counted_elsewhere));
+
+        let p = meter.points();
+        close(
+            read(&p, "tandem.time_to_first_token", "ms"),
+            (19.0, 3),
+            "ttft",
+        );
+        close(
+            read(&p, "tandem.inter_token_latency", "ms"),
+            (53.0, 3),
+            "itl",
+        );
+        close(
+            read(&p, "tandem.time_per_output_token", "ms"),
+            (25.0, 1),
+            "tpot",
+        );
+        close(
+            read(&p, "tandem.request_latency", "ms"),
+            (73.0, 4),
+            "latency",
+        );
+        close(read(&p, "tandem.input_tokens", ""), (12.0, 1), "input");
+        close(read(&p, "tandem.output_tokens", ""), (6.0, 1), "output");
+        assert_eq!(
+            by_status(&p),
+            BTreeMap::from([
+                ("cancelled".into(), 1.0),
+                ("client_error".into(), 1.0),
+                ("ok".into(), 2.0),
+            ])
+        );
+    }
+
+    /// Every request counted into the admission backlog leaves it on drop.
+    #[test]
+    fn admission_backlog_returns_to_zero() {
+        let meter = TestMeter::new();
+        let m = meter.metrics();
+        let a = AwaitingAdmission::on(m);
+        let b = AwaitingAdmission::on(m);
+        let p = meter.points();
+        close(
+            read(&p, "tandem.num_requests_awaiting_admission", ""),
+            (2.0, 1),
+            "backlog",
+        );
+        drop(a);
+        drop(b);
+        let p = meter.points();
+        close(
+            read(&p, "tandem.num_requests_awaiting_admission", ""),
+            (0.0, 1),
+            "backlog",
+        );
+        // Sampled at each change: 1, 2, 1, 0.
+        close(
+            read(&p, "tandem.requests_awaiting_admission", ""),
+            (4.0, 4),
+            "samples",
+        );
+        assert_eq!(m.awaiting_now.load(Ordering::Relaxed), 0);
     }
 }

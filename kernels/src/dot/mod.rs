@@ -463,6 +463,7 @@ pub(crate) unsafe fn drive<K: QKernel>(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::cpu::IsaCoverage;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
@@ -493,23 +494,24 @@ mod tests {
         };
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         type Quantiser = unsafe fn(&[f32], &mut [i8], &mut [f32], &mut [f32]);
-        let mut fast: Vec<(&str, Quantiser)> = Vec::new();
-        #[cfg(target_arch = "x86_64")]
-        {
-            if Isa::Avx2.is_supported() {
-                fast.push(("avx2", quantize_q8_avx2));
-            }
-            if Isa::Avx512Vnni.is_supported() {
-                fast.push(("avx512", quantize_q8_avx512));
-            }
-        }
-        for (name, f) in fast {
+        let mut cov = IsaCoverage::new("dot::q8_quantisers_match_the_scalar_body");
+        for isa in cov.isas() {
+            let f: Quantiser = match isa {
+                Isa::Scalar => quantize_q8_body,
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => quantize_q8_avx2,
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512Vnni => quantize_q8_avx512,
+                #[cfg(not(target_arch = "x86_64"))]
+                _ => unreachable!("only x86_64 CPUs report SIMD ISAs"),
+            };
             let (mut qs, mut d, mut s) = (vec![0i8; x.len()], vec![0.0f32; n], vec![0.0f32; n]);
-            // SAFETY: support checked above.
+            // SAFETY: `cov.isas()` lists only ISAs this CPU supports.
             unsafe { f(&x, &mut qs, &mut d, &mut s) };
-            assert_eq!(qs, reference.0, "{name} quants");
-            assert_eq!(bits(&d), bits(&reference.1), "{name} scales");
-            assert_eq!(bits(&s), bits(&reference.2), "{name} sums");
+            assert_eq!(qs, reference.0, "{isa} quants");
+            assert_eq!(bits(&d), bits(&reference.1), "{isa} scales");
+            assert_eq!(bits(&s), bits(&reference.2), "{isa} sums");
+            cov.ran(isa);
         }
         // The pooled path splits blocks across workers: the same result.
         let mut a = ActQ8 {

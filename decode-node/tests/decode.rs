@@ -1,0 +1,703 @@
+//! The decode node's prefill placement, on the real SmolLM2 GGUF, against
+//! prefill peers on local ports: a real prefill node (in-process KV
+//! transport) and fakes that fail, answer nonsense, stall, or are not
+//! there. Every case must end with the tokens a local greedy run gives,
+//! count its outcome in `tandem.decode.prefills{outcome}`, and free its
+//! blocks. Needs `TANDEM_TEST_GGUF`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use tandem_decode_node::{DecodeConfig, DecodeService};
+use tandem_dkv::TransportKind;
+use tandem_engine::generate::{GenerateRequest, generate};
+use tandem_engine::moe::Combine;
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
+use tandem_engine::{LoadedModel, load};
+use tandem_prefill_node::PrefillService;
+use tandem_proto::{GenerateJob, PrefillTarget, pb};
+use tandem_worker::{NodeCore, NodeOptions, Role};
+use tokio::sync::oneshot;
+use tokio_stream::StreamExt;
+use tonic::{Code, Request, Response, Status};
+
+/// Generated tokens per request.
+const MAX_TOKENS: usize = 8;
+/// An address where nothing listens.
+const UNREACHABLE: &str = "http://127.0.0.1:1";
+
+struct Harness {
+    model: Arc<LoadedModel>,
+    provider: SdkMeterProvider,
+    exporter: InMemoryMetricExporter,
+}
+
+/// The model, and a meter provider installed before anything records
+/// (instruments bind to the provider present at their first use).
+fn harness() -> &'static Harness {
+    static H: OnceLock<Harness> = OnceLock::new();
+    H.get_or_init(|| {
+        let exporter = InMemoryMetricExporter::default();
+        let provider = SdkMeterProvider::builder()
+            .with_reader(PeriodicReader::builder(exporter.clone()).build())
+            .build();
+        opentelemetry::global::set_meter_provider(provider.clone());
+        let path = std::env::var_os("TANDEM_TEST_GGUF").expect(
+            "set TANDEM_TEST_GGUF to the SmolLM2-135M-Instruct Q4_1 GGUF (scripts/test.sh does this)",
+        );
+        let model = Arc::new(load(&PathBuf::from(path)).expect("model loads"));
+        Harness {
+            model,
+            provider,
+            exporter,
+        }
+    })
+}
+
+/// The counters are process-wide: tests that compare them run one at a time.
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
+}
+
+/// Cumulative values of the counter `name`, by the value of `label`.
+fn counter(name: &str, label: &str) -> BTreeMap<String, u64> {
+    let h = harness();
+    h.exporter.reset();
+    h.provider.force_flush().expect("flush");
+    let mut out = BTreeMap::new();
+    for rm in h.exporter.get_finished_metrics().expect("read") {
+        for m in rm.scope_metrics().flat_map(|s| s.metrics()) {
+            if m.name() != name {
+                continue;
+            }
+            let AggregatedMetrics::U64(MetricData::Sum(sum)) = m.data() else {
+                panic!("{name} is not a u64 counter");
+            };
+            for p in sum.data_points() {
+                let key = p
+                    .attributes()
+                    .find(|kv| kv.key.as_str() == label)
+                    .map(|kv| kv.value.to_string())
+                    .unwrap_or_default();
+                *out.entry(key).or_default() += p.value();
+            }
+        }
+    }
+    out
+}
+
+/// What changed in `counter(name, label)` since `before`.
+fn delta(before: &BTreeMap<String, u64>, name: &str, label: &str) -> BTreeMap<String, u64> {
+    counter(name, label)
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let d = v - before.get(&k).copied().unwrap_or(0);
+            (d > 0).then_some((k, d))
+        })
+        .collect()
+}
+
+fn counts(v: &[(&str, u64)]) -> BTreeMap<String, u64> {
+    v.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect()
+}
+
+/// A node's core on the in-process KV transport, serving nothing yet.
+struct Node {
+    core: Arc<NodeCore>,
+    scheduler: Option<Scheduler>,
+}
+
+impl Node {
+    fn start(role: Role, id: &str) -> Self {
+        let config = SchedulerConfig {
+            max_batch_size: 4,
+            max_batch_input_tokens: 256,
+            max_length: 512,
+            block_size: 16,
+            num_blocks: 96,
+            prefix_caching: true,
+            tp: 1,
+            moe_combine: Combine::AllReduce,
+        };
+        let local = "127.0.0.1:0".parse().expect("address");
+        let opts = NodeOptions {
+            role,
+            id: id.into(),
+            grpc_addr: local,
+            metrics_addr: local,
+            advertise_host: "127.0.0.1".into(),
+            etcd: None,
+            transport: TransportKind::InProcess,
+            ucx_tls: None,
+            shutdown_grace: Duration::from_secs(1),
+        };
+        let (core, scheduler) =
+            NodeCore::start(Arc::clone(&harness().model), config, &opts).expect("node starts");
+        Self {
+            core,
+            scheduler: Some(scheduler),
+        }
+    }
+
+    /// Waits until no request holds a block: every one freed its KV.
+    async fn wait_idle(&self) {
+        let s = self.core.scheduler.stats();
+        let busy = || {
+            [
+                &s.kv_blocks_in_use,
+                &s.running,
+                &s.waiting,
+                &s.importing,
+                &s.exported,
+            ]
+            .map(|a| a.load(Ordering::Relaxed))
+        };
+        let until = Instant::now() + Duration::from_secs(10);
+        while busy() != [0; 5] {
+            assert!(
+                Instant::now() < until,
+                "{} still holds blocks [in use, running, waiting, importing, exported]: {:?}",
+                self.core.id,
+                busy()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Stops the scheduler once every handle on it is gone (the caller
+    /// drops the services first); bounded, so a leaked handle fails.
+    async fn shutdown(mut self) {
+        let scheduler = self.scheduler.take().expect("scheduler");
+        let id = self.core.id.clone();
+        drop(self);
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::task::spawn_blocking(move || scheduler.shutdown()),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{id}: scheduler still referenced after the test"))
+        .expect("scheduler shutdown");
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        // A test that failed midway may still hold handles: joining the
+        // scheduler would hang, so leave its thread to the process's end.
+        if let Some(s) = self.scheduler.take() {
+            std::mem::forget(s);
+        }
+    }
+}
+
+/// A gRPC server on a local port, stopped on `stop` or drop.
+struct Server {
+    endpoint: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    async fn start(router: tonic::transport::server::Router) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let endpoint = format!("http://{}", listener.local_addr().expect("address"));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let task = tokio::spawn(async move {
+            let _ = router
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        Self {
+            endpoint,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn real_prefill(node: &Node) -> Self {
+        let svc = PrefillService::new(Arc::clone(&node.core)).into_server();
+        Self::start(tonic::transport::Server::builder().add_service(svc)).await
+    }
+
+    /// Stops serving and waits for the server (and the service it owns) to go.
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let task = std::mem::replace(&mut self.task, tokio::spawn(async {}));
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("server stops")
+            .expect("server task");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// How a fake prefill node answers.
+#[derive(Clone, Copy, Debug)]
+enum Fake {
+    Fail(Code),
+    /// Never answers: only the caller's deadline ends the call.
+    Stall,
+    /// A "first token" outside the vocabulary.
+    BadToken,
+    /// A response without a first token.
+    NoToken,
+}
+
+#[derive(Clone)]
+struct FakePrefill {
+    how: Fake,
+    calls: Arc<AtomicUsize>,
+    /// Calls whose handler has not finished or been dropped.
+    open: Arc<AtomicUsize>,
+}
+
+/// Counts a call as open until its handler ends or is dropped.
+struct Open(Arc<AtomicUsize>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[tonic::async_trait]
+impl pb::prefill_server::Prefill for FakePrefill {
+    async fn prefill(
+        &self,
+        _req: Request<pb::PrefillRequest>,
+    ) -> Result<Response<pb::PrefillResponse>, Status> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.open.fetch_add(1, Ordering::SeqCst);
+        let _open = Open(Arc::clone(&self.open));
+        let first = match self.how {
+            Fake::Fail(code) => return Err(Status::new(code, "fake prefill failure")),
+            Fake::Stall => return std::future::pending().await,
+            Fake::BadToken => Some(pb::Token {
+                id: u32::MAX,
+                logprob: None,
+                top: Vec::new(),
+            }),
+            Fake::NoToken => None,
+        };
+        Ok(Response::new(pb::PrefillResponse {
+            first,
+            cached_tokens: 0,
+            bytes: 0,
+            blocks: 0,
+        }))
+    }
+}
+
+struct FakeServer {
+    server: Server,
+    calls: Arc<AtomicUsize>,
+    open: Arc<AtomicUsize>,
+}
+
+impl FakeServer {
+    async fn start(how: Fake) -> Self {
+        let fake = FakePrefill {
+            how,
+            calls: Arc::default(),
+            open: Arc::default(),
+        };
+        let (calls, open) = (Arc::clone(&fake.calls), Arc::clone(&fake.open));
+        let svc = pb::prefill_server::PrefillServer::new(fake);
+        let server = Server::start(tonic::transport::Server::builder().add_service(svc)).await;
+        Self {
+            server,
+            calls,
+            open,
+        }
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+}
+
+fn target(id: &str, endpoint: &str) -> PrefillTarget {
+    PrefillTarget {
+        worker_id: id.into(),
+        endpoint: endpoint.into(),
+    }
+}
+
+fn config(prefill_timeout: Duration, transfer_grace: Duration) -> DecodeConfig {
+    let c = DecodeConfig {
+        remote_prefill_min_tokens: 1,
+        prefill_timeout,
+        transfer_grace,
+    };
+    c.validate().expect("valid decode config");
+    c
+}
+
+/// A prompt of about 50 tokens (several full blocks and a partial one).
+fn prompt(topic: &str) -> Vec<u32> {
+    let text = format!(
+        "Write three short paragraphs about {topic}. Start with its history, then describe how \
+         it is used today, and finish with one surprising fact that most people do not know."
+    );
+    harness()
+        .model
+        .tokenizer
+        .encode(&text, true)
+        .expect("tokenizes")
+}
+
+/// The tokens `generate` gives for the prompt alone, greedily: the reference.
+fn reference(prompt: &[u32]) -> Vec<u32> {
+    let m = &harness().model;
+    let req = GenerateRequest {
+        prompt: prompt.to_vec(),
+        sampling: SamplingParams::greedy(),
+        max_tokens: MAX_TOKENS,
+        stop_token_ids: m.tokenizer.stop_ids(),
+        stop_strings: Vec::new(),
+        prefill_chunk: 512,
+    };
+    generate(m, &req, |_| {}).expect("generates").tokens
+}
+
+#[derive(Debug)]
+struct Generated {
+    tokens: Vec<u32>,
+    finished: pb::Finished,
+    /// From the call to the first token.
+    first_token_after: Duration,
+}
+
+/// One `Generate` call straight to the service, read to its end.
+async fn run(
+    svc: &DecodeService,
+    node: &Node,
+    prompt: &[u32],
+    prefill: Vec<PrefillTarget>,
+) -> Generated {
+    use pb::decode_server::Decode;
+    let m = &harness().model;
+    let job = GenerateJob {
+        prompt: prompt.to_vec(),
+        sampling: SamplingParams::greedy(),
+        max_tokens: MAX_TOKENS,
+        stop_token_ids: m.tokenizer.stop_ids(),
+        prefill,
+    };
+    let t0 = Instant::now();
+    let read = async {
+        let mut stream = svc
+            .generate(Request::new(job.to_pb(&node.core.fingerprint)))
+            .await
+            .expect("generate accepted")
+            .into_inner();
+        let mut tokens = Vec::new();
+        let mut first_token_after = None;
+        while let Some(msg) = stream.next().await {
+            match msg.expect("stream message").kind {
+                Some(pb::generate_response::Kind::Token(t)) => {
+                    first_token_after.get_or_insert_with(|| t0.elapsed());
+                    tokens.push(t.id);
+                }
+                Some(pb::generate_response::Kind::Finished(finished)) => {
+                    assert!(stream.next().await.is_none(), "messages after Finished");
+                    return Generated {
+                        tokens,
+                        finished,
+                        first_token_after: first_token_after.expect("a token"),
+                    };
+                }
+                None => panic!("empty message"),
+            }
+        }
+        panic!("stream ended without Finished after {tokens:?}");
+    };
+    tokio::time::timeout(Duration::from_secs(60), read)
+        .await
+        .expect("generation ends in time")
+}
+
+const PREFILLS: &str = "tandem.decode.prefills";
+const WATCHDOG: &str = "tandem.dkv.watchdog_firings";
+const BLOCKS: &str = "tandem.dkv.blocks_transferred";
+
+/// A remote prefill over the in-process transport: the decode node decodes
+/// from KV written into its pool by the prefill node and gives the local
+/// greedy tokens; every block is freed on both sides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_gives_the_local_greedy_tokens() {
+    let _serial = serial().await;
+    let p = prompt("lighthouses");
+    let want = reference(&p);
+    let (decode, prefill) = (
+        Node::start(Role::Decode, "decode"),
+        Node::start(Role::Prefill, "prefill-real"),
+    );
+    let real = Server::real_prefill(&prefill).await;
+    let svc = DecodeService::new(
+        Arc::clone(&decode.core),
+        config(Duration::from_secs(30), Duration::from_millis(50)),
+    );
+    let (outcomes, blocks) = (counter(PREFILLS, "outcome"), counter(BLOCKS, "connector"));
+
+    let got = run(
+        &svc,
+        &decode,
+        &p,
+        vec![target("prefill-real", &real.endpoint)],
+    )
+    .await;
+    assert_eq!(got.tokens, want);
+    assert_eq!(got.finished.prefill_worker, "prefill-real");
+    assert_eq!(got.finished.prompt_tokens as usize, p.len());
+    assert_eq!(
+        delta(&outcomes, PREFILLS, "outcome"),
+        counts(&[("remote", 1)])
+    );
+    // Every prompt block crossed over (the decode node had none cached).
+    let n = p.len().div_ceil(decode.core.fingerprint.block_size) as u64;
+    assert_eq!(delta(&blocks, BLOCKS, "connector"), counts(&[("local", n)]));
+
+    decode.wait_idle().await;
+    prefill.wait_idle().await;
+    drop(svc);
+    real.stop().await;
+    decode.shutdown().await;
+    prefill.shutdown().await;
+}
+
+/// Workers that cannot be reached or fail are passed over in the router's
+/// order; the next one's prefill is used (outcome `retried`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_and_unreachable_workers_are_passed_over() {
+    let _serial = serial().await;
+    let p = prompt("volcanoes");
+    let want = reference(&p);
+    let (decode, prefill) = (
+        Node::start(Role::Decode, "decode"),
+        Node::start(Role::Prefill, "prefill-real"),
+    );
+    let real = Server::real_prefill(&prefill).await;
+    let failing = FakeServer::start(Fake::Fail(Code::Internal)).await;
+    let svc = DecodeService::new(
+        Arc::clone(&decode.core),
+        config(Duration::from_secs(30), Duration::from_millis(50)),
+    );
+    let (outcomes, watchdog) = (counter(PREFILLS, "outcome"), counter(WATCHDOG, "connector"));
+
+    let targets = vec![
+        target("prefill-gone", UNREACHABLE),
+        target("prefill-failing", &failing.server.endpoint),
+        target("prefill-real", &real.endpoint),
+    ];
+    let got = run(&svc, &decode, &p, targets).await;
+    assert_eq!(got.tokens, want);
+    assert_eq!(got.finished.prefill_worker, "prefill-real");
+    assert_eq!(failing.calls(), 1);
+    assert_eq!(
+        delta(&outcomes, PREFILLS, "outcome"),
+        counts(&[("retried", 1)])
+    );
+    assert!(delta(&watchdog, WATCHDOG, "connector").is_empty());
+
+    decode.wait_idle().await;
+    prefill.wait_idle().await;
+    drop(svc);
+    real.stop().await;
+    failing.server.stop().await;
+    decode.shutdown().await;
+    prefill.shutdown().await;
+}
+
+/// A prefill node that never answers is abandoned at the prefill timeout;
+/// the destination blocks are reused only after the transfer grace; the
+/// prompt is prefilled here (outcome `fallback`, one watchdog firing) and
+/// the call to the stalled node is cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_prefill_falls_back_after_the_timeout_and_grace() {
+    let _serial = serial().await;
+    let p = prompt("glaciers");
+    let want = reference(&p);
+    let decode = Node::start(Role::Decode, "decode");
+    let stalled = FakeServer::start(Fake::Stall).await;
+    let (timeout, grace) = (Duration::from_millis(400), Duration::from_millis(600));
+    let svc = DecodeService::new(Arc::clone(&decode.core), config(timeout, grace));
+    let (outcomes, watchdog) = (counter(PREFILLS, "outcome"), counter(WATCHDOG, "connector"));
+
+    let got = run(
+        &svc,
+        &decode,
+        &p,
+        vec![target("prefill-stalled", &stalled.server.endpoint)],
+    )
+    .await;
+    assert_eq!(got.tokens, want);
+    assert_eq!(got.finished.prefill_worker, "");
+    assert!(
+        got.first_token_after >= timeout + grace,
+        "first token after {:?}: before the timeout and grace had passed",
+        got.first_token_after
+    );
+    assert!(got.first_token_after < Duration::from_secs(10), "{got:?}");
+    assert_eq!(stalled.calls(), 1);
+    assert_eq!(
+        delta(&outcomes, PREFILLS, "outcome"),
+        counts(&[("fallback", 1)])
+    );
+    assert_eq!(
+        delta(&watchdog, WATCHDOG, "connector"),
+        counts(&[("local", 1)])
+    );
+    let until = Instant::now() + Duration::from_secs(10);
+    while stalled.open.load(Ordering::SeqCst) != 0 {
+        assert!(
+            Instant::now() < until,
+            "the stalled call was never cancelled"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    decode.wait_idle().await;
+    drop(svc);
+    stalled.server.stop().await;
+    decode.shutdown().await;
+}
+
+/// When no worker gives a usable answer (a token outside the vocabulary,
+/// no token, an error, no server) the prompt is prefilled here: outcome
+/// `fallback`, no watchdog firing, the local greedy tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unusable_answers_fall_back_to_a_local_prefill() {
+    let _serial = serial().await;
+    let p = prompt("bridges");
+    let want = reference(&p);
+    let decode = Node::start(Role::Decode, "decode");
+    let fakes = [
+        FakeServer::start(Fake::BadToken).await,
+        FakeServer::start(Fake::NoToken).await,
+        FakeServer::start(Fake::Fail(Code::Unavailable)).await,
+    ];
+    let svc = DecodeService::new(
+        Arc::clone(&decode.core),
+        config(Duration::from_secs(30), Duration::from_millis(50)),
+    );
+    let (outcomes, watchdog) = (counter(PREFILLS, "outcome"), counter(WATCHDOG, "connector"));
+
+    let mut targets: Vec<PrefillTarget> = fakes
+        .iter()
+        .enumerate()
+        .map(|(i, f)| target(&format!("prefill-{i}"), &f.server.endpoint))
+        .collect();
+    targets.push(target("prefill-gone", UNREACHABLE));
+    let got = run(&svc, &decode, &p, targets).await;
+    assert_eq!(got.tokens, want);
+    assert_eq!(got.finished.prefill_worker, "");
+    for f in &fakes {
+        assert_eq!(f.calls(), 1);
+    }
+    assert_eq!(
+        delta(&outcomes, PREFILLS, "outcome"),
+        counts(&[("fallback", 1)])
+    );
+    assert!(delta(&watchdog, WATCHDOG, "connector").is_empty());
+
+    decode.wait_idle().await;
+    drop(svc);
+    for f in fakes {
+        f.server.stop().await;
+    }
+    decode.shutdown().await;
+}
+
+/// Only the uncached part of a prompt counts for remote prefill: a prompt
+/// whose blocks this node computed before is prefilled here without asking
+/// anyone (outcome `local`), as is one shorter than the threshold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_or_cached_prompts_are_prefilled_here() {
+    let _serial = serial().await;
+    let p = prompt("kites");
+    let want = reference(&p);
+    let (decode, prefill) = (
+        Node::start(Role::Decode, "decode"),
+        Node::start(Role::Prefill, "prefill-real"),
+    );
+    let real = Server::real_prefill(&prefill).await;
+    let failing = FakeServer::start(Fake::Fail(Code::Internal)).await;
+    let bs = decode.core.fingerprint.block_size;
+    // Remote from the first uncached block on.
+    let svc = DecodeService::new(
+        Arc::clone(&decode.core),
+        DecodeConfig {
+            remote_prefill_min_tokens: bs,
+            ..config(Duration::from_secs(30), Duration::from_millis(50))
+        },
+    );
+    let outcomes = counter(PREFILLS, "outcome");
+
+    let first = run(
+        &svc,
+        &decode,
+        &p,
+        vec![target("prefill-real", &real.endpoint)],
+    )
+    .await;
+    assert_eq!(first.tokens, want);
+    assert_eq!(first.finished.prefill_worker, "prefill-real");
+    decode.wait_idle().await;
+    // The same prompt again: all but its partial last block is cached here,
+    // fewer uncached tokens than the threshold.
+    let uncached = p.len() % bs;
+    assert!(uncached > 0 && uncached < bs, "{} tokens", p.len());
+    let again = run(
+        &svc,
+        &decode,
+        &p,
+        vec![target("prefill-failing", &failing.server.endpoint)],
+    )
+    .await;
+    assert_eq!(again.tokens, want);
+    assert_eq!(again.finished.prefill_worker, "");
+    assert_eq!(again.finished.cached_tokens as usize, p.len() - uncached);
+    // A prompt shorter than one block, never seen before.
+    let short = &prompt("owls")[..bs - 1];
+    let short_got = run(
+        &svc,
+        &decode,
+        short,
+        vec![target("prefill-failing", &failing.server.endpoint)],
+    )
+    .await;
+    assert_eq!(short_got.tokens, reference(short));
+    assert_eq!(failing.calls(), 0, "no worker is asked for a local prefill");
+    assert_eq!(
+        delta(&outcomes, PREFILLS, "outcome"),
+        counts(&[("local", 2), ("remote", 1)])
+    );
+
+    decode.wait_idle().await;
+    prefill.wait_idle().await;
+    drop(svc);
+    real.stop().await;
+    failing.server.stop().await;
+    decode.shutdown().await;
+    prefill.shutdown().await;
+}
