@@ -43,6 +43,23 @@ log "HF fixture"
 export TANDEM_TEST_HF_DIR=$TANDEM_CACHE/test-fixtures/smollm2-135m-hf-f32
 scripts/make-hf-fixture.sh "$TANDEM_TEST_HF_DIR"
 
+# llama.cpp's tokenizer test vocabularies with their expected token ids,
+# from the llama-cpp-python sdist on PyPI (cached after the first run).
+log "llama.cpp vocab tests"
+export TANDEM_LLAMA_VOCAB_DIR=$(scripts/fetch-llama-vocab.sh "$TANDEM_CACHE/llama-vocab")
+
 # A hang must fail the run, not eat CI's whole time budget.
 log "tests"
 timeout 1800 cargo test --workspace --release
+
+# dkv without UCX (a laptop without libucx-dev): it must build and report
+# UCX as unavailable cleanly. Its own target dir keeps the main build warm.
+log "dkv without UCX"
+CARGO_TARGET_DIR=target/no-ucx TANDEM_DKV_NO_UCX=1 timeout 600 cargo test --release -p tandem-dkv
+
+# The NCCL communicator is behind a feature (no GPU here): it must still
+# build, lint clean, and pass its host-side tests (clean "not available"
+# errors without a GPU, device-list validation).
+log "NCCL backend (feature nccl, host side)"
+cargo clippy --release -p tandem-engine --features nccl --all-targets -- -D warnings
+timeout 600 cargo test --release -p tandem-engine --features nccl --lib comm::nccl
