@@ -77,45 +77,81 @@ mod tests {
     #[test]
     fn equal_fingerprints_match_and_each_field_is_checked() {
         assert_eq!(fp().mismatch(&fp()), None);
+        // Naming every field: a field added to the struct fails to compile
+        // here until it gets a case below.
+        let ModelFingerprint {
+            model_id: _,
+            weights_hash: _,
+            kv_dtype: _,
+            block_size: _,
+            kv_layout: _,
+            num_layers: _,
+            num_kv_heads: _,
+            head_dim: _,
+        } = fp();
         // The model id is a label only; the weights decide.
         let renamed = ModelFingerprint {
             model_id: "other".into(),
             ..fp()
         };
         assert_eq!(fp().mismatch(&renamed), None);
+        // Every other field, changed alone, is a mismatch that names it, from
+        // either side.
+        let shape = "layers x KV heads x head dim differs";
         let cases = [
-            ModelFingerprint {
-                weights_hash: 8,
-                ..fp()
-            },
-            ModelFingerprint {
-                kv_dtype: "bf16".into(),
-                ..fp()
-            },
-            ModelFingerprint {
-                block_size: 32,
-                ..fp()
-            },
-            ModelFingerprint {
-                kv_layout: "x".into(),
-                ..fp()
-            },
-            ModelFingerprint {
-                num_kv_heads: 1,
-                ..fp()
-            },
+            (
+                ModelFingerprint {
+                    weights_hash: 8,
+                    ..fp()
+                },
+                "weights hash differs: ours 0000000000000007 (m), peer's 0000000000000008 (m)",
+            ),
+            (
+                ModelFingerprint {
+                    kv_dtype: "bf16".into(),
+                    ..fp()
+                },
+                "KV dtype differs: ours f16, peer's bf16",
+            ),
+            (
+                ModelFingerprint {
+                    block_size: 32,
+                    ..fp()
+                },
+                "KV block size differs: ours 16, peer's 32",
+            ),
+            (
+                ModelFingerprint {
+                    kv_layout: "x".into(),
+                    ..fp()
+                },
+                "KV layout differs: ours layer/kv/head/slot/dim, peer's x",
+            ),
+            (
+                ModelFingerprint {
+                    num_layers: 31,
+                    ..fp()
+                },
+                &format!("{shape}: ours 30x3x64, peer's 31x3x64"),
+            ),
+            (
+                ModelFingerprint {
+                    num_kv_heads: 1,
+                    ..fp()
+                },
+                &format!("{shape}: ours 30x3x64, peer's 30x1x64"),
+            ),
+            (
+                ModelFingerprint {
+                    head_dim: 128,
+                    ..fp()
+                },
+                &format!("{shape}: ours 30x3x64, peer's 30x3x128"),
+            ),
         ];
-        for c in cases {
-            let m = fp().mismatch(&c);
-            assert!(m.is_some(), "{c:?} should not match");
+        for (peer, want) in cases {
+            assert_eq!(fp().mismatch(&peer).as_deref(), Some(want), "{peer:?}");
+            assert!(peer.mismatch(&fp()).is_some(), "{peer:?}, the other way");
         }
-        let m = fp().mismatch(&ModelFingerprint {
-            block_size: 32,
-            ..fp()
-        });
-        assert_eq!(
-            m.as_deref(),
-            Some("KV block size differs: ours 16, peer's 32")
-        );
     }
 }

@@ -390,10 +390,15 @@ fn route_one(cfg: &MoeConfig, bias: &[f32], logits: &[f32]) -> Route {
         }
         Scoring::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
     };
-    let key = |e: usize| scores[e] + bias[e];
+    // A NaN key (a diverged activation) ranks below every number:
+    // `total_cmp` alone ranks a positive NaN above +inf, and x86's negative
+    // NaN logits come out of the sigmoid positive.
+    let key = |e: usize| match scores[e] + bias[e] {
+        k if k.is_nan() => f32::NEG_INFINITY,
+        k => k,
+    };
     let mut idx: Vec<usize> = (0..scores.len()).collect();
-    // Descending by selection key; ties keep the lower expert first. NaN
-    // (a diverged activation) sorts last rather than panicking.
+    // Descending by selection key; ties keep the lower expert first.
     idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
     idx.truncate(cfg.top_k);
     let mut chosen: Route = idx.into_iter().map(|e| (e, scores[e])).collect();
@@ -675,9 +680,25 @@ mod tests {
         let sig = |l: f32| 1.0 / (1.0 + (-l).exp());
         assert!((r[0].1 - 2.0 * sig(-1.0)).abs() < 1e-6);
         assert!((r[1].1 - 2.0 * sig(2.0)).abs() < 1e-6);
-        // A NaN logit neither panics nor wins.
-        let r = route_one(&cfg, &[0.0; 4], &[f32::NAN, 1.0, 0.5, 0.0]);
-        assert_eq!(r.len(), 2);
+        // A NaN logit (a diverged activation) neither panics nor wins,
+        // whatever its sign bit (arithmetic yields NaNs of either sign): the
+        // best two of the others are chosen, with their own weights.
+        for nan in [f32::NAN, -f32::NAN] {
+            for (logits, want) in [
+                ([nan, 1.0, 0.5, 0.0], [1, 2]),
+                ([1.0, 0.5, nan, 2.0], [3, 0]),
+            ] {
+                let r = route_one(&cfg, &[0.0; 4], &logits);
+                let what = format!("logits {logits:?}, NaN sign bit {}", nan.is_sign_negative());
+                assert_eq!(r.iter().map(|p| p.0).collect::<Vec<_>>(), want, "{what}");
+                for (&(e, w), l) in r.iter().zip(want.map(|e| logits[e])) {
+                    assert!(
+                        (w - 2.0 * sig(l)).abs() < 1e-6,
+                        "{what}: expert {e} weight {w}"
+                    );
+                }
+            }
+        }
     }
 
     /// Runs `f(rank's block, rank)` on every rank of a `world`-way split.

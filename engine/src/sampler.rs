@@ -386,7 +386,7 @@ mod tests {
     fn seeded_sampling_is_reproducible_and_varies_with_seed() {
         let params = |seed| SamplingParams {
             temperature: 1.0,
-            seed: Some(seed),
+            seed,
             ..SamplingParams::default()
         };
         let run = |seed| {
@@ -395,12 +395,45 @@ mod tests {
                 .map(|_| s.sample(&mut logits()).token)
                 .collect::<Vec<_>>()
         };
-        assert_eq!(run(7), run(7));
-        assert_ne!(run(7), run(8));
+        assert_eq!(run(Some(7)), run(Some(7)));
+        // Each of 16 seeds gives its own sequence (64 draws over 6 tokens:
+        // a collision by chance is below 1e-40).
+        let mut runs: Vec<_> = (0..16).map(|s| run(Some(s))).collect();
+        runs.sort();
+        runs.dedup();
+        assert_eq!(runs.len(), 16, "two seeds gave the same sequence");
+        // Without a seed every sampler draws its own from the OS.
+        assert_ne!(run(None), run(None));
+        // A token accepted from elsewhere advances the generator as a draw
+        // would, so the rest of the sequence is the one the seed gives.
+        let whole = run(Some(9));
+        let mut s = Sampler::new(params(Some(9)), &[]).expect("valid");
+        s.accept_external(whole[0]);
+        let rest: Vec<u32> = (1..64).map(|_| s.sample(&mut logits()).token).collect();
+        assert_eq!(rest, whole[1..]);
     }
 
     #[test]
     fn top_k_one_is_greedy_and_top_k_limits_support() {
+        let reversed: Vec<f32> = logits().into_iter().rev().collect();
+        for l in [logits(), reversed, LOGITS.to_vec()] {
+            let greedy = argmax(&l);
+            for seed in 0..8 {
+                let mut s = Sampler::new(
+                    SamplingParams {
+                        temperature: 1.5,
+                        top_k: 1,
+                        seed: Some(seed),
+                        ..SamplingParams::default()
+                    },
+                    &[],
+                )
+                .expect("valid");
+                for _ in 0..200 {
+                    assert_eq!(s.sample(&mut l.clone()).token, greedy, "{l:?}");
+                }
+            }
+        }
         let mut s = Sampler::new(
             SamplingParams {
                 temperature: 1.5,
@@ -417,26 +450,390 @@ mod tests {
         }
     }
 
-    #[test]
-    fn top_p_and_min_p_truncate() {
-        // One dominant token: top_p 0.5 and min_p 0.5 keep only it.
-        let l = vec![10.0, 0.0, 0.0, 0.0];
-        for params in [
-            SamplingParams {
-                top_p: 0.5,
-                seed: Some(3),
-                ..SamplingParams::default()
-            },
-            SamplingParams {
-                min_p: 0.5,
-                seed: Some(3),
-                ..SamplingParams::default()
-            },
-        ] {
-            let mut s = Sampler::new(params, &[]).expect("valid");
-            for _ in 0..100 {
-                assert_eq!(s.sample(&mut l.clone()).token, 0);
+    /// Logits with comparable masses (softmax at T = 1, by id: .102 .228
+    /// .042 .228 .153 .019 .076 .153) and two ties (1 = 3, 4 = 7), so every
+    /// truncation below cuts through real mass and some cut between equals.
+    const LOGITS: [f32; 8] = [1.2, 2.0, 0.3, 2.0, 1.6, -0.5, 0.9, 1.6];
+
+    /// Draws per distribution test.
+    const DRAWS: usize = 40_000;
+
+    /// The logits after the penalties, in f64, from the definitions:
+    /// repetition penalty (CTRL / HF, on prompt and generated tokens):
+    /// positive logits divided by it, the others multiplied; then OpenAI's
+    /// `logit -= count * frequency_penalty + (count > 0) * presence_penalty`
+    /// over the generated tokens.
+    fn penalised(p: &SamplingParams, prompt: &[u32], generated: &[u32], l: &[f32]) -> Vec<f64> {
+        let r = f64::from(p.repetition_penalty);
+        (0..l.len())
+            .map(|t| {
+                let mut v = f64::from(l[t]);
+                let id = t as u32;
+                if prompt.contains(&id) || generated.contains(&id) {
+                    v = if v > 0.0 { v / r } else { v * r };
+                }
+                let count = generated.iter().filter(|&&g| g == id).count() as f64;
+                let present = if count > 0.0 { 1.0 } else { 0.0 };
+                v - count * f64::from(p.frequency_penalty) - present * f64::from(p.presence_penalty)
+            })
+            .collect()
+    }
+
+    /// The exact distribution the sampler should draw from, by token id (0
+    /// outside the truncation set), computed in f64 one documented step at a
+    /// time, each on what the step before left: temperature, top-k, top-p
+    /// (the shortest most-likely-first prefix whose mass reaches top_p),
+    /// min-p (p >= min_p * p_max). Equal logits rank the lower id first.
+    fn reference(p: &SamplingParams, l: &[f64]) -> Vec<f64> {
+        let mut dist = vec![0.0; l.len()];
+        let mut order: Vec<usize> = (0..l.len()).collect();
+        order.sort_by(|&a, &b| l[b].partial_cmp(&l[a]).expect("finite").then(a.cmp(&b)));
+        if p.temperature == 0.0 {
+            dist[order[0]] = 1.0;
+            return dist;
+        }
+        let t = f64::from(p.temperature);
+        let softmax = |keep: &[usize]| -> Vec<f64> {
+            let e: Vec<f64> = keep.iter().map(|&i| (l[i] / t).exp()).collect();
+            let z: f64 = e.iter().sum();
+            e.iter().map(|x| x / z).collect()
+        };
+        if p.top_k > 0 {
+            order.truncate(p.top_k);
+        }
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            let nucleus = softmax(&order)
+                .iter()
+                .take_while(|&&q| {
+                    let short = cum < f64::from(p.top_p);
+                    cum += q;
+                    short
+                })
+                .count();
+            order.truncate(nucleus);
+        }
+        let q = softmax(&order);
+        let q_max = q.iter().copied().fold(0.0, f64::max);
+        let order: Vec<usize> = order
+            .iter()
+            .zip(&q)
+            .filter(|&(_, &qi)| qi >= f64::from(p.min_p) * q_max)
+            .map(|(&i, _)| i)
+            .collect();
+        for (&i, q) in order.iter().zip(softmax(&order)) {
+            dist[i] = q;
+        }
+        dist
+    }
+
+    /// Upper tail of the chi-square distribution with `k` degrees of
+    /// freedom: the regularised incomplete gamma Q(k/2, x/2), from its power
+    /// series below a + 1 and its continued fraction (modified Lentz) above.
+    fn chi2_sf(x: f64, k: usize) -> f64 {
+        let (a, x) = (k as f64 / 2.0, x / 2.0);
+        if x <= 0.0 {
+            return 1.0;
+        }
+        // ln Γ(a) for a half-integer: Γ(1) = 1, Γ(1/2) = √π, Γ(s+1) = s Γ(s).
+        let (mut s, mut ln_gamma) = if k.is_multiple_of(2) {
+            (1.0, 0.0)
+        } else {
+            (0.5, 0.5 * std::f64::consts::PI.ln())
+        };
+        while s < a {
+            ln_gamma += f64::ln(s);
+            s += 1.0;
+        }
+        let front = (a * x.ln() - x - ln_gamma).exp();
+        if x < a + 1.0 {
+            let (mut term, mut sum, mut n) = (1.0 / a, 1.0 / a, a);
+            while term > sum * 1e-17 {
+                n += 1.0;
+                term *= x / n;
+                sum += term;
             }
+            1.0 - front * sum
+        } else {
+            let tiny = 1e-300;
+            let mut b = x + 1.0 - a;
+            let (mut c, mut d) = (1.0 / tiny, 1.0 / b);
+            let mut h = d;
+            for i in 1..10_000 {
+                let an = -(i as f64) * (i as f64 - a);
+                b += 2.0;
+                d = an * d + b;
+                d = if d.abs() < tiny { tiny } else { d };
+                c = b + an / c;
+                c = if c.abs() < tiny { tiny } else { c };
+                d = 1.0 / d;
+                h *= d * c;
+                if (d * c - 1.0).abs() < 1e-15 {
+                    break;
+                }
+            }
+            front * h
+        }
+    }
+
+    #[test]
+    fn chi2_tail_matches_known_values() {
+        // Two degrees of freedom: exactly exp(-x/2), on both branches.
+        for x in [0.5, 1.0, 3.0, 10.0, 40.0, 200.0] {
+            let want = (-x / 2.0f64).exp();
+            assert!((chi2_sf(x, 2) / want - 1.0).abs() < 1e-9, "x={x}");
+        }
+        // Critical values from the standard tables (5 significant digits).
+        for (x, k, p) in [
+            (3.8415, 1, 0.05),
+            (10.828, 1, 0.001),
+            (7.8147, 3, 0.05),
+            (11.070, 5, 0.05),
+            (20.515, 5, 0.001),
+            (18.307, 10, 0.05),
+            (29.588, 10, 0.001),
+            (2.3420, 4, 0.673),
+        ] {
+            let got = chi2_sf(x, k);
+            assert!(
+                (got / p - 1.0).abs() < 2e-3,
+                "Q({x}, {k}) = {got}, want {p}"
+            );
+        }
+        assert!(chi2_sf(500.0, 7) < 1e-90);
+    }
+
+    /// Draws `DRAWS` tokens with `p` after `generated` was output and tests
+    /// them against [`reference`]: tokens outside its support are never
+    /// drawn, and the counts pass chi-square at 1e-6 (a fixed seed keeps it
+    /// deterministic; a correct sampler fails it once in a million seeds).
+    fn assert_draws_follow_reference(
+        what: &str,
+        p: &SamplingParams,
+        prompt: &[u32],
+        generated: &[u32],
+        l: &[f32],
+    ) {
+        let want = reference(p, &penalised(p, prompt, generated, l));
+        let seed = p.seed.expect("seeded");
+        let mut counts = vec![0u64; l.len()];
+        let mut stream = Sampler::new(p.clone(), prompt).expect("valid");
+        let no_penalties = prompt.is_empty()
+            && generated.is_empty()
+            && p.repetition_penalty == 1.0
+            && p.frequency_penalty == 0.0
+            && p.presence_penalty == 0.0;
+        for i in 0..DRAWS {
+            let token = if no_penalties {
+                // No penalties: one generator's successive draws.
+                stream.sample(&mut l.to_vec()).token
+            } else {
+                // Each draw changes the penalties, so every draw starts from
+                // the same history in a fresh, differently seeded sampler.
+                let params = SamplingParams {
+                    seed: Some(seed.wrapping_add(i as u64)),
+                    ..p.clone()
+                };
+                let mut s = Sampler::new(params, prompt).expect("valid");
+                generated.iter().for_each(|&g| s.accept_external(g));
+                s.sample(&mut l.to_vec()).token
+            };
+            counts[token as usize] += 1;
+        }
+        let mut stat = 0.0;
+        let mut cells = 0;
+        for (t, (&q, &c)) in want.iter().zip(&counts).enumerate() {
+            if q == 0.0 {
+                assert_eq!(
+                    c, 0,
+                    "{what}: token {t} is outside the truncation set, drawn {c} times; counts {counts:?}, want {want:.4?}"
+                );
+                continue;
+            }
+            let expected = q * DRAWS as f64;
+            assert!(
+                expected >= 20.0,
+                "{what}: token {t} expected {expected:.1} times, too few for chi-square"
+            );
+            assert!(
+                c > 0,
+                "{what}: token {t} (p = {q:.4}) never drawn; counts {counts:?}"
+            );
+            stat += (c as f64 - expected).powi(2) / expected;
+            cells += 1;
+        }
+        if cells > 1 {
+            let p_value = chi2_sf(stat, cells - 1);
+            assert!(
+                p_value > 1e-6,
+                "{what}: chi-square {stat:.1} on {} degrees of freedom, p = {p_value:.1e}; counts {counts:?}, want {want:.4?}",
+                cells - 1
+            );
+        }
+    }
+
+    /// Support of the reference distribution, ascending.
+    fn support(p: &SamplingParams, l: &[f32]) -> Vec<usize> {
+        let want = reference(p, &penalised(p, &[], &[], l));
+        (0..l.len()).filter(|&t| want[t] > 0.0).collect()
+    }
+
+    fn seeded(seed: u64) -> SamplingParams {
+        SamplingParams {
+            seed: Some(seed),
+            ..SamplingParams::default()
+        }
+    }
+
+    #[test]
+    fn temperature_scales_the_softmax() {
+        for (i, t) in [0.5f32, 1.0, 1.7].into_iter().enumerate() {
+            let p = SamplingParams {
+                temperature: t,
+                ..seeded(100 + i as u64)
+            };
+            assert_draws_follow_reference(&format!("temperature {t}"), &p, &[], &[], &LOGITS);
+        }
+    }
+
+    #[test]
+    fn top_k_top_p_and_min_p_keep_their_exact_sets() {
+        // Each case with the set the definitions give (the reference is
+        // checked against these hand-computed sets, so it cannot drift into
+        // the sampler's own mistakes), then the draws against the reference.
+        let cases = [
+            // Ties at the cut: 4 = 7, the lower id stays.
+            (
+                "top_k 3",
+                SamplingParams {
+                    top_k: 3,
+                    ..seeded(1)
+                },
+                vec![1, 3, 4],
+            ),
+            // Mass by rank .228 .456 .609: 0.5 is reached at the third, again
+            // cutting between the tied 4 and 7.
+            (
+                "top_p 0.5",
+                SamplingParams {
+                    top_p: 0.5,
+                    ..seeded(2)
+                },
+                vec![1, 3, 4],
+            ),
+            // .761 .864 .940: the sixth token (6) reaches 0.9.
+            (
+                "top_p 0.9",
+                SamplingParams {
+                    top_p: 0.9,
+                    ..seeded(3)
+                },
+                vec![0, 1, 3, 4, 6, 7],
+            ),
+            // p / p_max: 0 at e^-0.8 = .449 stays, 6 at e^-1.1 = .333 goes.
+            (
+                "min_p 0.4",
+                SamplingParams {
+                    min_p: 0.4,
+                    ..seeded(4)
+                },
+                vec![0, 1, 3, 4, 7],
+            ),
+            // top_k then top_p on what top_k left: the top 5 renormalised
+            // reach 0.8 at the fourth (.812); top_p on the full distribution
+            // would need the fifth (.761 < 0.8).
+            (
+                "top_k 5 then top_p 0.8",
+                SamplingParams {
+                    top_k: 5,
+                    top_p: 0.8,
+                    ..seeded(5)
+                },
+                vec![1, 3, 4, 7],
+            ),
+            // At T = 1.5, top_p 0.74 keeps five tokens, then min_p 0.65
+            // drops 0 (p / p_max = e^-0.8/1.5 = .587); min_p first would
+            // leave four, whose renormalised mass reaches 0.74 at the third
+            // and cut 7 instead.
+            (
+                "T 1.5, top_p 0.74 then min_p 0.65",
+                SamplingParams {
+                    temperature: 1.5,
+                    top_p: 0.74,
+                    min_p: 0.65,
+                    ..seeded(6)
+                },
+                vec![1, 3, 4, 7],
+            ),
+            // All three cutting: at T = 0.6 top_k 6 drops 2 and 5; the rest
+            // renormalised reach 0.92 at the fifth (.877, .954), keeping 0;
+            // min_p 0.4 then drops 0 (p / p_max = .264).
+            (
+                "T 0.6, top_k 6, top_p 0.92, min_p 0.4",
+                SamplingParams {
+                    temperature: 0.6,
+                    top_k: 6,
+                    top_p: 0.92,
+                    min_p: 0.4,
+                    ..seeded(7)
+                },
+                vec![1, 3, 4, 7],
+            ),
+        ];
+        for (what, p, set) in cases {
+            assert_eq!(support(&p, &LOGITS), set, "{what}: reference set");
+            assert_draws_follow_reference(what, &p, &[], &[], &LOGITS);
+        }
+    }
+
+    #[test]
+    fn penalties_shift_the_distribution_as_defined() {
+        // Prompt tokens 0 and 5 (a negative logit); 1 generated twice, 4 and
+        // 6 once.
+        let prompt = [0, 5];
+        let generated = [1, 4, 1, 6];
+        for (i, (rep, freq, pres, t)) in [
+            (1.3f32, 0.4f32, 0.3f32, 1.0f32),
+            (0.8, -0.3, 0.6, 0.7),
+            (1.0, 1.5, -1.0, 1.2),
+            (2.0, 0.0, 0.0, 1.0),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let p = SamplingParams {
+                temperature: t,
+                repetition_penalty: rep,
+                frequency_penalty: freq,
+                presence_penalty: pres,
+                ..seeded(1000 * (i as u64 + 1))
+            };
+            let what = format!("repetition {rep}, frequency {freq}, presence {pres}, T {t}");
+            // The logits are penalised in place, as the definitions say.
+            let mut s = Sampler::new(p.clone(), &prompt).expect("valid");
+            generated.iter().for_each(|&g| s.accept_external(g));
+            let mut l = LOGITS.to_vec();
+            s.sample(&mut l);
+            let want = penalised(&p, &prompt, &generated, &LOGITS);
+            for (t, (&got, &want)) in l.iter().zip(&want).enumerate() {
+                assert!(
+                    (f64::from(got) - want).abs() < 1e-5,
+                    "{what}: logit {t} is {got}, want {want}"
+                );
+            }
+            assert_draws_follow_reference(&what, &p, &prompt, &generated, &LOGITS);
+            // Greedy decoding takes the penalised maximum.
+            let greedy = SamplingParams {
+                temperature: 0.0,
+                ..p
+            };
+            assert_draws_follow_reference(
+                &format!("{what}, greedy"),
+                &greedy,
+                &prompt,
+                &generated,
+                &LOGITS,
+            );
         }
     }
 
