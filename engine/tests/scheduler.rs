@@ -197,21 +197,75 @@ fn repeated_prompt_hits_the_prefix_cache() {
     wait_idle(h);
 }
 
+/// How soon after its stream is dropped a request must be gone and its
+/// blocks free: a few steps, far below what the request needs to finish.
+const CANCEL_BOUND: Duration = Duration::from_secs(1);
+
 #[test]
 fn dropping_a_stream_cancels_and_frees_blocks() {
-    let sched = Scheduler::spawn(model(), config()).expect("spawns");
+    // A long context and no stop tokens: the request can only end at its
+    // max_tokens, thousands of steps away, so only cancellation ends it
+    // within CANCEL_BOUND.
+    let cfg = SchedulerConfig {
+        max_length: 8192,
+        num_blocks: 600,
+        ..config()
+    };
+    let sched = Scheduler::spawn(model(), cfg.clone()).expect("spawns");
     let h = sched.handle();
     let p = prompts();
-    let mut stream = h.submit(request(&p[2], 200)).expect("accepted");
-    for _ in 0..2 {
-        assert!(matches!(stream.blocking_next(), Some(Event::Token(_))));
-    }
+    let max_tokens = cfg.max_length - p[2].len();
+    let endless = Request {
+        stop_token_ids: Vec::new(),
+        ..request(&p[2], max_tokens)
+    };
+    let mut stream = h.submit(endless).expect("accepted");
+    let mut next_token = || match stream.blocking_next() {
+        Some(Event::Token(_)) => {}
+        other => panic!("expected a token, got {other:?}"),
+    };
+    next_token();
+    // The decode rate, to show the request could not finish by itself
+    // inside the bound (later steps only get slower as the context grows).
+    let timed = 8;
+    let t = Instant::now();
+    (0..timed).for_each(|_| next_token());
+    let per_token = t.elapsed() / timed as u32;
+    let would_take = per_token * (max_tokens - 1 - timed) as u32;
+    assert!(
+        would_take >= 10 * CANCEL_BOUND,
+        "finishing would take only {would_take:?}: the test could not tell cancellation \
+         from completion"
+    );
+    let s = h.stats();
+    assert_eq!(s.running.load(Ordering::Relaxed), 1);
+    let held = s.kv_blocks_in_use.load(Ordering::Relaxed);
+    assert!(held > 0);
+
     // Another request keeps running while the first is cancelled.
     let other = h.submit(request(&p[0], 6)).expect("accepted");
+    let dropped = Instant::now();
     drop(stream);
     let (tokens, _) = collect(other);
     assert_eq!(tokens, alone(&p[0], 6));
-    wait_idle(h);
+    while s.running.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed) > 0
+        || s.kv_blocks_in_use.load(Ordering::Relaxed) > 0
+    {
+        assert!(
+            dropped.elapsed() <= CANCEL_BOUND,
+            "{:?} after the drop the request still runs ({} running, {} waiting) and holds \
+             {} blocks (it held {held}); finishing by itself would take {would_take:?}",
+            dropped.elapsed(),
+            s.running.load(Ordering::Relaxed),
+            s.waiting.load(Ordering::Relaxed),
+            s.kv_blocks_in_use.load(Ordering::Relaxed),
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    println!(
+        "cancelled {:?} after the drop; finishing would take {would_take:?}",
+        dropped.elapsed()
+    );
 }
 
 #[test]

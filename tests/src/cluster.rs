@@ -33,45 +33,29 @@ impl Node {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Node {
-        let mut args: Vec<String> = [
-            role,
-            "--cluster",
-            cluster,
-            "--id",
-            id,
-            "--model",
-            gguf_path().to_str().unwrap(),
-            "--threads",
-            "1",
-            "--lease-ttl",
-            &LEASE_TTL_S.to_string(),
-            "--max-length",
-            "512",
-            "--max-batch-size",
-            "16",
-            "--kv-cache-blocks",
-            "512",
-            "--ucx-tls",
-            "tcp",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let gguf = gguf_path();
+        let ttl = LEASE_TTL_S.to_string();
+        let mut defaults = vec![
+            ("--cluster", cluster),
+            ("--id", id),
+            ("--model", gguf.to_str().unwrap()),
+            ("--threads", "1"),
+            ("--lease-ttl", &ttl),
+            ("--max-length", "512"),
+            ("--max-batch-size", "16"),
+            ("--kv-cache-blocks", "512"),
+            ("--ucx-tls", "tcp"),
+        ];
         if !etcd.is_empty() {
-            args.extend(["--etcd".to_string(), etcd.to_string()]);
+            defaults.push(("--etcd", etcd));
         }
         if role == "decode" {
-            args.extend(
-                [
-                    "--remote-prefill-min-tokens",
-                    "32",
-                    "--prefill-timeout-ms",
-                    "20000",
-                ]
-                .map(String::from),
-            );
+            defaults.extend([
+                ("--remote-prefill-min-tokens", "32"),
+                ("--prefill-timeout-ms", "20000"),
+            ]);
         }
-        args.extend(extra.iter().map(|s| s.to_string()));
+        let args = command_line(role, &defaults, extra);
         let mut proc = Proc::spawn(id, &args, env);
         let line = proc.wait_line("serving gRPC", Duration::from_secs(120));
         let ports = ports_in(&line);
@@ -91,22 +75,29 @@ impl Node {
         http(self.metrics, "GET", "/health", "").json()
     }
 
+    /// Whether no sequence runs or waits, no handoff is pending and no KV
+    /// block is referenced; with the /health body it was read from.
+    pub fn idle(&self) -> (bool, Value) {
+        let h = self.health();
+        let busy = [
+            "running",
+            "waiting",
+            "importing",
+            "exported",
+            "kv_blocks_in_use",
+        ]
+        .iter()
+        .map(|k| h[k].as_u64().unwrap())
+        .sum::<u64>();
+        (busy == 0, h)
+    }
+
     /// Waits until no KV block is referenced and no handoff is pending.
     pub fn assert_idle(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let h = self.health();
-            let busy = [
-                "running",
-                "waiting",
-                "importing",
-                "exported",
-                "kv_blocks_in_use",
-            ]
-            .iter()
-            .map(|k| h[k].as_u64().unwrap())
-            .sum::<u64>();
-            if busy == 0 {
+            let (idle, h) = self.idle();
+            if idle {
                 return;
             }
             assert!(
@@ -117,6 +108,20 @@ impl Node {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// `subcommand`, the `defaults` (flag, value) that `extra` does not set
+/// itself, then `extra`: clap refuses a flag given twice, so a test
+/// overrides a default (say `--max-length`) by passing it in `extra`.
+fn command_line(subcommand: &str, defaults: &[(&str, &str)], extra: &[&str]) -> Vec<String> {
+    let mut args = vec![subcommand.to_string()];
+    for (flag, value) in defaults {
+        if !extra.contains(flag) {
+            args.extend([flag.to_string(), value.to_string()]);
+        }
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
 }
 
 #[derive(Debug)]
@@ -130,30 +135,23 @@ impl Router {
         Self::start_with(etcd, cluster, &[])
     }
 
-    /// A router with `extra` flags after the defaults (a later flag wins).
+    /// A router with `extra` flags; a default flag that `extra` sets too
+    /// is left out.
     pub fn start_with(etcd: &str, cluster: &str, extra: &[&str]) -> Router {
         Self::start_env(etcd, cluster, extra, &[])
     }
 
     /// A router with `extra` flags and `env` variables.
     pub fn start_env(etcd: &str, cluster: &str, extra: &[&str], env: &[(&str, &str)]) -> Router {
-        let mut args: Vec<String> = [
-            "router",
-            "--etcd",
-            etcd,
-            "--cluster",
-            cluster,
-            "--model",
-            gguf_path().to_str().unwrap(),
-            "--port",
-            "0",
-            "--max-length",
-            "512",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.extend(extra.iter().map(|s| s.to_string()));
+        let gguf = gguf_path();
+        let defaults = [
+            ("--etcd", etcd),
+            ("--cluster", cluster),
+            ("--model", gguf.to_str().unwrap()),
+            ("--port", "0"),
+            ("--max-length", "512"),
+        ];
+        let args = command_line("router", &defaults, extra);
         let mut proc = Proc::spawn("router", &args, env);
         let line = proc.wait_line("router for", Duration::from_secs(120));
         let port = ports_in(&line)[0];

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tandem_engine::LoadedModel;
-use tandem_engine::generate::{GenerateRequest, generate};
+use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate};
 use tandem_engine::sampler::SamplingParams;
 
 pub fn gguf_path() -> PathBuf {
@@ -28,8 +28,33 @@ pub fn gguf_path() -> PathBuf {
     }
 }
 
-/// The release `tandem` binary.
+/// The release `tandem` binary, checked to be built from the same sources
+/// as these tests: `cargo test` does not rebuild another package's binary,
+/// and a stale one would test old code.
 pub fn binary() -> PathBuf {
+    static CHECKED: OnceLock<PathBuf> = OnceLock::new();
+    CHECKED
+        .get_or_init(|| {
+            let bin = find_binary();
+            let out = Command::new(&bin)
+                .arg("--version")
+                .output()
+                .unwrap_or_else(|e| panic!("running {} --version: {e}", bin.display()));
+            let version = String::from_utf8_lossy(&out.stdout);
+            let want = env!("TANDEM_SOURCE_HASH");
+            assert!(
+                version.contains(&format!("(source {want})")),
+                "{} is stale: it says {:?}, these tests expect sources {want}; rebuild it with \
+                 `cargo build --release -p tandem-cli` (scripts/test.sh does)",
+                bin.display(),
+                version.trim()
+            );
+            bin
+        })
+        .clone()
+}
+
+fn find_binary() -> PathBuf {
     let mut candidates = Vec::new();
     if let Some(p) = std::env::var_os("TANDEM_BIN") {
         candidates.push(PathBuf::from(p));
@@ -64,16 +89,28 @@ pub fn model() -> &'static LoadedModel {
 
 /// Greedy reference text of the engine's single-sequence generator.
 pub fn reference(prompt: Vec<u32>, max_tokens: usize) -> String {
+    reference_output(prompt, SamplingParams::greedy(), max_tokens).text
+}
+
+/// What the engine's single-sequence generator produces for `prompt` with
+/// `sampling` (seeded draws and penalties included): the reference a
+/// server's output must equal, since batching never changes logits and a
+/// seeded sampler draws the same numbers in either place.
+pub fn reference_output(
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    max_tokens: usize,
+) -> GenerateOutput {
     let m = model();
     let req = GenerateRequest {
         prompt,
-        sampling: SamplingParams::greedy(),
+        sampling,
         max_tokens,
         stop_token_ids: m.tokenizer.stop_ids(),
         stop_strings: Vec::new(),
         prefill_chunk: 512,
     };
-    generate(m, &req, |_| {}).unwrap().text
+    generate(m, &req, |_| {}).unwrap()
 }
 
 /// A child process whose stdout lines can be awaited; killed on drop.
@@ -168,6 +205,16 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.kill9();
     }
+}
+
+/// A loopback port free right now (for servers that need a port number
+/// before they start, e.g. from a config file).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// The ports in a line such as `... http://127.0.0.1:P ... http://127.0.0.1:Q`.

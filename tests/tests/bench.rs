@@ -86,6 +86,9 @@ impl Drop for Server {
     }
 }
 
+const SESSIONS: usize = 3;
+const TURNS: usize = 3;
+
 #[test]
 fn multi_turn_sessions_reuse_the_previous_turn() {
     let server = Server::start();
@@ -93,7 +96,8 @@ fn multi_turn_sessions_reuse_the_previous_turn() {
     let out = Command::new(binary())
         .arg("bench")
         .args(["--url", &format!("http://127.0.0.1:{}", server.port)])
-        .args(["--multi-turn-sessions", "3", "--turns", "3"])
+        .args(["--multi-turn-sessions", &SESSIONS.to_string()])
+        .args(["--turns", &TURNS.to_string()])
         .args(["--concurrency", "2", "--input-len-range", "16:48"])
         .args(["--output-len", "12", "--quiet", "--timeout", "300"])
         .arg("--json")
@@ -109,18 +113,21 @@ fn multi_turn_sessions_reuse_the_previous_turn() {
     assert!(stdout.contains("KV retention (turns 2+)"), "{stdout}");
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let _ = std::fs::remove_file(&json);
-    assert_eq!(v["num_requests"], 9);
+    assert_eq!(v["num_requests"], SESSIONS * TURNS);
     let r = &v["results"][0];
     assert_eq!(
         (r["completed"].as_u64(), r["errors"].as_u64()),
-        (Some(9), Some(0)),
+        (Some((SESSIONS * TURNS) as u64), Some(0)),
         "{r}"
     );
     let mt = &r["multi_turn"];
-    for t in mt["per_turn"].as_array().unwrap() {
-        assert_eq!(t["completed"], 3, "{t}");
-        assert_eq!(t["ttft"]["count"], 3, "{t}");
+    let per_turn = mt["per_turn"].as_array().unwrap();
+    assert_eq!(per_turn.len(), TURNS, "{mt}");
+    for (i, t) in per_turn.iter().enumerate() {
+        assert_eq!(t["completed"], SESSIONS, "{t}");
+        assert_eq!(t["ttft"]["count"], SESSIONS, "{t}");
         let n = t["turn"].as_u64().unwrap();
+        assert_eq!(n, i as u64 + 1, "turns out of order: {mt}");
         if n > 1 {
             let ret = t["retention"].as_f64().unwrap();
             assert!(ret > 0.0, "turn {n} reused nothing: {t}");
@@ -128,5 +135,5 @@ fn multi_turn_sessions_reuse_the_previous_turn() {
         }
     }
     assert!(mt["retention"].as_f64().unwrap() > 0.0, "{mt}");
-    assert_eq!(mt["retention_requests"], 6);
+    assert_eq!(mt["retention_requests"], SESSIONS * (TURNS - 1));
 }

@@ -10,6 +10,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -26,9 +27,11 @@ const MAX_TOKENS: usize = 16;
 fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
     let etcd = EtcdServer::start().unwrap();
     let cluster = unique_cluster("p1d1");
-    let p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &[]);
-    let d = Node::start(&etcd.url(), &cluster, "decode", "d0", &[]);
-    let r = Router::start(&etcd.url(), &cluster);
+    let long = LONG_CONTEXT.to_string();
+    let long = ["--max-length", long.as_str()];
+    let p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &long);
+    let d = Node::start(&etcd.url(), &cluster, "decode", "d0", &long);
+    let r = Router::start_with(&etcd.url(), &cluster, &long);
     r.wait_members(1, 1, Duration::from_secs(10));
 
     // A router whose cluster has no workers answers 503 with a clear
@@ -159,10 +162,26 @@ fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
         "{v}"
     );
 
-    // A client that disconnects mid-stream frees the request's blocks on
-    // both nodes.
+    // A client that disconnects mid-stream cancels its request: the router
+    // counts it cancelled, the decode node stops decoding it and both nodes
+    // free its blocks within CANCEL_BOUND of the disconnect. Greedy
+    // counting up to the whole context cannot end by itself that soon.
+    let prompt = counting_prompt(0);
+    let prompt_tokens = m.tokenizer.encode(&prompt, true).unwrap().len();
+    let max_tokens = LONG_CONTEXT - prompt_tokens;
+    let cancelled = || {
+        metric(
+            &http(r.port, "GET", "/metrics", "").body,
+            "tandem_requests_total",
+            "status=\"cancelled\"",
+        )
+    };
+    // Decode steps of the decode node: one per token of a lone stream.
+    let decoded = || metric(&d.metrics(), "tandem_batch_size_sum", "batch_type=\"TG\"");
+    let cancelled_before = cancelled();
+    let decoded_before = decoded();
     let body =
-        json!({"prompt": counting_prompt(0), "max_tokens": 300, "temperature": 0, "stream": true});
+        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true});
     let mut conn = std::net::TcpStream::connect(("127.0.0.1", r.port)).unwrap();
     conn.write_all(
         tandem_tests::request_bytes("POST", "/v1/completions", &body.to_string()).as_bytes(),
@@ -176,17 +195,104 @@ fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
                 .unwrap()
                 .starts_with("HTTP/1.1 200")
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while d.health()["running"] != 1 {
+    wait_until(
+        "the stream to start decoding",
+        Duration::from_secs(20),
+        || d.health()["running"] == 1,
+    );
+    // The decode rate, to show the request could not finish by itself
+    // within the bound (later steps only get slower as the context grows).
+    let (t0, g0) = (Instant::now(), decoded());
+    wait_until("16 decode steps", Duration::from_secs(20), || {
+        decoded() - g0 >= 16.0
+    });
+    let steps = decoded() - g0;
+    let per_token = t0.elapsed().div_f64(steps);
+    let would_take = per_token * (max_tokens - steps as usize) as u32;
+    assert!(
+        would_take >= 10 * CANCEL_BOUND,
+        "finishing would take only {would_take:?}: the test could not tell cancellation from \
+         completion"
+    );
+    let dropped = Instant::now();
+    drop(conn);
+    loop {
+        let (p_idle, ph) = p.idle();
+        let (d_idle, dh) = d.idle();
+        let counted = cancelled() - cancelled_before;
+        if p_idle && d_idle && counted == 1.0 {
+            break;
+        }
         assert!(
-            Instant::now() < deadline,
-            "the stream never started decoding"
+            dropped.elapsed() <= CANCEL_BOUND,
+            "{:?} after the disconnect: {counted} requests counted cancelled, prefill {ph}, \
+             decode {dh}; finishing by itself would take {would_take:?}",
+            dropped.elapsed()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    drop(conn);
-    p.assert_idle();
-    d.assert_idle();
+    // Cancelled, not completed: the decode node stopped far short of
+    // max_tokens.
+    let generated = decoded() - decoded_before;
+    println!(
+        "cancelled on both nodes {:?} after the disconnect ({generated} of {max_tokens} tokens \
+         decoded; finishing would take {would_take:?})",
+        dropped.elapsed()
+    );
+    assert!(
+        generated < max_tokens as f64 / 10.0,
+        "the decode node ran {generated} of {max_tokens} steps for a cancelled stream"
+    );
+}
+
+/// Context length of the nodes and routers of the cancellation test: long
+/// enough that a request running to it takes far longer than CANCEL_BOUND.
+const LONG_CONTEXT: usize = 4096;
+
+/// How soon after a client disconnects its request must be cancelled on
+/// every process: a few steps and polls.
+const CANCEL_BOUND: Duration = Duration::from_secs(1);
+
+/// How much later than the lease TTL after its kill a node may still be
+/// listed: etcd checks lease expiry every 500 ms, and the router's watch
+/// and the test's 50 ms polls add a little.
+const MEMBERSHIP_MARGIN: Duration = Duration::from_secs(1);
+
+/// Polls `f` until it holds; panics after `timeout`.
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Polls `f` until it returns a value; panics after `timeout`.
+fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A long prompt no node has seen (its first block differs from every
+/// other prompt's), so it is prefilled remotely.
+fn fresh_prompt(tag: &str, i: usize) -> String {
+    format!("Chapter {tag}{i}. {}", long_prompt(i))
+}
+
+/// Sets the flag when dropped, also while unwinding: stops load threads
+/// when the test fails, so that the scope joining them cannot hang.
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 #[test]
@@ -199,15 +305,16 @@ fn two_by_two_survives_killed_nodes_and_an_etcd_restart() {
     let mut d1 = Node::start(&etcd.url(), &cluster, "decode", "d1", &[]);
     let r = Router::start(&etcd.url(), &cluster);
     r.wait_members(2, 2, Duration::from_secs(10));
+    let ttl = Duration::from_secs(LEASE_TTL_S);
 
     // Concurrent long prompts spread over both decode nodes, all correct.
-    let run_batch = |n: usize, offset: usize| {
+    let run_prompts = |prompts: Vec<String>| {
         std::thread::scope(|s| {
-            let handles: Vec<_> = (0..n)
-                .map(|i| {
+            let handles: Vec<_> = prompts
+                .into_iter()
+                .map(|prompt| {
                     let r = &r;
                     s.spawn(move || {
-                        let prompt = long_prompt(i + offset);
                         let v = r.complete(&prompt, MAX_TOKENS);
                         (prompt, v)
                     })
@@ -222,6 +329,8 @@ fn two_by_two_survives_killed_nodes_and_an_etcd_restart() {
             }
         })
     };
+    let run_batch =
+        |n: usize, offset: usize| run_prompts((offset..offset + n).map(long_prompt).collect());
     run_batch(6, 0);
     let remote = |n: &Node| metric(&n.metrics(), "tandem_decode_prefills_total", "");
     assert!(
@@ -229,22 +338,81 @@ fn two_by_two_survives_killed_nodes_and_an_etcd_restart() {
         "one decode node got no work"
     );
 
-    // kill -9 a prefill node under load: every request still completes
-    // correctly (retried on the other prefill node or prefilled locally),
-    // and the router drops the dead node within the lease TTL.
-    std::thread::scope(|s| {
-        let load = s.spawn(|| run_batch(6, 1));
-        std::thread::sleep(Duration::from_millis(300));
+    // kill -9 a prefill node while it computes prompts: every request
+    // still completes correctly, those it held are retried on the other
+    // prefill node or prefilled locally (and counted so), and the router
+    // drops the dead node within the lease TTL of the kill.
+    const OUTCOMES: [&str; 4] = ["local", "remote", "retried", "fallback"];
+    let outcomes = || {
+        OUTCOMES.map(|o| {
+            let label = format!("outcome=\"{o}\"");
+            [&d0, &d1]
+                .iter()
+                .map(|n| metric(&n.metrics(), "tandem_decode_prefills_total", &label))
+                .sum::<f64>()
+        })
+    };
+    let before = outcomes();
+    let killed = AtomicBool::new(false);
+    let sent = AtomicUsize::new(0);
+    let (held, gone) = std::thread::scope(|s| {
+        let stop = SetOnDrop(&killed);
+        // Fresh prompts from four clients until p0 is killed: the router
+        // spreads them over both prefill nodes, so p0 soon gets one.
+        for _ in 0..4 {
+            s.spawn(|| {
+                while !killed.load(Ordering::Relaxed) {
+                    let i = sent.fetch_add(1, Ordering::Relaxed);
+                    assert!(i < 64, "p0 never computed one of {i} prompts");
+                    let prompt = fresh_prompt("k", i);
+                    let v = r.complete(&prompt, MAX_TOKENS);
+                    assert_eq!(
+                        v["choices"][0]["text"],
+                        expected(&prompt, MAX_TOKENS).as_str()
+                    );
+                }
+            });
+        }
+        // Requests submitted to p0's scheduler and not yet computed: p0
+        // can answer none of them once killed.
+        let held = wait_for("p0 to compute a prompt", Duration::from_secs(120), || {
+            let h = p0.health();
+            let n = h["running"].as_u64().unwrap() + h["waiting"].as_u64().unwrap();
+            (n > 0).then_some(n)
+        });
         p0.proc.kill9();
-        load.join().unwrap();
+        let kill = Instant::now();
+        drop(stop);
+        r.wait_members(1, 2, ttl + Duration::from_secs(10));
+        (held, kill.elapsed())
     });
-    let gone = r.wait_members(1, 2, Duration::from_secs(LEASE_TTL_S + 5));
-    assert!(gone <= Duration::from_secs(LEASE_TTL_S + 5));
+    assert!(
+        gone <= ttl + MEMBERSHIP_MARGIN,
+        "the killed prefill node stayed listed for {gone:?} (lease TTL {ttl:?})"
+    );
+    let sent = sent.load(Ordering::Relaxed) as f64;
+    let after = outcomes();
+    let delta: Vec<f64> = (0..4).map(|i| after[i] - before[i]).collect();
+    let report = format!(
+        "p0 killed holding {held} prompts, unlisted {gone:?} after the kill; {OUTCOMES:?} went \
+         up by {delta:?} for {sent} requests"
+    );
+    println!("{report}");
+    assert_eq!(delta.iter().sum::<f64>(), sent, "{report}");
+    assert_eq!(
+        delta[0], 0.0,
+        "a fresh prompt was prefilled locally: {report}"
+    );
+    assert!(
+        delta[2] + delta[3] >= held as f64,
+        "p0 held {held} prompts when killed, but fewer were retried or fell back: {report}"
+    );
     run_batch(2, 3);
 
-    // kill -9 a decode node mid-stream: its streams end with an error
-    // event, the others finish normally, nothing hangs.
-    let outcomes = std::thread::scope(|s| {
+    // kill -9 a decode node mid-stream: exactly its streams end with an
+    // error event, the others finish normally, nothing hangs.
+    let running = |n: &Node| n.health()["running"].as_u64().unwrap();
+    let (outcomes, on_d1, gone) = std::thread::scope(|s| {
         let handles: Vec<_> = (0..4)
             .map(|i| {
                 let r = &r;
@@ -256,12 +424,24 @@ fn two_by_two_survives_killed_nodes_and_an_etcd_restart() {
                 })
             })
             .collect();
-        std::thread::sleep(Duration::from_millis(2500));
+        let (on_d0, on_d1) = wait_for(
+            "all four streams to decode",
+            Duration::from_secs(60),
+            || {
+                let (a, b) = (running(&d0), running(&d1));
+                (a + b == 4).then_some((a, b))
+            },
+        );
+        assert!(
+            on_d0 > 0 && on_d1 > 0,
+            "the streams did not spread over both decode nodes: {on_d0} and {on_d1}"
+        );
         d1.proc.kill9();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+        let kill = Instant::now();
+        r.wait_members(1, 1, ttl + Duration::from_secs(10));
+        let gone = kill.elapsed();
+        let outcomes: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        (outcomes, on_d1, gone)
     });
     let mut errors = 0;
     for (status, events) in &outcomes {
@@ -277,20 +457,31 @@ fn two_by_two_survives_killed_nodes_and_an_etcd_restart() {
             );
         }
     }
-    assert!(
-        errors >= 1,
-        "no stream noticed the killed decode node: {outcomes:?}"
+    println!("d1 killed decoding {on_d1} of 4 streams, unlisted {gone:?} after the kill");
+    assert_eq!(
+        errors, on_d1,
+        "d1 decoded {on_d1} streams when killed: {outcomes:?}"
     );
     assert!(
-        errors < outcomes.len(),
-        "every stream failed, not only the killed node's"
+        gone <= ttl + MEMBERSHIP_MARGIN,
+        "the killed decode node stayed listed for {gone:?} (lease TTL {ttl:?})"
     );
-    r.wait_members(1, 1, Duration::from_secs(LEASE_TTL_S + 5));
 
-    // etcd goes away: serving continues on the last membership, and comes
-    // back when etcd does.
+    // etcd goes away: once the router has noticed, serving continues on
+    // the last membership, and comes back when etcd does.
+    let noticed = || {
+        r.proc
+            .stderr()
+            .matches("keeping the last known membership")
+            .count()
+    };
+    let before = noticed();
     etcd.stop();
-    std::thread::sleep(Duration::from_millis(500));
+    wait_until(
+        "the router to notice etcd is gone",
+        Duration::from_secs(20),
+        || noticed() > before,
+    );
     let prompt = long_prompt(2);
     assert_eq!(
         r.complete(&prompt, MAX_TOKENS)["choices"][0]["text"],

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -22,7 +22,7 @@ use tandem_discovery::testing::EtcdServer;
 use tandem_tests::cluster::{
     Node, Router, counting_prompt, expected, long_prompt, short_prompt, unique_cluster,
 };
-use tandem_tests::{dechunk, http, metric, model, reference, request_bytes, sse_events};
+use tandem_tests::{dechunk, free_port, http, metric, model, reference, request_bytes, sse_events};
 
 const MAX_TOKENS: usize = 16;
 /// Long enough that a stream is still decoding when its router is killed.
@@ -58,14 +58,6 @@ fn haproxy_binary() -> PathBuf {
                  (scripts/test.sh does), or point TANDEM_HAPROXY at the binary"
             )
         })
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 impl Haproxy {

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -23,7 +23,7 @@ use tandem_discovery::testing::EtcdServer;
 use tandem_tests::cluster::{
     Node, Router, counting_prompt, long_prompt, short_prompt, unique_cluster,
 };
-use tandem_tests::{http, metric, request_bytes, sse_events};
+use tandem_tests::{free_port, http, metric, request_bytes, sse_events};
 
 /// Labels that Prometheus attaches to every scraped series.
 const TARGET_LABELS: [&str; 2] = ["job", "instance"];
@@ -1269,14 +1269,6 @@ fn percent_encode(s: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn unix_now() -> u64 {
