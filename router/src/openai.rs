@@ -386,7 +386,13 @@ impl CommonParams {
         }
         let top_k = match self.top_k {
             None => 0,
-            Some(k) if k <= 0 => 0, // -1 (vLLM) or 0: disabled
+            Some(-1 | 0) => 0, // disabled (-1 as vLLM spells it)
+            Some(k) if k < 0 => {
+                return Err(invalid(
+                    "`top_k` must be -1 or 0 (disabled), or at least 1",
+                    "top_k",
+                ));
+            }
             Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
         };
         let max_tokens = match max_tokens {
@@ -733,6 +739,23 @@ mod tests {
         let top_only = chat(r#"{"messages":[],"top_logprobs":2}"#).unwrap();
         assert!(top_only.params().is_err());
         assert!(chat(r#"{"messages":[],"max_tokens":-1}"#).is_err());
+    }
+
+    #[test]
+    fn top_k_off_spellings_and_bad_negatives() {
+        let top_k = |k: i64| {
+            chat(&format!(r#"{{"messages":[],"top_k":{k}}}"#))
+                .unwrap()
+                .params()
+                .map(|p| p.sampling.top_k)
+        };
+        assert_eq!(top_k(-1).unwrap(), 0);
+        assert_eq!(top_k(0).unwrap(), 0);
+        assert_eq!(top_k(3).unwrap(), 3);
+        for k in [-2, -5, i64::MIN] {
+            let e = top_k(k).unwrap_err();
+            assert!(message(e).contains("`top_k` must be -1 or 0"), "{k}");
+        }
     }
 
     #[test]

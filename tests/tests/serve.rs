@@ -551,6 +551,7 @@ fn every_sampling_parameter_reaches_the_sampler() {
         ("/v1/completions", "top_p", json!(1.5)),
         ("/v1/completions", "min_p", json!(1.5)),
         ("/v1/completions", "min_p", json!(-0.1)),
+        ("/v1/completions", "top_k", json!(-5)),
         ("/v1/completions", "frequency_penalty", json!(2.5)),
         ("/v1/completions", "presence_penalty", json!(-2.5)),
         ("/v1/completions", "repetition_penalty", json!(0)),
