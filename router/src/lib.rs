@@ -1,6 +1,8 @@
-//! Router: the OpenAI-compatible HTTP API over the engine's batch scheduler
-//! (`tandem serve`). KV-aware routing across nodes arrives with the cluster
-//! issues.
+//! Router: the OpenAI-compatible HTTP API (`server`, `openai`, `error`,
+//! request metrics and the admission backlog in `metrics`) over either the
+//! local batch scheduler (`tandem serve`) or a cluster (`cluster`: etcd
+//! membership, KV-event prefix index, KV- and load-aware routing, `Generate`
+//! streams to decode nodes with their egress backlog).
 
 pub mod cluster;
 pub mod error;
