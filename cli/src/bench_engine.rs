@@ -21,10 +21,10 @@ use clap::Args;
 
 use crate::kernel_args::KernelArgs;
 use tandem_engine::LoadedModel;
-use tandem_engine::fetch;
 use tandem_engine::kv_cache::KvCache;
 use tandem_engine::model::SeqChunk;
 use tandem_engine::sampler::argmax;
+use tandem_modelfile::fetch;
 
 const BLOCK_SIZE: usize = 16;
 
@@ -354,7 +354,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     let threads = tandem_kernels::num_threads();
     println!(
         "model: {} ({}), {} layers, vocab {vocab}",
-        m.name,
+        m.text.name,
         path.display(),
         cfg.n_layers
     );
@@ -459,7 +459,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     print!("{}", table(&rows));
     if let Some(file) = &args.json {
         let json = to_json(
-            &m.name,
+            &m.text.name,
             &path.display().to_string(),
             &isa,
             threads,

@@ -13,9 +13,12 @@ use clap::{Args, Subcommand};
 use tandem_decode_node::{DecodeConfig, DecodeService};
 use tandem_discovery::{EtcdConfig, Role};
 use tandem_dkv::TransportKind;
+use tandem_frontend::AppState;
+use tandem_modelfile::ModelMeta;
 use tandem_prefill_node::PrefillService;
+use tandem_router::ClusterBackend;
 use tandem_router::cluster::{ClusterHandle, RoutingConfig};
-use tandem_router::{AppState, Backend};
+use tandem_types::RequestLimits;
 use tandem_worker::node::serve as serve_node;
 use tandem_worker::service::WorkerService;
 use tandem_worker::{NodeCore, NodeOptions};
@@ -114,7 +117,7 @@ pub struct DecodeArgs {
 pub struct RouterArgs {
     /// The model whose tokenizer and chat template the router uses (the
     /// workers' model: checked against their fingerprints).
-    #[arg(long, env = "TANDEM_MODEL", default_value = tandem_engine::fetch::DEFAULT_MODEL)]
+    #[arg(long, env = "TANDEM_MODEL", default_value = tandem_modelfile::fetch::DEFAULT_MODEL)]
     pub model: String,
     /// Where fetched models are cached.
     #[arg(long, env = "TANDEM_CACHE")]
@@ -278,10 +281,12 @@ fn route(
     let cache = args
         .cache_dir
         .clone()
-        .unwrap_or_else(tandem_engine::fetch::cache_dir);
-    let path = tandem_engine::fetch::resolve(&args.model, &cache)?;
-    let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
-    let context = m.model.config().context_length;
+        .unwrap_or_else(tandem_modelfile::fetch::cache_dir);
+    let path = tandem_modelfile::fetch::resolve(&args.model, &cache)?;
+    // The router never runs the model: it reads the tokenizer, template
+    // and fingerprint, not the weights.
+    let m = ModelMeta::load(&path).with_context(|| format!("reading {}", path.display()))?;
+    let context = m.config.context_length;
     let max_length = args.max_length.unwrap_or(context.min(8192));
     if max_length < 2 || max_length > context {
         bail!(
@@ -290,16 +295,17 @@ fn route(
     }
     let fingerprint = m.fingerprint(args.kv_cache_page_size);
     let server = args.http.server_config(served_name(&args.model, &path))?;
-    let model = Arc::new(m);
+    let limits = RequestLimits {
+        max_length,
+        vocab_size: m.config.vocab_size,
+    };
+    let text = Arc::new(m.text);
     rt.block_on(async {
         let cluster = ClusterHandle::start(etcd, fingerprint, routing)
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
-        let backend = Backend::Cluster {
-            cluster: Arc::clone(&cluster.cluster),
-            max_length,
-        };
-        let state = AppState::with_backend(model, backend, server.clone());
+        let backend = ClusterBackend::new(Arc::clone(&cluster.cluster), limits);
+        let state = AppState::new(text, Arc::new(backend), server.clone());
         state.set_metrics_renderer(telemetry.render());
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -314,7 +320,7 @@ fn route(
             )?;
             out.flush()?;
         }
-        let r = tandem_router::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE)
+        let r = tandem_frontend::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE)
             .await
             .context("serving HTTP");
         cluster.shutdown().await;
@@ -340,7 +346,7 @@ pub struct ClusterUpArgs {
     #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
     pub port: u16,
     /// Model for every process.
-    #[arg(long, env = "TANDEM_MODEL", default_value = tandem_engine::fetch::DEFAULT_MODEL)]
+    #[arg(long, env = "TANDEM_MODEL", default_value = tandem_modelfile::fetch::DEFAULT_MODEL)]
     pub model: String,
     /// Use this etcd instead of starting one.
     #[arg(long, env = "TANDEM_ETCD")]

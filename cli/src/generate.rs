@@ -7,10 +7,10 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use crate::kernel_args::KernelArgs;
-use tandem_engine::chat::ChatMessage;
-use tandem_engine::fetch;
 use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::sampler::SamplingParams;
+use tandem_modelfile::chat::ChatMessage;
+use tandem_modelfile::fetch;
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -72,7 +72,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
     eprintln!(
         "tandem: loaded {} ({} layers) in {:.0} ms; kernels: {}, {} threads",
-        m.name,
+        m.text.name,
         m.model.config().n_layers,
         m.load_time.total.as_secs_f64() * 1e3,
         tandem_kernels::isa(),
@@ -81,6 +81,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
 
     let text = if args.chat {
         let template = m
+            .text
             .chat_template
             .as_ref()
             .context("--chat: this model has no chat template")?;
@@ -94,7 +95,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         args.prompt.clone()
     };
     // A chat template writes its own BOS where the model wants one.
-    let prompt = m.tokenizer.encode(&text, !args.chat)?;
+    let prompt = m.text.tokenizer.encode(&text, !args.chat)?;
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -113,7 +114,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         stop_token_ids: if args.ignore_eos {
             Vec::new()
         } else {
-            m.tokenizer.stop_ids()
+            m.text.tokenizer.stop_ids()
         },
         stop_strings: args.stop.clone(),
         prefill_chunk: args.prefill_chunk,

@@ -5,6 +5,7 @@ mod bench_engine;
 mod cluster;
 mod generate;
 mod kernel_args;
+mod local;
 mod serve;
 mod telemetry;
 

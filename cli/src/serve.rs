@@ -13,10 +13,12 @@ use clap::Args;
 use crate::kernel_args::KernelArgs;
 use crate::telemetry::{Telemetry, TelemetryArgs};
 use tandem_engine::comm::{DeviceSpec, parse_devices};
-use tandem_engine::fetch;
 use tandem_engine::moe::Combine;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
-use tandem_router::{AppState, ServerConfig};
+use tandem_frontend::{AppState, ServerConfig};
+use tandem_modelfile::fetch;
+
+use crate::local::LocalBackend;
 
 /// How long in-flight requests may run on after SIGINT/SIGTERM.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -283,7 +285,7 @@ fn serve_loaded(
     eprintln!(
         "tandem: loaded {} ({} layers) in {:.0} ms; kernels: {}, {} threads; \
          max length {}, {} KV blocks of {} tokens, prefix caching {}",
-        m.name,
+        m.text.name,
         m.model.config().n_layers,
         m.load_time.total.as_secs_f64() * 1e3,
         tandem_kernels::isa(),
@@ -302,7 +304,12 @@ fn serve_loaded(
         Arc::clone(&model),
         config.scheduler.clone(),
     )?);
-    let state = AppState::new(model, scheduler.handle().clone(), config.server.clone());
+    let backend = LocalBackend::new(scheduler.handle().clone(), model.model.config().vocab_size);
+    let state = AppState::new(
+        Arc::clone(&model.text),
+        Arc::new(backend),
+        config.server.clone(),
+    );
     state.set_metrics_renderer(telemetry.render());
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(config.addr)
@@ -317,7 +324,7 @@ fn serve_loaded(
         )?;
         stdout.flush()?;
         drop(stdout);
-        tandem_router::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE)
+        tandem_frontend::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE)
             .await
             .context("serving HTTP")
     })

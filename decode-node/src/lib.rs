@@ -323,7 +323,7 @@ impl Inner {
 fn event_status(ev: Option<Event>) -> Status {
     match ev {
         None => Status::unavailable("the scheduler stopped"),
-        Some(Event::Failed(m)) => Status::internal(format!("generation failed: {m}")),
+        Some(Event::Failed(f)) => Status::from(WorkerError::Failed(f)),
         Some(other) => Status::internal(format!("unexpected scheduler event {other:?}")),
     }
 }

@@ -360,6 +360,7 @@ fn prompt(topic: &str) -> Vec<u32> {
     );
     harness()
         .model
+        .text
         .tokenizer
         .encode(&text, true)
         .expect("tokenizes")
@@ -372,7 +373,7 @@ fn reference(prompt: &[u32]) -> Vec<u32> {
         prompt: prompt.to_vec(),
         sampling: SamplingParams::greedy(),
         max_tokens: MAX_TOKENS,
-        stop_token_ids: m.tokenizer.stop_ids(),
+        stop_token_ids: m.text.tokenizer.stop_ids(),
         stop_strings: Vec::new(),
         prefill_chunk: 512,
     };
@@ -400,7 +401,7 @@ async fn run(
         prompt: prompt.to_vec(),
         sampling: SamplingParams::greedy(),
         max_tokens: MAX_TOKENS,
-        stop_token_ids: m.tokenizer.stop_ids(),
+        stop_token_ids: m.text.tokenizer.stop_ids(),
         prefill,
     };
     let t0 = Instant::now();

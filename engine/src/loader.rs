@@ -7,23 +7,22 @@ use std::time::{Duration, Instant};
 
 use tandem_kernels::GgmlType;
 
-use crate::chat::ChatTemplate;
-use crate::config::LlamaConfig;
+use tandem_modelfile::ModelText;
+use tandem_modelfile::config::LlamaConfig;
+use tandem_modelfile::gguf::GgufFile;
+use tandem_modelfile::meta;
+use tandem_types::ModelFingerprint;
+
 use crate::error::ModelError;
-use crate::fingerprint::{KV_DTYPE, KV_LAYOUT, ModelFingerprint};
-use crate::gguf::GgufFile;
 use crate::model::{FfnWeights, LayerWeights, LlamaModel, LlamaWeights, Weight};
 use crate::safetensors_loader;
-use crate::tokenizer::{self, Tokenizer};
 
 /// A model with everything needed to turn text into tokens and back.
 #[derive(Debug)]
 pub struct LoadedModel {
     pub model: LlamaModel,
-    pub tokenizer: Tokenizer,
-    pub chat_template: Option<ChatTemplate>,
-    /// A human-readable name (GGUF `general.name` or the directory name).
-    pub name: String,
+    /// Name, tokenizer and chat template: shared with the HTTP front end.
+    pub text: Arc<ModelText>,
     pub path: PathBuf,
     /// xxh3-64 of the weight file bytes: nodes compare it at connect so that
     /// KV computed by one set of weights is never read by another.
@@ -34,17 +33,12 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// What a peer must match to share KV blocks of `block_size` tokens.
     pub fn fingerprint(&self, block_size: usize) -> ModelFingerprint {
-        let c = self.model.config();
-        ModelFingerprint {
-            model_id: self.name.clone(),
-            weights_hash: self.weights_hash,
-            kv_dtype: KV_DTYPE.to_string(),
+        meta::fingerprint(
+            &self.text.name,
+            self.weights_hash,
+            self.model.config(),
             block_size,
-            kv_layout: KV_LAYOUT.to_string(),
-            num_layers: c.n_layers,
-            num_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
-        }
+        )
     }
 }
 
@@ -84,41 +78,17 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let dequantize = t1.elapsed();
 
     let t2 = Instant::now();
-    let spec = tokenizer::spec_from_gguf(&g)?;
-    let tokenizer = Tokenizer::from_spec(spec)?;
-    if tokenizer.vocab_size() != config.vocab_size {
-        return Err(ModelError::InvalidConfig(format!(
-            "tokenizer has {} tokens but the model's vocabulary is {}",
-            tokenizer.vocab_size(),
-            config.vocab_size
-        )));
-    }
-    let chat_template = match g.get_str("tokenizer.chat_template") {
-        Ok(src) => {
-            let name = |id: Option<u32>| {
-                id.and_then(|i| tokenizer.token_str(i))
-                    .unwrap_or_default()
-                    .to_string()
-            };
-            Some(ChatTemplate::new(
-                src,
-                &name(tokenizer.bos_id()),
-                &name(tokenizer.eos_id()),
-            )?)
-        }
-        Err(_) => None,
-    };
+    let (tokenizer, chat_template) = meta::gguf_text(&g, &config)?;
     let model = LlamaModel::new(config, weights)?;
     let init = t2.elapsed();
-    let name = g
-        .get_str("general.name")
-        .map(str::to_string)
-        .unwrap_or_else(|_| file_stem(path));
+    let name = meta::gguf_name(&g, path);
     Ok(LoadedModel {
         model,
-        tokenizer,
-        chat_template,
-        name,
+        text: Arc::new(ModelText {
+            name,
+            tokenizer,
+            chat_template,
+        }),
         path: path.to_path_buf(),
         weights_hash,
         load_time: LoadTimes {
@@ -128,12 +98,6 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
             total: t0.elapsed(),
         },
     })
-}
-
-pub(crate) fn file_stem(path: &Path) -> String {
-    path.file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| path.display().to_string())
 }
 
 fn gguf_weights(g: &GgufFile, c: &LlamaConfig) -> Result<LlamaWeights, ModelError> {

@@ -3,11 +3,9 @@
 //! used; without one every instrument is a no-op.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::time::Instant;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter, UpDownCounter};
+use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter};
 
 use crate::loader::LoadTimes;
 
@@ -66,14 +64,6 @@ pub(crate) struct EngineMetrics {
     pub prefix_cache_hits: Counter<u64>,
     pub prefix_cache_misses: Counter<u64>,
     pub preemptions: Counter<u64>,
-    /// Responses produced, not yet taken by the layer that sends them on.
-    pub num_responses_buffered: UpDownCounter<i64>,
-    /// That backlog, sampled at each change.
-    pub responses_buffered: Histogram<u64>,
-    /// Time responses wait in that backlog.
-    pub response_queue_time: Histogram<f64>,
-    /// The backlog now (the histogram's sample).
-    responses_buffered_now: AtomicI64,
 }
 
 /// The process's instruments, from the global meter provider (installed by
@@ -125,79 +115,7 @@ impl EngineMetrics {
                 .u64_counter("tandem.preemptions")
                 .with_description("Sequences preempted for lack of KV blocks")
                 .build(),
-            num_responses_buffered: m
-                .i64_up_down_counter("tandem.num_responses_buffered")
-                .with_description(
-                    "Responses produced (by the scheduler, or received from a decode node) \
-                     not yet taken by the layer that sends them on",
-                )
-                .build(),
-            responses_buffered: m
-                .u64_histogram("tandem.responses_buffered")
-                .with_description("Egress backlog, sampled at each change")
-                .with_boundaries(COUNT_BUCKETS.to_vec())
-                .build(),
-            response_queue_time: m
-                .f64_histogram("tandem.response_queue_time")
-                .with_description(
-                    "Time from a response being produced to the layer that sends it on taking it",
-                )
-                .with_unit("ms")
-                .with_boundaries(LATENCY_MS_BUCKETS.to_vec())
-                .build(),
-            responses_buffered_now: AtomicI64::new(0),
         }
-    }
-
-    fn egress_change(&self, by: i64) {
-        self.num_responses_buffered.add(by, &[]);
-        let now = self.responses_buffered_now.fetch_add(by, Ordering::Relaxed) + by;
-        self.responses_buffered.record(now.max(0) as u64, &[]);
-    }
-
-    fn egress_produced(&self) -> Instant {
-        self.egress_change(1);
-        Instant::now()
-    }
-
-    fn egress_taken(&self, at: Instant) {
-        self.egress_change(-1);
-        self.response_queue_time
-            .record(at.elapsed().as_secs_f64() * 1e3, &[]);
-    }
-
-    fn egress_discarded(&self, n: usize) {
-        if n > 0 {
-            self.egress_change(-(n as i64));
-        }
-    }
-}
-
-/// The egress backlog: responses produced (tokens and final events, by
-/// this process's scheduler or received by the router from a decode node)
-/// that the layer sending them on (HTTP, or a node's gRPC stream) has not
-/// taken yet. Every `produced` is matched by one `taken` or `discarded`.
-pub mod egress {
-    use super::*;
-
-    /// A response entered the backlog; returns its timestamp.
-    pub fn produced() -> Instant {
-        metrics().egress_produced()
-    }
-
-    /// A response produced at `at` left the backlog to be sent on.
-    pub fn taken(at: Instant) {
-        metrics().egress_taken(at);
-    }
-
-    /// `n` responses left the backlog unsent (their reader went away).
-    pub fn discarded(n: usize) {
-        metrics().egress_discarded(n);
-    }
-
-    /// The backlog now.
-    pub fn buffered() -> i64 {
-        metrics().responses_buffered_now.load(Ordering::Relaxed)
     }
 }
 
@@ -231,7 +149,7 @@ fn record_load_times_on(m: &Meter, t: &LoadTimes) {
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     use opentelemetry::metrics::MeterProvider as _;
     use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
@@ -357,15 +275,15 @@ mod tests {
     #[test]
     fn egress_backlog_returns_to_zero() {
         let meter = TestMeter::new();
-        let m = EngineMetrics::new(&meter.meter());
-        let at: Vec<Instant> = (0..3).map(|_| m.egress_produced()).collect();
-        assert_eq!(m.responses_buffered_now.load(Ordering::Relaxed), 3);
+        let m = tandem_types::egress::Egress::new(&meter.meter());
+        let at: Vec<Instant> = (0..3).map(|_| m.produced()).collect();
+        assert_eq!(m.buffered(), 3);
         let p = meter.points();
         assert_eq!(only(&p, "tandem.num_responses_buffered").value, 3.0);
-        m.egress_taken(at[0]);
-        m.egress_discarded(0);
-        m.egress_discarded(2);
-        assert_eq!(m.responses_buffered_now.load(Ordering::Relaxed), 0);
+        m.taken(at[0]);
+        m.discarded(0);
+        m.discarded(2);
+        assert_eq!(m.buffered(), 0);
 
         let p = meter.points();
         assert_eq!(only(&p, "tandem.num_responses_buffered").value, 0.0);

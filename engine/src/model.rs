@@ -14,11 +14,11 @@ use tandem_kernels::ops::{self, Rope};
 use tandem_kernels::{GgmlType, PackedMatrix, QMatrix};
 
 use crate::comm::Communicator;
-use crate::config::LlamaConfig;
 use crate::error::{ModelError, RequestError};
 use crate::kv_cache::{BlockId, KvCache, KvCacheConfig};
 use crate::moe::{Combine, MoeBlock, MoeWeights};
-use crate::storage::Backing;
+use tandem_modelfile::config::LlamaConfig;
+use tandem_modelfile::storage::Backing;
 
 /// A weight matrix held in its stored (possibly quantized) form.
 #[derive(Debug, Clone)]
@@ -718,10 +718,11 @@ impl LlamaModel {
             }
             for (i, &t) in ch.tokens.iter().enumerate() {
                 if t as usize >= c.vocab_size {
-                    return Err(RequestError::TokenOutOfRange {
+                    return Err(tandem_types::InvalidRequest::TokenOutOfRange {
                         id: t,
                         vocab: c.vocab_size,
-                    });
+                    }
+                    .into());
                 }
                 token_ids.push(t);
                 placement.push((ci, ch.start_pos + i));

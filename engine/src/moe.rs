@@ -32,6 +32,8 @@ use crate::comm::Communicator;
 use crate::error::{ModelError, RequestError};
 use crate::model::Weight;
 
+pub use tandem_modelfile::config::{MoeConfig, Scoring};
+
 /// How a tensor-parallel model's MoE layers meet their tokens (see the
 /// module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,46 +44,6 @@ pub enum Combine {
     /// Reduce-scatter the attention output by tokens, dispatch each rank's
     /// tokens to their experts with all-to-all, allgather the layer output.
     Dispatch,
-}
-
-/// How router scores become expert choices and weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Scoring {
-    /// Mixtral: softmax over all experts, top-k of the probabilities.
-    Softmax,
-    /// DeepSeek-V3: sigmoid per expert; top-k of score + correction bias,
-    /// weighted by the unbiased scores.
-    Sigmoid,
-}
-
-/// Routing hyper-parameters.
-#[derive(Clone, Debug, PartialEq)]
-pub struct MoeConfig {
-    pub n_experts: usize,
-    pub top_k: usize,
-    pub scoring: Scoring,
-    /// Divide the chosen weights by their sum.
-    pub norm_topk_prob: bool,
-    /// Multiplies the (normalised) weights.
-    pub routed_scaling: f32,
-}
-
-impl MoeConfig {
-    pub fn validate(&self) -> Result<(), ModelError> {
-        if self.n_experts == 0 || self.top_k == 0 || self.top_k > self.n_experts {
-            return Err(ModelError::InvalidConfig(format!(
-                "mixture of experts: top-k {} of {} experts",
-                self.top_k, self.n_experts
-            )));
-        }
-        if !(self.routed_scaling.is_finite() && self.routed_scaling > 0.0) {
-            return Err(ModelError::InvalidConfig(format!(
-                "mixture of experts: routed scaling factor {} must be positive",
-                self.routed_scaling
-            )));
-        }
-        Ok(())
-    }
 }
 
 /// One SwiGLU expert.
@@ -488,10 +450,10 @@ fn check_len(what: &str, got: usize, want: usize) -> Result<(), RequestError> {
 mod tests {
     use super::*;
     use crate::comm::CpuGroup;
-    use crate::storage::Backing;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
     use tandem_kernels::GgmlType;
+    use tandem_modelfile::storage::Backing;
 
     const D: usize = 32;
     const FFN: usize = 48;

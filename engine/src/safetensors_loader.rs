@@ -8,17 +8,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use safetensors::{Dtype, SafeTensors};
-use serde::Deserialize;
 use tandem_kernels::GgmlType;
 
-use crate::chat::ChatTemplate;
-use crate::config::LlamaConfig;
+use tandem_modelfile::config::LlamaConfig;
+use tandem_modelfile::storage::Backing;
+use tandem_modelfile::{ModelText, meta};
+
 use crate::error::ModelError;
-use crate::loader::{LoadTimes, LoadedModel, file_stem, to_f32};
+use crate::loader::{LoadTimes, LoadedModel, to_f32};
 use crate::model::{FfnWeights, LayerWeights, LlamaModel, LlamaWeights, Weight};
 use crate::moe::{Expert, MoeWeights};
-use crate::storage::Backing;
-use crate::tokenizer::Tokenizer;
 
 /// Where one tensor lives: which file's bytes, at which range.
 struct Located {
@@ -31,71 +30,21 @@ struct Located {
 /// Loads a model directory.
 pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
     let t0 = Instant::now();
-    let read_text = |name: &str| {
-        let p = dir.join(name);
-        std::fs::read_to_string(&p).map_err(|source| ModelError::Io {
-            path: p.display().to_string(),
-            source,
-        })
-    };
     let (config, weights, weights_hash) = read_weights(dir)?;
     let read = t0.elapsed();
     let dequantize = std::time::Duration::ZERO;
 
     let t2 = Instant::now();
-    #[derive(Deserialize, Default)]
-    struct TokCfg {
-        chat_template: Option<serde_json::Value>,
-        bos_token: Option<serde_json::Value>,
-        eos_token: Option<serde_json::Value>,
-        add_bos_token: Option<bool>,
-    }
-    let tok_cfg: TokCfg = match read_text("tokenizer_config.json") {
-        Ok(s) => serde_json::from_str(&s)
-            .map_err(|e| ModelError::InvalidConfig(format!("tokenizer_config.json: {e}")))?,
-        Err(_) => TokCfg::default(),
-    };
-    let tokenizer = Tokenizer::from_hf_file(&dir.join("tokenizer.json"), tok_cfg.add_bos_token)?;
-    // HF vocabularies may be padded past the tokenizer, never the reverse.
-    if tokenizer.vocab_size() > config.vocab_size {
-        return Err(ModelError::InvalidConfig(format!(
-            "tokenizer has {} tokens but config.json's vocab_size is {}",
-            tokenizer.vocab_size(),
-            config.vocab_size
-        )));
-    }
-    // Special tokens are either plain strings or {"content": ...} objects.
-    let token_text = |v: &Option<serde_json::Value>| -> String {
-        match v {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Object(o)) => o
-                .get("content")
-                .and_then(|c| c.as_str())
-                .unwrap_or_default()
-                .to_string(),
-            _ => String::new(),
-        }
-    };
-    let chat_template = match &tok_cfg.chat_template {
-        Some(serde_json::Value::String(src)) => Some(ChatTemplate::new(
-            src,
-            &token_text(&tok_cfg.bos_token),
-            &token_text(&tok_cfg.eos_token),
-        )?),
-        Some(other) if !other.is_null() => {
-            return Err(ModelError::InvalidConfig(
-                "tokenizer_config.json: only a single string chat_template is supported".into(),
-            ));
-        }
-        _ => None,
-    };
+    let (tokenizer, chat_template) = meta::hf_text(dir, &config)?;
     let model = LlamaModel::new(config, weights)?;
     let init = t2.elapsed();
     Ok(LoadedModel {
         model,
-        tokenizer,
-        chat_template,
-        name: file_stem(dir),
+        text: Arc::new(ModelText {
+            name: meta::file_stem(dir),
+            tokenizer,
+            chat_template,
+        }),
         path: dir.to_path_buf(),
         weights_hash,
         load_time: LoadTimes {
@@ -118,40 +67,13 @@ pub fn load_model_dir(dir: &Path) -> Result<LlamaModel, ModelError> {
 /// Parses `config.json` and maps every `*.safetensors` file; returns the
 /// config, the weights and a hash of the files' bytes.
 fn read_weights(dir: &Path) -> Result<(LlamaConfig, LlamaWeights, u64), ModelError> {
-    let json = {
-        let p = dir.join("config.json");
-        std::fs::read_to_string(&p).map_err(|source| ModelError::Io {
-            path: p.display().to_string(),
-            source,
-        })?
-    };
-    let config = LlamaConfig::from_hf_json(&json)?;
-    let tie = serde_json::from_str::<serde_json::Value>(&json)
-        .ok()
-        .and_then(|v| v.get("tie_word_embeddings").and_then(|t| t.as_bool()))
-        .unwrap_or(false);
-
-    let mut files: Vec<_> = std::fs::read_dir(dir)
-        .map_err(|source| ModelError::Io {
-            path: dir.display().to_string(),
-            source,
-        })?
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        return Err(ModelError::NotFound(format!(
-            "{}: no *.safetensors files",
-            dir.display()
-        )));
-    }
+    let (config, tie) = meta::hf_config(dir)?;
+    let files = meta::hf_weight_files(dir)?;
     let mut tensors: HashMap<String, Located> = HashMap::new();
     let mut weights_hash = 0u64;
     for f in &files {
         let h = index_file(f, &mut tensors)?;
-        weights_hash = xxhash_rust::xxh3::xxh3_64_with_seed(&h.to_le_bytes(), weights_hash);
+        weights_hash = meta::chain_file_hash(weights_hash, h);
     }
     let weights = hf_weights(&tensors, &config, tie)?;
     Ok((config, weights, weights_hash))

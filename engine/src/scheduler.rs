@@ -28,16 +28,20 @@ use opentelemetry::KeyValue;
 
 use tokio::sync::mpsc as tmpsc;
 
+use tandem_types::{FinishReason, GenFailure, RequestLimits};
+
 use crate::block_manager::{BlockHash, KvEvent, block_hashes, chain_hash};
 use crate::comm::{Communicator, CpuGroup};
 use crate::error::RequestError;
-use crate::generate::FinishReason;
 use crate::kv_cache::{BlockId, ExternalMemory, KvCache, KvCacheConfig, KvCacheError, KvPool};
 use crate::loader::LoadedModel;
-use crate::metrics::{BatchType, egress, metrics};
+use crate::metrics::{BatchType, metrics};
+use tandem_types::egress;
+
 use crate::model::{LlamaModel, SeqChunk};
 use crate::moe::Combine;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
+pub use tandem_types::Usage;
 
 /// Limits of the scheduler, validated at startup.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -174,7 +178,7 @@ pub enum Event {
     /// The request is done; no more events follow.
     Finished(Usage),
     /// The request failed; no more events follow.
-    Failed(String),
+    Failed(GenFailure),
     /// An [`KvHandoff::Export`] prompt is computed; its blocks are held.
     Exported(Exported),
     /// An [`KvHandoff::Import`] request has its destination blocks.
@@ -193,16 +197,6 @@ pub struct LayerDone {
     /// Index of `blocks[0]` in the prompt's block table.
     pub first_block: usize,
     pub blocks: Vec<BlockId>,
-}
-
-/// Token accounting of a finished request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    /// Prompt tokens served from the prefix cache.
-    pub cached_tokens: usize,
-    pub finish: FinishReason,
 }
 
 /// Live counters, readable from any thread (for metrics and tests).
@@ -414,7 +408,7 @@ impl Scheduler {
     }
 
     /// Stops the actor once every handle clone is dropped, and waits for it.
-    /// In-flight requests end with `Failed("scheduler stopped")`.
+    /// In-flight requests end with `Failed(GenFailure::ShuttingDown)`.
     pub fn shutdown(mut self) {
         self.stop();
     }
@@ -438,25 +432,12 @@ impl Drop for Scheduler {
 impl SchedulerHandle {
     /// Validates and queues a request. Errors here are the caller's (4xx).
     pub fn submit(&self, req: Request) -> Result<RequestStream, RequestError> {
-        if req.prompt.is_empty() {
-            return Err(RequestError::EmptyPrompt);
-        }
-        if let Some(&id) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
-            return Err(RequestError::TokenOutOfRange {
-                id,
-                vocab: self.vocab,
-            });
-        }
-        if req.prompt.len() >= self.config.max_length {
-            return Err(RequestError::PromptTooLong {
-                prompt: req.prompt.len(),
-                max: self.config.max_length,
-            });
-        }
-        if req.max_tokens == 0 {
-            return Err(RequestError::ZeroMaxTokens);
-        }
-        req.sampling.validate()?;
+        let limits = RequestLimits {
+            max_length: self.config.max_length,
+            vocab_size: self.vocab,
+        };
+        let mut req = req;
+        req.max_tokens = limits.check(&req.prompt, Some(req.max_tokens), &req.sampling)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (etx, erx) = tmpsc::unbounded_channel();
         let cached = Arc::new(AtomicUsize::new(0));
@@ -472,7 +453,7 @@ impl SchedulerHandle {
             .is_err()
         {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            return Err(RequestError::Unavailable("scheduler stopped"));
+            return Err(RequestError::Stopped);
         }
         Ok(RequestStream {
             id,
@@ -605,7 +586,7 @@ impl Actor {
             .chain(self.importing.drain(..))
             .chain(self.held.drain(..))
         {
-            emit(&seq.events, Event::Failed("scheduler stopped".into()));
+            emit(&seq.events, Event::Failed(GenFailure::ShuttingDown));
         }
     }
 
@@ -617,7 +598,7 @@ impl Actor {
                     Ok(s) => s,
                     Err(e) => {
                         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-                        emit(&events, Event::Failed(e.to_string()));
+                        emit(&events, Event::Failed(GenFailure::Internal(e.to_string())));
                         return;
                     }
                 };
@@ -768,7 +749,10 @@ impl Actor {
                 idx.sort_unstable_by(|a, b| b.cmp(a));
                 for i in idx {
                     let mut s = self.running.swap_remove(i);
-                    emit(&s.events, Event::Failed(format!("internal error: {e}")));
+                    emit(
+                        &s.events,
+                        Event::Failed(GenFailure::Internal(e.to_string())),
+                    );
                     self.free(&mut s);
                 }
                 return true;
@@ -858,7 +842,10 @@ impl Actor {
                 }
                 Err(e) => {
                     let mut s = self.running.remove(i);
-                    emit(&s.events, Event::Failed(e.to_string()));
+                    emit(
+                        &s.events,
+                        Event::Failed(GenFailure::Internal(e.to_string())),
+                    );
                     self.free(&mut s);
                 }
             }

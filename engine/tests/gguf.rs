@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
-use tandem_engine::gguf::GgufFile;
 use tandem_kernels::GgmlType;
+use tandem_modelfile::gguf::GgufFile;
 
 fn model_path() -> PathBuf {
     let Some(path) = std::env::var_os("TANDEM_TEST_GGUF") else {

@@ -18,12 +18,12 @@ use std::sync::OnceLock;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
-use tandem_engine::chat::ChatMessage;
 use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate};
 use tandem_engine::kv_cache::KvCache;
 use tandem_engine::model::SeqChunk;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::{LoadedModel, ModelError, load};
+use tandem_modelfile::chat::ChatMessage;
 
 fn env_path(var: &str, what: &str) -> PathBuf {
     match std::env::var_os(var) {
@@ -106,7 +106,7 @@ const TEXTS: &[&str] = &[
 
 #[test]
 fn tokenizer_matches_the_gguf() {
-    let (h, g) = (&hf().tokenizer, &gguf().tokenizer);
+    let (h, g) = (&hf().text.tokenizer, &gguf().text.tokenizer);
     assert_eq!(h.vocab_size(), g.vocab_size());
     assert_eq!((h.bos_id(), h.eos_id()), (g.bos_id(), g.eos_id()));
     assert_eq!(h.add_bos(), g.add_bos());
@@ -137,10 +137,12 @@ fn tokenizer_matches_the_gguf() {
 #[test]
 fn chat_template_matches_the_gguf() {
     let h = hf()
+        .text
         .chat_template
         .as_ref()
         .expect("HF dir has a chat template");
     let g = gguf()
+        .text
         .chat_template
         .as_ref()
         .expect("GGUF has a chat template");
@@ -248,14 +250,14 @@ fn last_position_logits_match_numpy_f32_reference() {
 
 fn greedy(m: &LoadedModel, text: &str) -> GenerateOutput {
     let req = GenerateRequest {
-        prompt: m.tokenizer.encode(text, false).unwrap(),
+        prompt: m.text.tokenizer.encode(text, false).unwrap(),
         sampling: SamplingParams {
             logprobs: true,
             top_logprobs: 5,
             ..SamplingParams::greedy()
         },
         max_tokens: 48,
-        stop_token_ids: m.tokenizer.stop_ids(),
+        stop_token_ids: m.text.tokenizer.stop_ids(),
         stop_strings: vec![],
         prefill_chunk: 512,
     };
@@ -450,8 +452,11 @@ fn tiny_valid_directory_loads_and_runs() {
     let dir = tiny_dir();
     let m = load(dir.path()).unwrap();
     assert_eq!(m.model.config().n_layers, 2);
-    assert_eq!(m.tokenizer.vocab_size(), 6);
-    assert_eq!(m.tokenizer.encode("ab e", false).unwrap(), vec![0, 1, 4, 5]);
+    assert_eq!(m.text.tokenizer.vocab_size(), 6);
+    assert_eq!(
+        m.text.tokenizer.encode("ab e", false).unwrap(),
+        vec![0, 1, 4, 5]
+    );
     let logits = last_logits(&m, &[0, 1, 2]);
     assert_eq!(logits.len(), 6);
     assert!(logits.iter().all(|x| x.is_finite()), "{logits:?}");

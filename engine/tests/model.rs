@@ -72,7 +72,7 @@ fn greedy_decoding_matches_llama_cpp() {
     let mut failures = Vec::new();
     for p in prompts {
         let text = p["text"].as_str().expect("text");
-        let prompt = m.tokenizer.encode(text, false).expect("tokenizes");
+        let prompt = m.text.tokenizer.encode(text, false).expect("tokenizes");
         assert_eq!(prompt, ids(&p["prompt_ids"]), "prompt tokens for {text:?}");
         let req = GenerateRequest {
             prompt,
@@ -89,7 +89,7 @@ fn greedy_decoding_matches_llama_cpp() {
         let out = generate(m, &req, |_| {}).expect("generates");
         // Ours up to (not including) a stop token; generated without stop
         // ids so the step where llama.cpp stopped still has our logprobs.
-        let stops = m.tokenizer.stop_ids();
+        let stops = m.text.tokenizer.stop_ids();
         let ours_end = out
             .tokens
             .iter()
@@ -217,11 +217,11 @@ fn perplexity_matches_llama_cpp() {
     let text = text.strip_suffix('\n').unwrap_or(&text);
     let tokens = ids(&refs["tokens"]);
     assert!(
-        !m.tokenizer.add_bos(),
+        !m.text.tokenizer.add_bos(),
         "llama-perplexity would put BOS first in each chunk"
     );
     assert_eq!(
-        m.tokenizer.encode(text, true).expect("tokenizes"),
+        m.text.tokenizer.encode(text, true).expect("tokenizes"),
         tokens,
         "our tokens differ from llama-tokenize's"
     );
@@ -461,7 +461,7 @@ fn last_logits(prompt: &[u32]) -> Vec<f32> {
 #[test]
 fn batched_forward_equals_single_sequence_forward() {
     let m = &model().model;
-    let tok = &model().tokenizer;
+    let tok = &model().text.tokenizer;
     let texts = [
         "The quick brown fox jumps over the lazy dog because",
         "In 1905, Albert Einstein published",
@@ -560,7 +560,7 @@ fn batched_forward_equals_single_sequence_forward() {
 #[test]
 fn long_prompt_logits_do_not_depend_on_how_it_is_split() {
     let m = &model().model;
-    let tok = &model().tokenizer;
+    let tok = &model().text.tokenizer;
     let text = "Once upon a time, in a quiet village by the sea, there lived an old \
                 fisherman who told stories to the children every evening. "
         .repeat(8);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use tandem_engine::generate::{FinishReason, GenerateRequest, generate};
+use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{
@@ -15,6 +15,7 @@ use tandem_engine::scheduler::{
     SchedulerHandle, Usage,
 };
 use tandem_engine::{LoadedModel, RequestError, load};
+use tandem_types::{FinishReason, InvalidRequest};
 
 fn model() -> Arc<LoadedModel> {
     static M: std::sync::OnceLock<Arc<LoadedModel>> = std::sync::OnceLock::new();
@@ -50,7 +51,7 @@ fn prompts() -> Vec<Vec<u32>> {
         "The theory of relativity, developed by Albert Einstein, states that",
     ]
     .iter()
-    .map(|t| m.tokenizer.encode(t, false).expect("tokenizes"))
+    .map(|t| m.text.tokenizer.encode(t, false).expect("tokenizes"))
     .collect()
 }
 
@@ -59,7 +60,7 @@ fn request(prompt: &[u32], max_tokens: usize) -> Request {
         prompt: prompt.to_vec(),
         sampling: SamplingParams::greedy(),
         max_tokens,
-        stop_token_ids: model().tokenizer.stop_ids(),
+        stop_token_ids: model().text.tokenizer.stop_ids(),
         handoff: KvHandoff::Local,
     }
 }
@@ -71,7 +72,7 @@ fn alone(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
         prompt: prompt.to_vec(),
         sampling: SamplingParams::greedy(),
         max_tokens,
-        stop_token_ids: m.tokenizer.stop_ids(),
+        stop_token_ids: m.text.tokenizer.stop_ids(),
         stop_strings: Vec::new(),
         prefill_chunk: 512,
     };
@@ -173,6 +174,7 @@ fn repeated_prompt_hits_the_prefix_cache() {
     let h = sched.handle();
     let m = model();
     let long = m
+        .text
         .tokenizer
         .encode(
             &"A long shared system prompt about many things. ".repeat(8),
@@ -273,25 +275,31 @@ fn invalid_requests_are_rejected_at_submit() {
     let sched = Scheduler::spawn(model(), config()).expect("spawns");
     let h = sched.handle();
     let reject = |r: Request| h.submit(r).expect_err("rejected");
-    assert!(matches!(reject(request(&[], 4)), RequestError::EmptyPrompt));
+    assert!(matches!(
+        reject(request(&[], 4)),
+        RequestError::Invalid(InvalidRequest::EmptyPrompt)
+    ));
     assert!(matches!(
         reject(request(&[49152], 4)),
-        RequestError::TokenOutOfRange { .. }
+        RequestError::Invalid(InvalidRequest::TokenOutOfRange { .. })
     ));
     assert!(matches!(
         reject(request(&[1; 256], 4)),
-        RequestError::PromptTooLong {
+        RequestError::Invalid(InvalidRequest::PromptTooLong {
             prompt: 256,
             max: 256
-        }
+        })
     ));
     assert!(matches!(
         reject(request(&[1], 0)),
-        RequestError::ZeroMaxTokens
+        RequestError::Invalid(InvalidRequest::ZeroMaxTokens)
     ));
     let mut bad = request(&[1], 4);
     bad.sampling.temperature = -1.0;
-    assert!(matches!(reject(bad), RequestError::Sampling(_)));
+    assert!(matches!(
+        reject(bad),
+        RequestError::Invalid(InvalidRequest::Sampling(_))
+    ));
     // And the scheduler still serves.
     let (tokens, _) = collect(h.submit(request(&prompts()[0], 3)).expect("accepted"));
     assert_eq!(tokens.len(), 3);

@@ -9,9 +9,9 @@
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
-use tandem_engine::chat::{ChatMessage, ChatTemplate, ChatTemplateError};
-use tandem_engine::gguf::GgufFile;
-use tandem_engine::tokenizer::{Tokenizer, TokenizerError, TokenizerSpec, spec_from_gguf};
+use tandem_modelfile::chat::{ChatMessage, ChatTemplate, ChatTemplateError};
+use tandem_modelfile::gguf::GgufFile;
+use tandem_modelfile::tokenizer::{Tokenizer, TokenizerError, TokenizerSpec, spec_from_gguf};
 
 #[derive(Deserialize)]
 struct TokRef {

@@ -87,7 +87,7 @@ fn tp3_matches_tp1_bitwise() {
         "Tell me a story about a dragon and a knight who become friends.",
     ];
     for text in prompts {
-        let prompt = m.tokenizer.encode(text, true).unwrap();
+        let prompt = m.text.tokenizer.encode(text, true).unwrap();
         let (want, want_bits) = greedy(&m.model, &prompt, 40);
         for (r, (got, got_bits)) in greedy_tp(3, &prompt, 40).iter().enumerate() {
             assert_eq!(got, &want, "rank {r} of TP=3 on {text:?}");
@@ -142,7 +142,7 @@ fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
     ];
     let prompts: Vec<Vec<u32>> = texts
         .iter()
-        .map(|t| m.tokenizer.encode(t, true).unwrap())
+        .map(|t| m.text.tokenizer.encode(t, true).unwrap())
         .collect();
     let streams: Vec<_> = prompts
         .iter()
@@ -153,7 +153,7 @@ fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
                     prompt: p.clone(),
                     sampling: SamplingParams::greedy(),
                     max_tokens: 12,
-                    stop_token_ids: m.tokenizer.stop_ids(),
+                    stop_token_ids: m.text.tokenizer.stop_ids(),
                     handoff: KvHandoff::Local,
                 })
                 .unwrap()
@@ -174,7 +174,7 @@ fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
                 prompt: p.clone(),
                 sampling: SamplingParams::greedy(),
                 max_tokens: 12,
-                stop_token_ids: m.tokenizer.stop_ids(),
+                stop_token_ids: m.text.tokenizer.stop_ids(),
                 stop_strings: Vec::new(),
                 prefill_chunk: 512,
             },

@@ -7,8 +7,8 @@
 use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
-use tandem_engine::gguf::GgufFile;
-use tandem_engine::storage::Backing;
+use tandem_modelfile::gguf::GgufFile;
+use tandem_modelfile::storage::Backing;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(f) = GgufFile::from_backing(Arc::new(Backing::Owned(data.to_vec()))) else {

@@ -271,7 +271,7 @@ fn layer_ops(
 fn unexpected(ev: Option<Event>) -> WorkerError {
     match ev {
         None => WorkerError::Stopped,
-        Some(Event::Failed(m)) => WorkerError::Internal(m),
+        Some(Event::Failed(f)) => WorkerError::Failed(f),
         Some(other) => WorkerError::Internal(format!("unexpected scheduler event {other:?}")),
     }
 }

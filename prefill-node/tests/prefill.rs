@@ -197,7 +197,11 @@ impl Dest {
 }
 
 fn prompt(text: &str) -> Vec<u32> {
-    model().tokenizer.encode(text, true).expect("tokenizes")
+    model()
+        .text
+        .tokenizer
+        .encode(text, true)
+        .expect("tokenizes")
 }
 
 /// A prompt of exactly `n` tokens (a text's tokens, repeated).

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use tandem_engine::ModelFingerprint;
-use tandem_engine::generate::FinishReason;
-use tandem_engine::sampler::{Sampled, SamplingParams};
+use tandem_types::ModelFingerprint;
+use tandem_types::{FinishReason, GenFailure};
+use tandem_types::{Sampled, SamplingParams};
 
 /// Generated protobuf and gRPC code.
 #[allow(clippy::all, missing_debug_implementations)]
@@ -166,7 +166,7 @@ impl TryFrom<pb::Token> for Sampled {
     type Error = ProtoError;
 
     fn try_from(t: pb::Token) -> Result<Self, ProtoError> {
-        if t.top.len() > tandem_engine::sampler::MAX_TOP_LOGPROBS {
+        if t.top.len() > tandem_types::MAX_TOP_LOGPROBS {
             return Err(invalid("token.top", "too many alternatives"));
         }
         if t.logprob.is_some_and(|l| l.is_nan() || l > 0.0) {
@@ -177,6 +177,33 @@ impl TryFrom<pb::Token> for Sampled {
             logprob: t.logprob,
             top: t.top.into_iter().map(|a| (a.token, a.logprob)).collect(),
         })
+    }
+}
+
+/// A peer's gRPC status, for a request it was running, as a typed failure
+/// (classified by code: the message is detail for logs).
+pub fn failure_from_status(s: &tonic::Status) -> GenFailure {
+    use tonic::Code;
+    let detail = format!("{:?}: {}", s.code(), s.message());
+    match s.code() {
+        Code::InvalidArgument | Code::OutOfRange => GenFailure::Rejected(s.message().to_string()),
+        Code::Unavailable
+        | Code::DeadlineExceeded
+        | Code::ResourceExhausted
+        | Code::Aborted
+        | Code::Cancelled => GenFailure::Unavailable(detail),
+        _ => GenFailure::Internal(detail),
+    }
+}
+
+/// The status a node answers with when a request it was running fails:
+/// the inverse of [`failure_from_status`].
+pub fn failure_to_status(f: &GenFailure) -> tonic::Status {
+    match f {
+        GenFailure::ShuttingDown => tonic::Status::unavailable(f.to_string()),
+        GenFailure::Unavailable(_) => tonic::Status::unavailable(f.to_string()),
+        GenFailure::Rejected(m) => tonic::Status::invalid_argument(m.clone()),
+        GenFailure::Internal(_) => tonic::Status::internal(f.to_string()),
     }
 }
 

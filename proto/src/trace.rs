@@ -29,11 +29,9 @@ fn random_u64() -> u64 {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
-    let mut x = t ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(std::process::id()) << 32;
-    // splitmix64 finaliser: ids need to be unique, not secret.
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (x ^ (x >> 31)).max(1)
+    let x = t ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(std::process::id()) << 32;
+    // Ids need to be unique, not secret.
+    tandem_types::rng::mix(x).max(1)
 }
 
 impl TraceContext {

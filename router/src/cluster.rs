@@ -14,22 +14,23 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
+use futures_util::future::BoxFuture;
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Gauge, Histogram};
 use tandem_discovery::{EtcdConfig, Membership, Role, Snapshot};
-use tandem_engine::ModelFingerprint;
-use tandem_engine::block_manager::{BlockHash, block_hashes};
-use tandem_engine::metrics::egress;
-use tandem_engine::sampler::{Sampled, SamplingParams};
-use tandem_engine::scheduler::{Event, Usage};
-use tandem_proto::trace::TraceContext;
-use tandem_proto::{GenerateJob, PrefillTarget, WorkerRecord, finish_from_pb, pb};
+use tandem_frontend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
+use tandem_proto::{
+    GenerateJob, PrefillTarget, WorkerRecord, failure_from_status, finish_from_pb, pb,
+};
+use tandem_types::egress;
+use tandem_types::{
+    BlockHash, GenEvent as Event, GenFailure, ModelFingerprint, RequestLimits, Sampled, Usage,
+    block_hashes,
+};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Streaming};
-
-use crate::ApiError;
 
 /// Routing weights and limits, validated at startup.
 #[derive(Debug, Clone, PartialEq)]
@@ -360,21 +361,72 @@ impl RemoteStream {
         }
     }
 
-    /// The next event, in the scheduler's terms; a broken stream (decode
-    /// node gone) ends with `Failed`.
-    pub async fn next(&mut self) -> Option<Event> {
+    /// The next event; a broken stream (decode node gone) ends with
+    /// `Failed`.
+    pub async fn recv(&mut self) -> Option<Event> {
         if self.done {
             return None;
         }
         let ev = match self.rx.recv().await.and_then(Buffered::take) {
             Some(ev) => ev,
             // The reader ends only after a final event, or if aborted.
-            None => Event::Failed("decode stream reader stopped".into()),
+            None => Event::Failed(GenFailure::Internal("decode stream reader stopped".into())),
         };
         if !matches!(ev, Event::Token(_)) {
             self.done = true;
         }
         Some(ev)
+    }
+}
+
+impl GenerationStream for RemoteStream {
+    fn next(&mut self) -> BoxFuture<'_, Option<Event>> {
+        Box::pin(self.recv())
+    }
+}
+
+/// The front end's [`Backend`] over a cluster: routes each request to a
+/// decode node (and its prefill candidates) and streams its tokens back.
+#[derive(Debug, Clone)]
+pub struct ClusterBackend {
+    cluster: Arc<Cluster>,
+    limits: RequestLimits,
+}
+
+impl ClusterBackend {
+    /// `limits.max_length` is the decode nodes' `--max-length`.
+    pub fn new(cluster: Arc<Cluster>, limits: RequestLimits) -> Self {
+        Self { cluster, limits }
+    }
+}
+
+impl Backend for ClusterBackend {
+    fn limits(&self) -> RequestLimits {
+        self.limits
+    }
+
+    fn submit(
+        &self,
+        req: BackendRequest,
+    ) -> BoxFuture<'_, Result<Box<dyn GenerationStream>, SubmitError>> {
+        Box::pin(async move {
+            let (stream, placement) = self.cluster.generate(req, self.limits.vocab_size).await?;
+            tracing::debug!(decode = %placement.decode, prefill = ?placement.prefill, "routed");
+            Ok(Box::new(stream) as Box<dyn GenerationStream>)
+        })
+    }
+
+    fn health(&self) -> BackendHealth {
+        let (prefill, decode) = self.cluster.members();
+        let ready = !decode.is_empty();
+        let mut details = serde_json::Map::new();
+        details.insert("prefill_workers".into(), prefill.into());
+        details.insert("decode_workers".into(), decode.into());
+        BackendHealth {
+            ready,
+            reason: "no decode workers",
+            details,
+        }
     }
 }
 
@@ -408,11 +460,13 @@ fn remote_event(msg: Result<Option<pb::GenerateResponse>, tonic::Status>, vocab:
             kind: Some(Kind::Token(t)),
         })) => match Sampled::try_from(t) {
             Ok(s) if (s.token as usize) < vocab => Event::Token(s),
-            Ok(s) => Event::Failed(format!(
+            Ok(s) => Event::Failed(GenFailure::Internal(format!(
                 "decode node sent token {} outside the vocabulary",
                 s.token
-            )),
-            Err(e) => Event::Failed(format!("decode node sent a bad token: {e}")),
+            ))),
+            Err(e) => Event::Failed(GenFailure::Internal(format!(
+                "decode node sent a bad token: {e}"
+            ))),
         },
         Ok(Some(pb::GenerateResponse {
             kind: Some(Kind::Finished(f)),
@@ -423,11 +477,17 @@ fn remote_event(msg: Result<Option<pb::GenerateResponse>, tonic::Status>, vocab:
                 cached_tokens: f.cached_tokens as usize,
                 finish,
             }),
-            Err(e) => Event::Failed(format!("decode node sent a bad finish: {e}")),
+            Err(e) => Event::Failed(GenFailure::Internal(format!(
+                "decode node sent a bad finish: {e}"
+            ))),
         },
-        Ok(Some(_)) => Event::Failed("decode node sent an empty message".into()),
-        Ok(None) => Event::Failed("decode node closed the stream before finishing".into()),
-        Err(s) => Event::Failed(format!("decode node failed: {}", s.message())),
+        Ok(Some(_)) => Event::Failed(GenFailure::Internal(
+            "decode node sent an empty message".into(),
+        )),
+        Ok(None) => Event::Failed(GenFailure::Unavailable(
+            "decode node closed the stream before finishing".into(),
+        )),
+        Err(s) => Event::Failed(failure_from_status(&s)),
     }
 }
 
@@ -543,16 +603,20 @@ impl Cluster {
         scored.into_iter().map(|(_, _, w, o)| (w, o)).collect()
     }
 
-    /// Routes and starts one generation on a decode node.
+    /// Routes and starts one generation on a decode node. `req` has
+    /// passed the front end's checks; `vocab` bounds the tokens it returns.
     pub async fn generate(
         &self,
-        prompt: Vec<u32>,
-        sampling: SamplingParams,
-        max_tokens: usize,
-        stop_token_ids: Vec<u32>,
+        req: BackendRequest,
         vocab: usize,
-        trace: TraceContext,
-    ) -> Result<(RemoteStream, Placement), ApiError> {
+    ) -> Result<(RemoteStream, Placement), SubmitError> {
+        let BackendRequest {
+            prompt,
+            sampling,
+            max_tokens,
+            stop_token_ids,
+            trace,
+        } = req;
         let m = metrics();
         let t0 = Instant::now();
         let hashes = block_hashes(&prompt, self.fingerprint.block_size);
@@ -562,9 +626,7 @@ impl Cluster {
         let prefills = self.rank(Role::Prefill, &hashes, prompt_blocks);
         let t2 = Instant::now();
         if decodes.is_empty() {
-            return Err(ApiError::Unavailable(
-                "No decode worker is available; retry later".into(),
-            ));
+            return Err(GenFailure::Unavailable("no decode worker is registered".into()).into());
         }
         let targets: Vec<PrefillTarget> = prefills
             .iter()
@@ -604,7 +666,7 @@ impl Cluster {
                     return Ok((stream, placement));
                 }
                 Err(s) if s.code() == Code::InvalidArgument => {
-                    return Err(ApiError::invalid(s.message().to_string(), None));
+                    return Err(failure_from_status(&s).into());
                 }
                 Err(s) => {
                     tracing::warn!(worker = %w.record.id, code = ?s.code(), error = %s.message(), "decode worker refused; trying another");
@@ -613,9 +675,10 @@ impl Cluster {
             }
         }
         let why = last_err.map_or_else(String::new, |s| s.message().to_string());
-        Err(ApiError::Unavailable(format!(
-            "No decode worker could take the request: {why}"
-        )))
+        Err(
+            GenFailure::Unavailable(format!("no decode worker could take the request: {why}"))
+                .into(),
+        )
     }
 }
 
@@ -629,6 +692,8 @@ mod tests {
     use std::pin::Pin;
 
     use futures_util::Stream;
+    use tandem_proto::trace::TraceContext;
+    use tandem_types::SamplingParams;
     use tonic::{Request, Response, Status};
 
     const BLOCK: usize = 4;
@@ -968,19 +1033,17 @@ mod tests {
         (format!("http://{addr}"), seen)
     }
 
-    async fn run(c: &Cluster, prompt: &[u32]) -> Result<(Placement, Vec<Event>), ApiError> {
-        let (mut stream, placement) = c
-            .generate(
-                prompt.to_vec(),
-                SamplingParams::greedy(),
-                4,
-                Vec::new(),
-                100,
-                TraceContext::new_root(),
-            )
-            .await?;
+    async fn run(c: &Cluster, prompt: &[u32]) -> Result<(Placement, Vec<Event>), SubmitError> {
+        let req = BackendRequest {
+            prompt: prompt.to_vec(),
+            sampling: SamplingParams::greedy(),
+            max_tokens: 4,
+            stop_token_ids: Vec::new(),
+            trace: TraceContext::new_root(),
+        };
+        let (mut stream, placement) = c.generate(req, 100).await?;
         let mut events = Vec::new();
-        while let Some(ev) = tokio::time::timeout(Duration::from_secs(10), stream.next())
+        while let Some(ev) = tokio::time::timeout(Duration::from_secs(10), stream.recv())
             .await
             .expect("the stream ends in time")
         {
@@ -1074,7 +1137,9 @@ mod tests {
         let (invalid, invalid_seen) = fake_decode(Answer::Refuse(Code::InvalidArgument)).await;
         let c = cluster(&decodes(&invalid, &other_ep), routing());
         match run(&c, &prompt).await {
-            Err(ApiError::InvalidRequest { message, .. }) => assert_eq!(message, "fake refusal"),
+            Err(SubmitError::Failed(GenFailure::Rejected(message))) => {
+                assert_eq!(message, "fake refusal")
+            }
             other => panic!("{:?}", other.map(|(p, _)| p)),
         }
         assert_eq!(invalid_seen.lock().expect("lock").len(), 1);

@@ -1,15 +1,8 @@
-//! Router: the OpenAI-compatible HTTP API (`server`, `openai`, `error`,
-//! request metrics and the admission backlog in `metrics`) over either the
-//! local batch scheduler (`tandem serve`) or a cluster (`cluster`: etcd
-//! membership, KV-event prefix index, KV- and load-aware routing, `Generate`
-//! streams to decode nodes with their egress backlog).
+//! Cluster routing for `tandem router`: etcd membership, the KV-event
+//! prefix index, KV- and load-aware choice of decode and prefill workers,
+//! and `Generate` streams to decode nodes with their egress backlog,
+//! offered to the HTTP front end as a [`ClusterBackend`].
 
 pub mod cluster;
-pub mod error;
-pub mod metrics;
-pub mod openai;
-pub mod server;
 
-pub use error::ApiError;
-pub use metrics::MetricsRenderer;
-pub use server::{AppState, Backend, ServerConfig, app, serve};
+pub use cluster::{Cluster, ClusterBackend};

@@ -218,7 +218,10 @@ pub fn counting_prompt(i: usize) -> String {
 }
 
 pub fn expected(prompt: &str, max_tokens: usize) -> String {
-    reference(model().tokenizer.encode(prompt, true).unwrap(), max_tokens)
+    reference(
+        model().text.tokenizer.encode(prompt, true).unwrap(),
+        max_tokens,
+    )
 }
 
 pub fn unique_cluster(name: &str) -> String {

@@ -106,7 +106,7 @@ pub fn reference_output(
         prompt,
         sampling,
         max_tokens,
-        stop_token_ids: m.tokenizer.stop_ids(),
+        stop_token_ids: m.text.tokenizer.stop_ids(),
         stop_strings: Vec::new(),
         prefill_chunk: 512,
     };

@@ -98,15 +98,19 @@ fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
     }
     let m = model();
     let rendered = m
+        .text
         .chat_template
         .as_ref()
         .unwrap()
         .render(
-            &[tandem_engine::chat::ChatMessage::new("user", &content)],
+            &[tandem_modelfile::chat::ChatMessage::new("user", &content)],
             true,
         )
         .unwrap();
-    let want = reference(m.tokenizer.encode(&rendered, false).unwrap(), MAX_TOKENS);
+    let want = reference(
+        m.text.tokenizer.encode(&rendered, false).unwrap(),
+        MAX_TOKENS,
+    );
     assert_eq!(text, want);
 
     // The split, as the metrics see it: prompts computed (CE) on the prefill
@@ -167,7 +171,7 @@ fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
     // free its blocks within CANCEL_BOUND of the disconnect. Greedy
     // counting up to the whole context cannot end by itself that soon.
     let prompt = counting_prompt(0);
-    let prompt_tokens = m.tokenizer.encode(&prompt, true).unwrap().len();
+    let prompt_tokens = m.text.tokenizer.encode(&prompt, true).unwrap().len();
     let max_tokens = LONG_CONTEXT - prompt_tokens;
     let cancelled = || {
         metric(

@@ -14,12 +14,12 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tandem_engine::chat::ChatMessage;
-use tandem_engine::generate::FinishReason;
 use tandem_engine::sampler::SamplingParams;
+use tandem_modelfile::chat::ChatMessage;
 use tandem_tests::{
     Proc, Resp, gguf_path, http, model, ports_in, reference, reference_output, request_bytes,
 };
+use tandem_types::FinishReason;
 
 const MAX_LENGTH: usize = 512;
 
@@ -81,12 +81,13 @@ fn chat_body(content: &str, max_tokens: usize) -> Value {
 fn chat_prompt(messages: &[ChatMessage]) -> Vec<u32> {
     let m = model();
     let text = m
+        .text
         .chat_template
         .as_ref()
         .unwrap()
         .render(messages, true)
         .unwrap();
-    m.tokenizer.encode(&text, false).unwrap()
+    m.text.tokenizer.encode(&text, false).unwrap()
 }
 
 /// Concatenated content deltas, finish reason and usage of a chat SSE body.
@@ -149,7 +150,7 @@ fn chat_and_completions_match_the_engine_greedy() {
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
     assert_eq!(v["object"], "text_completion");
-    let prompt = model().tokenizer.encode(text, true).unwrap();
+    let prompt = model().text.tokenizer.encode(text, true).unwrap();
     assert_eq!(v["usage"]["prompt_tokens"], prompt.len());
     assert_eq!(v["choices"][0]["text"], reference(prompt, 16).as_str());
     let lp = &v["choices"][0]["logprobs"];
@@ -333,7 +334,7 @@ fn api_rules() {
     let r = server.post("/v1/chat/completions", &body);
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.error_message(), want);
-    let n = model().tokenizer.encode(&long, true).unwrap().len();
+    let n = model().text.tokenizer.encode(&long, true).unwrap().len();
     let r = server.post("/v1/completions", &json!({"prompt": long, "stream": true}));
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(
@@ -345,7 +346,7 @@ fn api_rules() {
 
     // Stop strings cut the text: the greedy text up to the stop string.
     let text = "1, 2, 3, 4,";
-    let full = reference(model().tokenizer.encode(text, true).unwrap(), 20);
+    let full = reference(model().text.tokenizer.encode(text, true).unwrap(), 20);
     let cut = full
         .find(" 7")
         .unwrap_or_else(|| panic!("{full:?} has no \" 7\""));
@@ -393,7 +394,7 @@ fn every_sampling_parameter_reaches_the_sampler() {
         r.json()["choices"][0]["text"].as_str().unwrap().to_string()
     };
     let engine = |prompt: &str, sampling: SamplingParams| {
-        let ids = model().tokenizer.encode(prompt, true).unwrap();
+        let ids = model().text.tokenizer.encode(prompt, true).unwrap();
         reference_output(ids, sampling, N).text
     };
     let greedy = engine(STORY, SamplingParams::greedy());
@@ -726,7 +727,7 @@ fn client_disconnect_frees_blocks() {
     // itself anywhere near CANCEL_BOUND, only cancellation ends it.
     const CONTEXT: usize = 4096;
     let server = Server::start(&["--max-length", &CONTEXT.to_string()]);
-    let max_tokens = CONTEXT - model().tokenizer.encode(COUNTING, true).unwrap().len();
+    let max_tokens = CONTEXT - model().text.tokenizer.encode(COUNTING, true).unwrap().len();
     let decoded = || {
         sample(
             &server.get("/metrics").body,
@@ -994,7 +995,7 @@ fn device_flags_that_cannot_run_are_refused_at_startup() {
 #[test]
 fn cpu_isa_flag_picks_the_kernels_and_keeps_greedy_output() {
     let text = "The capital of France is";
-    let want = reference(model().tokenizer.encode(text, true).unwrap(), 12);
+    let want = reference(model().text.tokenizer.encode(text, true).unwrap(), 12);
     let run = |isa: &str| {
         Command::new(tandem_tests::binary())
             .args(["generate", "--model"])

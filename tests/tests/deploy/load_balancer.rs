@@ -295,12 +295,13 @@ impl Job {
             Job::ChatStream(p, n) => {
                 let m = model();
                 let rendered = m
+                    .text
                     .chat_template
                     .as_ref()
                     .unwrap()
-                    .render(&[tandem_engine::chat::ChatMessage::new("user", p)], true)
+                    .render(&[tandem_modelfile::chat::ChatMessage::new("user", p)], true)
                     .unwrap();
-                reference(m.tokenizer.encode(&rendered, false).unwrap(), *n)
+                reference(m.text.tokenizer.encode(&rendered, false).unwrap(), *n)
             }
         }
     }

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram, Meter, UpDownCounter};
-use tandem_engine::metrics::LATENCY_MS_BUCKETS;
+use tandem_types::egress::QUEUE_MS_BUCKETS as LATENCY_MS_BUCKETS;
 
 use crate::ApiError;
 
@@ -289,7 +289,7 @@ mod tests {
             Status::ClientError
         );
         assert_eq!(
-            Status::of_error(&ApiError::Internal("x".into())),
+            Status::of_error(&ApiError::internal("x")),
             Status::ServerError
         );
         assert_eq!(
@@ -462,7 +462,7 @@ mod tests {
         let mut bad = RequestTracker::on(m, t0, 1);
         bad.finish_at(at(1), Some(&ApiError::invalid("x", None)), true);
         let mut counted_elsewhere = RequestTracker::on(m, t0, 1);
-        counted_elsewhere.finish_at(at(1), Some(&ApiError::Internal("x".into())), false);
+        counted_elsewhere.finish_at(at(1), Some(&ApiError::internal("x")), false);
         drop((bad, counted_elsewhere));
 
         let p = meter.points();

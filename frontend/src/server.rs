@@ -1,6 +1,7 @@
 //! The HTTP server: routes, admission (body size and concurrency limits),
-//! tokenization and chat templating on the request path, and the mapping
-//! of scheduler events to OpenAI responses and SSE streams.
+//! tokenization and chat templating on the request path, the request
+//! checks, and the mapping of a [`Backend`]'s events to OpenAI responses
+//! and SSE streams.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -20,17 +21,16 @@ use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use futures_util::{Stream, StreamExt};
 use serde::Serialize;
-use tandem_engine::LoadedModel;
-use tandem_engine::generate::{FinishReason, StopStrings};
-use tandem_engine::sampler::Sampled;
-use tandem_engine::scheduler::{Event, KvHandoff, Request, RequestStream, SchedulerHandle};
-use tandem_engine::tokenizer::Tokenizer;
+use tandem_modelfile::ModelText;
+use tandem_modelfile::stop::StopStrings;
+use tandem_modelfile::tokenizer::Tokenizer;
 use tandem_proto::trace::{TRACEPARENT, TraceContext};
+use tandem_types::{FinishReason, GenEvent, GenFailure, Sampled};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 
-use crate::cluster::{Cluster, RemoteStream};
+use crate::backend::{Backend, BackendRequest, GenerationStream};
 use crate::error::ApiError;
 use crate::metrics::{AwaitingAdmission, MetricsRenderer, RequestTracker, record_rejected};
 use crate::openai::{
@@ -52,52 +52,6 @@ pub struct ServerConfig {
     pub model_name: String,
 }
 
-/// Where requests run: this process's scheduler (`tandem serve`) or a
-/// cluster of prefill and decode nodes (`tandem router`).
-#[derive(Debug, Clone)]
-pub enum Backend {
-    Local(SchedulerHandle),
-    Cluster {
-        cluster: Arc<Cluster>,
-        /// Longest sequence the router admits (the decode nodes' limit).
-        max_length: usize,
-    },
-}
-
-impl Backend {
-    fn max_length(&self) -> usize {
-        match self {
-            Backend::Local(s) => s.config().max_length,
-            Backend::Cluster { max_length, .. } => *max_length,
-        }
-    }
-}
-
-/// Events of one generation, from either backend.
-#[derive(Debug)]
-enum GenStream {
-    Local(RequestStream),
-    Remote(Box<RemoteStream>),
-}
-
-impl GenStream {
-    /// Prompt tokens served from a cache so far known (a remote stream
-    /// reports them only when it finishes).
-    fn cached_tokens(&self) -> usize {
-        match self {
-            GenStream::Local(s) => s.cached_tokens(),
-            GenStream::Remote(_) => 0,
-        }
-    }
-
-    async fn next(&mut self) -> Option<Event> {
-        match self {
-            GenStream::Local(s) => s.next().await,
-            GenStream::Remote(s) => s.next().await,
-        }
-    }
-}
-
 /// Shared by every handler. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct AppState {
@@ -106,8 +60,8 @@ pub struct AppState {
 
 #[derive(Debug)]
 struct Inner {
-    model: Arc<LoadedModel>,
-    backend: Backend,
+    text: Arc<ModelText>,
+    backend: Arc<dyn Backend>,
     config: ServerConfig,
     permits: Arc<Semaphore>,
     created: u64,
@@ -132,17 +86,13 @@ fn unix_now() -> u64 {
 }
 
 impl AppState {
-    pub fn new(model: Arc<LoadedModel>, scheduler: SchedulerHandle, config: ServerConfig) -> Self {
-        Self::with_backend(model, Backend::Local(scheduler), config)
-    }
-
-    /// A server whose requests run on `backend`; `model` provides the
-    /// tokenizer and chat template.
-    pub fn with_backend(model: Arc<LoadedModel>, backend: Backend, config: ServerConfig) -> Self {
+    /// A server whose requests run on `backend`; `text` tokenizes and
+    /// templates them.
+    pub fn new(text: Arc<ModelText>, backend: Arc<dyn Backend>, config: ServerConfig) -> Self {
         let permits = Arc::new(Semaphore::new(config.max_concurrent_requests));
         Self {
             inner: Arc::new(Inner {
-                model,
+                text,
                 backend,
                 config,
                 permits,
@@ -192,15 +142,16 @@ impl AppState {
     fn check_model(&self, requested: Option<&str>) -> Result<(), ApiError> {
         match requested {
             None | Some("") => Ok(()),
-            Some(m) if m == self.inner.config.model_name || m == self.inner.model.name => Ok(()),
-            Some(m) => Err(ApiError::NotFound(format!(
+            Some(m) if m == self.inner.config.model_name || m == self.inner.text.name => Ok(()),
+            Some(m) => Err(ApiError::ModelNotFound(format!(
                 "The model `{m}` does not exist; this server serves `{}`",
                 self.inner.config.model_name
             ))),
         }
     }
 
-    /// Queues a tokenized prompt; errors (prompt too long, ...) are 4xx.
+    /// Checks a tokenized prompt against the backend's limits (the one
+    /// place requests are checked before dispatch) and starts it.
     async fn submit(
         &self,
         prompt: Vec<u32>,
@@ -210,59 +161,21 @@ impl AppState {
         trace: &RequestTrace,
     ) -> Result<Generation, ApiError> {
         let prompt_tokens = prompt.len();
-        let max_length = self.inner.backend.max_length();
-        let max_tokens = params
-            .max_tokens
-            .unwrap_or_else(|| max_length.saturating_sub(prompt_tokens));
-        let stop_token_ids = self.inner.model.tokenizer.stop_ids();
-        let stream = match &self.inner.backend {
-            Backend::Local(scheduler) => GenStream::Local(scheduler.submit(Request {
+        let backend = &self.inner.backend;
+        let max_tokens = backend
+            .limits()
+            .check(&prompt, params.max_tokens, &params.sampling)?;
+        let stream = backend
+            .submit(BackendRequest {
                 prompt,
                 sampling: params.sampling.clone(),
                 max_tokens,
-                stop_token_ids,
-                handoff: KvHandoff::Local,
-            })?),
-            Backend::Cluster { cluster, .. } => {
-                // The same checks the local scheduler makes, before any routing.
-                if prompt_tokens >= max_length {
-                    return Err(tandem_engine::RequestError::PromptTooLong {
-                        prompt: prompt_tokens,
-                        max: max_length,
-                    }
-                    .into());
-                }
-                if max_tokens == 0 {
-                    return Err(tandem_engine::RequestError::ZeroMaxTokens.into());
-                }
-                let vocab = self.inner.model.model.config().vocab_size;
-                if prompt.iter().any(|&t| t as usize >= vocab) {
-                    return Err(ApiError::invalid(
-                        "prompt token out of range",
-                        Some("prompt"),
-                    ));
-                }
-                params
-                    .sampling
-                    .validate()
-                    .map_err(tandem_engine::RequestError::from)?;
-                let max_tokens = max_tokens.min(max_length - prompt_tokens);
-                let (stream, placement) = cluster
-                    .generate(
-                        prompt,
-                        params.sampling.clone(),
-                        max_tokens,
-                        stop_token_ids,
-                        vocab,
-                        trace.outgoing,
-                    )
-                    .await?;
-                tracing::debug!(decode = %placement.decode, prefill = ?placement.prefill, "routed");
-                GenStream::Remote(Box::new(stream))
-            }
-        };
+                stop_token_ids: self.inner.text.tokenizer.stop_ids(),
+                trace: trace.outgoing,
+            })
+            .await?;
         Ok(Generation {
-            model: Arc::clone(&self.inner.model),
+            text: Arc::clone(&self.inner.text),
             stream,
             prompt_tokens,
             stop: params.stop.clone(),
@@ -302,8 +215,8 @@ impl RequestTrace {
 
 /// A submitted request, not yet read.
 struct Generation {
-    model: Arc<LoadedModel>,
-    stream: GenStream,
+    text: Arc<ModelText>,
+    stream: Box<dyn GenerationStream>,
     prompt_tokens: usize,
     stop: Vec<String>,
     logprobs: bool,
@@ -355,7 +268,7 @@ impl Generation {
     /// non-streaming handler counts the error it returns itself).
     fn pieces(self, count_errors: bool) -> impl Stream<Item = Piece> + Send + 'static {
         let Generation {
-            model,
+            text,
             mut stream,
             prompt_tokens,
             stop,
@@ -367,14 +280,14 @@ impl Generation {
         async_stream::stream! {
             let _permit = permit;
             let _span = span;
-            let tok = &model.tokenizer;
+            let tok = &text.tokenizer;
             let mut decoder = tok.stream_decoder(true);
             let mut stops = StopStrings::new(&stop);
             let mut generated = 0;
             let mut lps = Vec::new();
             loop {
                 match stream.next().await {
-                    Some(Event::Token(s)) => {
+                    Some(GenEvent::Token(s)) => {
                         tracker.token();
                         generated += 1;
                         if logprobs {
@@ -383,7 +296,7 @@ impl Generation {
                         let piece = match decoder.push(s.token) {
                             Ok(p) => p,
                             Err(e) => {
-                                let e = ApiError::Internal(e.to_string());
+                                let e = ApiError::internal(format!("detokenizing: {e}"));
                                 tracker.finish(Some(&e), count_errors);
                                 yield Piece::Error(e);
                                 return;
@@ -402,7 +315,7 @@ impl Generation {
                             yield Piece::Text(emit, std::mem::take(&mut lps));
                         }
                     }
-                    Some(Event::Finished(u)) => {
+                    Some(GenEvent::Finished(u)) => {
                         let rest = stops.finish(&decoder.finish());
                         if !rest.is_empty() || !lps.is_empty() {
                             yield Piece::Text(rest, std::mem::take(&mut lps));
@@ -413,26 +326,14 @@ impl Generation {
                         yield Piece::Done(u.finish, usage);
                         return;
                     }
-                    Some(Event::Exported(_) | Event::ImportReady(_) | Event::LayerDone(_)) => {
-                        // Only disaggregated handoffs emit these; a plain request never does.
-                        let err = ApiError::Internal("unexpected KV handoff event".into());
-                        tracker.finish(Some(&err), count_errors);
-                        yield Piece::Error(err);
-                        return;
-                    }
-                    Some(Event::Failed(m)) => {
-                        let err = if m == "scheduler stopped" {
-                            ApiError::Unavailable(format!("request aborted: {m}"))
-                        } else {
-                            ApiError::Internal(format!("generation failed: {m}"))
-                        };
+                    Some(GenEvent::Failed(f)) => {
+                        let err = ApiError::from(f);
                         tracker.finish(Some(&err), count_errors);
                         yield Piece::Error(err);
                         return;
                     }
                     None => {
-                        let err =
-                            ApiError::Unavailable("request aborted: scheduler stopped".into());
+                        let err = ApiError::from(GenFailure::ShuttingDown);
                         tracker.finish(Some(&err), count_errors);
                         yield Piece::Error(err);
                         return;
@@ -459,9 +360,7 @@ impl Generation {
                 Piece::Error(e) => return Err(e),
             }
         }
-        Err(ApiError::Internal(
-            "generation ended without a result".into(),
-        ))
+        Err(ApiError::internal("generation ended without a result"))
     }
 }
 
@@ -541,21 +440,16 @@ async fn chat_completions_inner(
     let params = req.params()?;
     state.check_model(params.model.as_deref())?;
     let messages = req.messages()?;
-    let model = &state.inner.model;
-    let template = model.chat_template.as_ref().ok_or_else(|| {
+    let text = &state.inner.text;
+    let template = text.chat_template.as_ref().ok_or_else(|| {
         ApiError::invalid(
             "This model has no chat template; use /v1/completions",
             Some("messages"),
         )
     })?;
-    let text = template
-        .render(&messages, true)
-        .map_err(tandem_engine::RequestError::from)?;
+    let rendered = template.render(&messages, true)?;
     // The template writes its own BOS where the model wants one.
-    let prompt = model
-        .tokenizer
-        .encode(&text, false)
-        .map_err(tandem_engine::RequestError::from)?;
+    let prompt = text.tokenizer.encode(&rendered, false)?;
     let permit = state.permit()?;
     trace.span.record("prompt_tokens", prompt.len() as i64);
     let generation = state
@@ -630,6 +524,7 @@ async fn chat_completions_inner(
                     break;
                 }
                 Piece::Error(e) => {
+                    e.log();
                     yield sse_json(&e.body());
                     break;
                 }
@@ -651,17 +546,14 @@ async fn completions_inner(
     let req = CompletionRequest::parse(&body, state.config().allow_extra_request_fields)?;
     let params = req.params()?;
     state.check_model(params.model.as_deref())?;
-    let tok = &state.inner.model.tokenizer;
+    let tok = &state.inner.text.tokenizer;
     let one = |n: usize| {
         ApiError::invalid(
             format!("`prompt` holds {n} prompts; only one prompt per request is supported"),
             Some("prompt"),
         )
     };
-    let encode = |t: &str| {
-        tok.encode(t, true)
-            .map_err(tandem_engine::RequestError::from)
-    };
+    let encode = |t: &str| tok.encode(t, true).map_err(ApiError::from);
     let prompt = match req.prompt {
         Prompt::Text(t) => encode(&t)?,
         Prompt::Tokens(ids) => ids,
@@ -734,6 +626,7 @@ async fn completions_inner(
                     break;
                 }
                 Piece::Error(e) => {
+                    e.log();
                     yield sse_json(&e.body());
                     break;
                 }
@@ -752,50 +645,35 @@ async fn models(State(state): State<AppState>) -> Json<ModelList> {
             object: "model",
             created: state.inner.created,
             owned_by: "tandem",
-            max_model_len: state.inner.backend.max_length(),
+            max_model_len: state.inner.backend.limits().max_length,
         }],
     })
 }
 
-/// `/health`: 200 with scheduler counters while serving, 503 while draining.
+/// `/health`: 200 with the backend's counters while it can serve, 503
+/// while draining or while the backend is not ready.
 async fn health(State(state): State<AppState>) -> Response {
     let draining = state.inner.draining.load(Ordering::Relaxed);
     let in_flight =
         state.config().max_concurrent_requests - state.inner.permits.available_permits();
-    let s = match &state.inner.backend {
-        Backend::Local(s) => s.stats(),
-        Backend::Cluster { cluster, .. } => {
-            let (prefill, decode) = cluster.members();
-            let ready = !decode.is_empty() && !draining;
-            let body = serde_json::json!({
-                "status": if draining { "draining" } else if ready { "ok" } else { "no decode workers" },
-                "prefill_workers": prefill,
-                "decode_workers": decode,
-                "requests_in_flight": in_flight,
-            });
-            let code = if ready {
-                StatusCode::OK
-            } else {
-                StatusCode::SERVICE_UNAVAILABLE
-            };
-            return (code, Json(body)).into_response();
-        }
-    };
-    let body = serde_json::json!({
-        "status": if draining { "draining" } else { "ok" },
-        "running": s.running.load(Ordering::Relaxed),
-        "waiting": s.waiting.load(Ordering::Relaxed),
-        "kv_blocks_total": s.kv_blocks_total.load(Ordering::Relaxed),
-        "kv_blocks_in_use": s.kv_blocks_in_use.load(Ordering::Relaxed),
-        "kv_blocks_cached": s.kv_blocks_cached.load(Ordering::Relaxed),
-        "requests_in_flight": in_flight,
-    });
+    let h = state.inner.backend.health();
     let status = if draining {
-        StatusCode::SERVICE_UNAVAILABLE
+        "draining"
+    } else if h.ready {
+        "ok"
     } else {
-        StatusCode::OK
+        h.reason
     };
-    (status, Json(body)).into_response()
+    let mut body = serde_json::Map::new();
+    body.insert("status".into(), status.into());
+    body.extend(h.details);
+    body.insert("requests_in_flight".into(), in_flight.into());
+    let code = if h.ready && !draining {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(serde_json::Value::Object(body))).into_response()
 }
 
 /// `/metrics`: the Prometheus text exposition, when a renderer is set.
@@ -809,12 +687,14 @@ async fn metrics_text(State(state): State<AppState>) -> Response {
             (r.0)(),
         )
             .into_response(),
-        None => ApiError::NotFound("Not found: metrics are not enabled".into()).into_response(),
+        None => {
+            ApiError::RouteNotFound("Not found: metrics are not enabled".into()).into_response()
+        }
     }
 }
 
 async fn not_found() -> ApiError {
-    ApiError::NotFound("Not found: no such route".into())
+    ApiError::RouteNotFound("Not found: no such route".into())
 }
 
 /// The OpenAI API routes.

@@ -4,8 +4,8 @@
 /// Element type of the KV cache.
 pub const KV_DTYPE: &str = "f16";
 
-/// In-block layout of the KV cache (see [`crate::kv_cache`]): layer-major,
-/// then K|V, then KV head, then token slot, then head dimension.
+/// In-block layout of the KV cache: layer-major, then K|V, then KV head,
+/// then token slot, then head dimension.
 pub const KV_LAYOUT: &str = "layer/kv/head/slot/dim";
 
 /// A node's KV compatibility fingerprint. Plain data: the wire form lives in
@@ -65,9 +65,9 @@ mod tests {
         ModelFingerprint {
             model_id: "m".into(),
             weights_hash: 7,
-            kv_dtype: KV_DTYPE.into(),
+            kv_dtype: "f16".into(),
             block_size: 16,
-            kv_layout: KV_LAYOUT.into(),
+            kv_layout: "layer/kv/head/slot/dim".into(),
             num_layers: 30,
             num_kv_heads: 3,
             head_dim: 64,

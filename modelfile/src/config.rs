@@ -6,7 +6,6 @@ use tandem_kernels::ops::RopeStyle;
 
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
-use crate::moe::{MoeConfig, Scoring};
 
 /// Hyper-parameters of a Llama-family decoder.
 #[derive(Clone, Debug, PartialEq)]
@@ -210,6 +209,46 @@ impl LlamaConfig {
 
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+}
+
+/// How router scores become expert choices and weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scoring {
+    /// Mixtral: softmax over all experts, top-k of the probabilities.
+    Softmax,
+    /// DeepSeek-V3: sigmoid per expert; top-k of score + correction bias,
+    /// weighted by the unbiased scores.
+    Sigmoid,
+}
+
+/// Routing hyper-parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub scoring: Scoring,
+    /// Divide the chosen weights by their sum.
+    pub norm_topk_prob: bool,
+    /// Multiplies the (normalised) weights.
+    pub routed_scaling: f32,
+}
+
+impl MoeConfig {
+    pub fn validate(&self) -> Result<(), ModelError> {
+        if self.n_experts == 0 || self.top_k == 0 || self.top_k > self.n_experts {
+            return Err(ModelError::InvalidConfig(format!(
+                "mixture of experts: top-k {} of {} experts",
+                self.top_k, self.n_experts
+            )));
+        }
+        if !(self.routed_scaling.is_finite() && self.routed_scaling > 0.0) {
+            return Err(ModelError::InvalidConfig(format!(
+                "mixture of experts: routed scaling factor {} must be positive",
+                self.routed_scaling
+            )));
+        }
+        Ok(())
     }
 }
 

@@ -8,9 +8,9 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use tandem_engine::chat::ChatMessage;
-use tandem_engine::generate::FinishReason;
-use tandem_engine::sampler::{MAX_TOP_LOGPROBS, SamplingParams};
+use tandem_modelfile::chat::ChatMessage;
+use tandem_types::FinishReason;
+use tandem_types::{MAX_TOP_LOGPROBS, SamplingParams};
 
 use crate::error::ApiError;
 
@@ -415,7 +415,7 @@ impl CommonParams {
         };
         sampling.validate().map_err(|e| {
             let param = match &e {
-                tandem_engine::sampler::SamplingError::OutOfRange { name, .. } => *name,
+                tandem_types::SamplingError::OutOfRange { name, .. } => *name,
             };
             invalid(e.to_string(), param)
         })?;

@@ -1,0 +1,99 @@
+//! The front end's [`Backend`] over this process's batch scheduler
+//! (`tandem serve`).
+
+use std::sync::atomic::Ordering;
+
+use futures_util::future::BoxFuture;
+use tandem_engine::RequestError;
+use tandem_engine::scheduler::{Event, KvHandoff, Request, RequestStream, SchedulerHandle};
+use tandem_frontend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
+use tandem_types::{GenEvent, GenFailure, RequestLimits};
+
+#[derive(Debug, Clone)]
+pub struct LocalBackend {
+    scheduler: SchedulerHandle,
+    vocab_size: usize,
+}
+
+impl LocalBackend {
+    pub fn new(scheduler: SchedulerHandle, vocab_size: usize) -> Self {
+        Self {
+            scheduler,
+            vocab_size,
+        }
+    }
+}
+
+impl Backend for LocalBackend {
+    fn limits(&self) -> RequestLimits {
+        RequestLimits {
+            max_length: self.scheduler.config().max_length,
+            vocab_size: self.vocab_size,
+        }
+    }
+
+    fn submit(
+        &self,
+        req: BackendRequest,
+    ) -> BoxFuture<'_, Result<Box<dyn GenerationStream>, SubmitError>> {
+        let submitted = self.scheduler.submit(Request {
+            prompt: req.prompt,
+            sampling: req.sampling,
+            max_tokens: req.max_tokens,
+            stop_token_ids: req.stop_token_ids,
+            handoff: KvHandoff::Local,
+        });
+        Box::pin(async move {
+            match submitted {
+                Ok(stream) => Ok(Box::new(LocalStream(stream)) as Box<dyn GenerationStream>),
+                Err(RequestError::Invalid(e)) => Err(e.into()),
+                Err(RequestError::Stopped) => Err(GenFailure::ShuttingDown.into()),
+                Err(e) => Err(GenFailure::Internal(e.to_string()).into()),
+            }
+        })
+    }
+
+    fn health(&self) -> BackendHealth {
+        let s = self.scheduler.stats();
+        let mut details = serde_json::Map::new();
+        for (k, v) in [
+            ("running", &s.running),
+            ("waiting", &s.waiting),
+            ("kv_blocks_total", &s.kv_blocks_total),
+            ("kv_blocks_in_use", &s.kv_blocks_in_use),
+            ("kv_blocks_cached", &s.kv_blocks_cached),
+        ] {
+            details.insert(k.into(), v.load(Ordering::Relaxed).into());
+        }
+        BackendHealth {
+            ready: true,
+            reason: "ok",
+            details,
+        }
+    }
+}
+
+/// A scheduler request's events in the front end's terms.
+struct LocalStream(RequestStream);
+
+impl GenerationStream for LocalStream {
+    fn next(&mut self) -> BoxFuture<'_, Option<GenEvent>> {
+        Box::pin(async move {
+            Some(match self.0.next().await? {
+                Event::Token(s) => GenEvent::Token(s),
+                Event::Finished(u) => GenEvent::Finished(u),
+                Event::Failed(f) => GenEvent::Failed(f),
+                // Only disaggregated handoffs emit these; a local request never does.
+                other @ (Event::Exported(_) | Event::ImportReady(_) | Event::LayerDone(_)) => {
+                    GenEvent::Failed(GenFailure::Internal(format!(
+                        "unexpected KV handoff event {other:?}"
+                    )))
+                }
+            })
+        })
+    }
+
+    fn cached_tokens(&self) -> usize {
+        self.0.cached_tokens()
+    }
+}

@@ -1,0 +1,16 @@
+//! The OpenAI-compatible HTTP front end: request types and validation
+//! (`openai`), error rendering (`error`), the server with its SSE streams
+//! and admission limits (`server`) and the API metrics (`metrics`), over a
+//! [`Backend`] that runs the tokens: the local scheduler (`tandem serve`)
+//! or a cluster (`tandem router`).
+
+pub mod backend;
+pub mod error;
+pub mod metrics;
+pub mod openai;
+pub mod server;
+
+pub use backend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
+pub use error::ApiError;
+pub use metrics::MetricsRenderer;
+pub use server::{AppState, ServerConfig, app, serve};

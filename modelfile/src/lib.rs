@@ -1,0 +1,19 @@
+//! A model's files without the compute: the GGUF container (`gguf`,
+//! `storage`), the model description read from GGUF metadata or an HF
+//! `config.json` (`config`), the tokenizer and chat template built from
+//! them, model aliases (`fetch`), and [`ModelMeta`]: everything a process
+//! that never runs the model (the router) needs, read without touching the
+//! weights.
+
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod fetch;
+pub mod gguf;
+pub mod meta;
+pub mod stop;
+pub mod storage;
+pub mod tokenizer;
+
+pub use error::ModelError;
+pub use meta::{ModelMeta, ModelText};

@@ -1,0 +1,188 @@
+//! One generation as every layer sees it: the checks a request must pass,
+//! the events it produces, and how it ends.
+
+use crate::sampling::{Sampled, SamplingError, SamplingParams};
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+/// Token accounting of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens served from a prefix cache.
+    pub cached_tokens: usize,
+    pub finish: FinishReason,
+}
+
+/// What a backend tells the front end about one request, in order: tokens,
+/// then exactly one `Finished` or `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenEvent {
+    /// A generated token (not a stop token).
+    Token(Sampled),
+    Finished(Usage),
+    Failed(GenFailure),
+}
+
+/// Why an accepted request ended without finishing. The variant decides
+/// what the client is told (and the HTTP / gRPC status); the `String`s are
+/// detail for logs, never sent to clients.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GenFailure {
+    /// The process serving it is shutting down: retryable elsewhere.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// No worker could run it to the end (gone, unreachable, timed out):
+    /// retryable.
+    #[error("no worker could serve the request: {0}")]
+    Unavailable(String),
+    /// A worker refused the request as invalid. The message describes the
+    /// client's request and may be shown to it.
+    #[error("{0}")]
+    Rejected(String),
+    /// A fault inside the engine or between nodes.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// A request that cannot run, whatever the load: the client's to fix.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum InvalidRequest {
+    #[error("empty prompt: at least one token is required")]
+    EmptyPrompt,
+    #[error("token id {id} out of range (vocabulary has {vocab} tokens)")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error(
+        "Prompt is too long: {prompt} tokens exceeds the configured maximum context length of {max} tokens. Please shorten your prompt."
+    )]
+    PromptTooLong { prompt: usize, max: usize },
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+}
+
+impl InvalidRequest {
+    /// The request field at fault, in OpenAI's API terms.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            Self::EmptyPrompt | Self::TokenOutOfRange { .. } | Self::PromptTooLong { .. } => {
+                Some("prompt")
+            }
+            Self::ZeroMaxTokens => Some("max_tokens"),
+            Self::Sampling(SamplingError::OutOfRange { name, .. }) => Some(name),
+        }
+    }
+}
+
+/// The limits every request is checked against: the one place those checks
+/// live, used by the front end before dispatch and by the engine on submit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Longest sequence (prompt plus generated tokens).
+    pub max_length: usize,
+    pub vocab_size: usize,
+}
+
+impl RequestLimits {
+    /// Checks a tokenized request; returns how many tokens it may generate:
+    /// `max_tokens` (all the room left when `None`) capped by the room left.
+    pub fn check(
+        &self,
+        prompt: &[u32],
+        max_tokens: Option<usize>,
+        sampling: &SamplingParams,
+    ) -> Result<usize, InvalidRequest> {
+        if prompt.is_empty() {
+            return Err(InvalidRequest::EmptyPrompt);
+        }
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(InvalidRequest::TokenOutOfRange {
+                id,
+                vocab: self.vocab_size,
+            });
+        }
+        if prompt.len() >= self.max_length {
+            return Err(InvalidRequest::PromptTooLong {
+                prompt: prompt.len(),
+                max: self.max_length,
+            });
+        }
+        if max_tokens == Some(0) {
+            return Err(InvalidRequest::ZeroMaxTokens);
+        }
+        sampling.validate()?;
+        let room = self.max_length - prompt.len();
+        Ok(max_tokens.map_or(room, |m| m.min(room)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: RequestLimits = RequestLimits {
+        max_length: 8,
+        vocab_size: 100,
+    };
+
+    #[test]
+    fn every_check_names_its_field() {
+        let ok = SamplingParams::default();
+        let cases: [(&[u32], Option<usize>, SamplingParams, InvalidRequest); 5] = [
+            (&[], None, ok.clone(), InvalidRequest::EmptyPrompt),
+            (
+                &[1, 100],
+                None,
+                ok.clone(),
+                InvalidRequest::TokenOutOfRange {
+                    id: 100,
+                    vocab: 100,
+                },
+            ),
+            (
+                &[1; 8],
+                None,
+                ok.clone(),
+                InvalidRequest::PromptTooLong { prompt: 8, max: 8 },
+            ),
+            (&[1], Some(0), ok.clone(), InvalidRequest::ZeroMaxTokens),
+            (
+                &[1],
+                None,
+                SamplingParams {
+                    top_p: 0.0,
+                    ..SamplingParams::default()
+                },
+                InvalidRequest::Sampling(SamplingError::OutOfRange {
+                    name: "top_p",
+                    range: "in (0, 1]",
+                    value: 0.0,
+                }),
+            ),
+        ];
+        let params = ["prompt", "prompt", "prompt", "max_tokens", "top_p"];
+        for ((prompt, max, sampling, want), param) in cases.into_iter().zip(params) {
+            let got = LIMITS.check(prompt, max, &sampling);
+            assert_eq!(got.as_ref().err(), Some(&want), "{prompt:?} {max:?}");
+            assert_eq!(want.param(), Some(param));
+        }
+    }
+
+    #[test]
+    fn max_tokens_is_capped_by_the_room_left() {
+        let s = SamplingParams::default();
+        assert_eq!(LIMITS.check(&[1, 2, 3], None, &s), Ok(5));
+        assert_eq!(LIMITS.check(&[1, 2, 3], Some(2), &s), Ok(2));
+        assert_eq!(LIMITS.check(&[1, 2, 3], Some(99), &s), Ok(5));
+        assert_eq!(LIMITS.check(&[99; 7], Some(1), &s), Ok(1));
+    }
+}
