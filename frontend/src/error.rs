@@ -27,6 +27,9 @@ pub enum ApiError {
     /// No such route (404).
     #[error("{0}")]
     RouteNotFound(String),
+    /// The route exists but not for this method (405).
+    #[error("{0}")]
+    MethodNotAllowed(String),
     /// The body exceeds `max_body_bytes` (413).
     #[error("{0}")]
     PayloadTooLarge(String),
@@ -79,6 +82,7 @@ impl ApiError {
         match self {
             Self::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
             Self::ModelNotFound(_) | Self::RouteNotFound(_) => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Overloaded(_) | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
@@ -93,6 +97,9 @@ impl ApiError {
             }
             Self::ModelNotFound(_) => ("not_found_error", None, Some("model_not_found")),
             Self::RouteNotFound(_) => ("not_found_error", None, Some("not_found")),
+            Self::MethodNotAllowed(_) => {
+                ("invalid_request_error", None, Some("method_not_allowed"))
+            }
             Self::PayloadTooLarge(_) => ("invalid_request_error", None, Some("request_too_large")),
             Self::Overloaded(_) => ("server_overloaded", None, Some("overloaded")),
             Self::Unavailable { .. } => ("service_unavailable", None, Some("unavailable")),
@@ -149,7 +156,7 @@ impl From<GenFailure> for ApiError {
                 detail: None,
             },
             GenFailure::Unavailable(detail) => Self::Unavailable {
-                message: "No worker could serve the request; retry later.",
+                message: "No worker is available to serve the request; retry later.",
                 detail: Some(detail),
             },
             GenFailure::Rejected(message) => Self::invalid(message, None),

@@ -41,7 +41,7 @@ fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
     let resp = http(lonely.port, "POST", "/v1/completions", &body.to_string());
     assert_eq!(resp.status, 503, "{}", resp.body);
     assert!(
-        resp.body.contains("No decode worker is available"),
+        resp.body.contains("No worker is available"),
         "{}",
         resp.body
     );
