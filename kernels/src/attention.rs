@@ -18,14 +18,16 @@
 
 use half::f16;
 
-use crate::Isa;
+use crate::cpu::{self, Isa};
 
 /// Computes `out = softmax(scale * q . K^T) V` for one head over the first
 /// `n_ctx` positions of the context. `scores` is scratch space.
 ///
 /// # Panics
-/// If the blocks do not cover `n_ctx` positions or a slice is shorter than
-/// `block_size * head_dim` (callers build these from validated block tables).
+/// If the blocks do not cover `n_ctx` positions (each block holding
+/// `block_size` rows of `head_dim` values, the last one at least the rows
+/// used; callers build these from validated block tables), or if `head_dim`
+/// is 0 or above 512.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &[f32],
@@ -38,7 +40,7 @@ pub fn attend(
     out: &mut [f32],
 ) {
     attend_with_isa(
-        crate::isa(),
+        cpu::isa(),
         q,
         k_blocks,
         v_blocks,
@@ -129,7 +131,7 @@ pub fn attend_tile(
     out: &mut [f32],
 ) {
     attend_tile_with_isa(
-        crate::isa(),
+        cpu::isa(),
         qs,
         n_ctx,
         k_blocks,
@@ -164,11 +166,26 @@ pub fn attend_tile_with_isa(
         qs.len() == nq * hd && out.len() == qs.len(),
         "queries and outputs must be {nq} rows of equal length"
     );
-    assert!(hd <= 512, "head_dim above 512");
+    assert!(hd > 0 && hd <= 512, "head_dim must be 1..=512");
     let max_ctx = n_ctx.iter().copied().max().unwrap_or(0);
     assert!(
-        k_blocks.len() * block_size >= max_ctx && v_blocks.len() * block_size >= max_ctx,
+        k_blocks.len().saturating_mul(block_size) >= max_ctx
+            && v_blocks.len().saturating_mul(block_size) >= max_ctx,
         "blocks cover fewer than {max_ctx} positions"
+    );
+    // A short block would silently drop positions: check the rows each
+    // block read must hold (once per call, per block).
+    let used = if max_ctx == 0 {
+        0
+    } else {
+        max_ctx.div_ceil(block_size)
+    };
+    assert!(
+        (0..used).all(|i| {
+            let need = block_size.min(max_ctx - i * block_size) * hd;
+            k_blocks[i].len() >= need && v_blocks[i].len() >= need
+        }),
+        "a K or V block holds fewer than block_size * head_dim values"
     );
     let simd = isa >= Isa::Avx2 && Isa::Avx2.is_supported() && hd.is_multiple_of(8);
     // Converting rows once pays off only when enough queries share them: a
@@ -188,16 +205,15 @@ pub fn attend_tile_with_isa(
     for (d, &s) in qh.iter_mut().zip(qs) {
         *d = f16::from_f32(s).to_f32();
     }
+    // hd == 64 here: the queries and outputs as 64-value rows, so every
+    // kernel below gets its lengths from its argument types.
+    let (qh, _) = qh.as_chunks::<64>();
     let mut rows = [[0.0f32; 64]; 8];
     let mut p0 = 0;
-    for batch in context_batches(k_blocks, hd, block_size, max_ctx) {
-        // SAFETY: AVX2/F16C support checked above; rows hold 64 values.
+    for batch in context_batches(k_blocks, block_size, max_ctx) {
+        // SAFETY: AVX2/F16C support checked above (`simd`).
         unsafe { avx2::convert_rows_64(&batch.rows[..batch.len], &mut rows) };
-        for ((q, sc), &n) in qh
-            .chunks_exact(hd)
-            .zip(scores.chunks_exact_mut(max_ctx))
-            .zip(n_ctx)
-        {
+        for ((q, sc), &n) in qh.iter().zip(scores.chunks_exact_mut(max_ctx)).zip(n_ctx) {
             let seen = n.saturating_sub(p0).min(batch.len);
             if seen == 8 {
                 // SAFETY: as above.
@@ -219,18 +235,15 @@ pub fn attend_tile_with_isa(
         crate::ops::round_through_f16(&mut sc[..n]);
     }
     out.fill(0.0);
+    let (out, _) = out.as_chunks_mut::<64>();
     let mut p0 = 0;
-    for batch in context_batches(v_blocks, hd, block_size, max_ctx) {
-        // SAFETY: AVX2/F16C support checked above; rows hold 64 values.
+    for batch in context_batches(v_blocks, block_size, max_ctx) {
+        // SAFETY: AVX2/F16C support checked above (`simd`).
         unsafe { avx2::convert_rows_64(&batch.rows[..batch.len], &mut rows) };
-        for ((o, sc), &n) in out
-            .chunks_exact_mut(hd)
-            .zip(scores.chunks_exact(max_ctx))
-            .zip(n_ctx)
-        {
+        for ((o, sc), &n) in out.iter_mut().zip(scores.chunks_exact(max_ctx)).zip(n_ctx) {
             let seen = n.saturating_sub(p0).min(batch.len);
             if seen > 0 {
-                // SAFETY: as above; `o` holds 64 values.
+                // SAFETY: as above.
                 unsafe { avx2::weighted_rows_64(o, &sc[p0..p0 + seen], &rows) };
             }
         }
@@ -244,7 +257,11 @@ const MIN_TILE_QUERIES: usize = 8;
 const MIN_TILE_CONTEXT: usize = 128;
 
 /// One query, any head size: the scalar reference, or AVX2 (eight rows at
-/// a time for 64-value heads; the same operations).
+/// a time for 64-value heads; the same operations). `simd` requires AVX2
+/// and F16C support (checked by the caller) and `q.len()` a multiple of 8.
+///
+/// # Panics
+/// If `out.len() != q.len()` on the 64-value path.
 #[allow(clippy::too_many_arguments)]
 fn attend_one(
     simd: bool,
@@ -258,20 +275,21 @@ fn attend_one(
     out: &mut [f32],
 ) {
     let hd = q.len();
-    let mut qh = [0.0f32; 512];
-    for (d, &s) in qh.iter_mut().zip(q) {
+    let mut qbuf = [0.0f32; 512];
+    for (d, &s) in qbuf.iter_mut().zip(q) {
         *d = f16::from_f32(s).to_f32();
     }
-    let qh = &qh[..hd];
+    let qh = &qbuf[..hd];
     scores.clear();
     if simd && hd == 64 {
-        for batch in context_batches(k_blocks, hd, block_size, n_ctx) {
+        let q64: &[f32; 64] = qh.try_into().expect("64 query values");
+        for batch in context_batches(k_blocks, block_size, n_ctx) {
             if batch.len == 8 {
-                // SAFETY: the caller checked AVX2/F16C support; rows hold 64 values.
-                let d = unsafe { avx2::dot8_f32_f16_64(qh, &batch.rows) };
+                // SAFETY: the caller checked AVX2/F16C support.
+                let d = unsafe { avx2::dot8_f32_f16_64(q64, &batch.rows) };
                 scores.extend(d.iter().map(|&v| v * scale));
             } else {
-                for k in &batch.rows[..batch.len] {
+                for &k in &batch.rows[..batch.len] {
                     // SAFETY: as above.
                     scores.push(unsafe { avx2::dot_f32_f16(qh, k) } * scale);
                 }
@@ -280,7 +298,7 @@ fn attend_one(
     } else {
         for k in context_rows(k_blocks, hd, block_size, n_ctx) {
             let dot = if simd {
-                // SAFETY: the caller checked AVX2/F16C support; lengths are equal.
+                // SAFETY: the caller checked AVX2/F16C support.
                 unsafe { avx2::dot_f32_f16(qh, k) }
             } else {
                 crate::ops::dot_f32_f16(qh, k)
@@ -290,14 +308,18 @@ fn attend_one(
     }
     crate::ops::softmax(scores);
     crate::ops::round_through_f16(scores);
-    let v_rows = context_rows(v_blocks, hd, block_size, n_ctx);
     if simd && hd == 64 {
-        // SAFETY: the caller checked AVX2/F16C support; rows hold 64 values.
+        let out: &mut [f32; 64] = out.try_into().expect("output row of head_dim values");
+        let v_rows = context_rows_64(v_blocks, block_size, n_ctx);
+        // SAFETY: the caller checked AVX2/F16C support.
         unsafe { avx2::weighted_f16_rows_64(out, scores, v_rows) };
         return;
     }
     out.fill(0.0);
-    for (&p, v) in scores.iter().zip(v_rows) {
+    for (&p, v) in scores
+        .iter()
+        .zip(context_rows(v_blocks, hd, block_size, n_ctx))
+    {
         if simd {
             // SAFETY: as above.
             unsafe { avx2::axpy_f16(out, p, v) }
@@ -307,24 +329,29 @@ fn attend_one(
     }
 }
 
-/// Up to 8 consecutive context rows.
+/// One K or V row of a 64-value head.
+type Row64 = [f16; 64];
+
+/// Fills the unused slots of a short [`Batch`] (never read).
+static ZERO_ROW: Row64 = [f16::ZERO; 64];
+
+/// Up to 8 consecutive context rows of a 64-value head.
 struct Batch<'a> {
-    rows: [&'a [f16]; 8],
+    rows: [&'a Row64; 8],
     len: usize,
 }
 
-/// The first `n_ctx` rows of a paged context in runs of 8 (a short run
-/// only at the end).
+/// The first `n_ctx` rows of a paged context of 64-value heads in runs of
+/// 8 (a short run only at the end).
 fn context_batches<'a>(
     blocks: &'a [&'a [f16]],
-    hd: usize,
     block_size: usize,
     n_ctx: usize,
 ) -> impl Iterator<Item = Batch<'a>> + 'a {
-    let mut rows = context_rows(blocks, hd, block_size, n_ctx);
+    let mut rows = context_rows_64(blocks, block_size, n_ctx);
     std::iter::from_fn(move || {
         let mut b = Batch {
-            rows: [&[]; 8],
+            rows: [&ZERO_ROW; 8],
             len: 0,
         };
         for (slot, r) in b.rows.iter_mut().zip(rows.by_ref()) {
@@ -348,14 +375,38 @@ fn context_rows<'a>(
         .take(n_ctx)
 }
 
+/// [`context_rows`] for 64-value heads, as arrays.
+fn context_rows_64<'a>(
+    blocks: &'a [&'a [f16]],
+    block_size: usize,
+    n_ctx: usize,
+) -> impl Iterator<Item = &'a Row64> + 'a {
+    blocks
+        .iter()
+        .flat_map(move |b| b.as_chunks::<64>().0.iter().take(block_size))
+        .take(n_ctx)
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    //! Every function here is `unsafe` only for its target features: the
+    //! caller must make sure the CPU supports AVX2 and F16C. Lengths the
+    //! loads rely on come from the argument types (`[_; 64]` rows) or from
+    //! `chunks_exact`, so no slice length is a safety condition.
+
     use std::arch::x86_64::*;
 
     use half::f16;
 
+    use super::Row64;
+
     /// Same arithmetic as `ops::dot_f32_f16`: lane `i % 8`, mul then add,
-    /// lanes summed left to right. `q.len()` must be a multiple of 8.
+    /// lanes summed left to right. Reads whole 8-value chunks only: for
+    /// that result `q` and `k` must have the same length, a multiple of 8
+    /// (checked in debug builds; any lengths are memory safe).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn dot_f32_f16(q: &[f32], k: &[f16]) -> f32 {
         debug_assert_eq!(q.len(), k.len());
@@ -377,14 +428,16 @@ mod avx2 {
         lanes.iter().sum::<f32>()
     }
 
-    /// `rows[r] = f32(batch[r])` for each 64-value row of `batch` (at
-    /// most 8); exact.
+    /// `rows[r] = f32(batch[r])` for each row of `batch` (at most 8; any
+    /// beyond are ignored); exact.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn convert_rows_64(batch: &[&[f16]], rows: &mut [[f32; 64]; 8]) {
+    pub(super) unsafe fn convert_rows_64(batch: &[&Row64], rows: &mut [[f32; 64]; 8]) {
         for (dst, src) in rows.iter_mut().zip(batch) {
-            debug_assert_eq!(src.len(), 64);
             for c in 0..8 {
-                // SAFETY: both rows hold 64 values.
+                // SAFETY: both rows hold 64 values (their types).
                 unsafe {
                     let x = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(c * 8).cast()));
                     _mm256_storeu_ps(dst.as_mut_ptr().add(c * 8), x);
@@ -395,9 +448,11 @@ mod avx2 {
 
     /// [`dot_f32_f16`] of a 64-value query with one converted row: the
     /// same operations in the same order.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn dot_64(q: &[f32], k: &[f32; 64]) -> f32 {
-        debug_assert_eq!(q.len(), 64);
+    pub(super) unsafe fn dot_64(q: &[f32; 64], k: &[f32; 64]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for c in 0..8 {
             // SAFETY: both hold 64 values.
@@ -414,9 +469,11 @@ mod avx2 {
     }
 
     /// [`dot_64`] of a query with 8 converted rows at once.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn dot8_64(q: &[f32], rows: &[[f32; 64]; 8]) -> [f32; 8] {
-        debug_assert_eq!(q.len(), 64);
+    pub(super) unsafe fn dot8_64(q: &[f32; 64], rows: &[[f32; 64]; 8]) -> [f32; 8] {
         // SAFETY (whole body): q and every row hold 64 elements.
         unsafe {
             let mut qv = [_mm256_setzero_ps(); 8];
@@ -435,9 +492,11 @@ mod avx2 {
     }
 
     /// [`dot_f32_f16`] of a 64-value query with 8 f16 rows at once.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn dot8_f32_f16_64(q: &[f32], rows: &[&[f16]; 8]) -> [f32; 8] {
-        debug_assert!(q.len() == 64 && rows.iter().all(|r| r.len() == 64));
+    pub(super) unsafe fn dot8_f32_f16_64(q: &[f32; 64], rows: &[&Row64; 8]) -> [f32; 8] {
         // SAFETY (whole body): q and every row hold 64 elements.
         unsafe {
             let mut qv = [_mm256_setzero_ps(); 8];
@@ -458,6 +517,9 @@ mod avx2 {
     /// Sums each of 8 rows' lane accumulators: transposed into place, then
     /// added in lane order from -0.0 as `lanes.iter().sum()` does, so the
     /// same additions per row as the one-row kernels.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn sum_lanes8(acc: &[__m256; 8]) -> [f32; 8] {
@@ -504,16 +566,17 @@ mod avx2 {
     /// `out = sum_j p[j] * v_j` over 64-value f16 rows, in row order, mul
     /// then add per element as [`axpy_f16`] (from zeros), the accumulators
     /// in registers.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn weighted_f16_rows_64<'a>(
-        out: &mut [f32],
+        out: &mut [f32; 64],
         p: &[f32],
-        rows: impl Iterator<Item = &'a [f16]>,
+        rows: impl Iterator<Item = &'a Row64>,
     ) {
-        debug_assert_eq!(out.len(), 64);
         let mut acc = [_mm256_setzero_ps(); 8];
         for (&w, v) in p.iter().zip(rows) {
-            debug_assert_eq!(v.len(), 64);
             let wv = _mm256_set1_ps(w);
             for (c, a) in acc.iter_mut().enumerate() {
                 // SAFETY: the row holds 64 values.
@@ -527,12 +590,14 @@ mod avx2 {
         }
     }
 
-    /// `out += sum_j p[j] * rows[j]` over converted 64-value rows, in row
-    /// order, mul then add per element as [`axpy_f16`], the accumulators
-    /// kept in registers across the rows.
+    /// `out += sum_j p[j] * rows[j]` over converted 64-value rows (the
+    /// first `p.len()`, at most 8), in row order, mul then add per element
+    /// as [`axpy_f16`], the accumulators kept in registers across the rows.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn weighted_rows_64(out: &mut [f32], p: &[f32], rows: &[[f32; 64]; 8]) {
-        debug_assert_eq!(out.len(), 64);
+    pub(super) unsafe fn weighted_rows_64(out: &mut [f32; 64], p: &[f32], rows: &[[f32; 64]; 8]) {
         // SAFETY (whole body): `out` and every row hold 64 values.
         unsafe {
             let mut acc = [_mm256_setzero_ps(); 8];
@@ -552,7 +617,12 @@ mod avx2 {
         }
     }
 
-    /// `acc[i] += w * v[i]`, mul then add. `acc.len()` must be a multiple of 8.
+    /// `acc[i] += w * v[i]`, mul then add, over whole 8-value chunks only:
+    /// for that result `acc` and `v` must have the same length, a multiple
+    /// of 8 (checked in debug builds; any lengths are memory safe).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn axpy_f16(acc: &mut [f32], w: f32, v: &[f16]) {
         debug_assert_eq!(acc.len(), v.len());
@@ -722,6 +792,30 @@ mod tests {
             // f16 rounding of the query and the probabilities bounds the error.
             assert!((f64::from(*g) - w).abs() < 5e-3, "{g} vs {w}");
         }
+    }
+
+    #[test]
+    fn a_block_short_of_the_rows_used_is_rejected() {
+        let full = vec![f16::from_f32(1.0); 4 * 8];
+        let short = vec![f16::from_f32(1.0); 3 * 8];
+        let run = |n_ctx: usize| {
+            std::panic::catch_unwind(|| {
+                let mut out = [0.0; 8];
+                attend(
+                    &[1.0; 8],
+                    &[&full, &short],
+                    &[&full, &full],
+                    4,
+                    n_ctx,
+                    1.0,
+                    &mut Vec::new(),
+                    &mut out,
+                );
+            })
+        };
+        // Seven positions use three rows of the second block; eight use four.
+        assert!(run(7).is_ok());
+        assert!(run(8).is_err());
     }
 
     #[test]

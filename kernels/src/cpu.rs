@@ -1,37 +1,13 @@
-//! Runtime CPU feature detection and the matmul worker pool.
+//! Runtime CPU feature detection and the process-wide instruction set
+//! choice ([`isa`], [`limit_isa`]).
 
-use std::fmt;
 use std::str::FromStr;
 use std::sync::OnceLock;
 
 use crate::error::KernelError;
-use crate::pool::Pool;
-
-/// The instruction set a kernel implementation uses. Ordered: a CPU that
-/// supports an ISA supports every smaller one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Isa {
-    /// Portable scalar reference code.
-    Scalar,
-    /// AVX2 + FMA + F16C (256-bit).
-    Avx2,
-    /// AVX-512 F/BW/VL + VNNI (`vpdpbusd`), plus everything in `Avx2`.
-    Avx512Vnni,
-}
+pub use crate::types::Isa;
 
 impl Isa {
-    /// Every ISA, smallest first.
-    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni];
-
-    /// Short lowercase name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Isa::Scalar => "scalar",
-            Isa::Avx2 => "avx2",
-            Isa::Avx512Vnni => "avx512vnni",
-        }
-    }
-
     /// Whether the kernels may use this ISA: the CPU has it and
     /// [`limit_isa`] did not rule it out.
     pub fn is_supported(self) -> bool {
@@ -59,12 +35,6 @@ impl FromStr for Isa {
             .into_iter()
             .find(|isa| isa.name() == s)
             .ok_or_else(|| KernelError::UnknownIsa(s.to_owned()))
-    }
-}
-
-impl fmt::Display for Isa {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
     }
 }
 
@@ -105,10 +75,10 @@ pub fn isa() -> Isa {
 /// Makes the kernels use at most `max` (to compare kernel paths end to end, or
 /// to avoid a faulty unit), even where the CPU has more.
 ///
-/// Like [`set_num_threads`], the choice is made once per process: call this
-/// before anything calls [`isa`] (weights packed for one ISA must not be read
-/// by another's kernels). Afterwards a call that would give the same ISA is a
-/// no-op returning `Ok`, and any other returns
+/// Like [`crate::set_num_threads`], the choice is made once per process:
+/// call this before anything calls [`isa`] (weights packed for one ISA must
+/// not be read by another's kernels). Afterwards a call that would give the
+/// same ISA is a no-op returning `Ok`, and any other returns
 /// [`KernelError::IsaAlreadyChosen`]. An ISA the CPU lacks is
 /// [`KernelError::UnsupportedIsa`].
 pub fn limit_isa(max: Isa) -> Result<(), KernelError> {
@@ -128,59 +98,6 @@ pub fn limit_isa(max: Isa) -> Result<(), KernelError> {
             requested: max,
         })
     }
-}
-
-static POOL: OnceLock<Pool> = OnceLock::new();
-
-fn default_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-}
-
-/// The worker pool, built on first use with the default size. If the workers
-/// cannot be spawned, work runs on the caller's thread.
-pub(crate) fn pool() -> &'static Pool {
-    POOL.get_or_init(|| Pool::new(default_threads()).unwrap_or_else(|_| Pool::single()))
-}
-
-/// Sets the number of kernel worker threads (the calling thread counts as
-/// one of them).
-///
-/// The pool is built once per process. Call this before the first `matmul`
-/// (or `num_threads`, `parallel_for`) to choose its size; afterwards a call
-/// with the same count is a no-op returning `Ok`, and a call with a different
-/// count returns [`KernelError::ThreadPoolAlreadyInitialized`] and changes
-/// nothing. `n == 0` is rejected.
-pub fn set_num_threads(n: usize) -> Result<(), KernelError> {
-    if n == 0 {
-        return Err(KernelError::InvalidThreadCount(n));
-    }
-    let mut err = None;
-    let got = POOL.get_or_init(|| match Pool::new(n) {
-        Ok(p) => p,
-        Err(e) => {
-            err = Some(e);
-            Pool::single()
-        }
-    });
-    if let Some(e) = err {
-        return Err(e);
-    }
-    let current = got.threads();
-    if current == n {
-        Ok(())
-    } else {
-        Err(KernelError::ThreadPoolAlreadyInitialized {
-            current,
-            requested: n,
-        })
-    }
-}
-
-/// Number of kernel worker threads (builds the default pool if needed).
-pub fn num_threads() -> usize {
-    pool().threads()
 }
 
 /// For the "every ISA equals the scalar reference" tests: the ISAs a test
@@ -215,7 +132,7 @@ impl IsaCoverage {
                 isa.is_supported(),
                 "{}: the CPU has {isa} but the kernels are limited to {}",
                 self.test,
-                crate::isa()
+                self::isa()
             );
         }
         all

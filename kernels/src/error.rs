@@ -1,7 +1,6 @@
 //! Error type for the kernels crate.
 
-use crate::cpu::Isa;
-use crate::quant::GgmlType;
+use crate::types::{GgmlType, Isa};
 
 /// Errors reported by the kernels. Bad input never panics; it returns one of these.
 #[derive(Debug, thiserror::Error)]

@@ -7,7 +7,7 @@ use crate::cpu::{self, Isa};
 use crate::dot;
 use crate::error::KernelError;
 use crate::pool;
-use crate::quant::GgmlType;
+use crate::quant::{self, GgmlType};
 
 /// A row-major weight matrix: `rows` rows of `cols` elements, each row
 /// `ty.row_bytes(cols)` bytes, rows contiguous.
@@ -38,7 +38,7 @@ impl<'a> QMatrix<'a> {
     }
 
     fn validate(&self) -> Result<usize, KernelError> {
-        let rb = self.ty.row_bytes_checked(self.cols)?;
+        let rb = quant::row_bytes_checked(self.ty, self.cols)?;
         let expected = rb
             .checked_mul(self.rows)
             .ok_or(KernelError::Overflow("matrix bytes"))?;
@@ -90,7 +90,7 @@ pub fn matmul_with_isa(
     m: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    matmul_impl(isa, w, x, m, out, cpu::num_threads())
+    matmul_impl(isa, w, x, m, out, pool::num_threads())
 }
 
 /// `parts` only shapes the row partition (one contiguous part per pool
@@ -459,10 +459,10 @@ mod tests {
             let data = rand_weights(ty, rows, cols, &mut rng);
             let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
             let x = rand_x(m * cols, &mut rng);
-            let a = run(crate::isa(), &w, &x, m);
+            let a = run(cpu::isa(), &w, &x, m);
             let b = run(Isa::Scalar, &w, &x, m);
             assert_eq!(bits(&a), bits(&b));
-            let last = run(crate::isa(), &w, &x[(m - 1) * cols..], 1);
+            let last = run(cpu::isa(), &w, &x[(m - 1) * cols..], 1);
             assert_eq!(bits(&last), bits(&a[(m - 1) * rows..]));
         }
     }
@@ -506,11 +506,11 @@ mod tests {
         let x = rand_x(8 * cols, &mut rng);
         let want: Vec<Vec<u32>> = [1, 8]
             .iter()
-            .map(|&m| bits(&run(crate::isa(), &w, &x[..m * cols], m)))
+            .map(|&m| bits(&run(cpu::isa(), &w, &x[..m * cols], m)))
             .collect();
-        crate::parallel_for(4, &|i| {
+        pool::parallel_for(4, &|i| {
             let m = if i % 2 == 0 { 1 } else { 8 };
-            let got = run(crate::isa(), &w, &x[..m * cols], m);
+            let got = run(cpu::isa(), &w, &x[..m * cols], m);
             assert_eq!(bits(&got), want[i % 2]);
         });
         std::thread::scope(|s| {
@@ -519,7 +519,7 @@ mod tests {
                 s.spawn(move || {
                     for k in 0..20 {
                         let m = if (t + k) % 2 == 0 { 1 } else { 8 };
-                        let got = run(crate::isa(), w, &x[..m * cols], m);
+                        let got = run(cpu::isa(), w, &x[..m * cols], m);
                         assert_eq!(bits(&got), want[(t + k) % 2]);
                     }
                 });
@@ -567,14 +567,14 @@ mod tests {
 
     #[test]
     fn isa_and_threads() {
-        let best = crate::isa();
+        let best = cpu::isa();
         assert!(best.is_supported());
         assert!(!best.to_string().is_empty());
-        assert!(crate::num_threads() >= 1);
-        assert!(crate::set_num_threads(0).is_err());
-        let n = crate::num_threads();
-        assert!(crate::set_num_threads(n).is_ok());
-        assert!(crate::set_num_threads(n + 1).is_err());
+        assert!(pool::num_threads() >= 1);
+        assert!(pool::set_num_threads(0).is_err());
+        let n = pool::num_threads();
+        assert!(pool::set_num_threads(n).is_ok());
+        assert!(pool::set_num_threads(n + 1).is_err());
         if best < Isa::Avx512Vnni {
             let data = vec![0u8; 20];
             let w = QMatrix::new(GgmlType::Q4_1, &data, 1, 32).expect("shape");

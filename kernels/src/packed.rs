@@ -307,26 +307,20 @@ fn run(
     } else {
         Vec::new()
     };
-    let ctx = Ctx {
-        w,
-        qs: &a.qs,
-        d: &a.d,
-        s: &a.s,
-        xsum: &xsum,
-        m,
-        segments,
-    };
+    let ctx = Ctx::new(w, a, &xsum, m, segments);
     let groups = w.groups();
     let work = w.rows.saturating_mul(w.cols).saturating_mul(m);
     let parts = if work >= PAR_MIN_WORK {
-        cpu::num_threads().clamp(1, groups)
+        pool::num_threads().clamp(1, groups)
     } else {
         1
     };
     let op = OutPtr(out.as_mut_ptr());
     let part = |p: usize| {
         for g in pool::split(groups, parts, p) {
-            // SAFETY: group `g` writes only rows g*16..g*16+16 (clamped) of
+            // SAFETY: `isa` is supported (checked on entry) and `g < groups`
+            // (`split`); `out` holds `segments x m x rows` values (checked on
+            // entry), group `g` writes only rows g*16..g*16+16 (clamped) of
             // each output row, and each group belongs to one part.
             unsafe { ctx.group(isa, g, op) };
         }
@@ -348,7 +342,8 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 
-/// Everything a group computation reads.
+/// Everything a group computation reads. Built by [`Ctx::new`] only,
+/// which checks the sizes the SIMD tiles rely on.
 struct Ctx<'a> {
     w: &'a PackedMatrix,
     qs: &'a [i8],
@@ -360,13 +355,60 @@ struct Ctx<'a> {
     segments: usize,
 }
 
-impl Ctx<'_> {
+impl<'a> Ctx<'a> {
+    /// The context of `m` tokens' activations `a` (with their Q8_0 sums
+    /// `xsum`) against `w`, in `segments` column segments.
+    ///
+    /// # Panics
+    /// If a buffer is too short for `m` tokens or `segments` does not divide
+    /// the blocks: the tiles read them unchecked, so this check (once per
+    /// call) is what keeps them in bounds.
+    fn new(
+        w: &'a PackedMatrix,
+        a: &'a dot::ActQ8,
+        xsum: &'a [i32],
+        m: usize,
+        segments: usize,
+    ) -> Self {
+        let (nb, cols) = (w.nb(), w.cols);
+        let covers =
+            |len: usize, per_token: usize| m.checked_mul(per_token).is_some_and(|need| len >= need);
+        assert!(
+            matches!(w.ty, GgmlType::Q4_1 | GgmlType::Q8_0)
+                && w.data.len() == w.groups() * nb * record_bytes(w.ty),
+            "malformed packed matrix"
+        );
+        assert!(
+            covers(a.qs.len(), cols) && covers(a.d.len(), nb),
+            "activations too short"
+        );
+        if w.ty == GgmlType::Q4_1 {
+            assert!(covers(a.s.len(), nb), "activation sums too short");
+        } else {
+            assert!(covers(xsum.len(), nb), "activation sums too short");
+        }
+        assert!(
+            segments > 0 && nb.is_multiple_of(segments),
+            "segments must divide the blocks"
+        );
+        Ctx {
+            w,
+            qs: &a.qs,
+            d: &a.d,
+            s: &a.s,
+            xsum,
+            m,
+            segments,
+        }
+    }
+
     /// Computes rows `16g..16g+16` (clamped) of every segment for every
     /// token into `out`.
     ///
     /// # Safety
-    /// `out` must point at a `segments x m x rows` buffer whose rows of
-    /// group `g` no other thread writes meanwhile; `isa` must be supported.
+    /// `isa` must be supported by the CPU ([`Isa::is_supported`]) and
+    /// `g < self.w.groups()`; `out` must point at a `segments x m x rows`
+    /// f32 buffer whose rows of group `g` no other thread accesses meanwhile.
     unsafe fn group(&self, isa: Isa, g: usize, out: OutPtr) {
         let rows = self.w.rows;
         let valid = (rows - g * PACK_ROWS).min(PACK_ROWS);
@@ -380,12 +422,14 @@ impl Ctx<'_> {
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx512Vnni => {
-                        // SAFETY: CPU support checked by the caller.
+                        // SAFETY: CPU support and `g` checked by the caller,
+                        // sizes by `Ctx::new`; `blocks` lies in `0..nb` and
+                        // `i0 + n <= m` with `1 <= n <= TILE_TOKENS`.
                         unsafe { avx512::tile(self, g, blocks, i0, n, &mut acc) }
                     }
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 => {
-                        // SAFETY: CPU support checked by the caller.
+                        // SAFETY: as above.
                         unsafe { avx2::tile(self, g, blocks, i0, n, &mut acc) }
                     }
                     _ => self.tile_scalar(g, blocks, i0, n, &mut acc),
@@ -471,8 +515,9 @@ mod avx512 {
     /// <= TILE_TOKENS`).
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F/BW and VNNI and F16C; `blocks` must
-    /// lie inside the matrix's blocks and `i0 + n <= m`.
+    /// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; `c`
+    /// must come from `Ctx::new`, `g < c.w.groups()`, `blocks` must lie in
+    /// `0..c.w.nb()`, and `1 <= n <= TILE_TOKENS` with `i0 + n <= c.m`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn tile(
         c: &Ctx<'_>,
@@ -506,7 +551,7 @@ mod avx512 {
     /// the reference's order.
     ///
     /// # Safety
-    /// As [`tile`], with `n == N`.
+    /// As [`tile`], with `N` for `n`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn tile_n<const N: usize, const Q4: bool>(
@@ -594,8 +639,9 @@ mod avx2 {
     /// once for four tokens).
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `blocks` must lie inside
-    /// the matrix's blocks and `i0 + n <= m`, `n <= TILE_TOKENS`.
+    /// The CPU must support AVX2, FMA and F16C; `c` must come from
+    /// `Ctx::new`, `g < c.w.groups()`, `blocks` must lie in `0..c.w.nb()`,
+    /// and `n <= TILE_TOKENS` with `i0 + n <= c.m`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile(
         c: &Ctx<'_>,
@@ -639,7 +685,7 @@ mod avx2 {
     /// tokens from `i0`, into `out[j][8 * half0..]`.
     ///
     /// # Safety
-    /// As [`tile`], with `i0 + N <= m` and `out.len() >= N`.
+    /// As [`tile`], with `N` for `n`, and `half0 + H <= 2`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     // Token and half indices address several arrays at once.

@@ -1,4 +1,5 @@
-//! A persistent fork-join worker pool.
+//! A persistent fork-join worker pool, and the process-wide one the
+//! kernels share ([`set_num_threads`], [`num_threads`]).
 //!
 //! `threads - 1` workers are spawned once; the calling thread takes part as
 //! worker 0. A call publishes the job in shared slots and bumps a generation
@@ -289,6 +290,59 @@ impl Pool {
     }
 }
 
+static POOL: OnceLock<Pool> = OnceLock::new();
+
+fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+/// The process-wide worker pool, built on first use with the default size. If the workers
+/// cannot be spawned, work runs on the caller's thread.
+pub(crate) fn pool() -> &'static Pool {
+    POOL.get_or_init(|| Pool::new(default_threads()).unwrap_or_else(|_| Pool::single()))
+}
+
+/// Sets the number of kernel worker threads (the calling thread counts as
+/// one of them).
+///
+/// The pool is built once per process. Call this before the first `matmul`
+/// (or `num_threads`, `parallel_for`) to choose its size; afterwards a call
+/// with the same count is a no-op returning `Ok`, and a call with a different
+/// count returns [`KernelError::ThreadPoolAlreadyInitialized`] and changes
+/// nothing. `n == 0` is rejected.
+pub fn set_num_threads(n: usize) -> Result<(), KernelError> {
+    if n == 0 {
+        return Err(KernelError::InvalidThreadCount(n));
+    }
+    let mut err = None;
+    let got = POOL.get_or_init(|| match Pool::new(n) {
+        Ok(p) => p,
+        Err(e) => {
+            err = Some(e);
+            Pool::single()
+        }
+    });
+    if let Some(e) = err {
+        return Err(e);
+    }
+    let current = got.threads();
+    if current == n {
+        Ok(())
+    } else {
+        Err(KernelError::ThreadPoolAlreadyInitialized {
+            current,
+            requested: n,
+        })
+    }
+}
+
+/// Number of kernel worker threads (builds the default pool if needed).
+pub fn num_threads() -> usize {
+    pool().threads()
+}
+
 /// Runs `f(i)` for every `i` in `0..n` across the pool (calling thread
 /// included); returns when all are done. Work is split in contiguous index
 /// ranges, one per worker, deterministically (same split for the same `n`
@@ -304,7 +358,7 @@ pub fn parallel_for(n: usize, f: &(dyn Fn(usize) + Sync)) {
 /// Like [`parallel_for`] but hands each worker its contiguous range once:
 /// `f(worker_index, range)`. Empty ranges are skipped.
 pub fn parallel_ranges(n: usize, f: &(dyn Fn(usize, Range<usize>) + Sync)) {
-    crate::cpu::pool().run(n, f);
+    pool().run(n, f);
 }
 
 /// Runs `f(i, chunk)` for every `chunk_len`-sized chunk of `data` (the last

@@ -17,158 +17,18 @@ use half::f16;
 
 use crate::error::KernelError;
 
-/// Elements per K-quant super-block.
-pub const QK_K: usize = 256;
-/// Elements per Q4_0/Q4_1/Q8_0/Q8_1 block.
-pub const QK: usize = 32;
+pub use crate::types::{GgmlType, QK, QK_K};
 
-/// A ggml tensor element type.
-#[allow(non_camel_case_types)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GgmlType {
-    F32,
-    F16,
-    Q4_0,
-    Q4_1,
-    Q8_0,
-    Q8_1,
-    Q4_K,
-    Q6_K,
-    Q8_K,
-    BF16,
-}
-
-impl GgmlType {
-    /// All supported types.
-    pub const ALL: [GgmlType; 10] = [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q8_0,
-        GgmlType::Q8_1,
-        GgmlType::Q4_K,
-        GgmlType::Q6_K,
-        GgmlType::Q8_K,
-        GgmlType::BF16,
-    ];
-
-    /// Maps a ggml type id (as stored in GGUF) to a type; `None` if unsupported.
-    pub fn from_ggml_id(id: u32) -> Option<GgmlType> {
-        Some(match id {
-            0 => GgmlType::F32,
-            1 => GgmlType::F16,
-            2 => GgmlType::Q4_0,
-            3 => GgmlType::Q4_1,
-            8 => GgmlType::Q8_0,
-            9 => GgmlType::Q8_1,
-            12 => GgmlType::Q4_K,
-            14 => GgmlType::Q6_K,
-            15 => GgmlType::Q8_K,
-            30 => GgmlType::BF16,
-            _ => return None,
-        })
+/// `ty.row_bytes(n)`, reporting why it failed.
+pub(crate) fn row_bytes_checked(ty: GgmlType, n: usize) -> Result<usize, KernelError> {
+    if !n.is_multiple_of(ty.block_len()) {
+        return Err(KernelError::NotBlockAligned {
+            ty,
+            n,
+            block_len: ty.block_len(),
+        });
     }
-
-    /// The ggml type id.
-    pub fn ggml_id(self) -> u32 {
-        match self {
-            GgmlType::F32 => 0,
-            GgmlType::F16 => 1,
-            GgmlType::Q4_0 => 2,
-            GgmlType::Q4_1 => 3,
-            GgmlType::Q8_0 => 8,
-            GgmlType::Q8_1 => 9,
-            GgmlType::Q4_K => 12,
-            GgmlType::Q6_K => 14,
-            GgmlType::Q8_K => 15,
-            GgmlType::BF16 => 30,
-        }
-    }
-
-    /// The ggml name ("F32", "Q4_1", ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            GgmlType::F32 => "F32",
-            GgmlType::F16 => "F16",
-            GgmlType::Q4_0 => "Q4_0",
-            GgmlType::Q4_1 => "Q4_1",
-            GgmlType::Q8_0 => "Q8_0",
-            GgmlType::Q8_1 => "Q8_1",
-            GgmlType::Q4_K => "Q4_K",
-            GgmlType::Q6_K => "Q6_K",
-            GgmlType::Q8_K => "Q8_K",
-            GgmlType::BF16 => "BF16",
-        }
-    }
-
-    /// Elements per block.
-    pub fn block_len(self) -> usize {
-        match self {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q8_1 => QK,
-            GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_K => QK_K,
-        }
-    }
-
-    /// Bytes per block.
-    pub fn block_bytes(self) -> usize {
-        match self {
-            GgmlType::F32 => 4,
-            GgmlType::F16 | GgmlType::BF16 => 2,
-            GgmlType::Q4_0 => 18,
-            GgmlType::Q4_1 => 20,
-            GgmlType::Q8_0 => 34,
-            GgmlType::Q8_1 => 36,
-            GgmlType::Q4_K => 144,
-            GgmlType::Q6_K => 210,
-            GgmlType::Q8_K => 292,
-        }
-    }
-
-    /// Bytes in a row of `n` elements; `None` if `n` is not a multiple of the
-    /// block length or the size overflows.
-    pub fn row_bytes(self, n: usize) -> Option<usize> {
-        if !n.is_multiple_of(self.block_len()) {
-            return None;
-        }
-        (n / self.block_len()).checked_mul(self.block_bytes())
-    }
-
-    /// The type ggml-cpu quantises activations to before the dot product.
-    pub fn vec_dot_type(self) -> GgmlType {
-        match self {
-            GgmlType::F32 => GgmlType::F32,
-            GgmlType::F16 => GgmlType::F16,
-            GgmlType::BF16 => GgmlType::BF16,
-            GgmlType::Q4_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
-            GgmlType::Q4_1 | GgmlType::Q8_1 => GgmlType::Q8_1,
-            GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_K => GgmlType::Q8_K,
-        }
-    }
-
-    /// Whether `matmul` accepts weights of this type.
-    pub fn supports_matmul(self) -> bool {
-        !matches!(self, GgmlType::Q8_1 | GgmlType::Q8_K)
-    }
-
-    /// Checked `row_bytes` that reports why it failed.
-    pub(crate) fn row_bytes_checked(self, n: usize) -> Result<usize, KernelError> {
-        if !n.is_multiple_of(self.block_len()) {
-            return Err(KernelError::NotBlockAligned {
-                ty: self,
-                n,
-                block_len: self.block_len(),
-            });
-        }
-        self.row_bytes(n).ok_or(KernelError::Overflow("row bytes"))
-    }
-}
-
-impl std::fmt::Display for GgmlType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
+    ty.row_bytes(n).ok_or(KernelError::Overflow("row bytes"))
 }
 
 // ---------------------------------------------------------------------------
@@ -230,7 +90,7 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 // Dequantisation (scalar reference).
 
 fn check_row(ty: GgmlType, src: &[u8], n: usize) -> Result<(), KernelError> {
-    let expected = ty.row_bytes_checked(n)?;
+    let expected = row_bytes_checked(ty, n)?;
     if src.len() != expected {
         return Err(KernelError::LengthMismatch {
             what: "dequantize_row src bytes",
@@ -402,7 +262,7 @@ pub(crate) fn quantize_block_q8_k(x: &[f32], qs: &mut [i8], bsums: &mut [i16]) -
 /// ggml-cpu quantises activations on x86), Q8_K (`quantize_row_q8_K_ref`),
 /// Q4_0 / Q4_1 (`quantize_row_q4_0_ref` / `quantize_row_q4_1_ref`).
 pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
-    let expected = ty.row_bytes_checked(src.len())?;
+    let expected = row_bytes_checked(ty, src.len())?;
     if dst.len() != expected {
         return Err(KernelError::LengthMismatch {
             what: "quantize_row dst bytes",

@@ -13,7 +13,7 @@
 //! Domain: `x > 88.72283` gives `+inf`, `x < -87.33654` (results below
 //! `f32::MIN_POSITIVE`) gives `0`, NaN stays NaN.
 
-use crate::Isa;
+use crate::cpu::{self, Isa};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// `ln 2 = LN2_HI + LN2_LO`, `LN2_HI` exact in 9 bits so `n * LN2_HI` is exact.
@@ -73,7 +73,7 @@ fn silu(g: f32) -> f32 {
 /// # Panics
 /// If the lengths differ (callers size both from one shape).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    silu_mul_with_isa(crate::isa(), gate, up);
+    silu_mul_with_isa(cpu::isa(), gate, up);
 }
 
 /// [`silu_mul`] with an explicit instruction set (tests compare them).
@@ -110,12 +110,12 @@ pub fn max(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
 }
 
-/// In-place softmax: subtract the max, [`exp`], divide by the sum, which is
+/// In-place softmax: subtract the max, `exp`, divide by the sum, which is
 /// accumulated in `f64` in 8 partial sums (element `i` into lane `i % 8`,
 /// the lanes then added pairwise) so that every ISA adds the same numbers
 /// in the same order. Empty input and all `-inf` input are left unchanged.
 pub fn softmax(x: &mut [f32]) {
-    softmax_with_isa(crate::isa(), x);
+    softmax_with_isa(cpu::isa(), x);
 }
 
 /// [`softmax`] with an explicit instruction set (tests compare them).

@@ -16,6 +16,10 @@ pub(crate) fn hsum8(v: __m256) -> f32 {
 }
 
 /// Reads an f16 at `p` (unaligned) as f32.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `p` must be valid for reading
+/// 2 bytes (any alignment).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn f16_at(p: *const u8) -> f32 {
@@ -25,6 +29,10 @@ pub(crate) unsafe fn f16_at(p: *const u8) -> f32 {
 }
 
 /// Reads two adjacent f16 at `p` as (first, second).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `p` must be valid for reading
+/// 4 bytes (any alignment).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn f16x2_at(p: *const u8) -> (f32, f32) {
@@ -34,8 +42,11 @@ pub(crate) unsafe fn f16x2_at(p: *const u8) -> (f32, f32) {
     (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
 }
 
+/// `dot::compute_block` for [`Isa::Avx2`](crate::Isa::Avx2).
+///
 /// # Safety
-/// AVX2/FMA/F16C available; buffers as asserted by `dot::compute_block`.
+/// The CPU must support AVX2, FMA and F16C; the arguments must pass
+/// `dot::compute_block`'s checks.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn compute_block(
@@ -110,6 +121,10 @@ pub(crate) fn float_block(
 }
 
 /// 16-lane float dot: w as f32 bytes.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w` must be valid for reading
+/// `4 * cols` bytes (any alignment) and `x` for reading `cols` aligned f32.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_f32(w: *const u8, x: *const f32, cols: usize) -> f32 {
     let nc = cols / 16 * 16;
@@ -133,6 +148,11 @@ unsafe fn dot_f32(w: *const u8, x: *const f32, cols: usize) -> f32 {
     }
 }
 
+/// [`dot_f32`] for f16 weights and activations.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w` must be valid for reading
+/// `2 * cols` bytes and `x` for reading `cols` u16 (any alignment).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_f16(w: *const u8, x: *const u16, cols: usize) -> f32 {
     let nc = cols / 16 * 16;
@@ -153,6 +173,11 @@ unsafe fn dot_f16(w: *const u8, x: *const u16, cols: usize) -> f32 {
     }
 }
 
+/// [`dot_f32`] for bf16 weights and activations.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w` must be valid for reading
+/// `2 * cols` bytes (any alignment) and `x` for reading `cols` aligned u16.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_bf16(w: *const u8, x: *const u16, cols: usize) -> f32 {
     let nc = cols / 16 * 16;
@@ -195,6 +220,8 @@ fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256i {
 
 pub(crate) struct Q4_1K;
 impl QKernel for Q4_1K {
+    /// # Safety
+    /// As [`QKernel::run`], with AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run<const R: usize, const N: usize>(
         w: [*const u8; R],
@@ -231,6 +258,8 @@ impl QKernel for Q4_1K {
 
 pub(crate) struct Q8_0K;
 impl QKernel for Q8_0K {
+    /// # Safety
+    /// As [`QKernel::run`], with AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run<const R: usize, const N: usize>(
         w: [*const u8; R],
@@ -261,6 +290,8 @@ impl QKernel for Q8_0K {
 
 pub(crate) struct Q4_0K;
 impl QKernel for Q4_0K {
+    /// # Safety
+    /// As [`QKernel::run`], with AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run<const R: usize, const N: usize>(
         w: [*const u8; R],
@@ -318,6 +349,8 @@ pub(crate) fn q4k_scales(scales: &[u8]) -> ([u8; 8], [u8; 8]) {
 
 pub(crate) struct Q4KK;
 impl QKernel for Q4KK {
+    /// # Safety
+    /// As [`QKernel::run`], with AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run<const R: usize, const N: usize>(
         w: [*const u8; R],
@@ -378,6 +411,8 @@ impl QKernel for Q4KK {
 
 pub(crate) struct Q6KK;
 impl QKernel for Q6KK {
+    /// # Safety
+    /// As [`QKernel::run`], with AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run<const R: usize, const N: usize>(
         w: [*const u8; R],

@@ -9,9 +9,11 @@ use super::avx2::{self, f16_at, f16x2_at, float_block, hsum8};
 use super::{ActPtr, Acts, QKernel, drive};
 use crate::quant::GgmlType;
 
+/// `dot::compute_block` for [`Isa::Avx512Vnni`](crate::Isa::Avx512Vnni).
+///
 /// # Safety
-/// AVX-512 F/BW/VL/VNNI + AVX2/FMA/F16C available; buffers as asserted by
-/// `dot::compute_block`.
+/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C;
+/// the arguments must pass `dot::compute_block`'s checks.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn compute_block(
@@ -89,6 +91,10 @@ fn hsum16(v: __m512) -> f32 {
 }
 
 /// 16 elements of `kind` at `p` (bytes) widened to f32.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C;
+/// `p` must be valid for reading 16 elements of `kind` (any alignment).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn load16(p: *const u8, kind: Kind) -> __m512 {
@@ -104,6 +110,11 @@ unsafe fn load16(p: *const u8, kind: Kind) -> __m512 {
     }
 }
 
+/// Element `k` of `kind` at `p` (bytes) as f32.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C;
+/// `p` must be valid for reading `k + 1` elements of `kind` (any alignment).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn load1(p: *const u8, k: usize, kind: Kind) -> f32 {
@@ -117,6 +128,12 @@ unsafe fn load1(p: *const u8, k: usize, kind: Kind) -> f32 {
     }
 }
 
+/// 16-lane float dot of `cols` elements of `kind`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C;
+/// `w` and `x` must each be valid for reading `cols` elements of `kind`
+/// (any alignment).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn dot_float(w: *const u8, x: *const u8, cols: usize, kind: Kind) -> f32 {
     let esz = if kind == Kind::F32 { 4 } else { 2 };
@@ -140,6 +157,10 @@ unsafe fn dot_float(w: *const u8, x: *const u8, cols: usize, kind: Kind) -> f32 
 }
 
 /// One 16-byte nibble block unpacked to 32 bytes (low nibbles first).
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C;
+/// `p` must be valid for reading 16 bytes (any alignment).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn nibbles1(p: *const u8) -> __m256i {
@@ -158,6 +179,8 @@ unsafe fn nibbles1(p: *const u8) -> __m256i {
 
 pub(crate) struct Q4_1K;
 impl QKernel for Q4_1K {
+    /// # Safety
+    /// As [`QKernel::run`], with AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn run<const R: usize, const N: usize>(
         w: [*const u8; R],
@@ -200,6 +223,8 @@ macro_rules! q8_like_kernel {
     ($name:ident, $bs:expr, $wq:expr) => {
         pub(crate) struct $name;
         impl QKernel for $name {
+            /// # Safety
+            /// As [`QKernel::run`], with AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
             #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
             unsafe fn run<const R: usize, const N: usize>(
                 w: [*const u8; R],
@@ -236,6 +261,11 @@ macro_rules! q8_like_kernel {
     };
 }
 
+/// A Q8_0 block's 32 signed quants.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C;
+/// `p` must be valid for reading 32 bytes (any alignment).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn q8_w(p: *const u8) -> __m256i {
@@ -243,6 +273,11 @@ unsafe fn q8_w(p: *const u8) -> __m256i {
     unsafe { _mm256_loadu_si256(p.cast()) }
 }
 
+/// A Q4_0 block's 32 quants, unpacked and re-centred to signed.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C;
+/// `p` must be valid for reading 16 bytes (any alignment).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn q4_0_w(p: *const u8) -> __m256i {

@@ -150,7 +150,10 @@ impl Q8Ptrs {
     /// Blocks `r` of the buffers.
     ///
     /// # Safety
-    /// `r` must be in bounds and no other live reference may cover it.
+    /// The buffers must hold at least `r.end` blocks (`qs` `r.end * QK`
+    /// values, `d` and, when `with_s`, `s` `r.end`) and stay alive and
+    /// otherwise unaccessed at those blocks while the returned slices (whose
+    /// `'static` is a lie) are used.
     unsafe fn blocks(
         self,
         r: std::ops::Range<usize>,
@@ -295,35 +298,16 @@ pub(crate) fn compute_block(
     if nrows == 0 || n == 0 {
         return;
     }
-    assert!(w.len() >= nrows * row_bytes, "weight block too short");
-    assert!(
-        n <= ldo && out.len() >= (nrows - 1) * ldo + n,
-        "output block too short"
-    );
-    match acts {
-        Acts::F32(x) => assert!(x.len() >= (i0 + n) * cols),
-        Acts::Half(x) => assert!(x.len() >= (i0 + n) * cols),
-        Acts::Q8(a) => {
-            assert!(a.qs.len() >= (i0 + n) * cols && a.d.len() >= (i0 + n) * a.nb);
-            assert!(a.nb * ty.block_len() == cols);
-            if ty.vec_dot_type() == GgmlType::Q8_1 {
-                assert!(a.s.len() >= (i0 + n) * a.nb);
-            }
-            if ty.vec_dot_type() == GgmlType::Q8_K {
-                assert!(a.bsums.len() >= (i0 + n) * a.nb * 16);
-            }
-        }
-    }
-    assert_eq!(ty.row_bytes(cols), Some(row_bytes));
+    check_block(ty, w, row_bytes, nrows, cols, acts, i0, n, out.len(), ldo);
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni if isa.is_supported() => {
-            // SAFETY: CPU support checked; buffer sizes asserted above.
+            // SAFETY: CPU support checked; buffer sizes by `check_block`.
             unsafe { avx512::compute_block(ty, w, row_bytes, nrows, cols, acts, i0, n, out, ldo) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if isa.is_supported() => {
-            // SAFETY: CPU support checked; buffer sizes asserted above.
+            // SAFETY: CPU support checked; buffer sizes by `check_block`.
             unsafe { avx2::compute_block(ty, w, row_bytes, nrows, cols, acts, i0, n, out, ldo) }
         }
         _ => {
@@ -335,6 +319,61 @@ pub(crate) fn compute_block(
             }
         }
     }
+}
+
+/// [`compute_block`]'s size checks, once per call and overflow-proof: the
+/// SIMD kernels read through raw pointers, and these are what keep them in
+/// bounds. Out of line, so they leave the hot loops' code alone (inline,
+/// they measurably slowed some m = 1 kernels).
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn check_block(
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    nrows: usize,
+    cols: usize,
+    acts: &Acts<'_>,
+    i0: usize,
+    n: usize,
+    out_len: usize,
+    ldo: usize,
+) {
+    let end = i0.checked_add(n).expect("activation rows overflow");
+    assert!(
+        covers(w.len(), &[nrows, row_bytes]),
+        "weight block too short"
+    );
+    assert!(
+        n <= ldo
+            && (nrows - 1)
+                .checked_mul(ldo)
+                .and_then(|v| v.checked_add(n))
+                .is_some_and(|need| out_len >= need),
+        "output block too short"
+    );
+    match acts {
+        Acts::F32(x) => assert!(covers(x.len(), &[end, cols])),
+        Acts::Half(x) => assert!(covers(x.len(), &[end, cols])),
+        Acts::Q8(a) => {
+            assert!(covers(a.qs.len(), &[end, cols]) && covers(a.d.len(), &[end, a.nb]));
+            assert!(a.nb.checked_mul(ty.block_len()) == Some(cols));
+            if ty.vec_dot_type() == GgmlType::Q8_1 {
+                assert!(covers(a.s.len(), &[end, a.nb]));
+            }
+            if ty.vec_dot_type() == GgmlType::Q8_K {
+                assert!(covers(a.bsums.len(), &[end, a.nb, 16]));
+            }
+        }
+    }
+    assert_eq!(ty.row_bytes(cols), Some(row_bytes));
+}
+
+/// Whether `len` is at least the product of `dims` (false if it overflows).
+fn covers(len: usize, dims: &[usize]) -> bool {
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .is_some_and(|need| len >= need)
 }
 
 /// Raw per-activation-row pointers for the SIMD kernels.
@@ -371,8 +410,10 @@ impl ActPtr {
 #[cfg(target_arch = "x86_64")]
 pub(crate) trait QKernel {
     /// # Safety
-    /// The CPU must support the kernel's ISA; each `w[r]` must point at a full
-    /// row of `nb` blocks and each `x[j]` at a full activation row.
+    /// The CPU must support the kernel's ISA; each `w[r]` must point at `nb`
+    /// readable weight blocks of the kernel's type, and each `x[j]` at an
+    /// activation row of `nb` blocks of its `vec_dot_type` (`qs`, `d`, plus
+    /// `s` for Q8_1 or `bsums` for Q8_K; aligned, as from [`ActPtr::new`]).
     unsafe fn run<const R: usize, const N: usize>(
         w: [*const u8; R],
         x: [ActPtr; N],
@@ -404,7 +445,8 @@ fn prefetch_rows(w: &[u8], start: usize, len: usize) {
 /// tiles. Tiling never changes results (each element is computed alone).
 ///
 /// # Safety
-/// As [`QKernel::run`]; the buffers must be as asserted in `compute_block`.
+/// The CPU must support `K`'s ISA, `K` must be the kernel for `w`'s type,
+/// and the buffers must pass [`compute_block`]'s checks.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn drive<K: QKernel>(
