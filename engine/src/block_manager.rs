@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::kv_cache::{BlockAllocator, BlockId, KvCacheError};
+use crate::block_allocator::{BlockAllocator, BlockId, KvCacheError};
 
 pub use tandem_types::block_hash::{BlockHash, block_hashes, chain_hash};
 

@@ -1,7 +1,7 @@
 //! Engine errors, classified where they arise. Rendering (HTTP status, gRPC
 //! code) happens once at the edge, in the crates that own those protocols.
 
-use crate::kv_cache::KvCacheError;
+use crate::block_allocator::KvCacheError;
 use tandem_modelfile::tokenizer::TokenizerError;
 use tandem_types::InvalidRequest;
 

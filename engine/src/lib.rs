@@ -2,7 +2,21 @@
 //! the sampler, the batch scheduler, tensor-parallel communicators, and
 //! model loading (files are read through `tandem-modelfile`). It knows
 //! nothing of HTTP or gRPC.
+//!
+//! Modules, in layers: each uses only modules listed before it, so the
+//! module graph has no cycles.
+//! - Foundations: `block_allocator` (block ids, the refcounting allocator,
+//!   `KvCacheError`), `error`, `weight` (weight matrices in their stored
+//!   form), `comm` (tensor-parallel communicators), `sampler`.
+//! - The KV cache: `block_manager` (block ownership, prefix caching), then
+//!   `kv_cache` (the paged pool).
+//! - The forward pass: `moe` (mixture-of-experts blocks), then `model`.
+//! - Loading: `safetensors_loader` (weights of an HF directory), then
+//!   `loader` (GGUF files and HF directories into a [`LoadedModel`]), then
+//!   `metrics`.
+//! - `generate` and `scheduler` on top.
 
+pub mod block_allocator;
 pub mod block_manager;
 pub mod comm;
 pub mod error;
@@ -15,6 +29,7 @@ pub mod moe;
 pub mod safetensors_loader;
 pub mod sampler;
 pub mod scheduler;
+pub mod weight;
 
 pub use error::{ModelError, RequestError};
 pub use loader::{LoadedModel, load};

@@ -5,8 +5,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_kernels::GgmlType;
-
 use tandem_modelfile::ModelText;
 use tandem_modelfile::config::LlamaConfig;
 use tandem_modelfile::gguf::GgufFile;
@@ -14,8 +12,9 @@ use tandem_modelfile::meta;
 use tandem_types::ModelFingerprint;
 
 use crate::error::ModelError;
-use crate::model::{FfnWeights, LayerWeights, LlamaModel, LlamaWeights, Weight};
+use crate::model::{FfnWeights, LayerWeights, LlamaModel, LlamaWeights};
 use crate::safetensors_loader;
+use crate::weight::{Weight, to_f32};
 
 /// A model with everything needed to turn text into tokens and back.
 #[derive(Debug)]
@@ -57,7 +56,7 @@ pub struct LoadTimes {
 /// Loads `path`: a `.gguf` file or a directory with `config.json`.
 pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
     if path.is_dir() {
-        safetensors_loader::load_dir(path)
+        load_dir(path)
     } else if path.is_file() {
         load_gguf(path)
     } else {
@@ -90,6 +89,36 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
             chat_template,
         }),
         path: path.to_path_buf(),
+        weights_hash,
+        load_time: LoadTimes {
+            read,
+            dequantize,
+            init,
+            total: t0.elapsed(),
+        },
+    })
+}
+
+/// Loads an HF-style model directory: the weights (read by
+/// [`safetensors_loader`]), the tokenizer and the chat template.
+pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
+    let t0 = Instant::now();
+    let (config, weights, weights_hash) = safetensors_loader::read_weights(dir)?;
+    let read = t0.elapsed();
+    let dequantize = Duration::ZERO;
+
+    let t2 = Instant::now();
+    let (tokenizer, chat_template) = meta::hf_text(dir, &config)?;
+    let model = LlamaModel::new(config, weights)?;
+    let init = t2.elapsed();
+    Ok(LoadedModel {
+        model,
+        text: Arc::new(ModelText {
+            name: meta::file_stem(dir),
+            tokenizer,
+            chat_template,
+        }),
+        path: dir.to_path_buf(),
         weights_hash,
         load_time: LoadTimes {
             read,
@@ -165,19 +194,4 @@ fn gguf_weights(g: &GgufFile, c: &LlamaConfig) -> Result<LlamaWeights, ModelErro
         output_norm: vector("output_norm.weight")?,
         output,
     })
-}
-
-/// Converts a small tensor (a norm weight) to `f32`.
-pub(crate) fn to_f32(
-    name: &str,
-    ty: GgmlType,
-    bytes: &[u8],
-    n: usize,
-) -> Result<Vec<f32>, ModelError> {
-    let mut out = vec![0.0f32; n];
-    tandem_kernels::dequantize_row(ty, bytes, &mut out).map_err(|e| ModelError::BadTensor {
-        name: name.to_string(),
-        problem: e.to_string(),
-    })?;
-    Ok(out)
 }

@@ -30,7 +30,7 @@ use tandem_kernels::ops;
 
 use crate::comm::Communicator;
 use crate::error::{ModelError, RequestError};
-use crate::model::Weight;
+use crate::weight::Weight;
 
 pub use tandem_modelfile::config::{MoeConfig, Scoring};
 

@@ -1,23 +1,23 @@
-//! Loads an HF-style `LlamaForCausalLM` directory: `config.json`,
-//! `tokenizer.json`, `tokenizer_config.json` (chat template, special tokens)
-//! and one or more `*.safetensors` files with F32, F16 or BF16 tensors.
+//! Reads the weights of an HF-style `LlamaForCausalLM` directory:
+//! `config.json` and one or more `*.safetensors` files with F32, F16 or
+//! BF16 tensors. `loader::load_dir` adds the tokenizer and chat template
+//! (`tokenizer.json`, `tokenizer_config.json`) to make a loaded model.
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 use safetensors::{Dtype, SafeTensors};
 use tandem_kernels::GgmlType;
 
 use tandem_modelfile::config::LlamaConfig;
+use tandem_modelfile::meta;
 use tandem_modelfile::storage::Backing;
-use tandem_modelfile::{ModelText, meta};
 
 use crate::error::ModelError;
-use crate::loader::{LoadTimes, LoadedModel, to_f32};
-use crate::model::{FfnWeights, LayerWeights, LlamaModel, LlamaWeights, Weight};
+use crate::model::{FfnWeights, LayerWeights, LlamaModel, LlamaWeights};
 use crate::moe::{Expert, MoeWeights};
+use crate::weight::{Weight, to_f32};
 
 /// Where one tensor lives: which file's bytes, at which range.
 struct Located {
@@ -25,35 +25,6 @@ struct Located {
     range: std::ops::Range<usize>,
     ty: GgmlType,
     shape: Vec<usize>,
-}
-
-/// Loads a model directory.
-pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
-    let t0 = Instant::now();
-    let (config, weights, weights_hash) = read_weights(dir)?;
-    let read = t0.elapsed();
-    let dequantize = std::time::Duration::ZERO;
-
-    let t2 = Instant::now();
-    let (tokenizer, chat_template) = meta::hf_text(dir, &config)?;
-    let model = LlamaModel::new(config, weights)?;
-    let init = t2.elapsed();
-    Ok(LoadedModel {
-        model,
-        text: Arc::new(ModelText {
-            name: meta::file_stem(dir),
-            tokenizer,
-            chat_template,
-        }),
-        path: dir.to_path_buf(),
-        weights_hash,
-        load_time: LoadTimes {
-            read,
-            dequantize,
-            init,
-            total: t0.elapsed(),
-        },
-    })
 }
 
 /// The model alone (no tokenizer), from `config.json` and the
@@ -66,7 +37,7 @@ pub fn load_model_dir(dir: &Path) -> Result<LlamaModel, ModelError> {
 
 /// Parses `config.json` and maps every `*.safetensors` file; returns the
 /// config, the weights and a hash of the files' bytes.
-fn read_weights(dir: &Path) -> Result<(LlamaConfig, LlamaWeights, u64), ModelError> {
+pub(crate) fn read_weights(dir: &Path) -> Result<(LlamaConfig, LlamaWeights, u64), ModelError> {
     let (config, tie) = meta::hf_config(dir)?;
     let files = meta::hf_weight_files(dir)?;
     let mut tensors: HashMap<String, Located> = HashMap::new();

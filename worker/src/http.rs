@@ -1,19 +1,30 @@
-//! `/metrics` and `/health` of a node, on their own HTTP port.
+//! `/metrics` and `/health` of a node, on their own HTTP port. What they
+//! serve comes from the node through two callbacks, so this module does not
+//! depend on the node's state (`node` builds the router).
 
 use std::sync::Arc;
 
 use axum::Router;
 use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-
-use crate::node::NodeCore;
 
 /// Renders the process's metrics in Prometheus text format.
 pub type MetricsRenderer = Arc<dyn Fn() -> String + Send + Sync>;
 
-pub fn router(core: Arc<NodeCore>, render: MetricsRenderer) -> Router {
-    let health_core = Arc::clone(&core);
+/// A node's health as `/health` reports it.
+#[derive(Debug, Clone)]
+pub struct Health {
+    /// A draining node answers 503, so that balancers stop sending it work.
+    pub draining: bool,
+    /// The JSON body (status, identity, load).
+    pub body: serde_json::Value,
+}
+
+/// Reports the node's current health.
+pub type HealthReporter = Arc<dyn Fn() -> Health + Send + Sync>;
+
+pub fn router(health: HealthReporter, render: MetricsRenderer) -> Router {
     Router::new()
         .route(
             "/metrics",
@@ -30,34 +41,67 @@ pub fn router(core: Arc<NodeCore>, render: MetricsRenderer) -> Router {
         .route(
             "/health",
             get(move || {
-                let core = Arc::clone(&health_core);
-                async move { health(&core).into_response() }
+                let h = health();
+                async move { respond(h) }
             }),
         )
 }
 
-fn health(core: &NodeCore) -> impl IntoResponse + use<> {
-    let s = core.scheduler.stats();
-    let load = |a: &std::sync::atomic::AtomicUsize| a.load(std::sync::atomic::Ordering::Relaxed);
-    let body = serde_json::json!({
-        "status": if core.is_draining() { "draining" } else { "ok" },
-        "id": core.id,
-        "role": core.role.as_str(),
-        "registered": core.is_registered(),
-        "waiting": load(&s.waiting),
-        "running": load(&s.running),
-        "importing": load(&s.importing),
-        "exported": load(&s.exported),
-        "kv_blocks_total": load(&s.kv_blocks_total),
-        "kv_blocks_in_use": load(&s.kv_blocks_in_use),
-        "kv_blocks_cached": load(&s.kv_blocks_cached),
-        "kv_connector": core.dkv.connector(),
-        "last_kv_event_id": core.hub.last_id(),
-    });
-    let code = if core.is_draining() {
+fn respond(h: Health) -> Response {
+    let code = if h.draining {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK
     };
-    (code, axum::Json(body))
+    (code, axum::Json(h.body)).into_response()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    async fn get(addr: std::net::SocketAddr, path: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn health_and_metrics_come_from_the_callbacks() {
+        let draining = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&draining);
+        let health: HealthReporter = Arc::new(move || {
+            let draining = flag.load(Ordering::Relaxed);
+            Health {
+                draining,
+                body: serde_json::json!({ "status": if draining { "draining" } else { "ok" } }),
+            }
+        });
+        let render: MetricsRenderer = Arc::new(|| "tandem_up 1\n".to_string());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router(health, render)).await });
+
+        let ok = get(addr, "/health").await;
+        assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        assert!(ok.ends_with(r#"{"status":"ok"}"#), "{ok}");
+
+        draining.store(true, Ordering::Relaxed);
+        let drain = get(addr, "/health").await;
+        assert!(drain.starts_with("HTTP/1.1 503"), "{drain}");
+        assert!(drain.ends_with(r#"{"status":"draining"}"#), "{drain}");
+
+        let m = get(addr, "/metrics").await;
+        assert!(m.starts_with("HTTP/1.1 200"), "{m}");
+        assert!(m.contains("text/plain; version=0.0.4"), "{m}");
+        assert!(m.ends_with("tandem_up 1\n"), "{m}");
+    }
 }

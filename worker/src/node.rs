@@ -17,7 +17,7 @@ use tokio::net::TcpListener;
 
 use crate::error::WorkerError;
 use crate::events::EventHub;
-use crate::http::MetricsRenderer;
+use crate::http::{Health, MetricsRenderer};
 
 pub use tandem_discovery::Role;
 
@@ -181,6 +181,29 @@ impl NodeCore {
         }
     }
 
+    /// What `/health` reports.
+    fn health(&self) -> Health {
+        let s = self.scheduler.stats();
+        let load = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed);
+        let draining = self.is_draining();
+        let body = serde_json::json!({
+            "status": if draining { "draining" } else { "ok" },
+            "id": self.id,
+            "role": self.role.as_str(),
+            "registered": self.is_registered(),
+            "waiting": load(&s.waiting),
+            "running": load(&s.running),
+            "importing": load(&s.importing),
+            "exported": load(&s.exported),
+            "kv_blocks_total": load(&s.kv_blocks_total),
+            "kv_blocks_in_use": load(&s.kv_blocks_in_use),
+            "kv_blocks_cached": load(&s.kv_blocks_cached),
+            "kv_connector": self.dkv.connector(),
+            "last_kv_event_id": self.hub.last_id(),
+        });
+        Health { draining, body }
+    }
+
     fn load(&self) -> pb::Load {
         let s = self.scheduler.stats();
         let get = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as u32;
@@ -203,7 +226,7 @@ fn kv_layout(kv: &tandem_engine::kv_cache::KvCacheConfig) -> KvLayout {
     }
 }
 
-/// Serves `grpc` (the role's services plus [`crate::service::WorkerService`])
+/// Serves `grpc` (the role's services plus `service::WorkerService`)
 /// and the HTTP endpoints until `shutdown` resolves, registered in etcd
 /// meanwhile. Prints the bound addresses on stdout (tests read them).
 pub async fn serve(
@@ -259,13 +282,12 @@ pub async fn serve(
     });
 
     let mut http_stop = stop_rx.clone();
-    let http = axum::serve(
-        http_listener,
-        crate::http::router(Arc::clone(&core), render),
-    )
-    .with_graceful_shutdown(async move {
-        let _ = http_stop.changed().await;
-    });
+    let health_core = Arc::clone(&core);
+    let health = Arc::new(move || health_core.health());
+    let http = axum::serve(http_listener, crate::http::router(health, render))
+        .with_graceful_shutdown(async move {
+            let _ = http_stop.changed().await;
+        });
     let http_task = tokio::spawn(async move { http.await });
 
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
