@@ -42,6 +42,7 @@ impl Backend for LocalBackend {
             max_tokens: req.max_tokens,
             stop_token_ids: req.stop_token_ids,
             handoff: KvHandoff::Local,
+            constraint: req.constraint,
         });
         Box::pin(async move {
             match submitted {

@@ -263,6 +263,7 @@ impl Inner {
             dst_blocks: slot.blocks[slot.cached_blocks..].to_vec(),
             regions,
             deadline,
+            constraint: job.constraint.clone(),
         }
         .to_pb(&core.fingerprint);
         let mut request = tonic::Request::new(req);
@@ -362,6 +363,7 @@ impl pb::decode_server::Decode for DecodeService {
                 max_tokens: job.max_tokens,
                 stop_token_ids: job.stop_token_ids.clone(),
                 handoff,
+                constraint: job.constraint.clone(),
             })
             .map_err(|e| Status::from(WorkerError::from(e)))?;
         let (tx, rx) = mpsc::channel(64);

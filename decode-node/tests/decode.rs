@@ -403,6 +403,7 @@ async fn run(
         max_tokens: MAX_TOKENS,
         stop_token_ids: m.text.tokenizer.stop_ids(),
         prefill,
+        constraint: None,
     };
     let t0 = Instant::now();
     let read = async {

@@ -28,7 +28,8 @@ use opentelemetry::KeyValue;
 
 use tokio::sync::mpsc as tmpsc;
 
-use tandem_types::{FinishReason, GenFailure, RequestLimits};
+use tandem_grammar::{ConstraintState, GrammarCompiler, GrammarError, TokenMask};
+use tandem_types::{Constraint, FinishReason, GenFailure, InvalidRequest, RequestLimits};
 
 use crate::block_manager::{BlockHash, KvEvent, block_hashes, chain_hash};
 use crate::comm::{Communicator, CpuGroup};
@@ -119,6 +120,8 @@ pub struct Request {
     pub stop_token_ids: Vec<u32>,
     /// Where the prompt's KV comes from or goes to.
     pub handoff: KvHandoff,
+    /// What the generated text must match (compiled at submit).
+    pub constraint: Option<Constraint>,
 }
 
 /// The role of a request in a disaggregated prefill/decode handoff.
@@ -229,8 +232,17 @@ fn emit(tx: &EventTx, ev: Event) {
     }
 }
 
+/// A request on its way to the actor, with what `submit` prepared.
+struct Submission {
+    id: u64,
+    req: Request,
+    constraint: Option<ConstraintState>,
+    events: EventTx,
+    cached: Arc<AtomicUsize>,
+}
+
 enum Command {
-    Submit(Box<(u64, Request, EventTx, Arc<AtomicUsize>)>),
+    Submit(Box<Submission>),
     Cancel(u64),
     ImportDone(u64, Box<ImportOutcome>),
 }
@@ -252,6 +264,38 @@ pub struct SchedulerHandle {
     /// The pools of tensor-parallel ranks 1.., each holding its KV heads at
     /// the same block ids as rank 0's.
     peer_pools: Vec<Arc<KvPool>>,
+    /// Compiles constraints; built on the first constrained request.
+    grammar: Arc<GrammarSlot>,
+}
+
+/// The model's constraint compiler, built once on first use.
+struct GrammarSlot {
+    text: Option<Arc<tandem_modelfile::ModelText>>,
+    compiler: std::sync::OnceLock<Result<GrammarCompiler, GrammarError>>,
+}
+
+impl std::fmt::Debug for GrammarSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GrammarSlot")
+    }
+}
+
+impl GrammarSlot {
+    fn compile(&self, c: &Constraint) -> Result<ConstraintState, InvalidRequest> {
+        let Some(text) = &self.text else {
+            return Err(InvalidRequest::Constraint(
+                "this model has no tokenizer".into(),
+            ));
+        };
+        let compiler = self
+            .compiler
+            .get_or_init(|| GrammarCompiler::new(&text.tokenizer));
+        match compiler {
+            Ok(g) => g.compile(c),
+            Err(e) => Err(e.clone()),
+        }
+        .map_err(|e| InvalidRequest::Constraint(e.to_string()))
+    }
 }
 
 /// Events of one request. Dropping it cancels the request.
@@ -377,6 +421,10 @@ impl Scheduler {
             pool: Arc::clone(cache.pool()),
             kv_config,
             peer_pools: exec.peer_pools.clone(),
+            grammar: Arc::new(GrammarSlot {
+                text: Some(Arc::clone(&model.text)),
+                compiler: std::sync::OnceLock::new(),
+            }),
         };
         let actor = Actor {
             model,
@@ -438,18 +486,24 @@ impl SchedulerHandle {
         };
         let mut req = req;
         req.max_tokens = limits.check(&req.prompt, Some(req.max_tokens), &req.sampling)?;
+        // Compiled here, on the caller's thread, not the scheduler's.
+        let constraint = match &req.constraint {
+            Some(c) => Some(self.grammar.compile(c)?),
+            None => None,
+        };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (etx, erx) = tmpsc::unbounded_channel();
         let cached = Arc::new(AtomicUsize::new(0));
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
         if self
             .tx
-            .send(Command::Submit(Box::new((
+            .send(Command::Submit(Box::new(Submission {
                 id,
                 req,
-                etx,
-                Arc::clone(&cached),
-            ))))
+                constraint,
+                events: etx,
+                cached: Arc::clone(&cached),
+            })))
             .is_err()
         {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -490,6 +544,8 @@ impl SchedulerHandle {
 /// One sequence owned by the actor.
 struct Seq {
     id: u64,
+    /// The grammar state of a constrained request.
+    constraint: Option<ConstraintState>,
     /// Prompt followed by generated tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -545,6 +601,14 @@ struct Actor {
     logits: Vec<f32>,
 }
 
+/// Why a sequence leaves the batch after a step.
+enum Leave {
+    Finished(FinishReason),
+    /// An exported prompt, now held for its transfer.
+    Exported,
+    Failed(GrammarError),
+}
+
 /// A sequence's share of one step.
 struct Planned {
     /// Index into `running`.
@@ -593,7 +657,13 @@ impl Actor {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(b) => {
-                let (id, req, events, cached_shared) = *b;
+                let Submission {
+                    id,
+                    req,
+                    constraint,
+                    events,
+                    cached: cached_shared,
+                } = *b;
                 let sampler = match Sampler::new(req.sampling, &req.prompt) {
                     Ok(s) => s,
                     Err(e) => {
@@ -621,6 +691,7 @@ impl Actor {
                     cached_shared,
                     admitted: 0,
                     handoff: req.handoff,
+                    constraint,
                     events,
                 });
             }
@@ -671,6 +742,16 @@ impl Actor {
         s.cached_shared.store(s.cached_tokens, Ordering::Relaxed);
         register_full_blocks(&mut self.cache, &mut s, self.config.block_size);
         s.sampler.accept_external(first.token);
+        if let Some(c) = &mut s.constraint
+            && let Err(e) = c.consume(first.token)
+        {
+            emit(
+                &s.events,
+                Event::Failed(GenFailure::Internal(e.to_string())),
+            );
+            self.free(&mut s);
+            return;
+        }
         match s.accept(first) {
             Some(finish) => self.retire(s, finish),
             None => self.running.push(s),
@@ -720,9 +801,30 @@ impl Actor {
                 emit(tx, Event::LayerDone(ev));
             }
         };
+        // Constrained sequences sampling this step: their token masks are
+        // computed on another thread while the forward pass runs.
+        let mut constrained: Vec<(usize, ConstraintState)> = plan
+            .iter()
+            .filter_map(|p| {
+                let s = &mut self.running[p.seq];
+                let samples = s.computed + p.len == s.tokens.len();
+                samples
+                    .then(|| s.constraint.take())
+                    .flatten()
+                    .map(|c| (p.seq, c))
+            })
+            .collect();
         // The step's logits, in a buffer kept across steps.
         let mut logits = std::mem::take(&mut self.logits);
-        let result = {
+        let (result, masks) = std::thread::scope(|scope| {
+            let masker = (!constrained.is_empty()).then(|| {
+                scope.spawn(|| {
+                    constrained
+                        .iter_mut()
+                        .map(|(_, c)| c.mask())
+                        .collect::<Vec<_>>()
+                })
+            });
             let chunks: Vec<SeqChunk<'_>> = plan
                 .iter()
                 .map(|p| {
@@ -735,9 +837,25 @@ impl Actor {
                     }
                 })
                 .collect();
-            self.exec
-                .forward(&chunks, &mut self.cache, &mut layer_done, &mut logits)
-        };
+            let result = self
+                .exec
+                .forward(&chunks, &mut self.cache, &mut layer_done, &mut logits);
+            let masks = masker.map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    vec![Err(GrammarError::Engine("mask thread panicked".into())); 1]
+                })
+            });
+            (result, masks)
+        });
+        let mut masks: std::collections::HashMap<usize, Result<TokenMask, GrammarError>> =
+            constrained
+                .iter()
+                .map(|(i, _)| *i)
+                .zip(masks.unwrap_or_default())
+                .collect();
+        for (i, c) in constrained {
+            self.running[i].constraint = Some(c);
+        }
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         match result {
             Ok(()) => {}
@@ -772,24 +890,53 @@ impl Actor {
             // Sampled in place: each row belongs to one sequence.
             let l = &mut logits[row * vocab..(row + 1) * vocab];
             row += 1;
+            match masks.remove(&p.seq) {
+                Some(Ok(mask)) => mask.apply(l),
+                Some(Err(e)) => {
+                    leaving.push((p.seq, Leave::Failed(e)));
+                    continue;
+                }
+                None if s.constraint.is_some() => {
+                    leaving.push((
+                        p.seq,
+                        Leave::Failed(GrammarError::Engine("no mask computed".into())),
+                    ));
+                    continue;
+                }
+                None => {}
+            }
             let sampled = s.sampler.sample(l);
+            if let Some(c) = &mut s.constraint
+                && let Err(e) = c.consume(sampled.token)
+            {
+                leaving.push((p.seq, Leave::Failed(e)));
+                continue;
+            }
             if s.handoff == KvHandoff::Export {
                 // The decode node judges stop tokens; report whatever came.
                 emit(&s.events, Event::Token(sampled));
-                leaving.push((p.seq, None));
+                leaving.push((p.seq, Leave::Exported));
                 continue;
             }
             if let Some(finish) = s.accept(sampled) {
-                leaving.push((p.seq, Some(finish)));
+                leaving.push((p.seq, Leave::Finished(finish)));
             }
         }
         self.logits = logits;
         leaving.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, finish) in leaving {
-            let s = self.running.swap_remove(i);
+            let mut s = self.running.swap_remove(i);
             match finish {
-                Some(finish) => self.retire(s, finish),
-                None => {
+                Leave::Finished(finish) => self.retire(s, finish),
+                // A grammar engine failure ends its sequence, not the batch.
+                Leave::Failed(e) => {
+                    emit(
+                        &s.events,
+                        Event::Failed(GenFailure::Internal(e.to_string())),
+                    );
+                    self.free(&mut s);
+                }
+                Leave::Exported => {
                     let exported = Exported {
                         blocks: s.table.clone(),
                         cached_tokens: s.cached_tokens,

@@ -62,6 +62,7 @@ fn request(prompt: &[u32], max_tokens: usize) -> Request {
         max_tokens,
         stop_token_ids: model().text.tokenizer.stop_ids(),
         handoff: KvHandoff::Local,
+        constraint: None,
     }
 }
 

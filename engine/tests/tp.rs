@@ -155,6 +155,7 @@ fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
                     max_tokens: 12,
                     stop_token_ids: m.text.tokenizer.stop_ids(),
                     handoff: KvHandoff::Local,
+                    constraint: None,
                 })
                 .unwrap()
         })

@@ -5,7 +5,9 @@
 
 use futures_util::future::BoxFuture;
 use tandem_proto::trace::TraceContext;
-use tandem_types::{GenEvent, GenFailure, InvalidRequest, RequestLimits, SamplingParams};
+use tandem_types::{
+    Constraint, GenEvent, GenFailure, InvalidRequest, RequestLimits, SamplingParams,
+};
 
 /// One tokenized request, checked against the backend's [`RequestLimits`].
 #[derive(Debug, Clone)]
@@ -16,6 +18,8 @@ pub struct BackendRequest {
     pub max_tokens: usize,
     /// Sampling one of these ends the request; it is not reported as text.
     pub stop_token_ids: Vec<u32>,
+    /// What the output must match; checked to compile before submit.
+    pub constraint: Option<Constraint>,
     /// The context that calls to workers carry.
     pub trace: TraceContext,
 }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use tandem_modelfile::chat::ChatMessage;
 use tandem_types::FinishReason;
-use tandem_types::{MAX_TOP_LOGPROBS, SamplingParams};
+use tandem_types::{Constraint, MAX_TOP_LOGPROBS, SamplingParams};
 
 use crate::error::ApiError;
 
@@ -25,7 +25,6 @@ const UNSUPPORTED: &[&str] = &[
     "functions",
     "function_call",
     "parallel_tool_calls",
-    "response_format",
     "logit_bias",
     "audio",
     "modalities",
@@ -41,6 +40,7 @@ const UNSUPPORTED: &[&str] = &[
 const IGNORED: &[&str] = &["user", "store", "metadata", "service_tier"];
 
 const CHAT_FIELDS: &[&str] = &[
+    "response_format",
     "messages",
     "model",
     "max_tokens",
@@ -62,6 +62,7 @@ const CHAT_FIELDS: &[&str] = &[
 ];
 
 const COMPLETION_FIELDS: &[&str] = &[
+    "response_format",
     "prompt",
     "model",
     "max_tokens",
@@ -137,6 +138,11 @@ pub struct CommonParams {
     pub presence_penalty: Option<f32>,
     #[serde(default)]
     pub repetition_penalty: Option<f32>,
+    /// `text`, `json_object`, `json_schema`, and the extensions `regex`
+    /// (`{"type": "regex", "regex": ...}`) and `grammar` (a Lark grammar:
+    /// `{"type": "grammar", "grammar": ...}`).
+    #[serde(default)]
+    pub response_format: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -182,6 +188,8 @@ pub struct GenParams {
     pub stream: bool,
     pub include_usage: bool,
     pub model: Option<String>,
+    /// What the output must match (`response_format`), not yet compiled.
+    pub constraint: Option<Constraint>,
 }
 
 fn invalid(message: impl Into<String>, param: &str) -> ApiError {
@@ -198,9 +206,6 @@ fn is_noop(key: &str, v: &Value) -> bool {
         ("tools" | "functions", Value::Array(a)) => a.is_empty(),
         ("logit_bias", Value::Object(o)) => o.is_empty(),
         ("tool_choice", Value::String(s)) => s == "none" || s == "auto",
-        ("response_format", Value::Object(o)) => {
-            o.get("type").and_then(Value::as_str) == Some("text")
-        }
         ("suffix", Value::String(s)) => s.is_empty(),
         _ => false,
     }
@@ -432,7 +437,53 @@ impl CommonParams {
             stream,
             include_usage,
             model: self.model.clone(),
+            constraint: response_format(self.response_format.as_ref())?,
         })
+    }
+}
+
+/// `response_format` as a constraint (`None` for plain text).
+fn response_format(v: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
+    const P: &str = "response_format";
+    let o = match v {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(_) => return Err(invalid("`response_format` must be an object", P)),
+    };
+    let text = |key: &str| -> Result<String, ApiError> {
+        match o.get(key) {
+            Some(Value::String(s)) => Ok(s.clone()),
+            _ => Err(invalid(
+                format!("`response_format.{key}` must be a string"),
+                P,
+            )),
+        }
+    };
+    match o.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        Some("json_schema") => {
+            let schema = o
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .filter(|s| s.is_object() || s.is_boolean())
+                .ok_or_else(|| {
+                    invalid(
+                        "`response_format.json_schema.schema` must be a JSON schema object",
+                        P,
+                    )
+                })?;
+            Ok(Some(Constraint::JsonSchema(schema.to_string())))
+        }
+        Some("regex") => Ok(Some(Constraint::Regex(text("regex")?))),
+        Some("grammar") => Ok(Some(Constraint::Lark(text("grammar")?))),
+        other => Err(invalid(
+            format!(
+                "`response_format.type` {other:?} is not supported (text, json_object, \
+                 json_schema, regex, grammar)"
+            ),
+            P,
+        )),
     }
 }
 

@@ -14,18 +14,19 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use futures_util::{Stream, StreamExt};
 use serde::Serialize;
+use tandem_grammar::{GrammarCompiler, GrammarError};
 use tandem_modelfile::ModelText;
 use tandem_modelfile::stop::StopStrings;
 use tandem_modelfile::tokenizer::Tokenizer;
 use tandem_proto::trace::{TRACEPARENT, TraceContext};
-use tandem_types::{FinishReason, GenEvent, GenFailure, Sampled};
+use tandem_types::{Constraint, FinishReason, GenEvent, GenFailure, Sampled};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
@@ -68,6 +69,9 @@ struct Inner {
     next_id: AtomicU64,
     draining: AtomicBool,
     metrics: OnceLock<Renderer>,
+    /// Built on the first constrained request (indexing the vocabulary
+    /// takes a moment), to reject invalid constraints with a 400.
+    grammar: OnceLock<Result<GrammarCompiler, GrammarError>>,
 }
 
 /// The `/metrics` renderer (a newtype for `Debug`).
@@ -100,6 +104,7 @@ impl AppState {
                 next_id: AtomicU64::new(0),
                 draining: AtomicBool::new(false),
                 metrics: OnceLock::new(),
+                grammar: OnceLock::new(),
             }),
         }
     }
@@ -150,6 +155,27 @@ impl AppState {
         }
     }
 
+    /// Compiles `c` once to tell the client now, with a 400 naming the
+    /// problem, if it cannot be used.
+    fn check_constraint(&self, c: &Constraint) -> Result<(), ApiError> {
+        let compiler = self
+            .inner
+            .grammar
+            .get_or_init(|| GrammarCompiler::new(&self.inner.text.tokenizer));
+        let result = match compiler {
+            Ok(g) => g.compile(c).map(drop),
+            Err(e) => Err(e.clone()),
+        };
+        result.map_err(|e| match e {
+            GrammarError::Invalid(m) => ApiError::InvalidRequest {
+                message: format!("Invalid response_format: {m}"),
+                param: Some("response_format".into()),
+                code: None,
+            },
+            GrammarError::Engine(m) => ApiError::internal(format!("grammar engine: {m}")),
+        })
+    }
+
     /// Checks a tokenized prompt against the backend's limits (the one
     /// place requests are checked before dispatch) and starts it.
     async fn submit(
@@ -165,12 +191,16 @@ impl AppState {
         let max_tokens = backend
             .limits()
             .check(&prompt, params.max_tokens, &params.sampling)?;
+        if let Some(c) = &params.constraint {
+            self.check_constraint(c)?;
+        }
         let stream = backend
             .submit(BackendRequest {
                 prompt,
                 sampling: params.sampling.clone(),
                 max_tokens,
                 stop_token_ids: self.inner.text.tokenizer.stop_ids(),
+                constraint: params.constraint.clone(),
                 trace: trace.outgoing,
             })
             .await?;
@@ -697,6 +727,12 @@ async fn not_found() -> ApiError {
     ApiError::RouteNotFound("Not found: no such route".into())
 }
 
+/// A known route with the wrong method: OpenAI's error JSON (axum's default
+/// is an empty body); axum adds the `Allow` header.
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::MethodNotAllowed(format!("Method {method} is not allowed for {}", uri.path()))
+}
+
 /// The OpenAI API routes.
 pub fn app(state: AppState) -> Router {
     let limit = state.config().max_body_bytes;
@@ -707,6 +743,7 @@ pub fn app(state: AppState) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }

@@ -606,6 +606,12 @@ impl Tokenizer {
         self.tokens.len()
     }
 
+    /// Whether `id` is a control or unknown token (hidden when decoding
+    /// with `skip_special`): text can never spell it.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.hidden.get(id as usize).copied().unwrap_or(false)
+    }
+
     pub fn bos_id(&self) -> Option<u32> {
         self.bos_id
     }

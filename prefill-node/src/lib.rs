@@ -72,6 +72,7 @@ impl PrefillService {
                 max_tokens: 1,
                 stop_token_ids: Vec::new(),
                 handoff: KvHandoff::Export,
+                constraint: job.constraint.clone(),
             })?;
             let mut writes = FuturesUnordered::new();
             let mut xfer = TransferSpan(None);

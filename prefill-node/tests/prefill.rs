@@ -224,6 +224,7 @@ fn job(
         dst_blocks: dst.to_vec(),
         regions: vec![region],
         deadline,
+        constraint: None,
     }
     .to_pb(&node.core.fingerprint)
 }

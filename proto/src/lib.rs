@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use tandem_types::ModelFingerprint;
-use tandem_types::{FinishReason, GenFailure};
+use tandem_types::{Constraint, FinishReason, GenFailure};
 use tandem_types::{Sampled, SamplingParams};
 
 /// Generated protobuf and gRPC code.
@@ -207,6 +207,43 @@ pub fn failure_to_status(f: &GenFailure) -> tonic::Status {
     }
 }
 
+/// Longest constraint source a message may carry.
+pub const MAX_CONSTRAINT_BYTES: usize = 1 << 20;
+
+pub fn constraint_to_pb(c: &Constraint) -> pb::Constraint {
+    use pb::constraint::Kind;
+    let kind = match c {
+        Constraint::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        Constraint::JsonObject => Kind::JsonObject(true),
+        Constraint::Regex(s) => Kind::Regex(s.clone()),
+        Constraint::Lark(s) => Kind::Lark(s.clone()),
+    };
+    pb::Constraint { kind: Some(kind) }
+}
+
+/// A constraint from the wire; its grammar is checked when the node's
+/// scheduler compiles it.
+pub fn constraint_from_pb(c: Option<pb::Constraint>) -> Result<Option<Constraint>, ProtoError> {
+    use pb::constraint::Kind;
+    let Some(kind) = c.and_then(|c| c.kind) else {
+        return Ok(None);
+    };
+    let text = |s: String| {
+        if s.len() > MAX_CONSTRAINT_BYTES {
+            Err(invalid("constraint", "too long"))
+        } else {
+            Ok(s)
+        }
+    };
+    Ok(Some(match kind {
+        Kind::JsonSchema(s) => Constraint::JsonSchema(text(s)?),
+        Kind::JsonObject(true) => Constraint::JsonObject,
+        Kind::JsonObject(false) => return Ok(None),
+        Kind::Regex(s) => Constraint::Regex(text(s)?),
+        Kind::Lark(s) => Constraint::Lark(text(s)?),
+    }))
+}
+
 pub fn finish_to_pb(f: FinishReason) -> pb::FinishReason {
     match f {
         FinishReason::Stop => pb::FinishReason::Stop,
@@ -262,6 +299,7 @@ pub struct GenerateJob {
     pub stop_token_ids: Vec<u32>,
     /// Prefill workers to try in order; empty means prefill locally.
     pub prefill: Vec<PrefillTarget>,
+    pub constraint: Option<Constraint>,
 }
 
 impl GenerateJob {
@@ -293,6 +331,7 @@ impl GenerateJob {
             max_tokens: req.max_tokens as usize,
             stop_token_ids: req.stop_token_ids,
             prefill,
+            constraint: constraint_from_pb(req.constraint)?,
         })
     }
 
@@ -312,6 +351,7 @@ impl GenerateJob {
                     endpoint: t.endpoint.clone(),
                 })
                 .collect(),
+            constraint: self.constraint.as_ref().map(constraint_to_pb),
         }
     }
 }
@@ -339,6 +379,8 @@ pub struct PrefillJob {
     /// first); each holds `num_kv_heads / regions.len()` heads per block.
     pub regions: Vec<KvRegion>,
     pub deadline: Duration,
+    /// The first token is sampled under it.
+    pub constraint: Option<Constraint>,
 }
 
 impl PrefillJob {
@@ -428,6 +470,7 @@ impl PrefillJob {
             dst_blocks: req.dst_blocks,
             regions,
             deadline,
+            constraint: constraint_from_pb(req.constraint)?,
         })
     }
 
@@ -442,6 +485,7 @@ impl PrefillJob {
             region: self.regions.first().map(region_to_pb),
             rank_regions: self.regions.iter().skip(1).map(region_to_pb).collect(),
             deadline_ms: self.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
+            constraint: self.constraint.as_ref().map(constraint_to_pb),
         }
     }
 }

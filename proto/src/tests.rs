@@ -21,6 +21,7 @@ fn prefill_req() -> pb::PrefillRequest {
         sampling: Some((&SamplingParams::greedy()).into()),
         skip_blocks: 1,
         dst_blocks: vec![7, 9],
+        constraint: None,
         region: Some(pb::KvRegion {
             worker_address: vec![1, 2],
             rkey: vec![3],
@@ -135,9 +136,32 @@ fn generate_request_validation() {
             worker_id: "p0".into(),
             endpoint: "http://127.0.0.1:5000".into(),
         }],
+        constraint: Some(Constraint::JsonSchema(r#"{"type":"integer"}"#.into())),
     };
     let back = GenerateJob::validate(job.to_pb(&fp()), &fp()).expect("valid");
     assert_eq!(back, job);
+    // Every kind of constraint crosses the wire unchanged.
+    for c in [
+        Constraint::JsonObject,
+        Constraint::Regex("[0-9]+".into()),
+        Constraint::Lark("start: \"a\"".into()),
+    ] {
+        let j = GenerateJob {
+            constraint: Some(c),
+            ..job.clone()
+        };
+        assert_eq!(
+            GenerateJob::validate(j.to_pb(&fp()), &fp()).expect("valid"),
+            j
+        );
+    }
+    let mut r = job.to_pb(&fp());
+    r.constraint = Some(pb::Constraint {
+        kind: Some(pb::constraint::Kind::Regex(
+            "x".repeat(MAX_CONSTRAINT_BYTES + 1),
+        )),
+    });
+    assert!(GenerateJob::validate(r, &fp()).is_err());
 
     for bad in [
         "127.0.0.1:5000",

@@ -615,6 +615,7 @@ impl Cluster {
             sampling,
             max_tokens,
             stop_token_ids,
+            constraint,
             trace,
         } = req;
         let m = metrics();
@@ -642,6 +643,7 @@ impl Cluster {
             max_tokens,
             stop_token_ids,
             prefill: targets,
+            constraint,
         };
         let req = job.to_pb(&self.fingerprint);
         m.hashing.record((t1 - t0).as_secs_f64() * 1e6, &[]);
@@ -1039,6 +1041,7 @@ mod tests {
             sampling: SamplingParams::greedy(),
             max_tokens: 4,
             stop_token_ids: Vec::new(),
+            constraint: None,
             trace: TraceContext::new_root(),
         };
         let (mut stream, placement) = c.generate(req, 100).await?;

@@ -14,6 +14,8 @@ pub mod sampling;
 
 pub use block_hash::{BlockHash, block_hashes, chain_hash};
 pub use fingerprint::ModelFingerprint;
-pub use request::{FinishReason, GenEvent, GenFailure, InvalidRequest, RequestLimits, Usage};
+pub use request::{
+    Constraint, FinishReason, GenEvent, GenFailure, InvalidRequest, RequestLimits, Usage,
+};
 pub use rng::SeededRng;
 pub use sampling::{MAX_TOP_LOGPROBS, Sampled, SamplingError, SamplingParams};

@@ -22,6 +22,20 @@ pub struct Usage {
     pub finish: FinishReason,
 }
 
+/// What the generated text must match (OpenAI `response_format`, plus
+/// regex and Lark grammars as extensions). Sources are kept as text: the
+/// grammar engine parses them, and they cross the wire unchanged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Constraint {
+    /// A JSON schema, as JSON text.
+    JsonSchema(String),
+    /// Any JSON object.
+    JsonObject,
+    Regex(String),
+    /// A Lark grammar (llguidance's dialect).
+    Lark(String),
+}
+
 /// What a backend tells the front end about one request, in order: tokens,
 /// then exactly one `Finished` or `Failed`.
 #[derive(Debug, Clone, PartialEq)]
@@ -68,6 +82,9 @@ pub enum InvalidRequest {
     ZeroMaxTokens,
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// The output constraint (`response_format`) cannot be used.
+    #[error("Invalid response_format: {0}")]
+    Constraint(String),
 }
 
 impl InvalidRequest {
@@ -79,6 +96,7 @@ impl InvalidRequest {
             }
             Self::ZeroMaxTokens => Some("max_tokens"),
             Self::Sampling(SamplingError::OutOfRange { name, .. }) => Some(name),
+            Self::Constraint(_) => Some("response_format"),
         }
     }
 }

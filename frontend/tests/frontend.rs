@@ -1,0 +1,1568 @@
+//! The OpenAI front end over a scripted fake [`Backend`]: no model runs.
+//! The tokenizer and chat template are the real SmolLM2-135M-Instruct ones
+//! (metadata only), from `TANDEM_TEST_GGUF` or
+//! `~/.cache/tandem/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf`.
+//!
+//! The fake records every [`BackendRequest`], replays a scripted list of
+//! events per request (tokens chosen by encoding known text), can refuse at
+//! submit, fail mid-stream, end without a final event, hold a request until
+//! the test opens a gate, and records how each of its streams was dropped
+//! (read to the end, or cancelled by the front end).
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use axum::response::Response;
+use futures_util::future::BoxFuture;
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tandem_frontend::{
+    AppState, Backend, BackendHealth, BackendRequest, GenerationStream, ServerConfig, SubmitError,
+    app, serve,
+};
+use tandem_modelfile::chat::ChatMessage;
+use tandem_modelfile::{ModelMeta, ModelText};
+use tandem_types::{
+    FinishReason, GenEvent, GenFailure, InvalidRequest, RequestLimits, Sampled, SamplingParams,
+    Usage,
+};
+use tokio::sync::watch;
+use tower::ServiceExt;
+
+// ------------------------------------------------------------------ model
+
+fn model_path() -> PathBuf {
+    std::env::var_os("TANDEM_TEST_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_default();
+            home.join(".cache/tandem/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf")
+        })
+}
+
+/// The model's tokenizer and chat template, loaded once per test binary.
+static TEXT: LazyLock<Arc<ModelText>> = LazyLock::new(|| {
+    let path = model_path();
+    let meta = ModelMeta::load(&path).unwrap_or_else(|e| {
+        panic!(
+            "loading {} (set TANDEM_TEST_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf): {e}",
+            path.display()
+        )
+    });
+    Arc::new(meta.text)
+});
+
+/// The id the server reports and requests may name.
+const MODEL: &str = "smollm2-test";
+
+/// Prompt tokens the fake says were served from its cache (reported
+/// through `Usage` and `cached_tokens`, so the front end must pass it on).
+const CACHED: usize = 3;
+
+/// Server-side detail a failure carries; never to reach a client.
+const SECRET: &str = "decode node 10.1.2.3:50051: ucp_put_nbx failed";
+
+/// `text` as the model's tokens (no BOS), checked to round-trip.
+fn tokens(text: &str) -> Vec<u32> {
+    let ids = TEXT.tokenizer.encode(text, false).unwrap();
+    assert_eq!(TEXT.tokenizer.decode(&ids, true).unwrap(), text);
+    ids
+}
+
+fn detok(ids: &[u32]) -> String {
+    TEXT.tokenizer.decode(ids, true).unwrap()
+}
+
+// ------------------------------------------------------------ fake backend
+
+/// One step of a scripted stream.
+#[derive(Debug)]
+enum Step {
+    /// Yield this event.
+    Event(GenEvent),
+    /// Yield `Finished` with what a real backend reports: the request's
+    /// prompt length, the tokens yielded so far and [`CACHED`].
+    Finish(FinishReason),
+    /// Wait until the gate opens (the request stays in flight).
+    Gate(watch::Receiver<bool>),
+    /// Never yield again.
+    Hang,
+}
+
+/// What the fake does with the next request it receives.
+#[derive(Debug)]
+enum Reply {
+    Refuse(SubmitError),
+    Run(Vec<Step>),
+}
+
+fn token(id: u32) -> Step {
+    Step::Event(GenEvent::Token(Sampled {
+        token: id,
+        logprob: None,
+        top: Vec::new(),
+    }))
+}
+
+/// The tokens of `text`, then `Finished(finish)`.
+fn say(text: &str, finish: FinishReason) -> Reply {
+    let mut steps: Vec<Step> = tokens(text).into_iter().map(token).collect();
+    steps.push(Step::Finish(finish));
+    Reply::Run(steps)
+}
+
+/// How one of the fake's streams ended (recorded when it is dropped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StreamEnd {
+    tokens_read: usize,
+    /// Whether the front end read the final event (or the scripted end)
+    /// before dropping the stream; `false` means it cancelled the request.
+    read_to_end: bool,
+}
+
+#[derive(Debug, Default)]
+struct Log {
+    requests: Mutex<Vec<BackendRequest>>,
+    ends: Mutex<Vec<StreamEnd>>,
+}
+
+#[derive(Debug)]
+struct Fake {
+    limits: RequestLimits,
+    replies: Mutex<VecDeque<Reply>>,
+    log: Arc<Log>,
+    health: Mutex<BackendHealth>,
+}
+
+impl Backend for Fake {
+    fn limits(&self) -> RequestLimits {
+        self.limits
+    }
+
+    fn submit(
+        &self,
+        req: BackendRequest,
+    ) -> BoxFuture<'_, Result<Box<dyn GenerationStream>, SubmitError>> {
+        let prompt_tokens = req.prompt.len();
+        self.log.requests.lock().unwrap().push(req);
+        let reply = self.replies.lock().unwrap().pop_front();
+        let log = Arc::clone(&self.log);
+        Box::pin(async move {
+            match reply {
+                None => Err(GenFailure::Internal("the fake has no scripted reply".into()).into()),
+                Some(Reply::Refuse(e)) => Err(e),
+                Some(Reply::Run(steps)) => Ok(Box::new(FakeStream {
+                    steps: steps.into(),
+                    prompt_tokens,
+                    tokens_read: 0,
+                    read_to_end: false,
+                    log,
+                }) as Box<dyn GenerationStream>),
+            }
+        })
+    }
+
+    fn health(&self) -> BackendHealth {
+        self.health.lock().unwrap().clone()
+    }
+}
+
+struct FakeStream {
+    steps: VecDeque<Step>,
+    prompt_tokens: usize,
+    tokens_read: usize,
+    read_to_end: bool,
+    log: Arc<Log>,
+}
+
+impl GenerationStream for FakeStream {
+    fn next(&mut self) -> BoxFuture<'_, Option<GenEvent>> {
+        Box::pin(async move {
+            loop {
+                let Some(step) = self.steps.pop_front() else {
+                    self.read_to_end = true;
+                    return None;
+                };
+                match step {
+                    Step::Event(e) => {
+                        if matches!(e, GenEvent::Token(_)) {
+                            self.tokens_read += 1;
+                        } else {
+                            self.read_to_end = true;
+                        }
+                        return Some(e);
+                    }
+                    Step::Finish(finish) => {
+                        self.read_to_end = true;
+                        return Some(GenEvent::Finished(Usage {
+                            prompt_tokens: self.prompt_tokens,
+                            completion_tokens: self.tokens_read,
+                            cached_tokens: CACHED,
+                            finish,
+                        }));
+                    }
+                    Step::Gate(mut open) => {
+                        let _ = open.wait_for(|&o| o).await;
+                    }
+                    Step::Hang => std::future::pending::<()>().await,
+                }
+            }
+        })
+    }
+
+    fn cached_tokens(&self) -> usize {
+        CACHED
+    }
+}
+
+impl Drop for FakeStream {
+    fn drop(&mut self) {
+        self.log.ends.lock().unwrap().push(StreamEnd {
+            tokens_read: self.tokens_read,
+            read_to_end: self.read_to_end,
+        });
+    }
+}
+
+// ----------------------------------------------------------------- server
+
+fn config() -> ServerConfig {
+    ServerConfig {
+        allow_extra_request_fields: false,
+        max_concurrent_requests: 8,
+        max_body_bytes: 1 << 20,
+        model_name: MODEL.into(),
+    }
+}
+
+fn ready() -> BackendHealth {
+    BackendHealth {
+        ready: true,
+        reason: "ok",
+        details: serde_json::Map::new(),
+    }
+}
+
+struct Server {
+    fake: Arc<Fake>,
+    state: AppState,
+    app: Router,
+}
+
+impl Server {
+    fn new(max_length: usize) -> Self {
+        Self::with_config(max_length, config())
+    }
+
+    fn with_config(max_length: usize, config: ServerConfig) -> Self {
+        let fake = Arc::new(Fake {
+            limits: RequestLimits {
+                max_length,
+                vocab_size: TEXT.tokenizer.vocab_size(),
+            },
+            replies: Mutex::new(VecDeque::new()),
+            log: Arc::default(),
+            health: Mutex::new(ready()),
+        });
+        let state = AppState::new(
+            Arc::clone(&TEXT),
+            Arc::clone(&fake) as Arc<dyn Backend>,
+            config,
+        );
+        let app = app(state.clone());
+        Self { fake, state, app }
+    }
+
+    fn script(&self, reply: Reply) {
+        self.fake.replies.lock().unwrap().push_back(reply);
+    }
+
+    fn requests(&self) -> Vec<BackendRequest> {
+        self.fake.log.requests.lock().unwrap().clone()
+    }
+
+    fn ends(&self) -> Vec<StreamEnd> {
+        self.fake.log.ends.lock().unwrap().clone()
+    }
+
+    /// The streams dropped so far, once there are `n` (waits up to 5 s).
+    async fn ends_after(&self, n: usize) -> Vec<StreamEnd> {
+        for _ in 0..500 {
+            let ends = self.ends();
+            if ends.len() >= n {
+                return ends;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("expected {n} dropped streams, got {:?}", self.ends());
+    }
+
+    async fn send(&self, req: Request<Body>) -> Response {
+        self.app.clone().oneshot(req).await.unwrap()
+    }
+
+    /// POSTs `body` (JSON) to `path`; the status and the body as text.
+    async fn post(&self, path: &str, body: &Value) -> (StatusCode, String) {
+        let req = Request::post(path)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        text_of(self.send(req).await).await
+    }
+
+    async fn post_json(&self, path: &str, body: &Value) -> (StatusCode, Value) {
+        let (status, text) = self.post(path, body).await;
+        let v = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{path}: {status}: not JSON ({e}): {text}"));
+        (status, v)
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, String) {
+        let req = Request::get(path).body(Body::empty()).unwrap();
+        text_of(self.send(req).await).await
+    }
+
+    async fn get_json(&self, path: &str) -> (StatusCode, Value) {
+        let (status, text) = self.get(path).await;
+        (status, serde_json::from_str(&text).unwrap())
+    }
+
+    async fn in_flight(&self) -> u64 {
+        let (_, h) = self.get_json("/health").await;
+        h["requests_in_flight"].as_u64().unwrap()
+    }
+}
+
+async fn text_of(resp: Response) -> (StatusCode, String) {
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+/// The JSON `data:` payloads of an SSE body, in order. The body must end
+/// with exactly one `data: [DONE]`, which is checked and left out.
+fn sse(body: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut done = false;
+    for event in body.split("\n\n").filter(|e| !e.trim().is_empty()) {
+        assert!(!done, "an event after [DONE]: {body}");
+        let data: Vec<&str> = event
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+            .collect();
+        let data = data.join("\n");
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        out.push(
+            serde_json::from_str(&data).unwrap_or_else(|e| panic!("bad SSE data ({e}): {data}")),
+        );
+    }
+    assert!(done, "no [DONE] at the end: {body}");
+    out
+}
+
+/// `(type, code, param, message)` of an OpenAI error body.
+fn error_of(v: &Value) -> (&str, Option<&str>, Option<&str>, &str) {
+    let e = &v["error"];
+    assert!(e.is_object(), "not an error body: {v}");
+    (
+        e["type"].as_str().unwrap(),
+        e["code"].as_str(),
+        e["param"].as_str(),
+        e["message"].as_str().unwrap(),
+    )
+}
+
+fn chat_body(user: &str) -> Value {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": user}]})
+}
+
+/// `base` with the fields of `extra` set.
+fn with(base: &Value, extra: Value) -> Value {
+    let mut v = base.clone();
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v
+}
+
+/// The text of the content deltas of a chat stream, and of a completion
+/// stream's chunks.
+fn streamed_text(events: &[Value]) -> String {
+    events
+        .iter()
+        .filter_map(|e| {
+            let c = e["choices"].get(0)?;
+            c["delta"]["content"].as_str().or(c["text"].as_str())
+        })
+        .collect()
+}
+
+/// The non-null `finish_reason`s of a stream's chunks.
+fn finish_reasons(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| e["choices"].get(0)?["finish_reason"].as_str())
+        .map(str::to_string)
+        .collect()
+}
+
+fn usage_json(prompt: usize, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": CACHED},
+    })
+}
+
+const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
+
+// ------------------------------------------------------------------ tests
+
+/// A chat completion's text is the scripted tokens' text; the backend got
+/// the templated prompt, the sampling parameters as sent, the stop ids and
+/// `max_tokens`; usage is the backend's.
+#[tokio::test]
+async fn chat_returns_the_scripted_text_and_forwards_the_request() {
+    let s = Server::new(2048);
+    let reply = "The sky is blue because air scatters short wavelengths more.";
+    s.script(say(reply, FinishReason::Stop));
+    let body = json!({
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Why is the sky blue?"},
+        ],
+        "temperature": 0.5, "top_p": 0.75, "top_k": 40, "min_p": 0.25, "seed": 7,
+        "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.25,
+        "max_tokens": 100,
+    });
+    let (status, v) = s.post_json(CHAT, &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], MODEL);
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"), "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(
+        choice["message"],
+        json!({"role": "assistant", "content": reply})
+    );
+    assert_eq!(choice["finish_reason"], "stop");
+    assert_eq!(choice["logprobs"], Value::Null);
+
+    let reqs = s.requests();
+    assert_eq!(reqs.len(), 1);
+    let r = &reqs[0];
+    let rendered = TEXT
+        .chat_template
+        .as_ref()
+        .unwrap()
+        .render(
+            &[
+                ChatMessage::new("system", "Be brief."),
+                ChatMessage::new("user", "Why is the sky blue?"),
+            ],
+            true,
+        )
+        .unwrap();
+    assert!(rendered.contains("Why is the sky blue?"), "{rendered}");
+    assert_eq!(r.prompt, TEXT.tokenizer.encode(&rendered, false).unwrap());
+    assert_eq!(r.max_tokens, 100);
+    assert!(!r.stop_token_ids.is_empty());
+    assert_eq!(r.stop_token_ids, TEXT.tokenizer.stop_ids());
+    assert_eq!(
+        r.sampling,
+        SamplingParams {
+            temperature: 0.5,
+            top_k: 40,
+            top_p: 0.75,
+            min_p: 0.25,
+            seed: Some(7),
+            frequency_penalty: 0.5,
+            presence_penalty: -0.5,
+            repetition_penalty: 1.25,
+            top_logprobs: 0,
+            logprobs: false,
+        }
+    );
+    let n = tokens(reply).len();
+    assert_eq!(v["usage"], usage_json(r.prompt.len(), n));
+    assert_eq!(
+        s.ends_after(1).await,
+        vec![StreamEnd {
+            tokens_read: n,
+            read_to_end: true
+        }]
+    );
+}
+
+/// A completion's text is the scripted tokens' text; the prompt is encoded
+/// with the tokenizer's special tokens; `max_tokens` defaults to 16.
+#[tokio::test]
+async fn completion_returns_the_scripted_text() {
+    let s = Server::new(2048);
+    let reply = " there lived a small fox who liked maths.";
+    s.script(say(reply, FinishReason::Length));
+    let (status, v) = s
+        .post_json(
+            COMPLETIONS,
+            &json!({"model": MODEL, "prompt": "Once upon a time", "seed": 3}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"), "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["text"], reply);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(choice["logprobs"], Value::Null);
+    let r = &s.requests()[0];
+    assert_eq!(
+        r.prompt,
+        TEXT.tokenizer.encode("Once upon a time", true).unwrap()
+    );
+    assert_eq!(r.max_tokens, 16);
+    assert_eq!(r.sampling.seed, Some(3));
+    assert_eq!(v["usage"], usage_json(r.prompt.len(), tokens(reply).len()));
+
+    // A prompt of token ids goes to the backend as is.
+    s.script(say("!", FinishReason::Stop));
+    let ids = tokens("Hello world");
+    let (status, v) = s
+        .post_json(COMPLETIONS, &json!({"prompt": ids, "max_tokens": 4}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["text"], "!");
+    assert_eq!(s.requests()[1].prompt, ids);
+    assert_eq!(s.requests()[1].max_tokens, 4);
+}
+
+/// A chat stream: a first chunk with the role, content deltas that add up
+/// to the scripted text, a chunk with the finish reason, a usage chunk
+/// (with `include_usage`; `usage` is null before it) and `[DONE]`.
+#[tokio::test]
+async fn chat_stream_has_the_openai_chunk_shape() {
+    let s = Server::new(2048);
+    let reply = "Streaming works, one token at a time.";
+    s.script(say(reply, FinishReason::Stop));
+    let body = with(
+        &chat_body("Say something."),
+        json!({"stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let req = Request::post(CHAT)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    let resp = s.send(req).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let ct = resp.headers()[header::CONTENT_TYPE].to_str().unwrap();
+    assert!(ct.starts_with("text/event-stream"), "{ct}");
+    let (_, text) = text_of(resp).await;
+    let events = sse(&text);
+    let n = tokens(reply).len();
+    assert!(events.len() >= 4, "{text}");
+
+    let id = events[0]["id"].as_str().unwrap();
+    assert!(id.starts_with("chatcmpl-"), "{id}");
+    for e in &events {
+        assert_eq!(e["id"], id, "{e}");
+        assert_eq!(e["object"], "chat.completion.chunk", "{e}");
+        assert_eq!(e["model"], MODEL, "{e}");
+        assert!(e.get("usage").is_some(), "include_usage: {e}");
+    }
+    let (first, rest) = events.split_first().unwrap();
+    assert_eq!(
+        first["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    assert_eq!(first["choices"][0]["finish_reason"], Value::Null);
+    assert_eq!(first["usage"], Value::Null);
+
+    let (usage, rest) = rest.split_last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    let prompt = s.requests()[0].prompt.len();
+    assert_eq!(usage["usage"], usage_json(prompt, n));
+
+    let (finish, deltas) = rest.split_last().unwrap();
+    assert_eq!(finish["choices"][0]["delta"], json!({}));
+    assert_eq!(finish["choices"][0]["finish_reason"], "stop");
+    assert_eq!(finish["usage"], Value::Null);
+
+    assert!(deltas.len() > 1, "the text arrives in pieces: {text}");
+    for d in deltas {
+        let c = &d["choices"][0];
+        let keys: Vec<&String> = c["delta"].as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["content"], "{d}");
+        assert_eq!(c["finish_reason"], Value::Null, "{d}");
+        assert_eq!(d["usage"], Value::Null, "{d}");
+    }
+    assert_eq!(streamed_text(deltas), reply);
+}
+
+/// A completion stream: text chunks adding up to the scripted text, a
+/// chunk with the finish reason, no usage without `include_usage`, `[DONE]`.
+#[tokio::test]
+async fn completion_stream_has_the_openai_chunk_shape() {
+    let s = Server::new(2048);
+    let reply = " and then the stream ended.";
+    s.script(say(reply, FinishReason::Length));
+    let (status, text) = s
+        .post(
+            COMPLETIONS,
+            &json!({"prompt": "It began", "stream": true, "max_tokens": 50}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let events = sse(&text);
+    for e in &events {
+        assert_eq!(e["object"], "text_completion", "{e}");
+        assert!(e.get("usage").is_none(), "no include_usage: {e}");
+    }
+    let (finish, pieces) = events.split_last().unwrap();
+    assert_eq!(finish["choices"][0]["text"], "");
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    assert!(pieces.len() > 1, "{text}");
+    assert!(
+        pieces
+            .iter()
+            .all(|p| p["choices"][0]["finish_reason"].is_null())
+    );
+    assert_eq!(streamed_text(pieces), reply);
+
+    // With include_usage, the last chunk before [DONE] carries the usage.
+    s.script(say(reply, FinishReason::Stop));
+    let (_, text) = s
+        .post(
+            COMPLETIONS,
+            &json!({"prompt": "It began", "stream": true,
+                    "stream_options": {"include_usage": true}}),
+        )
+        .await;
+    let events = sse(&text);
+    let last = events.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    let prompt = s.requests()[1].prompt.len();
+    assert_eq!(last["usage"], usage_json(prompt, tokens(reply).len()));
+    assert_eq!(finish_reasons(&events), ["stop"]);
+}
+
+/// `finish_reason` is the backend's: Stop -> "stop", Length -> "length",
+/// on both endpoints, streaming or not.
+#[tokio::test]
+async fn finish_reason_follows_the_backend() {
+    let s = Server::new(2048);
+    for (finish, want) in [
+        (FinishReason::Stop, "stop"),
+        (FinishReason::Length, "length"),
+    ] {
+        for (path, body) in [
+            (CHAT, chat_body("Hi")),
+            (COMPLETIONS, json!({"prompt": "Hi"})),
+        ] {
+            s.script(say("Hello!", finish));
+            let (status, v) = s.post_json(path, &body).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+            assert_eq!(v["choices"][0]["finish_reason"], want, "{path}: {v}");
+
+            s.script(say("Hello!", finish));
+            let (status, text) = s.post(path, &with(&body, json!({"stream": true}))).await;
+            assert_eq!(status, StatusCode::OK, "{text}");
+            assert_eq!(finish_reasons(&sse(&text)), [want], "{path}: {text}");
+        }
+    }
+}
+
+/// A stop string that spans token boundaries (and starts and ends inside
+/// tokens) cuts the text right before it, finishes with "stop", reports
+/// the tokens generated so far, and drops the backend stream before its
+/// final event: the request is cancelled, not run to `max_tokens`.
+#[tokio::test]
+async fn stop_string_across_tokens_cuts_the_text_and_cancels_the_backend() {
+    let reply = "Hello there, general Kenobi. You are a bold one.";
+    let stop = "ere, gener";
+    let ids = tokens(reply);
+    let cut = reply.find(stop).unwrap();
+    // The stop string neither starts nor ends on a token boundary, and no
+    // single token holds it.
+    let boundaries: Vec<usize> = (0..=ids.len()).map(|k| detok(&ids[..k]).len()).collect();
+    assert!(!boundaries.contains(&cut), "{boundaries:?}");
+    assert!(!boundaries.contains(&(cut + stop.len())), "{boundaries:?}");
+    assert!(ids.iter().all(|&t| !detok(&[t]).contains(stop)));
+    // Tokens read until the stop string is complete.
+    let needed = (1..=ids.len())
+        .find(|&k| detok(&ids[..k]).contains(stop))
+        .unwrap();
+    assert!(needed < ids.len());
+    let want = &reply[..cut];
+
+    let s = Server::new(2048);
+    let cases = [
+        (CHAT, chat_body("Greet me.")),
+        (
+            COMPLETIONS,
+            json!({"prompt": "Greet me.", "max_tokens": 100}),
+        ),
+    ];
+    let mut runs = 0;
+    for (path, body) in cases {
+        for stream in [false, true] {
+            // Left alone, the backend would go on and finish with "length".
+            s.script(say(reply, FinishReason::Length));
+            let body = with(
+                &body,
+                json!({"stop": ["never matches", stop], "stream": stream,
+                       "stream_options": if stream { json!({"include_usage": true}) } else { Value::Null }}),
+            );
+            let (status, text) = s.post(path, &body).await;
+            assert_eq!(status, StatusCode::OK, "{text}");
+            let prompt = s.requests()[runs].prompt.len();
+            if stream {
+                let events = sse(&text);
+                assert_eq!(streamed_text(&events), want, "{path}: {text}");
+                assert_eq!(finish_reasons(&events), ["stop"], "{text}");
+                assert_eq!(
+                    events.last().unwrap()["usage"],
+                    usage_json(prompt, needed),
+                    "{text}"
+                );
+            } else {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                let c = &v["choices"][0];
+                let got = c["message"]["content"].as_str().or(c["text"].as_str());
+                assert_eq!(got, Some(want), "{path}: {v}");
+                assert_eq!(c["finish_reason"], "stop");
+                assert_eq!(v["usage"], usage_json(prompt, needed));
+            }
+            runs += 1;
+            assert_eq!(
+                s.ends_after(runs).await[runs - 1],
+                StreamEnd {
+                    tokens_read: needed,
+                    read_to_end: false
+                },
+                "{path} stream={stream}: the backend stream must be dropped at the stop string"
+            );
+            assert_eq!(s.in_flight().await, 0, "the permit is released");
+        }
+    }
+}
+
+/// Text held back because it could begin a stop string is released when
+/// the text goes another way, and at the end of the generation.
+#[tokio::test]
+async fn held_back_stop_prefix_is_released() {
+    let s = Server::new(2048);
+    let reply = "Hello there, general Kenobi.";
+    for stream in [false, true] {
+        s.script(say(reply, FinishReason::Length));
+        let body = with(
+            &chat_body("Greet me."),
+            json!({"stop": ["there!", "Kenobi!"], "stream": stream}),
+        );
+        let (status, text) = s.post(CHAT, &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        if stream {
+            let events = sse(&text);
+            assert_eq!(streamed_text(&events), reply, "{text}");
+            assert_eq!(finish_reasons(&events), ["length"]);
+        } else {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["choices"][0]["message"]["content"], reply);
+            assert_eq!(v["choices"][0]["finish_reason"], "length");
+        }
+    }
+    let n = tokens(reply).len();
+    let done = StreamEnd {
+        tokens_read: n,
+        read_to_end: true,
+    };
+    assert_eq!(s.ends_after(2).await, [done, done]);
+}
+
+/// `max_tokens` defaults to the room the context has left after the prompt
+/// (chat) or 16 (completions), and is capped by that room.
+#[tokio::test]
+async fn max_tokens_defaults_to_the_room_left_and_is_capped() {
+    let max_length = 300;
+    let s = Server::new(max_length);
+    let chat = chat_body("How long may you talk?");
+    let completion = json!({"prompt": "How long may you talk?"});
+    let cases = [
+        (CHAT, chat.clone(), None),
+        (CHAT, with(&chat, json!({"max_tokens": 5})), Some(5)),
+        (CHAT, with(&chat, json!({"max_tokens": 100_000})), None),
+        (
+            CHAT,
+            with(&chat, json!({"max_tokens": 5, "max_completion_tokens": 7})),
+            Some(7),
+        ),
+        (
+            CHAT,
+            with(
+                &chat,
+                json!({"max_completion_tokens": 1_000_000_000_000u64}),
+            ),
+            None,
+        ),
+        (COMPLETIONS, completion.clone(), Some(16)),
+        (
+            COMPLETIONS,
+            with(&completion, json!({"max_tokens": 9})),
+            Some(9),
+        ),
+        (
+            COMPLETIONS,
+            with(&completion, json!({"max_tokens": 100_000})),
+            None,
+        ),
+    ];
+    for (i, (path, body, want)) in cases.iter().enumerate() {
+        s.script(say("ok", FinishReason::Length));
+        let (status, v) = s.post_json(path, body).await;
+        assert_eq!(status, StatusCode::OK, "{body}: {v}");
+        let r = &s.requests()[i];
+        let room = max_length - r.prompt.len();
+        assert!(room < 300 && room > 16, "{room}");
+        assert_eq!(r.max_tokens, want.unwrap_or(room), "{path} {body}");
+    }
+}
+
+/// Requests the front end can refuse never reach the backend: a prompt
+/// too long for the context (400 `context_length_exceeded`), sampling
+/// parameters out of range (400 naming the parameter), and the rest.
+#[tokio::test]
+async fn request_checks_happen_before_the_backend_sees_anything() {
+    let max_length = 64;
+    let s = Server::new(max_length);
+    let long = "many words ".repeat(100);
+    let vocab = TEXT.tokenizer.vocab_size();
+    let chat = chat_body("Hi");
+    let cmpl = json!({"prompt": "Hi"});
+    const TOO_LONG: Option<&str> = Some("context_length_exceeded");
+    // (route, body, the param the error names, its code)
+    let mut cases: Vec<(&str, Value, &str, Option<&str>)> = vec![
+        (CHAT, chat_body(&long), "prompt", TOO_LONG),
+        (COMPLETIONS, json!({"prompt": long}), "prompt", TOO_LONG),
+        // Exactly the context length leaves no room to generate.
+        (
+            COMPLETIONS,
+            json!({"prompt": vec![1; max_length]}),
+            "prompt",
+            TOO_LONG,
+        ),
+        (COMPLETIONS, json!({"prompt": [1, vocab]}), "prompt", None),
+        (COMPLETIONS, json!({"prompt": []}), "prompt", None),
+        (COMPLETIONS, json!({"prompt": ["a", "b"]}), "prompt", None),
+        (
+            CHAT,
+            with(&chat, json!({"logprobs": true, "top_logprobs": 21})),
+            "top_logprobs",
+            None,
+        ),
+        (
+            CHAT,
+            with(&chat, json!({"top_logprobs": 2})),
+            "top_logprobs",
+            None,
+        ),
+        (
+            CHAT,
+            with(&chat, json!({"max_completion_tokens": 0})),
+            "max_tokens",
+            None,
+        ),
+        (
+            COMPLETIONS,
+            with(&cmpl, json!({"logprobs": 21})),
+            "logprobs",
+            None,
+        ),
+        (
+            CHAT,
+            with(&chat, json!({"frobnicate": 1})),
+            "frobnicate",
+            None,
+        ),
+        (
+            CHAT,
+            with(&chat, json!({"tools": [{"type": "function"}]})),
+            "tools",
+            None,
+        ),
+        (CHAT, json!({"messages": []}), "messages", None),
+        (
+            CHAT,
+            json!({"messages": [{"role": "tool", "content": "x"}]}),
+            "messages",
+            None,
+        ),
+    ];
+    for (name, value) in [
+        ("temperature", json!(3)),
+        ("temperature", json!(-0.5)),
+        ("top_p", json!(0)),
+        ("top_p", json!(1.5)),
+        ("min_p", json!(2)),
+        ("frequency_penalty", json!(2.5)),
+        ("presence_penalty", json!(-3)),
+        ("repetition_penalty", json!(0)),
+        ("top_k", json!(-2)),
+        ("max_tokens", json!(0)),
+        ("n", json!(2)),
+        ("stop", json!(["a", "b", "c", "d", "e"])),
+    ] {
+        for (path, base) in [(CHAT, &chat), (COMPLETIONS, &cmpl)] {
+            let mut body = base.clone();
+            body[name] = value.clone();
+            cases.push((path, body, name, None));
+        }
+    }
+    for (path, body, param, code) in &cases {
+        let (status, v) = s.post_json(path, body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}: {v}");
+        let (kind, got_code, got_param, message) = error_of(&v);
+        assert_eq!(kind, "invalid_request_error", "{v}");
+        assert_eq!(got_param, Some(*param), "{path} {body}: {v}");
+        assert_eq!(got_code, *code, "{path} {body}: {v}");
+        if code.is_some() {
+            assert!(message.contains(&max_length.to_string()), "{message}");
+        }
+        if !["prompt", "messages", "n", "stop"].contains(param) {
+            assert!(message.contains(param), "{param}: {message}");
+        }
+    }
+    // Not JSON, or not an object.
+    for raw in ["{", "[1]", ""] {
+        let req = Request::post(CHAT)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(raw))
+            .unwrap();
+        let (status, text) = text_of(s.send(req).await).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{raw}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(error_of(&v).0, "invalid_request_error");
+    }
+    assert!(
+        s.requests().is_empty(),
+        "the backend saw {:?}",
+        s.requests()
+    );
+    assert_eq!(s.in_flight().await, 0);
+}
+
+/// A body over `max_body_bytes` is a 413 and never reaches the backend.
+#[tokio::test]
+async fn oversized_body_is_413() {
+    let s = Server::with_config(
+        2048,
+        ServerConfig {
+            max_body_bytes: 1024,
+            ..config()
+        },
+    );
+    let (status, v) = s.post_json(CHAT, &chat_body(&"x".repeat(4096))).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    assert_eq!(error_of(&v).1, Some("request_too_large"));
+    assert!(s.requests().is_empty());
+}
+
+/// Refusals at submit map by kind: invalid and rejected requests are 400s,
+/// shutting down and unavailable are 503, internal errors 500; the
+/// server-side detail never reaches the client.
+#[tokio::test]
+async fn submit_refusals_map_to_statuses_and_hide_detail() {
+    type Case = (
+        fn() -> SubmitError,
+        StatusCode,
+        &'static str,
+        Option<&'static str>,
+    );
+    let cases: [Case; 6] = [
+        (
+            || InvalidRequest::PromptTooLong { prompt: 9, max: 8 }.into(),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("context_length_exceeded"),
+        ),
+        (
+            || GenFailure::Rejected("top_k is larger than this worker allows".into()).into(),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            None,
+        ),
+        (
+            || GenFailure::ShuttingDown.into(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Some("unavailable"),
+        ),
+        (
+            || GenFailure::Unavailable(SECRET.into()).into(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Some("unavailable"),
+        ),
+        (
+            || GenFailure::Internal(SECRET.into()).into(),
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            None,
+        ),
+        (
+            || SubmitError::Failed(GenFailure::Internal(SECRET.into())),
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            None,
+        ),
+    ];
+    let s = Server::new(2048);
+    for (refusal, status, kind, code) in cases {
+        for (path, body) in [
+            (CHAT, chat_body("Hi")),
+            (COMPLETIONS, json!({"prompt": "Hi"})),
+        ] {
+            for stream in [false, true] {
+                s.script(Reply::Refuse(refusal()));
+                let body = with(&body, json!({"stream": stream}));
+                let (got, text) = s.post(path, &body).await;
+                // Refused before anything streamed: a plain HTTP error.
+                assert_eq!(got, status, "{:?} {path}: {text}", refusal());
+                assert!(!text.contains("10.1.2.3"), "{text}");
+                assert!(!text.contains("ucp_put_nbx"), "{text}");
+                let v: Value = serde_json::from_str(&text).unwrap();
+                let (got_kind, got_code, _, message) = error_of(&v);
+                assert_eq!((got_kind, got_code), (kind, code), "{text}");
+                assert!(!message.is_empty());
+                if let SubmitError::Failed(GenFailure::Rejected(m)) = refusal() {
+                    assert_eq!(message, m, "a rejection's message is for the client");
+                }
+            }
+        }
+    }
+    assert_eq!(s.requests().len(), cases.len() * 4);
+    assert!(s.ends().is_empty(), "no stream was started");
+    assert_eq!(s.in_flight().await, 0);
+}
+
+/// A failure after some tokens: non-streaming requests get the mapped
+/// status; streams (already 200) end with an OpenAI error event and
+/// `[DONE]`, without a finish reason. No server-side detail either way.
+#[tokio::test]
+async fn mid_stream_failures_map_and_hide_detail() {
+    let cases = [
+        (
+            GenFailure::ShuttingDown,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+        ),
+        (
+            GenFailure::Unavailable(SECRET.into()),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+        ),
+        (
+            GenFailure::Internal(SECRET.into()),
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+        ),
+        (
+            GenFailure::Rejected("the request is not allowed here".into()),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+        ),
+    ];
+    let partial = "A partial answer";
+    let failing = |f: &GenFailure| {
+        let mut steps: Vec<Step> = tokens(partial).into_iter().map(token).collect();
+        steps.push(Step::Event(GenEvent::Failed(f.clone())));
+        Reply::Run(steps)
+    };
+    let s = Server::new(2048);
+    for (failure, status, kind) in &cases {
+        for (path, body) in [
+            (CHAT, chat_body("Hi")),
+            (COMPLETIONS, json!({"prompt": "Hi", "max_tokens": 50})),
+        ] {
+            s.script(failing(failure));
+            let (got, v) = s.post_json(path, &body).await;
+            assert_eq!(got, *status, "{failure:?} {path}: {v}");
+            assert!(!v.to_string().contains("10.1.2.3"), "{v}");
+            assert_eq!(error_of(&v).0, *kind, "{v}");
+
+            s.script(failing(failure));
+            let body = with(
+                &body,
+                json!({"stream": true, "stream_options": {"include_usage": true}}),
+            );
+            let (got, text) = s.post(path, &body).await;
+            assert_eq!(got, StatusCode::OK, "streams start before the failure");
+            assert!(!text.contains("10.1.2.3"), "{text}");
+            assert!(!text.contains("ucp_put_nbx"), "{text}");
+            let events = sse(&text);
+            let (last, chunks) = events.split_last().unwrap();
+            assert_eq!(error_of(last).0, *kind, "{failure:?} {path}: {text}");
+            assert_eq!(streamed_text(chunks), partial, "{text}");
+            assert!(finish_reasons(chunks).is_empty(), "{text}");
+            assert!(
+                chunks.iter().all(|c| c["usage"].is_null()),
+                "no usage chunk after a failure: {text}"
+            );
+        }
+    }
+}
+
+/// A backend stream that ends without `Finished` or `Failed` is reported
+/// as a retryable 503, not as a finished answer.
+#[tokio::test]
+async fn stream_ending_without_a_final_event_is_503() {
+    let s = Server::new(2048);
+    let truncated = || Reply::Run(tokens("Cut short").into_iter().map(token).collect());
+    for (path, body) in [
+        (CHAT, chat_body("Hi")),
+        (COMPLETIONS, json!({"prompt": "Hi"})),
+    ] {
+        s.script(truncated());
+        let (status, v) = s.post_json(path, &body).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{path}: {v}");
+        assert_eq!(error_of(&v).1, Some("unavailable"), "{v}");
+
+        s.script(truncated());
+        let (status, text) = s.post(path, &with(&body, json!({"stream": true}))).await;
+        assert_eq!(status, StatusCode::OK);
+        let events = sse(&text);
+        let (last, chunks) = events.split_last().unwrap();
+        assert_eq!(error_of(last).1, Some("unavailable"), "{text}");
+        assert!(finish_reasons(chunks).is_empty(), "{text}");
+    }
+}
+
+/// A request naming another model is a 404 `model_not_found` and never
+/// reaches the backend; the served name, the model's own name and no name
+/// are accepted.
+#[tokio::test]
+async fn other_model_name_is_404_model_not_found() {
+    let s = Server::new(2048);
+    for (path, body) in [
+        (CHAT, chat_body("Hi")),
+        (COMPLETIONS, json!({"prompt": "Hi"})),
+    ] {
+        for stream in [false, true] {
+            let body = with(&body, json!({"model": "gpt-4o", "stream": stream}));
+            let (status, v) = s.post_json(path, &body).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+            let (kind, code, _, message) = error_of(&v);
+            assert_eq!((kind, code), ("not_found_error", Some("model_not_found")));
+            assert!(message.contains("gpt-4o"), "{message}");
+        }
+    }
+    assert!(s.requests().is_empty());
+    for name in [json!(MODEL), json!(TEXT.name), Value::Null] {
+        s.script(say("Hello!", FinishReason::Stop));
+        let (status, v) = s
+            .post_json(CHAT, &with(&chat_body("Hi"), json!({"model": name})))
+            .await;
+        assert_eq!(status, StatusCode::OK, "{name}: {v}");
+    }
+    assert_eq!(s.requests().len(), 3);
+}
+
+/// An unknown route is a 404 `not_found`, not `model_not_found`; so is
+/// `/metrics` without a renderer. A known route with the wrong method is
+/// a 405 with an OpenAI error body and `Allow`. `/v1/models` lists the
+/// served model.
+#[tokio::test]
+async fn unknown_routes_are_404_not_found() {
+    let s = Server::new(2048);
+    for req in [
+        Request::get("/v1/nope").body(Body::empty()).unwrap(),
+        Request::post("/v1/embeddings")
+            .body(Body::from("{}"))
+            .unwrap(),
+        Request::get("/").body(Body::empty()).unwrap(),
+        Request::get("/metrics").body(Body::empty()).unwrap(),
+    ] {
+        let uri = req.uri().clone();
+        let (status, text) = text_of(s.send(req).await).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{uri}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let (kind, code, _, _) = error_of(&v);
+        assert_eq!(
+            (kind, code),
+            ("not_found_error", Some("not_found")),
+            "{uri}"
+        );
+    }
+    for (req, allow) in [
+        (Request::get(CHAT).body(Body::empty()).unwrap(), "POST"),
+        (
+            Request::post("/v1/models").body(Body::from("{}")).unwrap(),
+            "GET",
+        ),
+    ] {
+        let uri = req.uri().clone();
+        let resp = s.send(req).await;
+        let allowed = resp.headers().get(header::ALLOW).cloned();
+        let (status, text) = text_of(resp).await;
+        assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{uri}: {text}");
+        assert!(
+            allowed.is_some_and(|a| a.to_str().unwrap().contains(allow)),
+            "{uri}"
+        );
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{uri}: {e}: {text:?}"));
+        let (kind, code, _, message) = error_of(&v);
+        assert_eq!(
+            (kind, code),
+            ("invalid_request_error", Some("method_not_allowed"))
+        );
+        assert!(message.contains(uri.path()), "{message}");
+    }
+    s.state
+        .set_metrics_renderer(Arc::new(|| "tandem_up 1\n".to_string()));
+    let (status, text) = s.get("/metrics").await;
+    assert_eq!((status, text.as_str()), (StatusCode::OK, "tandem_up 1\n"));
+
+    let (status, v) = s.get_json("/v1/models").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"].as_array().unwrap().len(), 1);
+    assert_eq!(v["data"][0]["id"], MODEL);
+    assert_eq!(v["data"][0]["max_model_len"], 2048);
+    assert!(s.requests().is_empty());
+}
+
+/// With `max_concurrent_requests` requests held by the backend, another is
+/// refused with 503 `overloaded` before it reaches the backend; once they
+/// finish, requests are admitted again.
+#[tokio::test]
+async fn concurrency_limit_refuses_with_503_while_requests_are_held() {
+    let s = Arc::new(Server::with_config(
+        2048,
+        ServerConfig {
+            max_concurrent_requests: 2,
+            ..config()
+        },
+    ));
+    let (open, gate) = watch::channel(false);
+    let reply = "Finally!";
+    let held = || {
+        let mut steps = vec![Step::Gate(gate.clone())];
+        steps.extend(tokens(reply).into_iter().map(token));
+        steps.push(Step::Finish(FinishReason::Stop));
+        Reply::Run(steps)
+    };
+    // One non-streaming request, one stream: both hold their permit.
+    s.script(held());
+    s.script(held());
+    let chat = {
+        let s = Arc::clone(&s);
+        tokio::spawn(async move { s.post_json(CHAT, &chat_body("Wait for it")).await })
+    };
+    let stream = {
+        let s = Arc::clone(&s);
+        tokio::spawn(async move {
+            s.post(COMPLETIONS, &json!({"prompt": "Wait", "stream": true}))
+                .await
+        })
+    };
+    for _ in 0..500 {
+        if s.requests().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(s.requests().len(), 2);
+    assert_eq!(s.in_flight().await, 2);
+
+    s.script(say("too early", FinishReason::Stop));
+    for (path, body) in [
+        (CHAT, chat_body("Me too")),
+        (COMPLETIONS, json!({"prompt": "Me too", "stream": true})),
+    ] {
+        let (status, v) = s.post_json(path, &body).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+        let (kind, code, _, _) = error_of(&v);
+        assert_eq!((kind, code), ("server_overloaded", Some("overloaded")));
+    }
+    assert_eq!(s.requests().len(), 2, "refused before the backend");
+
+    open.send(true).unwrap();
+    let (status, v) = chat.await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], reply);
+    let (status, text) = stream.await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(streamed_text(&sse(&text)), reply);
+
+    assert_eq!(s.in_flight().await, 0);
+    let (status, v) = s.post_json(CHAT, &chat_body("Now?")).await;
+    assert_eq!(status, StatusCode::OK, "admitted again: {v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "too early");
+}
+
+/// A client that goes away mid-stream cancels the request: the backend
+/// stream is dropped before its end and the permit is released.
+#[tokio::test]
+async fn client_disconnect_cancels_the_backend() {
+    let s = Server::new(2048);
+    let mut steps: Vec<Step> = tokens("Hello").into_iter().map(token).collect();
+    steps.push(Step::Hang);
+    s.script(Reply::Run(steps));
+    let body = with(&chat_body("Talk forever"), json!({"stream": true}));
+    let req = Request::post(CHAT)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    let resp = s.send(req).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut seen = String::new();
+    while !seen.contains("Hello") {
+        let frame = tokio::time::timeout(Duration::from_secs(5), body.frame())
+            .await
+            .expect("the first tokens arrive")
+            .unwrap()
+            .unwrap();
+        if let Ok(data) = frame.into_data() {
+            seen.push_str(std::str::from_utf8(&data).unwrap());
+        }
+    }
+    assert_eq!(s.in_flight().await, 1);
+    assert!(s.ends().is_empty(), "still running");
+    drop(body);
+    let n = tokens("Hello").len();
+    assert_eq!(
+        s.ends_after(1).await,
+        [StreamEnd {
+            tokens_read: n,
+            read_to_end: false
+        }]
+    );
+    assert_eq!(s.in_flight().await, 0);
+}
+
+/// `/health` is 200 with the backend's details while it is ready, 503 with
+/// its reason while it is not, and 503 "draining" once shutdown began.
+#[tokio::test]
+async fn health_reflects_the_backend_and_draining() {
+    let s = Server::new(2048);
+    let mut details = serde_json::Map::new();
+    details.insert("decode_workers".into(), 3.into());
+    *s.fake.health.lock().unwrap() = BackendHealth {
+        ready: true,
+        reason: "ok",
+        details: details.clone(),
+    };
+    let (status, v) = s.get_json("/health").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(
+        v,
+        json!({"status": "ok", "decode_workers": 3, "requests_in_flight": 0})
+    );
+
+    *s.fake.health.lock().unwrap() = BackendHealth {
+        ready: false,
+        reason: "no decode workers",
+        details: serde_json::Map::new(),
+    };
+    let (status, v) = s.get_json("/health").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert_eq!(v["status"], "no decode workers");
+
+    *s.fake.health.lock().unwrap() = ready();
+    let (status, _) = s.get_json("/health").await;
+    assert_eq!(status, StatusCode::OK);
+    s.state.begin_shutdown();
+    let (status, v) = s.get_json("/health").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert_eq!(v["status"], "draining");
+}
+
+/// Logprobs are the scripted `Sampled` values: chat `logprobs.content`
+/// (streamed and not) and the legacy completions object.
+#[tokio::test]
+async fn logprobs_are_the_scripted_values() {
+    let reply = "Yes, of course.";
+    let ids = tokens(reply);
+    let alt = tokens(" zebra")[0];
+    // Exactly representable in f32, so JSON shows them as scripted.
+    let lp = |i: usize| -0.25 - 0.5 * i as f32;
+    let scripted = || {
+        let mut steps: Vec<Step> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| {
+                Step::Event(GenEvent::Token(Sampled {
+                    token: id,
+                    logprob: Some(lp(i)),
+                    top: vec![(id, lp(i)), (alt, -8.0)],
+                }))
+            })
+            .collect();
+        steps.push(Step::Finish(FinishReason::Stop));
+        Reply::Run(steps)
+    };
+    let piece = |id: u32| TEXT.tokenizer.token_to_piece_bytes(id).unwrap();
+    let want: Vec<Value> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            json!({
+                "token": detok(&[id]),
+                "logprob": lp(i),
+                "bytes": piece(id),
+                "top_logprobs": [
+                    {"token": detok(&[id]), "logprob": lp(i), "bytes": piece(id)},
+                    {"token": detok(&[alt]), "logprob": -8.0, "bytes": piece(alt)},
+                ],
+            })
+        })
+        .collect();
+
+    let s = Server::new(2048);
+    let chat = with(
+        &chat_body("Can you?"),
+        json!({"logprobs": true, "top_logprobs": 2}),
+    );
+    s.script(scripted());
+    let (status, v) = s.post_json(CHAT, &chat).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], reply);
+    assert_eq!(v["choices"][0]["logprobs"]["content"], json!(want));
+    let r = &s.requests()[0];
+    assert!(r.sampling.logprobs);
+    assert_eq!(r.sampling.top_logprobs, 2);
+
+    s.script(scripted());
+    let (status, text) = s.post(CHAT, &with(&chat, json!({"stream": true}))).await;
+    assert_eq!(status, StatusCode::OK);
+    let events = sse(&text);
+    let streamed: Vec<Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(streamed, want, "{text}");
+    assert_eq!(streamed_text(&events), reply);
+
+    s.script(scripted());
+    let (status, v) = s
+        .post_json(COMPLETIONS, &json!({"prompt": "Can you?", "logprobs": 2}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["text"], reply);
+    let got = &v["choices"][0]["logprobs"];
+    let texts: Vec<String> = ids.iter().map(|&id| detok(&[id])).collect();
+    let offsets: Vec<usize> = (0..ids.len()).map(|k| detok(&ids[..k]).len()).collect();
+    let tops: Vec<Value> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            let mut top = serde_json::Map::new();
+            top.insert(detok(&[id]), lp(i).into());
+            top.insert(detok(&[alt]), (-8.0f32).into());
+            Value::Object(top)
+        })
+        .collect();
+    assert_eq!(got["tokens"], json!(texts));
+    assert_eq!(
+        got["token_logprobs"],
+        json!((0..ids.len()).map(lp).collect::<Vec<_>>())
+    );
+    assert_eq!(got["top_logprobs"], json!(tops));
+    assert_eq!(got["text_offset"], json!(offsets));
+    let r = &s.requests()[2];
+    assert!(r.sampling.logprobs);
+    assert_eq!(r.sampling.top_logprobs, 2);
+
+    // Without logprobs asked for, none are returned.
+    s.script(scripted());
+    let (_, v) = s.post_json(CHAT, &chat_body("Can you?")).await;
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+    assert!(!s.requests()[3].sampling.logprobs);
+}
+
+/// A client's `traceparent` is continued in the request the backend gets.
+#[tokio::test]
+async fn traceparent_reaches_the_backend() {
+    let s = Server::new(2048);
+    s.script(say("Traced.", FinishReason::Stop));
+    let req = Request::post(CHAT)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )
+        .body(Body::from(chat_body("Hi").to_string()))
+        .unwrap();
+    let (status, text) = text_of(s.send(req).await).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let trace = s.requests()[0].trace;
+    assert_eq!(trace.trace_id, 0x0af7651916cd43dd8448eb211c80319c);
+    assert_ne!(trace.span_id, 0xb7ad6b7169203331, "a new hop");
+}
+
+/// `serve` answers over a real socket and, once its shutdown future
+/// resolves, marks the server draining and returns.
+#[tokio::test]
+async fn serve_answers_over_tcp_and_shuts_down() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let s = Server::new(2048);
+    let reply = "Over the wire.";
+    s.script(say(reply, FinishReason::Stop));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(
+        listener,
+        s.state.clone(),
+        async move {
+            let _ = stopped.await;
+        },
+        Duration::from_secs(5),
+    ));
+
+    let body = chat_body("Hi").to_string();
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "POST {CHAT} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_string(&mut response))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    let json_body = &response[response.find("\r\n\r\n").unwrap() + 4..];
+    let v: Value = serde_json::from_str(json_body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], reply);
+
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .expect("serve returns after shutdown")
+        .unwrap()
+        .unwrap();
+    let (status, v) = s.get_json("/health").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(v["status"], "draining");
+}

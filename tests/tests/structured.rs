@@ -1,0 +1,226 @@
+//! Structured output (`response_format`) end to end: `tandem serve` and a
+//! 1P1D cluster produce text that an independent JSON-schema validator
+//! accepts, at temperature 1 over many seeds; invalid constraints are 400s
+//! naming `response_format`; unconstrained requests in the same batch stay
+//! equal to the engine's greedy reference.
+
+use std::thread;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tandem_discovery::testing::EtcdServer;
+use tandem_tests::cluster::{Node, Router, expected, short_prompt, unique_cluster};
+use tandem_tests::{Proc, gguf_path, http, ports_in};
+
+fn schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+            "kind": {"enum": ["cat", "dog", "bird"]}
+        },
+        "required": ["name", "age", "tags", "kind"],
+        "additionalProperties": false
+    })
+}
+
+/// `long` prompts go to the prefill node in a cluster (past its
+/// `--remote-prefill-min-tokens`), which samples the first token under the
+/// constraint.
+fn body(seed: u64, long: bool) -> Value {
+    let content = if long {
+        // Unique per seed, so no prompt is all in the decode node's cache.
+        format!(
+            "Record {seed}. You keep records of the animals at a small rescue shelter. Each record names the \
+         animal, gives its age in years, a few short tags about its temperament, and its \
+         kind. Describe one pet as JSON."
+        )
+    } else {
+        "Describe a pet as JSON.".to_string()
+    };
+    json!({
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 160,
+        "temperature": 1.0,
+        "seed": seed,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "pet", "strict": true, "schema": schema()}
+        }
+    })
+}
+
+/// Runs `n` constrained generations, 16 at a time; returns how many were
+/// invalid (with the first few for the message).
+fn invalid_outputs(port: u16, n: u64, long: bool) -> (usize, Vec<String>) {
+    let validator = jsonschema::validator_for(&schema()).expect("the test schema compiles");
+    let mut bad = Vec::new();
+    let mut count = 0;
+    for batch in (0..n).collect::<Vec<_>>().chunks(16) {
+        let handles: Vec<_> = batch
+            .iter()
+            .map(|&seed| {
+                thread::spawn(move || {
+                    let r = http(
+                        port,
+                        "POST",
+                        "/v1/chat/completions",
+                        &body(seed, long).to_string(),
+                    );
+                    (seed, r.status, r.json())
+                })
+            })
+            .collect();
+        for h in handles {
+            let (seed, status, v) = h.join().expect("request thread");
+            let choice = &v["choices"][0];
+            let text = choice["message"]["content"].as_str().unwrap_or_default();
+            let valid = status == 200
+                && choice["finish_reason"] == "stop"
+                && serde_json::from_str::<Value>(text).is_ok_and(|j| validator.is_valid(&j));
+            if !valid {
+                count += 1;
+                if bad.len() < 3 {
+                    bad.push(format!("seed {seed}: {status} {v}"));
+                }
+            }
+        }
+    }
+    (count, bad)
+}
+
+fn start_serve() -> (Proc, u16) {
+    let gguf = gguf_path();
+    let args: Vec<String> = [
+        "serve",
+        "--model",
+        gguf.to_str().expect("utf-8 path"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--max-length",
+        "512",
+        "--max-batch-size",
+        "32",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut proc = Proc::spawn("tandem serve", &args, &[]);
+    let line = proc.wait_line("tandem: serving ", Duration::from_secs(120));
+    let port = ports_in(&line)[0];
+    (proc, port)
+}
+
+#[test]
+fn serve_output_matches_the_schema_at_temperature_one() {
+    let (_proc, port) = start_serve();
+    let (n, bad) = invalid_outputs(port, 200, false);
+    assert_eq!(n, 0, "{n} of 200 outputs invalid, e.g. {bad:?}");
+
+    // The other constraint kinds.
+    let ask = |rf: Value| {
+        let b = json!({
+            "messages": [{"role": "user", "content": "Answer."}],
+            "max_tokens": 40, "temperature": 1.0, "seed": 3,
+            "response_format": rf,
+        });
+        http(port, "POST", "/v1/chat/completions", &b.to_string())
+    };
+    let r = ask(json!({"type": "json_object"}));
+    let text = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    if r.json()["choices"][0]["finish_reason"] == "stop" {
+        assert!(
+            serde_json::from_str::<Value>(&text).is_ok_and(|v| v.is_object()),
+            "{text}"
+        );
+    }
+    let r = ask(json!({"type": "regex", "regex": "[0-9]{3}-[a-z]{2}"}));
+    let text = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(text.len(), 6, "{text}");
+    assert!(
+        text[..3].bytes().all(|b| b.is_ascii_digit()) && &text[3..4] == "-",
+        "{text}"
+    );
+    let r = ask(json!({"type": "grammar", "grammar": "start: \"yes\" | \"no\""}));
+    let text = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(text == "yes" || text == "no", "{text}");
+
+    // Invalid constraints are the client's error, named.
+    for rf in [
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+        json!({"type": "regex", "regex": "("}),
+        json!({"type": "grammar", "grammar": "start: undefined_rule"}),
+        json!({"type": "json_schema", "json_schema": {"name": "x"}}),
+        json!({"type": "xml"}),
+    ] {
+        let r = ask(rf.clone());
+        assert_eq!(r.status, 400, "{rf}: {}", r.body);
+        assert_eq!(
+            r.json()["error"]["param"],
+            "response_format",
+            "{rf}: {}",
+            r.body
+        );
+    }
+
+    // Unconstrained greedy requests alongside constrained ones still equal
+    // the engine's reference (batch invariance).
+    let want = expected(short_prompt(), 16);
+    let plain = thread::spawn(move || {
+        (0..4)
+            .map(|_| {
+                let b = json!({"prompt": short_prompt(), "max_tokens": 16, "temperature": 0});
+                http(port, "POST", "/v1/completions", &b.to_string()).json()["choices"][0]["text"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect::<Vec<_>>()
+    });
+    let (n, bad) = invalid_outputs(port, 16, false);
+    assert_eq!(n, 0, "{bad:?}");
+    for got in plain.join().expect("plain requests") {
+        assert_eq!(got, want);
+    }
+}
+
+#[test]
+fn cluster_output_matches_the_schema() {
+    let etcd = EtcdServer::start().expect("etcd");
+    let cluster = unique_cluster("structured");
+    let _p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &[]);
+    let d = Node::start(&etcd.url(), &cluster, "decode", "d0", &[]);
+    let r = Router::start(&etcd.url(), &cluster);
+    r.wait_members(1, 1, Duration::from_secs(20));
+    let (n, bad) = invalid_outputs(r.port, 48, true);
+    assert_eq!(n, 0, "{n} of 48 outputs invalid, e.g. {bad:?}");
+    let (n, bad) = invalid_outputs(r.port, 16, false);
+    assert_eq!(n, 0, "{n} of 16 short-prompt outputs invalid, e.g. {bad:?}");
+    // The long prompts were prefilled remotely: the prefill node sampled
+    // their first token under the constraint.
+    let remote = tandem_tests::metric(
+        &d.metrics(),
+        "tandem_decode_prefills_total",
+        "outcome=\"remote\"",
+    );
+    assert!(remote >= 48.0, "only {remote} remote prefills");
+    let bad_rf = json!({
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+        "response_format": {"type": "regex", "regex": "("}
+    });
+    let resp = http(r.port, "POST", "/v1/chat/completions", &bad_rf.to_string());
+    assert_eq!(resp.status, 400, "{}", resp.body);
+}
