@@ -8,23 +8,8 @@
 
 use tandem_kernels::{GgmlType, Isa, QMatrix, matmul, matmul_with_isa, quantize_row};
 
-/// splitmix64: tiny, seeded, stable across crate versions.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [lo, hi).
-    fn f32(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-}
+/// The project's one seeded generator (SplitMix64): stable across crate versions.
+use tandem_types::SeededRng as Rng;
 
 fn f16_bits(v: f32) -> [u8; 2] {
     half::f16::from_f32(v).to_bits().to_le_bytes()
@@ -155,7 +140,7 @@ fn hashes() -> Vec<(GgmlType, usize, u64)> {
     let mut v = Vec::new();
     // Every ISA this CPU has must be compared (none skipped silently).
     let mut ran = std::collections::BTreeSet::new();
-    let mut rng = Rng(0x7a6d_656d);
+    let mut rng = Rng::new(0x7a6d_656d);
     for (ty, rows, cols) in CASES {
         let data = weights(ty, rows, cols, &mut rng);
         let w = QMatrix::new(ty, &data, rows, cols).expect("shape");

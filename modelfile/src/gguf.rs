@@ -1650,25 +1650,7 @@ mod tests {
 
     // ---- deterministic mutation fuzzing ------------------------------------
 
-    struct SplitMix(u64);
-
-    impl SplitMix {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        }
-
-        fn below(&mut self, n: usize) -> usize {
-            if n == 0 {
-                0
-            } else {
-                (self.next() % n as u64) as usize
-            }
-        }
-    }
+    use tandem_types::SeededRng as SplitMix;
 
     /// Touches everything a loader would, so that a parse that "succeeds"
     /// into an inconsistent state is caught too.
@@ -1718,12 +1700,12 @@ mod tests {
                 }
                 1 if !v.is_empty() => {
                     let i = rng.below(v.len());
-                    v[i] = rng.next() as u8;
+                    v[i] = rng.next_u64() as u8;
                 }
                 2 => {
                     let at = rng.below(v.len() + 1);
                     let n = 1 + rng.below(8);
-                    let ins: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                    let ins: Vec<u8> = (0..n).map(|_| rng.next_u64() as u8).collect();
                     v.splice(at..at, ins);
                 }
                 3 if !v.is_empty() => {
@@ -1793,7 +1775,7 @@ mod tests {
             .collect();
         assert!(length_fields.len() > 20);
 
-        let mut rng = SplitMix(0x5eed_6775_f000_0001);
+        let mut rng = SplitMix::new(0x5eed_6775_f000_0001);
         let (mut ok, mut err) = (0u32, 0u32);
         for _ in 0..20_000 {
             let m = mutate(&mut rng, &base, &length_fields);
