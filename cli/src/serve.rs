@@ -15,6 +15,7 @@ use crate::telemetry::{Telemetry, TelemetryArgs};
 use tandem_engine::comm::{DeviceSpec, parse_devices};
 use tandem_engine::moe::Combine;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
+use tandem_frontend::tools::ToolParser;
 use tandem_frontend::{AppState, ServerConfig};
 use tandem_modelfile::fetch;
 
@@ -93,6 +94,11 @@ pub struct HttpArgs {
     /// Largest accepted request body, in bytes.
     #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
+    /// How the model writes tool calls: hermes (`<tool_call>` JSON
+    /// blocks), llama3_json (the answer is one JSON call), or none (`tools`
+    /// are refused).
+    #[arg(long, env = "TANDEM_TOOL_PARSER", default_value = "hermes")]
+    pub tool_parser: ToolParser,
 }
 
 #[derive(Debug, Args)]
@@ -191,6 +197,7 @@ impl HttpArgs {
             max_concurrent_requests: self.max_concurrent_requests,
             max_body_bytes: self.max_body_bytes,
             model_name,
+            tool_parser: self.tool_parser,
         })
     }
 }

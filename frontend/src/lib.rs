@@ -9,6 +9,7 @@ pub mod error;
 pub mod metrics;
 pub mod openai;
 pub mod server;
+pub mod tools;
 
 pub use backend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
 pub use error::ApiError;

@@ -13,6 +13,7 @@ use tandem_types::FinishReason;
 use tandem_types::{Constraint, MAX_TOP_LOGPROBS, SamplingParams};
 
 use crate::error::ApiError;
+use crate::tools::ToolParser;
 
 /// Most stop strings in one request (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
@@ -20,11 +21,8 @@ pub const MAX_STOP: usize = 4;
 /// Fields accepted only when null (or their no-op value): features we do
 /// not implement.
 const UNSUPPORTED: &[&str] = &[
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "parallel_tool_calls",
     "logit_bias",
     "audio",
     "modalities",
@@ -40,6 +38,9 @@ const UNSUPPORTED: &[&str] = &[
 const IGNORED: &[&str] = &["user", "store", "metadata", "service_tier"];
 
 const CHAT_FIELDS: &[&str] = &[
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "response_format",
     "messages",
     "model",
@@ -105,6 +106,12 @@ pub struct RequestMessage {
     pub content: Option<Value>,
     #[serde(default)]
     pub name: Option<String>,
+    /// An assistant message's calls.
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+    /// A `tool` message's answer to this call.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 /// Sampling and length fields shared by both endpoints.
@@ -148,6 +155,12 @@ pub struct CommonParams {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 pub struct ChatRequest {
     pub messages: Vec<RequestMessage>,
+    #[serde(default)]
+    pub tools: Option<Value>,
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     #[serde(default)]
     pub max_completion_tokens: Option<u64>,
     #[serde(default)]
@@ -200,12 +213,10 @@ fn invalid(message: impl Into<String>, param: &str) -> ApiError {
 fn is_noop(key: &str, v: &Value) -> bool {
     match (key, v) {
         (_, Value::Null) => true,
-        ("echo" | "parallel_tool_calls", Value::Bool(false)) => true,
-        ("parallel_tool_calls", Value::Bool(true)) => true,
+        ("echo", Value::Bool(false)) => true,
         ("best_of", Value::Number(n)) => n.as_u64() == Some(1),
-        ("tools" | "functions", Value::Array(a)) => a.is_empty(),
+        ("functions", Value::Array(a)) => a.is_empty(),
         ("logit_bias", Value::Object(o)) => o.is_empty(),
-        ("tool_choice", Value::String(s)) => s == "none" || s == "auto",
         ("suffix", Value::String(s)) => s.is_empty(),
         _ => false,
     }
@@ -266,31 +277,96 @@ impl ChatRequest {
     }
 
     /// The conversation for the chat template; `developer` becomes `system`.
-    pub fn messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
+    /// The conversation as plain role/content messages: assistant calls
+    /// written the way `parser` writes them, tool results as
+    /// `<tool_response>` user turns (for templates that do not render
+    /// tools), and `system` (the tool instructions) merged into the first
+    /// system message or put first.
+    pub fn messages(
+        &self,
+        parser: ToolParser,
+        system: Option<&str>,
+    ) -> Result<Vec<ChatMessage>, ApiError> {
         if self.messages.is_empty() {
             return Err(invalid("`messages` must not be empty", "messages"));
         }
-        self.messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                let role = match m.role.as_str() {
-                    "system" | "developer" => "system",
-                    "user" => "user",
-                    "assistant" => "assistant",
-                    other => {
-                        return Err(invalid(
-                            format!(
-                                "messages[{i}].role `{other}` is not supported \
-                                 (use system, developer, user or assistant)"
-                            ),
-                            "messages",
-                        ));
+        let mut out = Vec::with_capacity(self.messages.len() + 1);
+        for (i, m) in self.messages.iter().enumerate() {
+            let text = content_text(i, m.content.as_ref())?;
+            let msg = match m.role.as_str() {
+                "system" | "developer" => ChatMessage::new("system", text),
+                "user" => ChatMessage::new("user", text),
+                "assistant" => {
+                    let mut text = text;
+                    for (name, args) in calls_of(i, m.tool_calls.as_ref())? {
+                        if !text.is_empty() {
+                            text.push('\n');
+                        }
+                        text.push_str(&parser.render_call(&name, &args));
                     }
-                };
-                Ok(ChatMessage::new(role, content_text(i, m.content.as_ref())?))
-            })
-            .collect()
+                    ChatMessage::new("assistant", text)
+                }
+                "tool" => {
+                    ChatMessage::new("user", format!("<tool_response>\n{text}\n</tool_response>"))
+                }
+                other => {
+                    return Err(invalid(
+                        format!(
+                            "messages[{i}].role `{other}` is not supported \
+                             (use system, developer, user, assistant or tool)"
+                        ),
+                        "messages",
+                    ));
+                }
+            };
+            out.push(msg);
+        }
+        if let Some(system) = system {
+            match out.first_mut() {
+                Some(first) if first.role == "system" => {
+                    first.content = format!("{}\n\n{system}", first.content);
+                }
+                _ => out.insert(0, ChatMessage::new("system", system)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The conversation in OpenAI's JSON shape, for templates that render
+    /// tools themselves (call arguments as objects, as HF templates expect).
+    pub fn messages_json(&self) -> Result<Value, ApiError> {
+        let mut out = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            let role = match m.role.as_str() {
+                "developer" => "system",
+                r @ ("system" | "user" | "assistant" | "tool") => r,
+                other => {
+                    return Err(invalid(
+                        format!("messages[{i}].role `{other}` is not supported"),
+                        "messages",
+                    ));
+                }
+            };
+            let mut msg = serde_json::json!({
+                "role": role,
+                "content": content_text(i, m.content.as_ref())?,
+            });
+            let calls = calls_of(i, m.tool_calls.as_ref())?;
+            if !calls.is_empty() {
+                msg["tool_calls"] = calls
+                    .into_iter()
+                    .map(|(name, args)| {
+                        let args: Value = serde_json::from_str(&args).unwrap_or(Value::String(args));
+                        serde_json::json!({"type": "function", "function": {"name": name, "arguments": args}})
+                    })
+                    .collect();
+            }
+            if let Some(id) = &m.tool_call_id {
+                msg["tool_call_id"] = Value::String(id.clone());
+            }
+            out.push(msg);
+        }
+        Ok(Value::Array(out))
     }
 
     pub fn params(&self) -> Result<GenParams, ApiError> {
@@ -306,6 +382,43 @@ impl ChatRequest {
         self.common
             .params(max_tokens, logprobs, top, "top_logprobs")
     }
+}
+
+/// `(name, arguments)` of an assistant message's `tool_calls`.
+fn calls_of(i: usize, calls: Option<&Value>) -> Result<Vec<(String, String)>, ApiError> {
+    let items = match calls {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(_) => {
+            return Err(invalid(
+                format!("messages[{i}].tool_calls must be an array"),
+                "messages",
+            ));
+        }
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let f = c.get("function");
+            let name = f.and_then(|f| f.get("name")).and_then(Value::as_str);
+            let args = match f.and_then(|f| f.get("arguments")) {
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(v @ Value::Object(_)) => Some(v.to_string()),
+                None | Some(Value::Null) => Some("{}".to_string()),
+                Some(_) => None,
+            };
+            match (name, args) {
+                (Some(n), Some(a)) => Ok((n.to_string(), a)),
+                _ => Err(invalid(
+                    format!(
+                        "messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"
+                    ),
+                    "messages",
+                )),
+            }
+        })
+        .collect()
 }
 
 /// Text of a message's `content`: a string, or an array of text parts.
@@ -575,7 +688,45 @@ impl CompletionLogprobs {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+/// One call in a response.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ToolCallOut {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// A streamed piece of one call: the first carries `id`, `type` and the
+/// name, later ones argument text.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -603,6 +754,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -681,7 +834,10 @@ mod tests {
         assert_eq!(p.sampling.temperature, 1.0);
         assert_eq!(p.max_tokens, None);
         assert!(!p.stream);
-        assert_eq!(r.messages().unwrap(), vec![ChatMessage::new("user", "hi")]);
+        assert_eq!(
+            r.messages(ToolParser::Hermes, None).unwrap(),
+            vec![ChatMessage::new("user", "hi")]
+        );
     }
 
     #[test]
@@ -714,12 +870,12 @@ mod tests {
     }
 
     #[test]
-    fn non_null_tools_are_rejected() {
+    fn legacy_functions_are_rejected() {
         let m = message(
-            chat(r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}]}"#)
+            chat(r#"{"messages":[{"role":"user","content":"hi"}],"functions":[{"name":"f"}]}"#)
                 .unwrap_err(),
         );
-        assert!(m.contains("tools") && m.contains("not supported"), "{m}");
+        assert!(m.contains("functions") && m.contains("not supported"), "{m}");
     }
 
     #[test]
@@ -730,7 +886,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            r.messages().unwrap(),
+            r.messages(ToolParser::Hermes, None).unwrap(),
             vec![
                 ChatMessage::new("system", "be brief"),
                 ChatMessage::new("user", "ab")
@@ -740,11 +896,37 @@ mod tests {
             r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#,
         )
         .unwrap();
-        assert!(bad.messages().is_err());
-        let tool = chat(r#"{"messages":[{"role":"tool","content":"x"}]}"#).unwrap();
-        assert!(message(tool.messages().unwrap_err()).contains("tool"));
+        assert!(bad.messages(ToolParser::Hermes, None).is_err());
+        let other = chat(r#"{"messages":[{"role":"function","content":"x"}]}"#).unwrap();
+        assert!(
+            message(other.messages(ToolParser::Hermes, None).unwrap_err()).contains("function")
+        );
+        // Tool history: the call is written in the parser's format, the
+        // result as a tool response, the instructions join the system turn.
+        let tool = chat(
+            r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"q"},
+               {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+                 "function":{"name":"f","arguments":"{\"a\":1}"}}]},
+               {"role":"tool","tool_call_id":"c1","content":"42"}]}"#,
+        )
+        .unwrap();
+        let m = tool.messages(ToolParser::Hermes, Some("TOOLS")).unwrap();
+        assert_eq!(m[0], ChatMessage::new("system", "S\n\nTOOLS"));
+        assert_eq!(m[2].role, "assistant");
+        let (_, calls) = ToolParser::Hermes.extract(&m[2].content);
+        assert_eq!(
+            (calls[0].name.as_str(), calls[0].arguments.as_str()),
+            ("f", r#"{"a":1}"#)
+        );
+        assert_eq!(
+            m[3],
+            ChatMessage::new("user", "<tool_response>\n42\n</tool_response>")
+        );
+        let j = tool.messages_json().unwrap();
+        assert_eq!(j[2]["tool_calls"][0]["function"]["arguments"]["a"], 1);
+        assert_eq!(j[3]["tool_call_id"], "c1");
         let empty = chat(r#"{"messages":[]}"#).unwrap();
-        assert!(empty.messages().is_err());
+        assert!(empty.messages(ToolParser::Hermes, None).is_err());
     }
 
     #[test]

@@ -37,8 +37,10 @@ use crate::metrics::{AwaitingAdmission, MetricsRenderer, RequestTracker, record_
 use crate::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChatRequest,
     ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Delta,
-    GenParams, ModelCard, ModelList, Prompt, TokenLogprob, TopLogprob, UsageInfo, finish_str,
+    FunctionCall, FunctionDelta, GenParams, ModelCard, ModelList, Prompt, TokenLogprob,
+    ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo, finish_str,
 };
+use crate::tools::{self, ToolChoice, ToolParser, ToolStream};
 
 /// Settings of the HTTP layer (the scheduler has its own).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,6 +53,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// The id `/v1/models` reports and requests may name.
     pub model_name: String,
+    /// How the model writes tool calls (`--tool-parser`).
+    pub tool_parser: ToolParser,
 }
 
 /// Shared by every handler. Cheap to clone.
@@ -467,9 +471,27 @@ async fn chat_completions_inner(
     let awaiting = AwaitingAdmission::new();
     let body = body.map_err(|e| body_error(state.config().max_body_bytes, e))?;
     let req = ChatRequest::parse(&body, state.config().allow_extra_request_fields)?;
-    let params = req.params()?;
+    let mut params = req.params()?;
     state.check_model(params.model.as_deref())?;
-    let messages = req.messages()?;
+    let parser = state.config().tool_parser;
+    let tools = tools::parse_tools(req.tools.as_ref())?;
+    let choice = tools::parse_choice(req.tool_choice.as_ref(), &tools)?;
+    let calling = !tools.is_empty() && choice != ToolChoice::None;
+    if calling && parser == ToolParser::None {
+        return Err(ApiError::invalid(
+            "This server does not parse tool calls (--tool-parser none); `tools` cannot be used",
+            Some("tools"),
+        ));
+    }
+    if let Some(c) = parser.forced_call(&tools, &choice, req.parallel_tool_calls.unwrap_or(true)) {
+        if params.constraint.is_some() {
+            return Err(ApiError::invalid(
+                "`response_format` cannot be combined with a `tool_choice` that forces a call",
+                Some("tool_choice"),
+            ));
+        }
+        params.constraint = Some(c);
+    }
     let text = &state.inner.text;
     let template = text.chat_template.as_ref().ok_or_else(|| {
         ApiError::invalid(
@@ -477,7 +499,15 @@ async fn chat_completions_inner(
             Some("messages"),
         )
     })?;
-    let rendered = template.render(&messages, true)?;
+    let rendered = if calling && template.handles_tools() {
+        let tools = tools::tools_json(&tools);
+        template.render_json(&req.messages_json()?, Some(&tools), true)?
+    } else {
+        // The template does not render tools: describe them in the system
+        // prompt, in the parser's format.
+        let system = calling.then(|| parser.system_prompt(&tools));
+        template.render(&req.messages(parser, system.as_deref())?, true)?
+    };
     // The template writes its own BOS where the model wants one.
     let prompt = text.tokenizer.encode(&rendered, false)?;
     let permit = state.permit()?;
@@ -495,6 +525,28 @@ async fn chat_completions_inner(
             .sampling
             .logprobs
             .then_some(ChatLogprobs { content: lps });
+        let (content, calls) = if calling {
+            parser.extract(&text)
+        } else {
+            (text, Vec::new())
+        };
+        let finish_reason = if calls.is_empty() {
+            finish_str(finish)
+        } else {
+            "tool_calls"
+        };
+        let tool_calls: Vec<ToolCallOut> = calls
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| ToolCallOut {
+                id: call_id(&id, i),
+                kind: "function",
+                function: FunctionCall {
+                    name: c.name,
+                    arguments: c.arguments,
+                },
+            })
+            .collect();
         return Ok(Json(ChatCompletion {
             id,
             object: "chat.completion",
@@ -504,10 +556,11 @@ async fn chat_completions_inner(
                 index: 0,
                 message: AssistantMessage {
                     role: "assistant",
-                    content: text,
+                    content: (!content.is_empty() || tool_calls.is_empty()).then_some(content),
+                    tool_calls,
                 },
                 logprobs,
-                finish_reason: finish_str(finish),
+                finish_reason,
             }],
             usage,
         })
@@ -515,8 +568,9 @@ async fn chat_completions_inner(
     }
     let include_usage = params.include_usage;
     let want_logprobs = params.sampling.logprobs;
+    let call_ids = id.clone();
     let chunk =
-        move |delta: Delta, lps: Option<Vec<TokenLogprob>>, finish: Option<FinishReason>| {
+        move |delta: Delta, lps: Option<Vec<TokenLogprob>>, finish: Option<&'static str>| {
             ChatCompletionChunk {
                 id: id.clone(),
                 object: "chat.completion.chunk",
@@ -528,23 +582,61 @@ async fn chat_completions_inner(
                     logprobs: lps
                         .filter(|_| want_logprobs)
                         .map(|content| ChatLogprobs { content }),
-                    finish_reason: finish.map(finish_str),
+                    finish_reason: finish,
                 }],
                 usage: include_usage.then_some(None),
             }
         };
+    let mut calls_stream = calling.then(|| ToolStream::new(parser));
     let events = async_stream::stream! {
-        let first = Delta { role: Some("assistant"), content: Some(String::new()) };
+        let first = Delta { role: Some("assistant"), content: Some(String::new()), tool_calls: None };
         yield sse_json(&chunk(first, None, None));
         let mut pieces = std::pin::pin!(generation.pieces(true));
         while let Some(p) = pieces.next().await {
             match p {
                 Piece::Text(t, l) => {
-                    let delta = Delta { role: None, content: Some(t) };
-                    yield sse_json(&chunk(delta, Some(l), None));
+                    let t = match &mut calls_stream {
+                        Some(cs) => cs.push(&t),
+                        None => t,
+                    };
+                    if !t.is_empty() || !l.is_empty() {
+                        let delta = Delta { role: None, content: Some(t), tool_calls: None };
+                        yield sse_json(&chunk(delta, Some(l), None));
+                    }
                 }
                 Piece::Done(f, u) => {
-                    yield sse_json(&chunk(Delta::default(), None, Some(f)));
+                    let mut finish = finish_str(f);
+                    if let Some(cs) = &mut calls_stream {
+                        let (rest, calls) = cs.finish();
+                        if !rest.is_empty() {
+                            let delta = Delta { role: None, content: Some(rest), tool_calls: None };
+                            yield sse_json(&chunk(delta, None, None));
+                        }
+                        for (i, c) in calls.iter().enumerate() {
+                            // OpenAI's shape: id, type and name once, then
+                            // the arguments as fragments (here, one).
+                            let head = ToolCallDelta {
+                                index: i as u32,
+                                id: Some(call_id(&call_ids, i)),
+                                kind: Some("function"),
+                                function: FunctionDelta { name: Some(c.name.clone()), arguments: Some(String::new()) },
+                            };
+                            let args = ToolCallDelta {
+                                index: i as u32,
+                                id: None,
+                                kind: None,
+                                function: FunctionDelta { name: None, arguments: Some(c.arguments.clone()) },
+                            };
+                            for d in [head, args] {
+                                let delta = Delta { role: None, content: None, tool_calls: Some(vec![d]) };
+                                yield sse_json(&chunk(delta, None, None));
+                            }
+                        }
+                        if !calls.is_empty() {
+                            finish = "tool_calls";
+                        }
+                    }
+                    yield sse_json(&chunk(Delta::default(), None, Some(finish)));
                     if include_usage {
                         let mut last = chunk(Delta::default(), None, None);
                         last.choices.clear();
@@ -563,6 +655,12 @@ async fn chat_completions_inner(
         yield done_event();
     };
     Ok(Sse::new(events).into_response())
+}
+
+/// A tool call's id, unique within the server's responses.
+fn call_id(response_id: &str, i: usize) -> String {
+    let suffix = response_id.rsplit('-').next().unwrap_or(response_id);
+    format!("call_{suffix}_{i}")
 }
 
 async fn completions_inner(

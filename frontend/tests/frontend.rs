@@ -241,6 +241,7 @@ fn config() -> ServerConfig {
         max_concurrent_requests: 8,
         max_body_bytes: 1 << 20,
         model_name: MODEL.into(),
+        tool_parser: Default::default(),
     }
 }
 
@@ -906,7 +907,7 @@ async fn request_checks_happen_before_the_backend_sees_anything() {
         (CHAT, json!({"messages": []}), "messages", None),
         (
             CHAT,
-            json!({"messages": [{"role": "tool", "content": "x"}]}),
+            json!({"messages": [{"role": "function", "content": "x"}]}),
             "messages",
             None,
         ),

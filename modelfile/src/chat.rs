@@ -42,6 +42,9 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Whether the template reads a `tools` variable (renders tool
+    /// definitions and tool calls itself).
+    handles_tools: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -109,6 +112,7 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
+            handles_tools: source.contains("tools"),
         })
     }
 
@@ -125,6 +129,37 @@ impl ChatTemplate {
         template
             .render(context! {
                 messages => Value::from(minijinja::value::Serde(messages)),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => &self.bos_token,
+                eos_token => &self.eos_token,
+            })
+            .map_err(render_error)
+    }
+}
+
+impl ChatTemplate {
+    /// Whether the template renders tool definitions and calls itself.
+    pub fn handles_tools(&self) -> bool {
+        self.handles_tools
+    }
+
+    /// Renders messages given as JSON objects (which may carry
+    /// `tool_calls` / `tool_call_id`), with `tools` in the context when
+    /// given: for templates that handle tools.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| ChatTemplateError::Render(describe(&e)))?;
+        template
+            .render(context! {
+                messages => Value::from(minijinja::value::Serde(messages)),
+                tools => tools.map(|t| Value::from(minijinja::value::Serde(t))),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,

@@ -1,4 +1,4 @@
-//! Structured output (`response_format`) end to end: `tandem serve` and a
+//! Structured output (`response_format`) and forced tool calls end to end: `tandem serve` and a
 //! 1P1D cluster produce text that an independent JSON-schema validator
 //! accepts, at temperature 1 over many seeds; invalid constraints are 400s
 //! naming `response_format`; unconstrained requests in the same batch stay
@@ -194,6 +194,145 @@ fn serve_output_matches_the_schema_at_temperature_one() {
     assert_eq!(n, 0, "{bad:?}");
     for got in plain.join().expect("plain requests") {
         assert_eq!(got, want);
+    }
+}
+
+fn tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20},
+                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {
+            "name": "add",
+            "parameters": {"type": "object",
+                "properties": {"a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                               "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
+                "required": ["a", "b"], "additionalProperties": false}}}
+    ])
+}
+
+/// The arguments schema of tool `name`.
+fn params_of(name: &str) -> Value {
+    tools()
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|t| t["function"]["name"] == name)
+        .map(|t| t["function"]["parameters"].clone())
+        .unwrap_or(Value::Null)
+}
+
+/// Forced calls (`required`, a named function) always parse and match the
+/// tool's schema, streamed in OpenAI's delta shape; history with calls and
+/// results renders; bad choices are 400s.
+#[test]
+fn forced_tool_calls_parse_and_match_their_schema() {
+    let (_proc, port) = start_serve();
+    let ask = |choice: Value, seed: u64, stream: bool| {
+        let b = json!({
+            "messages": [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}],
+            "tools": tools(), "tool_choice": choice, "parallel_tool_calls": false,
+            "max_tokens": 120, "temperature": 1.0, "seed": seed, "stream": stream,
+        });
+        http(port, "POST", "/v1/chat/completions", &b.to_string())
+    };
+    let named = json!({"type": "function", "function": {"name": "add"}});
+    for seed in 0..24 {
+        let (choice, want) = if seed % 2 == 0 {
+            (json!("required"), None)
+        } else {
+            (named.clone(), Some("add"))
+        };
+        let r = ask(choice, seed, false);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+        let calls = choice["message"]["tool_calls"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(calls.len(), 1, "{v}");
+        let name = calls[0]["function"]["name"].as_str().unwrap_or_default();
+        if let Some(w) = want {
+            assert_eq!(name, w, "{v}");
+        }
+        assert_eq!(calls[0]["type"], "function");
+        assert!(
+            calls[0]["id"]
+                .as_str()
+                .is_some_and(|id| id.starts_with("call_"))
+        );
+        let args: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap_or(""))
+                .unwrap_or_else(|e| panic!("arguments are not JSON ({e}): {v}"));
+        let validator = jsonschema::validator_for(&params_of(name)).expect("schema");
+        assert!(
+            validator.is_valid(&args),
+            "{name} {args} does not match: {v}"
+        );
+    }
+
+    // Streaming: id, type and name once, then argument fragments.
+    let r = ask(json!("required"), 5, true);
+    let (mut name, mut args, mut finish, mut heads) = (String::new(), String::new(), None, 0);
+    for e in r.events().iter().filter(|e| e.as_str() != "[DONE]") {
+        let c: Value = serde_json::from_str(e).expect("chunk JSON");
+        let ch = &c["choices"][0];
+        if let Some(f) = ch["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+        for d in ch["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            assert_eq!(d["index"], 0);
+            if let Some(id) = d["id"].as_str() {
+                heads += 1;
+                assert!(id.starts_with("call_"));
+                assert_eq!(d["type"], "function");
+                name.push_str(d["function"]["name"].as_str().unwrap_or_default());
+            }
+            args.push_str(d["function"]["arguments"].as_str().unwrap_or_default());
+        }
+    }
+    assert_eq!(
+        (heads, finish.as_deref()),
+        (1, Some("tool_calls")),
+        "{}",
+        r.body
+    );
+    let args: Value = serde_json::from_str(&args).expect("streamed arguments are JSON");
+    assert!(
+        jsonschema::validator_for(&params_of(&name))
+            .expect("schema")
+            .is_valid(&args)
+    );
+
+    // A conversation with a call and its result renders and answers.
+    let b = json!({
+        "messages": [
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "5"}
+        ],
+        "tools": tools(), "max_tokens": 8, "temperature": 0,
+    });
+    let r = http(port, "POST", "/v1/chat/completions", &b.to_string());
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    for (choice, param) in [
+        (
+            json!({"type": "function", "function": {"name": "nope"}}),
+            "tool_choice",
+        ),
+        (json!("always"), "tool_choice"),
+    ] {
+        let r = ask(choice, 0, false);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
     }
 }
 
