@@ -280,9 +280,9 @@ fn api_rules() {
     }
     let r = server.post("/v1/chat/completions", &body);
     assert_eq!(r.status, 200, "{}", r.body);
-    // Non-null tools are not.
+    // Non-null legacy `functions` are not (tools are; see tests/structured).
     let mut body = chat_body("hi", 2);
-    body["tools"] = json!([{"type": "function", "function": {"name": "f"}}]);
+    body["functions"] = json!([{"name": "f"}]);
     let r = server.post("/v1/chat/completions", &body);
     assert_eq!(r.status, 400);
     assert!(r.error_message().contains("not supported"));
