@@ -40,7 +40,9 @@ use crate::openai::{
     FunctionCall, FunctionDelta, GenParams, ModelCard, ModelList, Prompt, TokenLogprob,
     ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo, finish_str,
 };
-use crate::tools::{self, ToolChoice, ToolParser, ToolStream};
+use crate::tools::{self, ParsedCall, ToolChoice, ToolParser, ToolStream};
+
+mod responses;
 
 /// Settings of the HTTP layer (the scheduler has its own).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -462,15 +464,24 @@ async fn completions(
     )
 }
 
-async fn chat_completions_inner(
-    State(state): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
+/// A chat request, rendered, tokenized and started.
+struct ChatJob {
+    generation: Generation,
+    params: GenParams,
+    /// Whether tool calls are parsed out of the answer.
+    calling: bool,
+    parser: ToolParser,
+}
+
+/// Everything between a parsed chat request and its running generation:
+/// parameters, tools and their grammar, the template, the tokenizer and
+/// the backend's checks. Shared by chat completions and the Responses API.
+async fn start_chat(
+    state: &AppState,
+    req: &ChatRequest,
     arrived: Instant,
-    trace: RequestTrace,
-) -> Result<Response, ApiError> {
-    let awaiting = AwaitingAdmission::new();
-    let body = body.map_err(|e| body_error(state.config().max_body_bytes, e))?;
-    let req = ChatRequest::parse(&body, state.config().allow_extra_request_fields)?;
+    trace: &RequestTrace,
+) -> Result<ChatJob, ApiError> {
     let mut params = req.params()?;
     state.check_model(params.model.as_deref())?;
     let parser = state.config().tool_parser;
@@ -513,8 +524,31 @@ async fn chat_completions_inner(
     let permit = state.permit()?;
     trace.span.record("prompt_tokens", prompt.len() as i64);
     let generation = state
-        .submit(prompt, &params, permit, arrived, &trace)
+        .submit(prompt, &params, permit, arrived, trace)
         .await?;
+    Ok(ChatJob {
+        generation,
+        params,
+        calling,
+        parser,
+    })
+}
+
+async fn chat_completions_inner(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    arrived: Instant,
+    trace: RequestTrace,
+) -> Result<Response, ApiError> {
+    let awaiting = AwaitingAdmission::new();
+    let body = body.map_err(|e| body_error(state.config().max_body_bytes, e))?;
+    let req = ChatRequest::parse(&body, state.config().allow_extra_request_fields)?;
+    let ChatJob {
+        generation,
+        params,
+        calling,
+        parser,
+    } = start_chat(&state, &req, arrived, &trace).await?;
     drop(awaiting);
     let id = state.new_id("chatcmpl");
     let created = unix_now();
@@ -836,6 +870,7 @@ pub fn app(state: AppState) -> Router {
     let limit = state.config().max_body_bytes;
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
