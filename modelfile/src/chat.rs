@@ -122,13 +122,27 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
+        self.render_value(
+            Value::from(minijinja::value::Serde(messages)),
+            None,
+            add_generation_prompt,
+        )
+    }
+
+    fn render_value(
+        &self,
+        messages: Value,
+        tools: Option<Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| ChatTemplateError::Render(describe(&e)))?;
         template
             .render(context! {
-                messages => Value::from(minijinja::value::Serde(messages)),
+                messages => messages,
+                tools => tools.unwrap_or(Value::UNDEFINED),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
@@ -152,19 +166,11 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| ChatTemplateError::Render(describe(&e)))?;
-        template
-            .render(context! {
-                messages => Value::from(minijinja::value::Serde(messages)),
-                tools => tools.map(|t| Value::from(minijinja::value::Serde(t))),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos_token,
-                eos_token => &self.eos_token,
-            })
-            .map_err(render_error)
+        self.render_value(
+            Value::from(minijinja::value::Serde(messages)),
+            tools.map(|t| Value::from(minijinja::value::Serde(t))),
+            add_generation_prompt,
+        )
     }
 }
 
