@@ -875,7 +875,10 @@ mod tests {
             chat(r#"{"messages":[{"role":"user","content":"hi"}],"functions":[{"name":"f"}]}"#)
                 .unwrap_err(),
         );
-        assert!(m.contains("functions") && m.contains("not supported"), "{m}");
+        assert!(
+            m.contains("functions") && m.contains("not supported"),
+            "{m}"
+        );
     }
 
     #[test]
