@@ -58,6 +58,7 @@ const CHAT_FIELDS: &[&str] = &[
     "frequency_penalty",
     "presence_penalty",
     "repetition_penalty",
+    "ignore_eos",
     "logprobs",
     "top_logprobs",
 ];
@@ -79,6 +80,7 @@ const COMPLETION_FIELDS: &[&str] = &[
     "frequency_penalty",
     "presence_penalty",
     "repetition_penalty",
+    "ignore_eos",
     "logprobs",
 ];
 
@@ -150,6 +152,10 @@ pub struct CommonParams {
     /// `{"type": "grammar", "grammar": ...}`).
     #[serde(default)]
     pub response_format: Option<Value>,
+    /// vLLM's extension: the model's stop tokens do not end the request
+    /// (it runs to `max_tokens`; stop strings still apply).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -203,6 +209,7 @@ pub struct GenParams {
     pub model: Option<String>,
     /// What the output must match (`response_format`), not yet compiled.
     pub constraint: Option<Constraint>,
+    pub ignore_eos: bool,
 }
 
 fn invalid(message: impl Into<String>, param: &str) -> ApiError {
@@ -551,6 +558,7 @@ impl CommonParams {
             include_usage,
             model: self.model.clone(),
             constraint: response_format(self.response_format.as_ref())?,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
 }

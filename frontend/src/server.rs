@@ -205,7 +205,11 @@ impl AppState {
                 prompt,
                 sampling: params.sampling.clone(),
                 max_tokens,
-                stop_token_ids: self.inner.text.tokenizer.stop_ids(),
+                stop_token_ids: if params.ignore_eos {
+                    Vec::new()
+                } else {
+                    self.inner.text.tokenizer.stop_ids()
+                },
                 constraint: params.constraint.clone(),
                 trace: trace.outgoing,
             })

@@ -1567,3 +1567,28 @@ async fn serve_answers_over_tcp_and_shuts_down() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(v["status"], "draining");
 }
+
+/// `ignore_eos` (vLLM's extension, sent by benchmark clients) sends no
+/// stop tokens to the backend, on both endpoints; without it they are sent.
+#[tokio::test]
+async fn ignore_eos_sends_no_stop_tokens() {
+    let s = Server::new(2048);
+    for (path, mut body) in [
+        (
+            CHAT,
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (COMPLETIONS, json!({"prompt": "hi"})),
+    ] {
+        for ignore in [true, false] {
+            s.script(say("ok", FinishReason::Length));
+            body["ignore_eos"] = json!(ignore);
+            body["max_tokens"] = json!(4);
+            let (status, v) = s.post_json(path, &body).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+            let reqs = s.requests();
+            let last = reqs.last().expect("a request reached the backend");
+            assert_eq!(last.stop_token_ids.is_empty(), ignore, "{path} {ignore}");
+        }
+    }
+}

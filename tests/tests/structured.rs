@@ -158,6 +158,26 @@ fn serve_output_matches_the_schema_at_temperature_one() {
         .to_string();
     assert!(text == "yes" || text == "no", "{text}");
 
+    // `ignore_eos` (sent by benchmark clients): the model's stop token no
+    // longer ends a greedy answer that ends early without it.
+    let eos = |ignore: bool| {
+        let b = json!({
+            "messages": [{"role": "user", "content": "What is 2+2? Answer with one number."}],
+            "max_tokens": 40, "temperature": 0, "ignore_eos": ignore,
+        });
+        let v = http(port, "POST", "/v1/chat/completions", &b.to_string()).json();
+        (
+            v["choices"][0]["finish_reason"].clone(),
+            v["usage"]["completion_tokens"].clone(),
+        )
+    };
+    let (finish, n) = eos(false);
+    assert!(
+        finish == "stop" && n.as_u64().is_some_and(|n| n < 40),
+        "{finish} {n}"
+    );
+    assert_eq!(eos(true), (json!("length"), json!(40)));
+
     // Invalid constraints are the client's error, named.
     for rf in [
         json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
