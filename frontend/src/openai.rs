@@ -221,6 +221,11 @@ fn is_noop(key: &str, v: &Value) -> bool {
     match (key, v) {
         (_, Value::Null) => true,
         ("echo", Value::Bool(false)) => true,
+        // Accepted and ignored: the served models do not take an effort
+        // setting (OpenAI's values only; anything else is a 400).
+        ("reasoning_effort", Value::String(s)) => {
+            matches!(s.as_str(), "none" | "minimal" | "low" | "medium" | "high")
+        }
         ("best_of", Value::Number(n)) => n.as_u64() == Some(1),
         ("functions", Value::Array(a)) => a.is_empty(),
         ("logit_bias", Value::Object(o)) => o.is_empty(),
@@ -875,6 +880,21 @@ mod tests {
         .unwrap();
         let p = r.params().unwrap();
         assert_eq!(p.sampling, SamplingParams::default());
+    }
+
+    #[test]
+    fn reasoning_effort_is_accepted_and_ignored() {
+        for e in ["minimal", "low", "medium", "high"] {
+            let body = format!(
+                r#"{{"messages":[{{"role":"user","content":"hi"}}],"reasoning_effort":"{e}"}}"#
+            );
+            assert!(chat(&body).is_ok(), "{e}");
+        }
+        let m = message(
+            chat(r#"{"messages":[{"role":"user","content":"hi"}],"reasoning_effort":"extreme"}"#)
+                .unwrap_err(),
+        );
+        assert!(m.contains("reasoning_effort"), "{m}");
     }
 
     #[test]
