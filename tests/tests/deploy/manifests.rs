@@ -1813,8 +1813,16 @@ fn answering(status: &'static str) -> u16 {
     std::thread::spawn(move || {
         for s in l.incoming().take(1) {
             let mut s = s.unwrap();
+            // Read the whole request head first: closing with unread bytes
+            // would reset the connection before the client reads the answer.
+            let mut head = Vec::new();
             let mut buf = [0u8; 1024];
-            let _ = s.read(&mut buf);
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
             let _ = write!(
                 s,
                 "HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
