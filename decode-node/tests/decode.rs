@@ -11,8 +11,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
-use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use tandem_decode_node::{DecodeConfig, DecodeService};
 use tandem_dkv::TransportKind;
 use tandem_engine::generate::{GenerateRequest, generate};
@@ -22,6 +20,7 @@ use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
 use tandem_engine::{LoadedModel, load};
 use tandem_prefill_node::PrefillService;
 use tandem_proto::{GenerateJob, PrefillTarget, pb};
+use tandem_testkit::{Kind, TestMeter};
 use tandem_worker::{NodeCore, NodeOptions, Role};
 use tokio::sync::oneshot;
 use tokio_stream::StreamExt;
@@ -34,8 +33,7 @@ const UNREACHABLE: &str = "http://127.0.0.1:1";
 
 struct Harness {
     model: Arc<LoadedModel>,
-    provider: SdkMeterProvider,
-    exporter: InMemoryMetricExporter,
+    meter: TestMeter,
 }
 
 /// The model, and a meter provider installed before anything records
@@ -43,20 +41,13 @@ struct Harness {
 fn harness() -> &'static Harness {
     static H: OnceLock<Harness> = OnceLock::new();
     H.get_or_init(|| {
-        let exporter = InMemoryMetricExporter::default();
-        let provider = SdkMeterProvider::builder()
-            .with_reader(PeriodicReader::builder(exporter.clone()).build())
-            .build();
-        opentelemetry::global::set_meter_provider(provider.clone());
+        let meter = TestMeter::new();
+        opentelemetry::global::set_meter_provider(meter.provider().clone());
         let path = std::env::var_os("TANDEM_TEST_GGUF").expect(
             "set TANDEM_TEST_GGUF to the SmolLM2-135M-Instruct Q4_1 GGUF (scripts/test.sh does this)",
         );
         let model = Arc::new(load(&PathBuf::from(path)).expect("model loads"));
-        Harness {
-            model,
-            provider,
-            exporter,
-        }
+        Harness { model, meter }
     })
 }
 
@@ -68,29 +59,16 @@ async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
 
 /// Cumulative values of the counter `name`, by the value of `label`.
 fn counter(name: &str, label: &str) -> BTreeMap<String, u64> {
-    let h = harness();
-    h.exporter.reset();
-    h.provider.force_flush().expect("flush");
-    let mut out = BTreeMap::new();
-    for rm in h.exporter.get_finished_metrics().expect("read") {
-        for m in rm.scope_metrics().flat_map(|s| s.metrics()) {
-            if m.name() != name {
-                continue;
-            }
-            let AggregatedMetrics::U64(MetricData::Sum(sum)) = m.data() else {
-                panic!("{name} is not a u64 counter");
-            };
-            for p in sum.data_points() {
-                let key = p
-                    .attributes()
-                    .find(|kv| kv.key.as_str() == label)
-                    .map(|kv| kv.value.to_string())
-                    .unwrap_or_default();
-                *out.entry(key).or_default() += p.value();
-            }
-        }
-    }
-    out
+    let points = harness().meter.points();
+    assert!(
+        points.named(name).all(|p| p.kind == Kind::Sum),
+        "{name} is not a counter"
+    );
+    points
+        .by_label(name, label)
+        .into_iter()
+        .map(|(k, v)| (k, v as u64))
+        .collect()
 }
 
 /// What changed in `counter(name, label)` since `before`.

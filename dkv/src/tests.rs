@@ -5,9 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use opentelemetry::metrics::MeterProvider as _;
-use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
-use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use tandem_testkit::{Point, TestMeter};
 
 use crate::*;
 
@@ -432,86 +430,10 @@ fn in_process_peer_gone() {
     assert!(dst.bytes().iter().all(|&x| x == 0xEE));
 }
 
-/// Reads back what instruments on its own meter provider recorded.
-pub(crate) struct TestMeter {
-    provider: SdkMeterProvider,
-    exporter: InMemoryMetricExporter,
-}
-
-/// One exported data point: a counter's value, or a histogram's sum and count.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Point {
-    pub name: String,
-    pub unit: String,
-    pub labels: BTreeMap<String, String>,
-    pub value: f64,
-    pub count: u64,
-}
-
-impl TestMeter {
-    pub(crate) fn new() -> Self {
-        let exporter = InMemoryMetricExporter::default();
-        let provider = SdkMeterProvider::builder()
-            .with_reader(PeriodicReader::builder(exporter.clone()).build())
-            .build();
-        Self { provider, exporter }
-    }
-
-    /// dkv's instruments on this provider (leaked: a `Dkv` keeps them for
-    /// its life, as it keeps the process's).
-    pub(crate) fn dkv_metrics(&self) -> &'static DkvMetrics {
-        Box::leak(Box::new(DkvMetrics::new(&self.provider.meter("tandem"))))
-    }
-
-    /// Every data point recorded so far (cumulative).
-    pub(crate) fn points(&self) -> Vec<Point> {
-        self.exporter.reset();
-        self.provider.force_flush().expect("flush");
-        let mut out = Vec::new();
-        for rm in self.exporter.get_finished_metrics().expect("read") {
-            for m in rm.scope_metrics().flat_map(|s| s.metrics()) {
-                let mut push = |attrs: &mut dyn Iterator<Item = &opentelemetry::KeyValue>,
-                                value: f64,
-                                count: u64| {
-                    out.push(Point {
-                        name: m.name().to_owned(),
-                        unit: m.unit().to_owned(),
-                        labels: attrs
-                            .map(|kv| (kv.key.to_string(), kv.value.to_string()))
-                            .collect(),
-                        value,
-                        count,
-                    })
-                };
-                match m.data() {
-                    AggregatedMetrics::U64(MetricData::Sum(s)) => s
-                        .data_points()
-                        .for_each(|p| push(&mut p.attributes(), p.value() as f64, 1)),
-                    AggregatedMetrics::F64(MetricData::Histogram(h)) => h
-                        .data_points()
-                        .for_each(|p| push(&mut p.attributes(), p.sum(), p.count())),
-                    other => panic!("{}: unexpected kind {other:?}", m.name()),
-                }
-            }
-        }
-        out
-    }
-}
-
-/// The one point of `name` with exactly `labels`.
-pub(crate) fn point(points: &[Point], name: &str, labels: &[(&str, &str)]) -> Point {
-    let want: BTreeMap<String, String> = labels
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-        .collect();
-    let found: Vec<&Point> = points
-        .iter()
-        .filter(|p| p.name == name && p.labels == want)
-        .collect();
-    match found.as_slice() {
-        [p] => (*p).clone(),
-        _ => panic!("{name}{want:?}: {found:?} among {points:#?}"),
-    }
+/// dkv's instruments on `meter`'s provider (leaked: a `Dkv` keeps them for
+/// its life, as it keeps the process's).
+pub(crate) fn dkv_metrics(meter: &TestMeter) -> &'static DkvMetrics {
+    Box::leak(Box::new(DkvMetrics::new(&meter.meter())))
 }
 
 /// Each outcome of `write` is recorded once, under the bounded labels:
@@ -519,7 +441,7 @@ pub(crate) fn point(points: &[Point], name: &str, labels: &[(&str, &str)]) -> Po
 #[test]
 fn writes_are_recorded_with_bounded_labels() {
     let meter = TestMeter::new();
-    let a = Dkv::with_metrics(DkvConfig::in_process(), meter.dkv_metrics()).expect("dkv a");
+    let a = Dkv::with_metrics(DkvConfig::in_process(), dkv_metrics(&meter)).expect("dkv a");
     let b = Dkv::new(DkvConfig::in_process()).expect("dkv b");
     let src = Buf::new(4 * BLOCK as usize, |i| i as u8);
     let dst = Buf::new(4 * BLOCK as usize, |_| 0);
@@ -531,7 +453,7 @@ fn writes_are_recorded_with_bounded_labels() {
         points
             .iter()
             .filter(|p| p.name == "tandem.dkv.transfer_failures")
-            .map(|p| (p.labels["reason"].clone(), p.value))
+            .map(|p| (p.label("reason").expect("a reason").to_owned(), p.value))
             .collect()
     };
     let reasons = |counts: [f64; 5]| -> BTreeMap<String, f64> {
@@ -549,12 +471,12 @@ fn writes_are_recorded_with_bounded_labels() {
     rt.block_on(a.write(&ra, &desc, &[block_op(1, 0)], deadline()))
         .expect("write");
     let p = meter.points();
-    let bytes = point(&p, "tandem.dkv.bytes_transferred", &local);
+    let bytes = p.point("tandem.dkv.bytes_transferred", &local).clone();
     assert_eq!(
         (bytes.value, bytes.unit.as_str()),
         (3.0 * BLOCK as f64, "By")
     );
-    let latency = point(&p, "tandem.dkv.transfer_latency", &local);
+    let latency = p.point("tandem.dkv.transfer_latency", &local);
     assert_eq!((latency.count, latency.unit.as_str()), (2, "ms"));
     assert!(
         latency.value > 0.0 && latency.value < 10_000.0,
@@ -585,17 +507,17 @@ fn writes_are_recorded_with_bounded_labels() {
     let p = meter.points();
     assert_eq!(failures(&p), reasons([1.0, 0.0, 1.0, 2.0, 1.0]));
     // Failures moved no bytes and took no latency sample.
-    assert_eq!(point(&p, "tandem.dkv.bytes_transferred", &local), bytes);
-    assert_eq!(point(&p, "tandem.dkv.transfer_latency", &local).count, 2);
-    for pt in &p {
-        let keys: Vec<&str> = pt.labels.keys().map(String::as_str).collect();
+    assert_eq!(p.point("tandem.dkv.bytes_transferred", &local), &bytes);
+    assert_eq!(p.point("tandem.dkv.transfer_latency", &local).count, 2);
+    for pt in p.iter() {
+        let keys: Vec<&str> = pt.labels.iter().map(|(k, _)| k.as_str()).collect();
         let want_keys: &[&str] = if pt.name == "tandem.dkv.transfer_failures" {
             &["connector", "reason"]
         } else {
             &["connector"]
         };
         assert_eq!(keys, want_keys, "{pt:?}");
-        assert_eq!(pt.labels["connector"], "local", "{pt:?}");
+        assert_eq!(pt.label("connector"), Some("local"), "{pt:?}");
     }
     drop((ra, rb));
 }
@@ -683,7 +605,7 @@ fn ucx_deadline_with_stalled_peer() {
 #[test]
 fn ucx_drop_cancels() {
     let meter = TestMeter::new();
-    let a = Dkv::with_metrics(tcp(), meter.dkv_metrics()).expect("dkv a");
+    let a = Dkv::with_metrics(tcp(), dkv_metrics(&meter)).expect("dkv a");
     let b = Dkv::new(tcp()).expect("dkv b");
     const LEN: usize = 48 << 20;
     let src = Buf::new(LEN, |i| (i % 253) as u8 | 1);
@@ -727,8 +649,7 @@ fn ucx_drop_cancels() {
         .iter()
         .filter(|p| p.name == "tandem.dkv.transfer_failures" && p.value > 0.0)
         .collect();
-    let cancelled = point(
-        &p,
+    let cancelled = p.point(
         "tandem.dkv.transfer_failures",
         &[("connector", "ucx"), ("reason", "cancelled")],
     );

@@ -148,12 +148,9 @@ fn record_load_times_on(m: &Meter, t: &LoadTimes) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeMap;
     use std::time::{Duration, Instant};
 
-    use opentelemetry::metrics::MeterProvider as _;
-    use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
-    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+    use tandem_testkit::TestMeter;
 
     #[test]
     fn batch_types() {
@@ -176,98 +173,6 @@ mod tests {
         assert_eq!(BatchType::TokenGeneration.label(), "TG");
     }
 
-    /// One exported data point: a counter's or gauge's value, or a
-    /// histogram's sum, count and bucket bounds.
-    #[derive(Debug, Clone, PartialEq)]
-    struct Point {
-        unit: String,
-        labels: Vec<(String, String)>,
-        value: f64,
-        count: u64,
-        bounds: Vec<f64>,
-    }
-
-    /// Instruments on a provider of the test's own, read back in memory.
-    struct TestMeter {
-        provider: SdkMeterProvider,
-        exporter: InMemoryMetricExporter,
-    }
-
-    impl TestMeter {
-        fn new() -> Self {
-            let exporter = InMemoryMetricExporter::default();
-            let provider = SdkMeterProvider::builder()
-                .with_reader(PeriodicReader::builder(exporter.clone()).build())
-                .build();
-            Self { provider, exporter }
-        }
-
-        fn meter(&self) -> Meter {
-            self.provider.meter("tandem")
-        }
-
-        /// Every point recorded so far (cumulative), by instrument name.
-        fn points(&self) -> BTreeMap<String, Vec<Point>> {
-            fn add<T: Copy>(
-                out: &mut Vec<Point>,
-                unit: &str,
-                d: &MetricData<T>,
-                f: impl Fn(T) -> f64,
-            ) {
-                let labels = |a: &mut dyn Iterator<Item = &KeyValue>| {
-                    a.map(|kv| (kv.key.to_string(), kv.value.to_string()))
-                        .collect()
-                };
-                let point = |labels, value, count, bounds| Point {
-                    unit: unit.to_owned(),
-                    labels,
-                    value,
-                    count,
-                    bounds,
-                };
-                match d {
-                    MetricData::Sum(s) => out.extend(
-                        s.data_points()
-                            .map(|p| point(labels(&mut p.attributes()), f(p.value()), 1, vec![])),
-                    ),
-                    MetricData::Gauge(g) => out.extend(
-                        g.data_points()
-                            .map(|p| point(labels(&mut p.attributes()), f(p.value()), 1, vec![])),
-                    ),
-                    MetricData::Histogram(h) => out.extend(h.data_points().map(|p| {
-                        let bounds = p.bounds().collect();
-                        point(labels(&mut p.attributes()), f(p.sum()), p.count(), bounds)
-                    })),
-                    MetricData::ExponentialHistogram(_) => {
-                        panic!("no exponential histograms are configured")
-                    }
-                }
-            }
-            self.exporter.reset();
-            self.provider.force_flush().expect("flush");
-            let mut out: BTreeMap<String, Vec<Point>> = BTreeMap::new();
-            for rm in self.exporter.get_finished_metrics().expect("read") {
-                for m in rm.scope_metrics().flat_map(|s| s.metrics()) {
-                    let v = out.entry(m.name().to_owned()).or_default();
-                    match m.data() {
-                        AggregatedMetrics::F64(d) => add(v, m.unit(), d, |x| x),
-                        AggregatedMetrics::U64(d) => add(v, m.unit(), d, |x| x as f64),
-                        AggregatedMetrics::I64(d) => add(v, m.unit(), d, |x| x as f64),
-                    }
-                }
-            }
-            out
-        }
-    }
-
-    /// The single unlabeled point of `name`.
-    fn only(points: &BTreeMap<String, Vec<Point>>, name: &str) -> Point {
-        match points.get(name).map(Vec::as_slice) {
-            Some([p]) if p.labels.is_empty() => p.clone(),
-            other => panic!("{name}: {other:?}"),
-        }
-    }
-
     /// Every response that enters the egress backlog leaves it once: the
     /// up-down counter returns to 0, the histogram samples the backlog at
     /// each change, queue time is sampled for responses taken (not for
@@ -279,19 +184,19 @@ mod tests {
         let at: Vec<Instant> = (0..3).map(|_| m.produced()).collect();
         assert_eq!(m.buffered(), 3);
         let p = meter.points();
-        assert_eq!(only(&p, "tandem.num_responses_buffered").value, 3.0);
+        assert_eq!(p.only("tandem.num_responses_buffered").value, 3.0);
         m.taken(at[0]);
         m.discarded(0);
         m.discarded(2);
         assert_eq!(m.buffered(), 0);
 
         let p = meter.points();
-        assert_eq!(only(&p, "tandem.num_responses_buffered").value, 0.0);
+        assert_eq!(p.only("tandem.num_responses_buffered").value, 0.0);
         // Samples 1, 2, 3 (produced), 2 (taken), 0 (two discarded at once).
-        let sampled = only(&p, "tandem.responses_buffered");
+        let sampled = p.only("tandem.responses_buffered");
         assert_eq!((sampled.count, sampled.value), (5, 8.0), "{sampled:?}");
         assert_eq!(sampled.bounds, COUNT_BUCKETS);
-        let queued = only(&p, "tandem.response_queue_time");
+        let queued = p.only("tandem.response_queue_time");
         assert_eq!((queued.count, queued.unit.as_str()), (1, "ms"));
         assert!(queued.value >= 0.0 && queued.value < 10_000.0, "{queued:?}");
         assert_eq!(queued.bounds, LATENCY_MS_BUCKETS);
@@ -318,8 +223,8 @@ mod tests {
         m.prefix_cache_misses.add(4, &[]);
         m.preemptions.add(1, &[]);
         let p = meter.points();
-        let batch = match p.get("tandem.batch_size").map(Vec::as_slice) {
-            Some([b]) => b.clone(),
+        let batch = match p.named("tandem.batch_size").collect::<Vec<_>>().as_slice() {
+            [b] => (*b).clone(),
             other => panic!("{other:?}"),
         };
         assert_eq!(batch.labels, [("batch_type".into(), "TG".into())]);
@@ -334,9 +239,9 @@ mod tests {
             ("tandem.prefix_cache_misses", 4.0),
             ("tandem.preemptions", 1.0),
         ] {
-            assert_eq!(only(&p, name).value, value, "{name}");
+            assert_eq!(p.only(name).value, value, "{name}");
         }
-        assert_eq!(only(&p, "tandem.batch_input_tokens").value, 40.0);
+        assert_eq!(p.only("tandem.batch_input_tokens").value, 40.0);
     }
 
     /// One load-time sample per phase, in milliseconds.
@@ -352,8 +257,8 @@ mod tests {
         };
         record_load_times_on(&meter.meter(), &t);
         let p = meter.points();
-        let mut phases: Vec<(String, f64, u64)> = p["tandem.model_load_time"]
-            .iter()
+        let mut phases: Vec<(String, f64, u64)> = p
+            .named("tandem.model_load_time")
             .map(|pt| {
                 assert_eq!(pt.unit, "ms");
                 match pt.labels.as_slice() {

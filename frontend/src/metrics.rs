@@ -268,9 +268,7 @@ mod tests {
     use std::collections::BTreeMap;
     use std::time::Duration;
 
-    use opentelemetry::metrics::MeterProvider as _;
-    use opentelemetry_sdk::metrics::data::{AggregatedMetrics, Metric, MetricData};
-    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+    use tandem_testkit::{Point, TestMeter};
 
     #[test]
     fn tpot() {
@@ -299,81 +297,10 @@ mod tests {
         assert_eq!(Status::Cancelled.label(), "cancelled");
     }
 
-    /// One exported data point: a counter's value, or a histogram's sum
-    /// and count.
-    #[derive(Debug, Clone, PartialEq)]
-    struct Point {
-        name: String,
-        unit: String,
-        labels: Vec<(String, String)>,
-        value: f64,
-        count: u64,
-    }
-
-    /// Instruments on a provider of the test's own, read back in memory.
-    struct TestMeter {
-        provider: SdkMeterProvider,
-        exporter: InMemoryMetricExporter,
-    }
-
-    impl TestMeter {
-        fn new() -> Self {
-            let exporter = InMemoryMetricExporter::default();
-            let provider = SdkMeterProvider::builder()
-                .with_reader(PeriodicReader::builder(exporter.clone()).build())
-                .build();
-            Self { provider, exporter }
-        }
-
-        /// The router's instruments on this provider (leaked: trackers hold
-        /// them for `'static`, as they hold the process's).
-        fn metrics(&self) -> &'static RouterMetrics {
-            Box::leak(Box::new(RouterMetrics::new(&self.provider.meter("tandem"))))
-        }
-
-        /// Every point recorded so far (cumulative).
-        fn points(&self) -> Vec<Point> {
-            fn add<T: Copy>(
-                out: &mut Vec<Point>,
-                m: &Metric,
-                d: &MetricData<T>,
-                f: impl Fn(T) -> f64,
-            ) {
-                let point = |a: &mut dyn Iterator<Item = &KeyValue>, value, count| Point {
-                    name: m.name().to_owned(),
-                    unit: m.unit().to_owned(),
-                    labels: a
-                        .map(|kv| (kv.key.to_string(), kv.value.to_string()))
-                        .collect(),
-                    value,
-                    count,
-                };
-                match d {
-                    MetricData::Sum(s) => out.extend(
-                        s.data_points()
-                            .map(|p| point(&mut p.attributes(), f(p.value()), 1)),
-                    ),
-                    MetricData::Histogram(h) => out.extend(
-                        h.data_points()
-                            .map(|p| point(&mut p.attributes(), f(p.sum()), p.count())),
-                    ),
-                    _ => panic!("{}: not a sum or a histogram", m.name()),
-                }
-            }
-            self.exporter.reset();
-            self.provider.force_flush().expect("flush");
-            let mut out = Vec::new();
-            for rm in self.exporter.get_finished_metrics().expect("read") {
-                for m in rm.scope_metrics().flat_map(|s| s.metrics()) {
-                    match m.data() {
-                        AggregatedMetrics::F64(d) => add(&mut out, m, d, |x| x),
-                        AggregatedMetrics::U64(d) => add(&mut out, m, d, |x| x as f64),
-                        AggregatedMetrics::I64(d) => add(&mut out, m, d, |x| x as f64),
-                    }
-                }
-            }
-            out
-        }
+    /// The router's instruments on `meter`'s provider (leaked: trackers
+    /// hold them for `'static`, as they hold the process's).
+    fn metrics(meter: &TestMeter) -> &'static RouterMetrics {
+        Box::leak(Box::new(RouterMetrics::new(&meter.meter())))
     }
 
     /// (sum or value, count) of the unlabeled point of `name`, asserting
@@ -412,7 +339,7 @@ mod tests {
     #[test]
     fn tracker_records_latencies_and_one_status_per_request() {
         let meter = TestMeter::new();
-        let m = meter.metrics();
+        let m = metrics(&meter);
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
 
@@ -502,7 +429,7 @@ mod tests {
     #[test]
     fn admission_backlog_returns_to_zero() {
         let meter = TestMeter::new();
-        let m = meter.metrics();
+        let m = metrics(&meter);
         let a = AwaitingAdmission::on(m);
         let b = AwaitingAdmission::on(m);
         let p = meter.points();
