@@ -1,7 +1,8 @@
 //! Token sampling: penalties, temperature, top-k / top-p / min-p, seeded
 //! randomness, and log-probabilities.
 //!
-//! Order of operations (as in vLLM and llama.cpp): repetition penalty
+//! Order of operations (as in vLLM and llama.cpp): `logit_bias` and the
+//! `min_tokens` ban, repetition penalty
 //! (prompt and output tokens), frequency/presence penalties (output tokens),
 //! then greedy if temperature is 0, else temperature, top-k, top-p, min-p
 //! and a draw. Reported log-probabilities are those of the model's raw
@@ -23,6 +24,8 @@ pub struct Sampler {
     output_counts: HashMap<u32, u32>,
     /// Tokens seen in the prompt (for the repetition penalty).
     prompt_tokens: Vec<u32>,
+    /// Tokens generated so far (sampled here or accepted from elsewhere).
+    generated: usize,
 }
 
 impl Sampler {
@@ -44,6 +47,7 @@ impl Sampler {
             rng,
             output_counts: HashMap::new(),
             prompt_tokens,
+            generated: 0,
         })
     }
 
@@ -56,6 +60,7 @@ impl Sampler {
     /// penalties and a seeded generator continue exactly as they would have.
     pub fn accept_external(&mut self, token: u32) {
         *self.output_counts.entry(token).or_insert(0) += 1;
+        self.generated += 1;
         if self.params.temperature != 0.0 {
             let _ = self.rng.random::<f64>();
         }
@@ -67,6 +72,7 @@ impl Sampler {
         let want_lp = p.logprobs || p.top_logprobs > 0;
         let raw_logprobs = want_lp.then(|| log_softmax(logits));
 
+        self.apply_bias(logits);
         self.apply_penalties(logits);
         let token = if p.temperature == 0.0 {
             argmax(logits)
@@ -74,6 +80,7 @@ impl Sampler {
             self.draw(logits)
         };
         *self.output_counts.entry(token).or_insert(0) += 1;
+        self.generated += 1;
 
         let (logprob, top) = match raw_logprobs {
             Some(lp) => {
@@ -86,6 +93,33 @@ impl Sampler {
             token,
             logprob,
             top,
+        }
+    }
+
+    /// `logit_bias`, then the `min_tokens` ban. The ban is skipped when it
+    /// would leave nothing to sample (a grammar that only allows the end).
+    fn apply_bias(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        let Some(m) = &p.min_tokens else { return };
+        if self.generated >= m.count as usize {
+            return;
+        }
+        let banned = |i: usize| m.stop_ids.iter().any(|&s| s as usize == i);
+        let any_left = logits
+            .iter()
+            .enumerate()
+            .any(|(i, l)| *l > f32::NEG_INFINITY && !banned(i));
+        if any_left {
+            for &s in &m.stop_ids {
+                if let Some(l) = logits.get_mut(s as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
         }
     }
 
@@ -252,6 +286,50 @@ mod tests {
     fn greedy_takes_first_maximum() {
         let mut s = Sampler::new(SamplingParams::greedy(), &[]).expect("valid");
         assert_eq!(s.sample(&mut logits()).token, 1);
+    }
+
+    #[test]
+    fn logit_bias_moves_the_choice_and_not_the_reported_logprob() {
+        let raw = log_softmax(&logits());
+        let mut s = Sampler::new(
+            SamplingParams {
+                logit_bias: vec![(1, -100.0), (4, 5.0)],
+                logprobs: true,
+                ..SamplingParams::greedy()
+            },
+            &[],
+        )
+        .expect("valid");
+        let got = s.sample(&mut logits());
+        // -1 + 5 = 4 beats 3 (token 3; token 1 is pushed down).
+        assert_eq!(got.token, 4);
+        assert_eq!(got.logprob, Some(raw[4]));
+    }
+
+    #[test]
+    fn min_tokens_bans_stop_tokens_until_the_count() {
+        let params = SamplingParams {
+            min_tokens: Some(tandem_types::MinTokens {
+                count: 2,
+                stop_ids: vec![1, 3],
+            }),
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(params.clone(), &[]).expect("valid");
+        assert_eq!(s.sample(&mut logits()).token, 2);
+        assert_eq!(s.sample(&mut logits()).token, 2);
+        assert_eq!(s.sample(&mut logits()).token, 1);
+        // A token accepted from elsewhere (the prefill node's) counts.
+        let mut s = Sampler::new(params.clone(), &[]).expect("valid");
+        s.accept_external(0);
+        assert_eq!(s.sample(&mut logits()).token, 2);
+        assert_eq!(s.sample(&mut logits()).token, 1);
+        // When only stop tokens are left (a finished grammar), the ban
+        // yields rather than sampling a masked token.
+        let mut s = Sampler::new(params, &[]).expect("valid");
+        let mut only_stops = vec![f32::NEG_INFINITY; 6];
+        only_stops[3] = 0.0;
+        assert_eq!(s.sample(&mut only_stops).token, 3);
     }
 
     #[test]

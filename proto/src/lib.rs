@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tandem_types::ModelFingerprint;
 use tandem_types::{Constraint, FinishReason, GenFailure};
-use tandem_types::{Sampled, SamplingParams};
+use tandem_types::{MinTokens, Sampled, SamplingParams};
 
 /// Generated protobuf and gRPC code.
 #[allow(clippy::all, missing_debug_implementations)]
@@ -122,6 +122,15 @@ impl From<&SamplingParams> for pb::SamplingParams {
             repetition_penalty: p.repetition_penalty,
             top_logprobs: p.top_logprobs as u32,
             logprobs: p.logprobs,
+            logit_bias: p
+                .logit_bias
+                .iter()
+                .map(|&(token, bias)| pb::TokenBias { token, bias })
+                .collect(),
+            min_tokens: p.min_tokens.as_ref().map(|m| pb::MinTokens {
+                count: m.count,
+                stop_ids: m.stop_ids.clone(),
+            }),
         }
     }
 }
@@ -141,6 +150,11 @@ impl TryFrom<pb::SamplingParams> for SamplingParams {
             repetition_penalty: p.repetition_penalty,
             top_logprobs: p.top_logprobs as usize,
             logprobs: p.logprobs,
+            logit_bias: p.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
+            min_tokens: p.min_tokens.map(|m| MinTokens {
+                count: m.count,
+                stop_ids: m.stop_ids,
+            }),
         };
         s.validate()
             .map_err(|e| invalid("sampling", e.to_string()))?;

@@ -18,7 +18,17 @@ fn prefill_req() -> pb::PrefillRequest {
         version: PROTOCOL_VERSION,
         fingerprint: Some((&fp()).into()),
         prompt: vec![1; 40],
-        sampling: Some((&SamplingParams::greedy()).into()),
+        sampling: Some(
+            (&SamplingParams {
+                logit_bias: vec![(2, -5.0), (9, 3.5)],
+                min_tokens: Some(MinTokens {
+                    count: 3,
+                    stop_ids: vec![0, 2],
+                }),
+                ..SamplingParams::greedy()
+            })
+                .into(),
+        ),
         skip_blocks: 1,
         dst_blocks: vec![7, 9],
         constraint: None,
@@ -46,6 +56,8 @@ fn prefill_request_round_trips() {
     assert_eq!(job.dst_blocks, vec![7, 9]);
     assert_eq!(job.skip_blocks, 1);
     assert_eq!(job.deadline, Duration::from_secs(5));
+    assert_eq!(job.sampling.logit_bias, vec![(2, -5.0), (9, 3.5)]);
+    assert_eq!(job.sampling.min_tokens.as_ref().map(|m| m.count), Some(3));
     let again = PrefillJob::validate(job.to_pb(&fp()), &fp(), 1000).expect("valid");
     assert_eq!(again, job);
 }
@@ -117,6 +129,13 @@ fn prefill_request_rejections_name_the_problem() {
         ..(&SamplingParams::greedy()).into()
     });
     assert!(rejected(r).contains("sampling"));
+
+    // A bias list out of order (the engine relies on one entry per token).
+    let mut r = prefill_req();
+    if let Some(s) = r.sampling.as_mut() {
+        s.logit_bias.reverse();
+    }
+    assert!(rejected(r).contains("logit_bias"));
 
     let mut r = prefill_req();
     if let Some(f) = r.fingerprint.as_mut() {

@@ -18,4 +18,6 @@ pub use request::{
     Constraint, FinishReason, GenEvent, GenFailure, InvalidRequest, RequestLimits, Usage,
 };
 pub use rng::SeededRng;
-pub use sampling::{MAX_TOP_LOGPROBS, Sampled, SamplingError, SamplingParams};
+pub use sampling::{
+    MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MinTokens, Sampled, SamplingError, SamplingParams,
+};

@@ -74,6 +74,14 @@ pub enum InvalidRequest {
     EmptyPrompt,
     #[error("token id {id} out of range (vocabulary has {vocab} tokens)")]
     TokenOutOfRange { id: u32, vocab: usize },
+    /// A sampling parameter (`logit_bias`, `min_tokens`) names a token the
+    /// vocabulary does not have.
+    #[error("{param}: token id {id} out of range (vocabulary has {vocab} tokens)")]
+    ParamTokenOutOfRange {
+        param: &'static str,
+        id: u32,
+        vocab: usize,
+    },
     #[error(
         "Prompt is too long: {prompt} tokens exceeds the configured maximum context length of {max} tokens. Please shorten your prompt."
     )]
@@ -95,7 +103,8 @@ impl InvalidRequest {
                 Some("prompt")
             }
             Self::ZeroMaxTokens => Some("max_tokens"),
-            Self::Sampling(SamplingError::OutOfRange { name, .. }) => Some(name),
+            Self::ParamTokenOutOfRange { param, .. } => Some(param),
+            Self::Sampling(e) => Some(e.param()),
             Self::Constraint(_) => Some("response_format"),
         }
     }
@@ -138,6 +147,16 @@ impl RequestLimits {
             return Err(InvalidRequest::ZeroMaxTokens);
         }
         sampling.validate()?;
+        if let Some((id, param)) = sampling
+            .token_ids()
+            .find(|&(id, _)| id as usize >= self.vocab_size)
+        {
+            return Err(InvalidRequest::ParamTokenOutOfRange {
+                param,
+                id,
+                vocab: self.vocab_size,
+            });
+        }
         let room = self.max_length - prompt.len();
         Ok(max_tokens.map_or(room, |m| m.min(room)))
     }
@@ -146,6 +165,7 @@ impl RequestLimits {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampling::MinTokens;
 
     const LIMITS: RequestLimits = RequestLimits {
         max_length: 8,
@@ -155,7 +175,7 @@ mod tests {
     #[test]
     fn every_check_names_its_field() {
         let ok = SamplingParams::default();
-        let cases: [(&[u32], Option<usize>, SamplingParams, InvalidRequest); 5] = [
+        let cases: [(&[u32], Option<usize>, SamplingParams, InvalidRequest); 9] = [
             (&[], None, ok.clone(), InvalidRequest::EmptyPrompt),
             (
                 &[1, 100],
@@ -186,8 +206,72 @@ mod tests {
                     value: 0.0,
                 }),
             ),
+            (
+                &[1],
+                None,
+                SamplingParams {
+                    logit_bias: vec![(3, 1.0), (100, -1.0)],
+                    ..SamplingParams::default()
+                },
+                InvalidRequest::ParamTokenOutOfRange {
+                    param: "logit_bias",
+                    id: 100,
+                    vocab: 100,
+                },
+            ),
+            (
+                &[1],
+                None,
+                SamplingParams {
+                    logit_bias: vec![(3, 101.0)],
+                    ..SamplingParams::default()
+                },
+                InvalidRequest::Sampling(SamplingError::OutOfRange {
+                    name: "logit_bias",
+                    range: "between -100 and 100",
+                    value: 101.0,
+                }),
+            ),
+            (
+                &[1],
+                None,
+                SamplingParams {
+                    logit_bias: vec![(3, 1.0), (3, 2.0)],
+                    ..SamplingParams::default()
+                },
+                InvalidRequest::Sampling(SamplingError::Unsorted {
+                    name: "logit_bias",
+                    id: 3,
+                }),
+            ),
+            (
+                &[1],
+                None,
+                SamplingParams {
+                    min_tokens: Some(MinTokens {
+                        count: 2,
+                        stop_ids: vec![7, 1000],
+                    }),
+                    ..SamplingParams::default()
+                },
+                InvalidRequest::ParamTokenOutOfRange {
+                    param: "min_tokens",
+                    id: 1000,
+                    vocab: 100,
+                },
+            ),
         ];
-        let params = ["prompt", "prompt", "prompt", "max_tokens", "top_p"];
+        let params = [
+            "prompt",
+            "prompt",
+            "prompt",
+            "max_tokens",
+            "top_p",
+            "logit_bias",
+            "logit_bias",
+            "logit_bias",
+            "min_tokens",
+        ];
         for ((prompt, max, sampling, want), param) in cases.into_iter().zip(params) {
             let got = LIMITS.check(prompt, max, &sampling);
             assert_eq!(got.as_ref().err(), Some(&want), "{prompt:?} {max:?}");

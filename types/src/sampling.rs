@@ -22,6 +22,21 @@ pub struct SamplingParams {
     pub top_logprobs: usize,
     /// Report the chosen token's log-probability.
     pub logprobs: bool,
+    /// Added to these tokens' logits before sampling (OpenAI `logit_bias`),
+    /// sorted by token id, at most one entry per token.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Tokens that may not be sampled before a number of tokens has been
+    /// generated (vLLM's `min_tokens`).
+    pub min_tokens: Option<MinTokens>,
+}
+
+/// vLLM's `min_tokens`: `stop_ids` (the request's stop tokens) are banned
+/// until `count` tokens have been generated. Carried with the sampling
+/// parameters so that a prefill node sampling the first token honours it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MinTokens {
+    pub count: u32,
+    pub stop_ids: Vec<u32>,
 }
 
 impl Default for SamplingParams {
@@ -37,12 +52,20 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             top_logprobs: 0,
             logprobs: false,
+            logit_bias: Vec::new(),
+            min_tokens: None,
         }
     }
 }
 
 /// The largest `top_logprobs` accepted (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Most `logit_bias` entries in one request (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// Most stop tokens `min_tokens` may ban (a model has a handful).
+pub const MAX_MIN_TOKENS_STOPS: usize = 64;
 
 /// A sampling parameter outside its range.
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
@@ -53,6 +76,25 @@ pub enum SamplingError {
         range: &'static str,
         value: f64,
     },
+    #[error("{name} has {got} entries; at most {max} are allowed")]
+    TooMany {
+        name: &'static str,
+        max: usize,
+        got: usize,
+    },
+    #[error("{name} names token id {id} more than once or out of order")]
+    Unsorted { name: &'static str, id: u32 },
+}
+
+impl SamplingError {
+    /// The request field at fault, in OpenAI's API terms.
+    pub fn param(&self) -> &'static str {
+        match self {
+            Self::OutOfRange { name, .. }
+            | Self::TooMany { name, .. }
+            | Self::Unsorted { name, .. } => name,
+        }
+    }
 }
 
 impl SamplingParams {
@@ -117,7 +159,49 @@ impl SamplingParams {
             "between 0 and 20",
             self.top_logprobs as f64,
         )?;
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(SamplingError::TooMany {
+                name: "logit_bias",
+                max: MAX_LOGIT_BIAS,
+                got: self.logit_bias.len(),
+            });
+        }
+        let mut last = None;
+        for &(id, b) in &self.logit_bias {
+            check(
+                b.is_finite() && (-100.0..=100.0).contains(&b),
+                "logit_bias",
+                "between -100 and 100",
+                b.into(),
+            )?;
+            if last.is_some_and(|l| l >= id) {
+                return Err(SamplingError::Unsorted {
+                    name: "logit_bias",
+                    id,
+                });
+            }
+            last = Some(id);
+        }
+        if let Some(m) = &self.min_tokens
+            && m.stop_ids.len() > MAX_MIN_TOKENS_STOPS
+        {
+            return Err(SamplingError::TooMany {
+                name: "min_tokens",
+                max: MAX_MIN_TOKENS_STOPS,
+                got: m.stop_ids.len(),
+            });
+        }
         Ok(())
+    }
+
+    /// Every token id the parameters name (to check against the vocabulary).
+    pub fn token_ids(&self) -> impl Iterator<Item = (u32, &'static str)> + '_ {
+        let bias = self.logit_bias.iter().map(|&(id, _)| (id, "logit_bias"));
+        let stops = self
+            .min_tokens
+            .iter()
+            .flat_map(|m| m.stop_ids.iter().map(|&id| (id, "min_tokens")));
+        bias.chain(stops)
     }
 }
 
