@@ -15,6 +15,7 @@ use crate::telemetry::{Telemetry, TelemetryArgs};
 use tandem_engine::comm::{DeviceSpec, parse_devices};
 use tandem_engine::moe::Combine;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
+use tandem_frontend::reasoning::ReasoningParser;
 use tandem_frontend::tools::ToolParser;
 use tandem_frontend::{AppState, ServerConfig};
 use tandem_modelfile::fetch;
@@ -99,6 +100,11 @@ pub struct HttpArgs {
     /// are refused).
     #[arg(long, env = "TANDEM_TOOL_PARSER", default_value = "hermes")]
     pub tool_parser: ToolParser,
+    /// How the model marks its reasoning: think (`<think>...</think>`
+    /// before the answer goes to `reasoning`, the rest to `content`) or
+    /// none (everything is content).
+    #[arg(long, env = "TANDEM_REASONING_PARSER", default_value = "none")]
+    pub reasoning_parser: ReasoningParser,
 }
 
 #[derive(Debug, Args)]
@@ -198,6 +204,7 @@ impl HttpArgs {
             max_body_bytes: self.max_body_bytes,
             model_name,
             tool_parser: self.tool_parser,
+            reasoning_parser: self.reasoning_parser,
         })
     }
 }

@@ -1,5 +1,6 @@
 //! The OpenAI-compatible HTTP front end: request types and validation
-//! (`openai`), error rendering (`error`), the server with its SSE streams
+//! (`openai`), error rendering (`error`), tool-call and reasoning parsing
+//! (`tools`, `reasoning`), the server with its SSE streams
 //! and admission limits (`server`) and the API metrics (`metrics`), over a
 //! [`Backend`] that runs the tokens: the local scheduler (`tandem serve`)
 //! or a cluster (`tandem router`).
@@ -8,6 +9,7 @@ pub mod backend;
 pub mod error;
 pub mod metrics;
 pub mod openai;
+pub mod reasoning;
 pub mod server;
 pub mod tools;
 

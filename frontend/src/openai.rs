@@ -23,12 +23,10 @@ pub const MAX_STOP: usize = 4;
 const UNSUPPORTED: &[&str] = &[
     "functions",
     "function_call",
-    "logit_bias",
     "audio",
     "modalities",
     "prediction",
     "suffix",
-    "echo",
     "best_of",
     "web_search_options",
     "reasoning_effort",
@@ -59,6 +57,8 @@ const CHAT_FIELDS: &[&str] = &[
     "presence_penalty",
     "repetition_penalty",
     "ignore_eos",
+    "min_tokens",
+    "logit_bias",
     "logprobs",
     "top_logprobs",
 ];
@@ -81,7 +81,10 @@ const COMPLETION_FIELDS: &[&str] = &[
     "presence_penalty",
     "repetition_penalty",
     "ignore_eos",
+    "min_tokens",
+    "logit_bias",
     "logprobs",
+    "echo",
 ];
 
 /// `stop`: one string or a list.
@@ -156,6 +159,13 @@ pub struct CommonParams {
     /// (it runs to `max_tokens`; stop strings still apply).
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// vLLM's extension: stop tokens are banned until this many tokens
+    /// have been generated (stop strings still apply).
+    #[serde(default)]
+    pub min_tokens: Option<u64>,
+    /// Token id (as a string) -> bias in [-100, 100] added to its logit.
+    #[serde(default)]
+    pub logit_bias: Option<Map<String, Value>>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -193,6 +203,9 @@ pub struct CompletionRequest {
     /// Number of alternatives to report per token (OpenAI allows 0..=5).
     #[serde(default)]
     pub logprobs: Option<u64>,
+    /// Return the prompt before the completion.
+    #[serde(default)]
+    pub echo: Option<bool>,
     #[serde(flatten)]
     pub common: CommonParams,
 }
@@ -210,7 +223,16 @@ pub struct GenParams {
     /// What the output must match (`response_format`), not yet compiled.
     pub constraint: Option<Constraint>,
     pub ignore_eos: bool,
+    /// Choices per prompt (`n`).
+    pub n: usize,
+    /// `stream_options.continuous_usage_stats`: usage on every chunk.
+    pub continuous_usage: bool,
+    /// Stop tokens are banned until this many tokens are generated.
+    pub min_tokens: u32,
 }
+
+/// Most choices per prompt (`n`): each is a sequence in the batch.
+pub const MAX_N: u64 = 32;
 
 fn invalid(message: impl Into<String>, param: &str) -> ApiError {
     ApiError::invalid(message, Some(param))
@@ -220,7 +242,6 @@ fn invalid(message: impl Into<String>, param: &str) -> ApiError {
 fn is_noop(key: &str, v: &Value) -> bool {
     match (key, v) {
         (_, Value::Null) => true,
-        ("echo", Value::Bool(false)) => true,
         // Accepted and ignored: the served models do not take an effort
         // setting (OpenAI's values only; anything else is a 400).
         ("reasoning_effort", Value::String(s)) => {
@@ -228,7 +249,6 @@ fn is_noop(key: &str, v: &Value) -> bool {
         }
         ("best_of", Value::Number(n)) => n.as_u64() == Some(1),
         ("functions", Value::Array(a)) => a.is_empty(),
-        ("logit_bias", Value::Object(o)) => o.is_empty(),
         ("suffix", Value::String(s)) => s.is_empty(),
         _ => false,
     }
@@ -470,6 +490,13 @@ impl CompletionRequest {
     }
 
     pub fn params(&self) -> Result<GenParams, ApiError> {
+        if self.echo == Some(true) && self.logprobs.is_some() {
+            return Err(invalid(
+                "`echo` with `logprobs` is not supported: the prompt's log-probabilities \
+                 are not computed",
+                "echo",
+            ));
+        }
         let top = self.logprobs.unwrap_or(0);
         // OpenAI's legacy default for completions.
         let max_tokens = Some(self.common.max_tokens.unwrap_or(16));
@@ -486,11 +513,10 @@ impl CommonParams {
         top_logprobs: u64,
         top_name: &str,
     ) -> Result<GenParams, ApiError> {
-        if let Some(n) = self.n
-            && n != 1
-        {
+        let n = self.n.unwrap_or(1);
+        if !(1..=MAX_N).contains(&n) {
             return Err(invalid(
-                format!("n = {n} is not supported: only one choice per request (n = 1)"),
+                format!("`n` must be between 1 and {MAX_N}, got {n}"),
                 "n",
             ));
         }
@@ -542,19 +568,27 @@ impl CommonParams {
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
             top_logprobs: top_logprobs as usize,
             logprobs,
+            logit_bias: logit_bias(self.logit_bias.as_ref())?,
+            min_tokens: None,
         };
-        sampling.validate().map_err(|e| {
-            let param = match &e {
-                tandem_types::SamplingError::OutOfRange { name, .. } => *name,
-            };
-            invalid(e.to_string(), param)
-        })?;
+        sampling
+            .validate()
+            .map_err(|e| invalid(e.to_string(), e.param()))?;
+        let min_tokens = match self.min_tokens {
+            None => 0,
+            Some(m) if max_tokens.is_some_and(|max| m > max as u64) => {
+                return Err(invalid(
+                    "`min_tokens` must not exceed `max_tokens`",
+                    "min_tokens",
+                ));
+            }
+            Some(m) => u32::try_from(m).unwrap_or(u32::MAX),
+        };
         let stream = self.stream.unwrap_or(false);
-        let include_usage = self
-            .stream_options
-            .as_ref()
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
+        let options = self.stream_options.clone().unwrap_or_default();
+        let include_usage = options.include_usage.unwrap_or(false);
+        let continuous_usage = options.continuous_usage_stats.unwrap_or(false);
+
         Ok(GenParams {
             sampling,
             max_tokens,
@@ -564,8 +598,38 @@ impl CommonParams {
             model: self.model.clone(),
             constraint: response_format(self.response_format.as_ref())?,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            n: n as usize,
+            continuous_usage,
+            min_tokens,
         })
     }
+}
+
+/// `logit_bias` (`{"token id": bias}`) as sorted `(id, bias)` pairs; ranges
+/// are checked with the other sampling parameters, ids against the
+/// vocabulary by [`tandem_types::RequestLimits::check`].
+fn logit_bias(v: Option<&Map<String, Value>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    const P: &str = "logit_bias";
+    let Some(map) = v else { return Ok(Vec::new()) };
+    let mut out = Vec::with_capacity(map.len());
+    for (k, b) in map {
+        let id: u32 = k
+            .trim()
+            .parse()
+            .map_err(|_| invalid(format!("`logit_bias` keys must be token ids, got {k:?}"), P))?;
+        let bias = b
+            .as_f64()
+            .ok_or_else(|| invalid(format!("`logit_bias[{k:?}]` must be a number"), P))?;
+        out.push((id, bias as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(invalid(
+            format!("`logit_bias` names token {} more than once", w[0].0),
+            P,
+        ));
+    }
+    Ok(out)
 }
 
 /// `response_format` as a constraint (`None` for plain text).
@@ -703,6 +767,9 @@ pub struct AssistantMessage {
     pub role: &'static str,
     /// `null` when the answer is only tool calls.
     pub content: Option<String>,
+    /// The model's thinking, with a reasoning parser (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCallOut>,
 }
@@ -767,6 +834,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
@@ -972,13 +1041,55 @@ mod tests {
     }
 
     #[test]
-    fn n_other_than_one_is_rejected() {
-        assert!(chat(r#"{"messages":[],"n":1}"#).unwrap().params().is_ok());
-        let e = chat(r#"{"messages":[],"n":2}"#)
-            .unwrap()
-            .params()
-            .unwrap_err();
-        assert!(message(e).contains("n = 2"));
+    fn n_is_bounded() {
+        assert_eq!(chat(r#"{"messages":[]}"#).unwrap().params().unwrap().n, 1);
+        assert_eq!(
+            chat(r#"{"messages":[],"n":4}"#)
+                .unwrap()
+                .params()
+                .unwrap()
+                .n,
+            4
+        );
+        for bad in [0, MAX_N + 1] {
+            let e = chat(&format!(r#"{{"messages":[],"n":{bad}}}"#))
+                .unwrap()
+                .params()
+                .unwrap_err();
+            assert!(message(e).contains("`n` must be between 1"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn logit_bias_min_tokens_and_continuous_usage() {
+        let p = chat(
+            r#"{"messages":[],"logit_bias":{"7":-100,"3":2.5},"min_tokens":4,"max_tokens":9,
+               "stream":true,"stream_options":{"continuous_usage_stats":true}}"#,
+        )
+        .unwrap()
+        .params()
+        .unwrap();
+        assert_eq!(p.sampling.logit_bias, vec![(3, 2.5), (7, -100.0)]);
+        assert_eq!(p.min_tokens, 4);
+        assert!(p.continuous_usage && !p.include_usage);
+        let err = |body: &str| message(chat(body).unwrap().params().unwrap_err());
+        assert!(err(r#"{"messages":[],"logit_bias":{"x":1}}"#).contains("token ids"));
+        assert!(err(r#"{"messages":[],"logit_bias":{"1":"a"}}"#).contains("number"));
+        assert!(err(r#"{"messages":[],"logit_bias":{"1":101}}"#).contains("logit_bias"));
+        assert!(err(r#"{"messages":[],"logit_bias":{"1":1," 1":2}}"#).contains("more than once"));
+        assert!(err(r#"{"messages":[],"min_tokens":5,"max_tokens":4}"#).contains("min_tokens"));
+        assert!(chat(r#"{"messages":[],"logit_bias":[1]}"#).is_err());
+    }
+
+    #[test]
+    fn echo_is_a_completions_field_without_prompt_logprobs() {
+        let r = CompletionRequest::parse(br#"{"prompt":"x","echo":true}"#, false).unwrap();
+        assert_eq!(r.echo, Some(true));
+        assert!(r.params().is_ok());
+        let both =
+            CompletionRequest::parse(br#"{"prompt":"x","echo":true,"logprobs":1}"#, false).unwrap();
+        assert!(message(both.params().unwrap_err()).contains("echo"));
+        assert!(chat(r#"{"messages":[],"echo":true}"#).is_err());
     }
 
     #[test]

@@ -40,9 +40,13 @@ use crate::openai::{
     FunctionCall, FunctionDelta, GenParams, ModelCard, ModelList, Prompt, TokenLogprob,
     ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo, finish_str,
 };
-use crate::tools::{self, ParsedCall, ToolChoice, ToolParser, ToolStream};
+use crate::reasoning::ReasoningParser;
+use crate::tools::{self, ToolChoice, ToolParser};
 
+mod choices;
 mod responses;
+
+use choices::{OutputParser, UsageTally};
 
 /// Settings of the HTTP layer (the scheduler has its own).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,7 +61,12 @@ pub struct ServerConfig {
     pub model_name: String,
     /// How the model writes tool calls (`--tool-parser`).
     pub tool_parser: ToolParser,
+    /// How the model marks its reasoning (`--reasoning-parser`).
+    pub reasoning_parser: ReasoningParser,
 }
+
+/// Most prompts in one `/v1/completions` request.
+pub const MAX_PROMPTS: usize = 64;
 
 /// Shared by every handler. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -138,16 +147,28 @@ impl AppState {
         format!("{prefix}-{:x}{nanos:08x}{n:06x}", self.inner.created)
     }
 
-    fn permit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
-        Arc::clone(&self.inner.permits)
-            .try_acquire_owned()
-            .map_err(|_| {
+    /// `count` admission permits at once (one per sequence), or none.
+    fn permits(&self, count: usize) -> Result<Vec<OwnedSemaphorePermit>, ApiError> {
+        let mut all = u32::try_from(count)
+            .ok()
+            .and_then(|c| {
+                Arc::clone(&self.inner.permits)
+                    .try_acquire_many_owned(c)
+                    .ok()
+            })
+            .ok_or_else(|| {
                 ApiError::Overloaded(format!(
                     "The server is overloaded: {} requests are already in flight \
                      (--max-concurrent-requests). Retry later.",
                     self.inner.config.max_concurrent_requests
                 ))
-            })
+            })?;
+        let mut out = Vec::with_capacity(count);
+        while all.num_permits() > 1 {
+            out.extend(all.split(1));
+        }
+        out.push(all);
+        Ok(out)
     }
 
     fn check_model(&self, requested: Option<&str>) -> Result<(), ApiError> {
@@ -182,44 +203,93 @@ impl AppState {
         })
     }
 
-    /// Checks a tokenized prompt against the backend's limits (the one
-    /// place requests are checked before dispatch) and starts it.
+    /// Starts `params.n` choices for each prompt: choice `k` is prompt
+    /// `k / n`'s choice `k % n`, seeded with the request's seed plus
+    /// `k % n` (so that choices differ and each is reproducible). Every
+    /// choice is checked (the one place requests are checked before
+    /// dispatch) before any is started.
+    async fn submit_all(
+        &self,
+        prompts: Vec<Vec<u32>>,
+        params: &GenParams,
+        arrived: Instant,
+        trace: &RequestTrace,
+    ) -> Result<Vec<Generation>, ApiError> {
+        let total = prompts.len() * params.n;
+        let limit = self.inner.config.max_concurrent_requests;
+        if total > limit {
+            return Err(ApiError::invalid(
+                format!(
+                    "The request asks for {total} sequences (prompts × n); this server runs \
+                     at most {limit} at once (--max-concurrent-requests)"
+                ),
+                Some("n"),
+            ));
+        }
+        trace.span.record(
+            "prompt_tokens",
+            prompts.iter().map(Vec::len).sum::<usize>() as i64,
+        );
+        let stop_token_ids = if params.ignore_eos {
+            Vec::new()
+        } else {
+            self.inner.text.tokenizer.stop_ids()
+        };
+        let limits = self.inner.backend.limits();
+        let mut requests = Vec::with_capacity(total);
+        for prompt in prompts {
+            for j in 0..params.n {
+                let mut sampling = params.sampling.clone();
+                sampling.seed = sampling.seed.map(|s| s.wrapping_add(j as u64));
+                if params.min_tokens > 0 && !stop_token_ids.is_empty() {
+                    sampling.min_tokens = Some(tandem_types::MinTokens {
+                        count: params.min_tokens,
+                        stop_ids: stop_token_ids.clone(),
+                    });
+                }
+                let max_tokens = limits.check(&prompt, params.max_tokens, &sampling)?;
+                requests.push(BackendRequest {
+                    prompt: prompt.clone(),
+                    sampling,
+                    max_tokens,
+                    stop_token_ids: stop_token_ids.clone(),
+                    constraint: params.constraint.clone(),
+                    trace: trace.outgoing,
+                });
+            }
+        }
+        if let Some(c) = &params.constraint {
+            self.check_constraint(c)?;
+        }
+        let permits = self.permits(total)?;
+        let mut out = Vec::with_capacity(total);
+        for (req, permit) in requests.into_iter().zip(permits) {
+            out.push(
+                self.submit(req, &params.stop, permit, arrived, trace)
+                    .await?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// Starts one checked request on the backend.
     async fn submit(
         &self,
-        prompt: Vec<u32>,
-        params: &GenParams,
+        req: BackendRequest,
+        stop: &[String],
         permit: OwnedSemaphorePermit,
         arrived: Instant,
         trace: &RequestTrace,
     ) -> Result<Generation, ApiError> {
-        let prompt_tokens = prompt.len();
-        let backend = &self.inner.backend;
-        let max_tokens = backend
-            .limits()
-            .check(&prompt, params.max_tokens, &params.sampling)?;
-        if let Some(c) = &params.constraint {
-            self.check_constraint(c)?;
-        }
-        let stream = backend
-            .submit(BackendRequest {
-                prompt,
-                sampling: params.sampling.clone(),
-                max_tokens,
-                stop_token_ids: if params.ignore_eos {
-                    Vec::new()
-                } else {
-                    self.inner.text.tokenizer.stop_ids()
-                },
-                constraint: params.constraint.clone(),
-                trace: trace.outgoing,
-            })
-            .await?;
+        let prompt_tokens = req.prompt.len();
+        let logprobs = req.sampling.logprobs;
+        let stream = self.inner.backend.submit(req).await?;
         Ok(Generation {
             text: Arc::clone(&self.inner.text),
             stream,
             prompt_tokens,
-            stop: params.stop.clone(),
-            logprobs: params.sampling.logprobs,
+            stop: stop.to_vec(),
+            logprobs,
             permit,
             tracker: RequestTracker::new(arrived, prompt_tokens),
             span: trace.span.clone(),
@@ -268,7 +338,9 @@ struct Generation {
 
 /// What a generation produces, in order: text pieces, then `Done` or `Error`.
 enum Piece {
-    Text(String, Vec<TokenLogprob>),
+    /// Text, its tokens' log-probabilities (if asked for), and how many
+    /// tokens the generation has produced so far.
+    Text(String, Vec<TokenLogprob>, usize),
     Done(FinishReason, UsageInfo),
     Error(ApiError),
 }
@@ -344,7 +416,9 @@ impl Generation {
                         };
                         let (emit, hit) = stops.push(&piece);
                         if hit {
-                            yield Piece::Text(emit, std::mem::take(&mut lps));
+                            if !emit.is_empty() || !lps.is_empty() {
+                                yield Piece::Text(emit, std::mem::take(&mut lps), generated);
+                            }
                             let usage = UsageInfo::new(prompt_tokens, generated, stream.cached_tokens());
                             drop(stream);
                             tracker.finish(None, count_errors);
@@ -352,13 +426,13 @@ impl Generation {
                             return;
                         }
                         if !emit.is_empty() {
-                            yield Piece::Text(emit, std::mem::take(&mut lps));
+                            yield Piece::Text(emit, std::mem::take(&mut lps), generated);
                         }
                     }
                     Some(GenEvent::Finished(u)) => {
                         let rest = stops.finish(&decoder.finish());
                         if !rest.is_empty() || !lps.is_empty() {
-                            yield Piece::Text(rest, std::mem::take(&mut lps));
+                            yield Piece::Text(rest, std::mem::take(&mut lps), generated);
                         }
                         let usage =
                             UsageInfo::new(u.prompt_tokens, u.completion_tokens, u.cached_tokens);
@@ -384,15 +458,13 @@ impl Generation {
     }
 
     /// Runs to completion (non-streaming responses).
-    async fn collect(
-        self,
-    ) -> Result<(String, Vec<TokenLogprob>, FinishReason, UsageInfo), ApiError> {
+    async fn collect(self) -> Result<Collected, ApiError> {
         let mut pieces = std::pin::pin!(self.pieces(false));
         let mut text = String::new();
         let mut lps = Vec::new();
         while let Some(p) = pieces.next().await {
             match p {
-                Piece::Text(t, l) => {
+                Piece::Text(t, l, _) => {
                     text.push_str(&t);
                     lps.extend(l);
                 }
@@ -403,6 +475,9 @@ impl Generation {
         Err(ApiError::internal("generation ended without a result"))
     }
 }
+
+/// A finished generation: its text, logprobs, finish reason and usage.
+type Collected = (String, Vec<TokenLogprob>, FinishReason, UsageInfo);
 
 fn sse_json<T: Serialize>(v: &T) -> Result<SseEvent, Infallible> {
     Ok(
@@ -470,14 +545,14 @@ async fn completions(
 
 /// A chat request, rendered, tokenized and started.
 struct ChatJob {
-    generation: Generation,
+    /// One per choice (`n`).
+    generations: Vec<Generation>,
     params: GenParams,
-    /// Whether tool calls are parsed out of the answer.
-    calling: bool,
-    parser: ToolParser,
+    /// How each choice's text divides into reasoning, content and calls.
+    output: OutputParser,
 }
 
-/// Everything between a parsed chat request and its running generation:
+/// Everything between a parsed chat request and its running generations:
 /// parameters, tools and their grammar, the template, the tokenizer and
 /// the backend's checks. Shared by chat completions and the Responses API.
 async fn start_chat(
@@ -523,19 +598,53 @@ async fn start_chat(
         let system = calling.then(|| parser.system_prompt(&tools));
         template.render(&req.messages(parser, system.as_deref())?, true)?
     };
+    let reasoning = state.config().reasoning_parser;
+    let output = OutputParser {
+        reasoning,
+        starts_inside: reasoning.starts_inside(&rendered),
+        tools: calling.then_some(parser),
+    };
     // The template writes its own BOS where the model wants one.
     let prompt = text.tokenizer.encode(&rendered, false)?;
-    let permit = state.permit()?;
-    trace.span.record("prompt_tokens", prompt.len() as i64);
-    let generation = state
-        .submit(prompt, &params, permit, arrived, trace)
+    let generations = state
+        .submit_all(vec![prompt], &params, arrived, trace)
         .await?;
     Ok(ChatJob {
-        generation,
+        generations,
         params,
-        calling,
-        parser,
+        output,
     })
+}
+
+fn tool_calls_out(
+    response_id: &str,
+    choice: usize,
+    calls: Vec<tools::ParsedCall>,
+) -> Vec<ToolCallOut> {
+    calls
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| ToolCallOut {
+            id: call_id(response_id, choice, i),
+            kind: "function",
+            function: FunctionCall {
+                name: c.name,
+                arguments: c.arguments,
+            },
+        })
+        .collect()
+}
+
+/// `usage` of a streamed chunk: absent unless asked for; with
+/// `continuous_usage_stats` the usage so far, else `null` until the end.
+fn chunk_usage(params: &GenParams, tally: &UsageTally) -> Option<Option<UsageInfo>> {
+    if params.continuous_usage {
+        Some(Some(tally.total()))
+    } else if params.include_usage {
+        Some(None)
+    } else {
+        None
+    }
 }
 
 async fn chat_completions_inner(
@@ -548,147 +657,149 @@ async fn chat_completions_inner(
     let body = body.map_err(|e| body_error(state.config().max_body_bytes, e))?;
     let req = ChatRequest::parse(&body, state.config().allow_extra_request_fields)?;
     let ChatJob {
-        generation,
+        generations,
         params,
-        calling,
-        parser,
+        output,
     } = start_chat(&state, &req, arrived, &trace).await?;
     drop(awaiting);
     let id = state.new_id("chatcmpl");
     let created = unix_now();
     let name = state.config().model_name.clone();
+    let mut tally = UsageTally::new(&generations, params.n);
     if !params.stream {
-        let (text, lps, finish, usage) = generation.collect().await?;
-        let logprobs = params
-            .sampling
-            .logprobs
-            .then_some(ChatLogprobs { content: lps });
-        let (content, calls) = if calling {
-            parser.extract(&text)
-        } else {
-            (text, Vec::new())
-        };
-        let finish_reason = if calls.is_empty() {
-            finish_str(finish)
-        } else {
-            "tool_calls"
-        };
-        let tool_calls: Vec<ToolCallOut> = calls
+        let mut choices = Vec::with_capacity(generations.len());
+        for (i, (text, lps, finish, usage)) in choices::collect_all(generations)
+            .await?
             .into_iter()
             .enumerate()
-            .map(|(i, c)| ToolCallOut {
-                id: call_id(&id, i),
-                kind: "function",
-                function: FunctionCall {
-                    name: c.name,
-                    arguments: c.arguments,
+        {
+            tally.done(i, &usage);
+            let out = output.whole(&text);
+            let tool_calls = tool_calls_out(&id, i, out.calls);
+            let finish_reason = if tool_calls.is_empty() {
+                finish_str(finish)
+            } else {
+                "tool_calls"
+            };
+            choices.push(ChatChoice {
+                index: i as u32,
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: (!out.content.is_empty() || tool_calls.is_empty())
+                        .then_some(out.content),
+                    reasoning: out.reasoning,
+                    tool_calls,
                 },
-            })
-            .collect();
+                logprobs: params
+                    .sampling
+                    .logprobs
+                    .then_some(ChatLogprobs { content: lps }),
+                finish_reason,
+            });
+        }
         return Ok(Json(ChatCompletion {
             id,
             object: "chat.completion",
             created,
             model: name,
-            choices: vec![ChatChoice {
-                index: 0,
-                message: AssistantMessage {
-                    role: "assistant",
-                    content: (!content.is_empty() || tool_calls.is_empty()).then_some(content),
-                    tool_calls,
-                },
-                logprobs,
-                finish_reason,
-            }],
-            usage,
+            choices,
+            usage: tally.total(),
         })
         .into_response());
     }
-    let include_usage = params.include_usage;
     let want_logprobs = params.sampling.logprobs;
     let call_ids = id.clone();
-    let chunk =
-        move |delta: Delta, lps: Option<Vec<TokenLogprob>>, finish: Option<&'static str>| {
-            ChatCompletionChunk {
-                id: id.clone(),
-                object: "chat.completion.chunk",
-                created,
-                model: name.clone(),
-                choices: vec![ChunkChoice {
-                    index: 0,
-                    delta,
-                    logprobs: lps
-                        .filter(|_| want_logprobs)
-                        .map(|content| ChatLogprobs { content }),
-                    finish_reason: finish,
-                }],
-                usage: include_usage.then_some(None),
-            }
-        };
-    let mut calls_stream = calling.then(|| ToolStream::new(parser));
+    let chunk = move |i: usize,
+                      delta: Delta,
+                      lps: Option<Vec<TokenLogprob>>,
+                      finish: Option<&'static str>,
+                      usage: Option<Option<UsageInfo>>| {
+        ChatCompletionChunk {
+            id: id.clone(),
+            object: "chat.completion.chunk",
+            created,
+            model: name.clone(),
+            choices: vec![ChunkChoice {
+                index: i as u32,
+                delta,
+                logprobs: lps
+                    .filter(|_| want_logprobs)
+                    .map(|content| ChatLogprobs { content }),
+                finish_reason: finish,
+            }],
+            usage,
+        }
+    };
+    let mut outs: Vec<_> = generations.iter().map(|_| output.stream()).collect();
     let events = async_stream::stream! {
-        let first = Delta { role: Some("assistant"), content: Some(String::new()), tool_calls: None };
-        yield sse_json(&chunk(first, None, None));
-        let mut pieces = std::pin::pin!(generation.pieces(true));
-        while let Some(p) = pieces.next().await {
+        for i in 0..outs.len() {
+            let first = Delta { role: Some("assistant"), content: Some(String::new()), ..Delta::default() };
+            yield sse_json(&chunk(i, first, None, None, chunk_usage(&params, &tally)));
+        }
+        let mut pieces = choices::merge(generations);
+        let mut failed = false;
+        while let Some((i, p)) = pieces.next().await {
             match p {
-                Piece::Text(t, l) => {
-                    let t = match &mut calls_stream {
-                        Some(cs) => cs.push(&t),
-                        None => t,
-                    };
-                    if !t.is_empty() || !l.is_empty() {
-                        let delta = Delta { role: None, content: Some(t), tool_calls: None };
-                        yield sse_json(&chunk(delta, Some(l), None));
+                Piece::Text(t, l, generated) => {
+                    tally.progress(i, generated);
+                    let s = outs[i].push(&t);
+                    let has_reasoning = !s.reasoning.is_empty();
+                    if has_reasoning || !s.content.is_empty() || !l.is_empty() {
+                        let delta = Delta {
+                            reasoning: has_reasoning.then_some(s.reasoning),
+                            // Logprobs alone ride on an empty content delta.
+                            content: (!s.content.is_empty() || !has_reasoning).then_some(s.content),
+                            ..Delta::default()
+                        };
+                        yield sse_json(&chunk(i, delta, Some(l), None, chunk_usage(&params, &tally)));
                     }
                 }
                 Piece::Done(f, u) => {
-                    let mut finish = finish_str(f);
-                    if let Some(cs) = &mut calls_stream {
-                        let (rest, calls) = cs.finish();
-                        if !rest.is_empty() {
-                            let delta = Delta { role: None, content: Some(rest), tool_calls: None };
-                            yield sse_json(&chunk(delta, None, None));
-                        }
-                        for (i, c) in calls.iter().enumerate() {
-                            // OpenAI's shape: id, type and name once, then
-                            // the arguments as fragments (here, one).
-                            let head = ToolCallDelta {
-                                index: i as u32,
-                                id: Some(call_id(&call_ids, i)),
-                                kind: Some("function"),
-                                function: FunctionDelta { name: Some(c.name.clone()), arguments: Some(String::new()) },
-                            };
-                            let args = ToolCallDelta {
-                                index: i as u32,
-                                id: None,
-                                kind: None,
-                                function: FunctionDelta { name: None, arguments: Some(c.arguments.clone()) },
-                            };
-                            for d in [head, args] {
-                                let delta = Delta { role: None, content: None, tool_calls: Some(vec![d]) };
-                                yield sse_json(&chunk(delta, None, None));
-                            }
-                        }
-                        if !calls.is_empty() {
-                            finish = "tool_calls";
+                    tally.done(i, &u);
+                    let (rest, calls) = outs[i].finish();
+                    if !rest.reasoning.is_empty() || !rest.content.is_empty() {
+                        let delta = Delta {
+                            reasoning: (!rest.reasoning.is_empty()).then_some(rest.reasoning),
+                            content: (!rest.content.is_empty()).then_some(rest.content),
+                            ..Delta::default()
+                        };
+                        yield sse_json(&chunk(i, delta, None, None, chunk_usage(&params, &tally)));
+                    }
+                    for (k, c) in calls.iter().enumerate() {
+                        // OpenAI's shape: id, type and name once, then
+                        // the arguments as fragments (here, one).
+                        let head = ToolCallDelta {
+                            index: k as u32,
+                            id: Some(call_id(&call_ids, i, k)),
+                            kind: Some("function"),
+                            function: FunctionDelta { name: Some(c.name.clone()), arguments: Some(String::new()) },
+                        };
+                        let args = ToolCallDelta {
+                            index: k as u32,
+                            id: None,
+                            kind: None,
+                            function: FunctionDelta { name: None, arguments: Some(c.arguments.clone()) },
+                        };
+                        for d in [head, args] {
+                            let delta = Delta { tool_calls: Some(vec![d]), ..Delta::default() };
+                            yield sse_json(&chunk(i, delta, None, None, chunk_usage(&params, &tally)));
                         }
                     }
-                    yield sse_json(&chunk(Delta::default(), None, Some(finish)));
-                    if include_usage {
-                        let mut last = chunk(Delta::default(), None, None);
-                        last.choices.clear();
-                        last.usage = Some(Some(u));
-                        yield sse_json(&last);
-                    }
-                    break;
+                    let finish = if calls.is_empty() { finish_str(f) } else { "tool_calls" };
+                    yield sse_json(&chunk(i, Delta::default(), None, Some(finish), chunk_usage(&params, &tally)));
                 }
                 Piece::Error(e) => {
                     e.log();
                     yield sse_json(&e.body());
+                    failed = true;
                     break;
                 }
             }
+        }
+        if params.include_usage && !failed {
+            let mut last = chunk(0, Delta::default(), None, None, Some(Some(tally.total())));
+            last.choices.clear();
+            yield sse_json(&last);
         }
         yield done_event();
     };
@@ -696,9 +807,9 @@ async fn chat_completions_inner(
 }
 
 /// A tool call's id, unique within the server's responses.
-fn call_id(response_id: &str, i: usize) -> String {
+fn call_id(response_id: &str, choice: usize, i: usize) -> String {
     let suffix = response_id.rsplit('-').next().unwrap_or(response_id);
-    format!("call_{suffix}_{i}")
+    format!("call_{suffix}_{choice}_{i}")
 }
 
 async fn completions_inner(
@@ -713,90 +824,127 @@ async fn completions_inner(
     let params = req.params()?;
     state.check_model(params.model.as_deref())?;
     let tok = &state.inner.text.tokenizer;
-    let one = |n: usize| {
-        ApiError::invalid(
-            format!("`prompt` holds {n} prompts; only one prompt per request is supported"),
-            Some("prompt"),
-        )
-    };
     let encode = |t: &str| tok.encode(t, true).map_err(ApiError::from);
-    let prompt = match req.prompt {
-        Prompt::Text(t) => encode(&t)?,
-        Prompt::Tokens(ids) => ids,
-        Prompt::Texts(v) if v.len() == 1 => encode(&v[0])?,
-        Prompt::TokenLists(mut v) if v.len() == 1 => v.swap_remove(0),
-        Prompt::Texts(v) => return Err(one(v.len())),
-        Prompt::TokenLists(v) => return Err(one(v.len())),
+    let prompts: Vec<Vec<u32>> = match &req.prompt {
+        Prompt::Text(t) => vec![encode(t)?],
+        Prompt::Tokens(ids) => vec![ids.clone()],
+        Prompt::Texts(v) => v.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
+        Prompt::TokenLists(v) => v.clone(),
     };
-    let permit = state.permit()?;
-    trace.span.record("prompt_tokens", prompt.len() as i64);
-    let generation = state
-        .submit(prompt, &params, permit, arrived, &trace)
-        .await?;
+    if prompts.is_empty() {
+        return Err(ApiError::invalid(
+            "`prompt` must not be empty",
+            Some("prompt"),
+        ));
+    }
+    if prompts.len() > MAX_PROMPTS {
+        return Err(ApiError::invalid(
+            format!(
+                "`prompt` holds {} prompts; at most {MAX_PROMPTS} are allowed",
+                prompts.len()
+            ),
+            Some("prompt"),
+        ));
+    }
+    // `echo`: each prompt's text goes before its choices' completions.
+    let echoes: Vec<String> = if req.echo == Some(true) {
+        match &req.prompt {
+            Prompt::Text(t) => vec![t.clone()],
+            Prompt::Texts(v) => v.clone(),
+            Prompt::Tokens(_) | Prompt::TokenLists(_) => prompts
+                .iter()
+                .map(|p| tok.decode(p, false).map_err(ApiError::from))
+                .collect::<Result<_, _>>()?,
+        }
+    } else {
+        Vec::new()
+    };
+    let n = params.n;
+    let echo_of = move |k: usize| echoes.get(k / n).cloned().unwrap_or_default();
+    let generations = state.submit_all(prompts, &params, arrived, &trace).await?;
     drop(awaiting);
     let id = state.new_id("cmpl");
     let created = unix_now();
     let name = state.config().model_name.clone();
     let want_logprobs = params.sampling.logprobs;
+    let mut tally = UsageTally::new(&generations, n);
     if !params.stream {
-        let (text, lps, finish, usage) = generation.collect().await?;
+        let mut choices = Vec::with_capacity(generations.len());
+        for (k, (text, lps, finish, usage)) in choices::collect_all(generations)
+            .await?
+            .into_iter()
+            .enumerate()
+        {
+            tally.done(k, &usage);
+            choices.push(CompletionChoice {
+                index: k as u32,
+                text: echo_of(k) + &text,
+                logprobs: want_logprobs.then(|| CompletionLogprobs::from_tokens(&lps, 0)),
+                finish_reason: Some(finish_str(finish)),
+            });
+        }
         return Ok(Json(Completion {
             id,
             object: "text_completion",
             created,
             model: name,
-            choices: vec![CompletionChoice {
-                index: 0,
-                text,
-                logprobs: want_logprobs.then(|| CompletionLogprobs::from_tokens(&lps, 0)),
-                finish_reason: Some(finish_str(finish)),
-            }],
-            usage: Some(Some(usage)),
+            choices,
+            usage: Some(Some(tally.total())),
         })
         .into_response());
     }
-    let include_usage = params.include_usage;
-    let chunk = move |text: String,
+    let chunk = move |k: usize,
+                      text: String,
                       logprobs: Option<CompletionLogprobs>,
-                      finish: Option<FinishReason>| Completion {
+                      finish: Option<FinishReason>,
+                      usage: Option<Option<UsageInfo>>| Completion {
         id: id.clone(),
         object: "text_completion",
         created,
         model: name.clone(),
         choices: vec![CompletionChoice {
-            index: 0,
+            index: k as u32,
             text,
             logprobs,
             finish_reason: finish.map(finish_str),
         }],
-        usage: include_usage.then_some(None),
+        usage,
     };
+    let mut offsets = vec![0; generations.len()];
     let events = async_stream::stream! {
-        let mut offset = 0;
-        let mut pieces = std::pin::pin!(generation.pieces(true));
-        while let Some(p) = pieces.next().await {
+        for (k, offset) in offsets.iter_mut().enumerate() {
+            let echo = echo_of(k);
+            if !echo.is_empty() {
+                *offset = echo.len();
+                yield sse_json(&chunk(k, echo, None, None, chunk_usage(&params, &tally)));
+            }
+        }
+        let mut pieces = choices::merge(generations);
+        let mut failed = false;
+        while let Some((k, p)) = pieces.next().await {
             match p {
-                Piece::Text(t, l) => {
-                    let lp = want_logprobs.then(|| CompletionLogprobs::from_tokens(&l, offset));
-                    offset += t.len();
-                    yield sse_json(&chunk(t, lp, None));
+                Piece::Text(t, l, generated) => {
+                    tally.progress(k, generated);
+                    let lp = want_logprobs.then(|| CompletionLogprobs::from_tokens(&l, offsets[k]));
+                    offsets[k] += t.len();
+                    yield sse_json(&chunk(k, t, lp, None, chunk_usage(&params, &tally)));
                 }
                 Piece::Done(f, u) => {
-                    yield sse_json(&chunk(String::new(), None, Some(f)));
-                    if include_usage {
-                        let mut last = chunk(String::new(), None, None);
-                        last.choices.clear();
-                        last.usage = Some(Some(u));
-                        yield sse_json(&last);
-                    }
-                    break;
+                    tally.done(k, &u);
+                    yield sse_json(&chunk(k, String::new(), None, Some(f), chunk_usage(&params, &tally)));
                 }
                 Piece::Error(e) => {
                     e.log();
                     yield sse_json(&e.body());
+                    failed = true;
                     break;
                 }
             }
+        }
+        if params.include_usage && !failed {
+            let mut last = chunk(0, String::new(), None, None, Some(Some(tally.total())));
+            last.choices.clear();
+            yield sse_json(&last);
         }
         yield done_event();
     };

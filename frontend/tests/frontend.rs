@@ -242,6 +242,7 @@ fn config() -> ServerConfig {
         max_body_bytes: 1 << 20,
         model_name: MODEL.into(),
         tool_parser: Default::default(),
+        reasoning_parser: Default::default(),
     }
 }
 
@@ -498,6 +499,8 @@ async fn chat_returns_the_scripted_text_and_forwards_the_request() {
             repetition_penalty: 1.25,
             top_logprobs: 0,
             logprobs: false,
+            logit_bias: Vec::new(),
+            min_tokens: None,
         }
     );
     let n = tokens(reply).len();
@@ -867,7 +870,8 @@ async fn request_checks_happen_before_the_backend_sees_anything() {
         ),
         (COMPLETIONS, json!({"prompt": [1, vocab]}), "prompt", None),
         (COMPLETIONS, json!({"prompt": []}), "prompt", None),
-        (COMPLETIONS, json!({"prompt": ["a", "b"]}), "prompt", None),
+        // Every prompt of a list is checked before any reaches the backend.
+        (COMPLETIONS, json!({"prompt": [[1], []]}), "prompt", None),
         (
             CHAT,
             with(&chat, json!({"logprobs": true, "top_logprobs": 21})),
@@ -923,7 +927,8 @@ async fn request_checks_happen_before_the_backend_sees_anything() {
         ("repetition_penalty", json!(0)),
         ("top_k", json!(-2)),
         ("max_tokens", json!(0)),
-        ("n", json!(2)),
+        ("n", json!(0)),
+        ("logit_bias", json!({"1": 200})),
         ("stop", json!(["a", "b", "c", "d", "e"])),
     ] {
         for (path, base) in [(CHAT, &chat), (COMPLETIONS, &cmpl)] {
@@ -1591,4 +1596,280 @@ async fn ignore_eos_sends_no_stop_tokens() {
             assert_eq!(last.stop_token_ids.is_empty(), ignore, "{path} {ignore}");
         }
     }
+}
+
+/// `n` choices: one backend request each, seeds the request's plus the
+/// choice index, choices indexed in order, the prompt counted once in usage;
+/// streamed, every choice has its role chunk and its finish reason.
+#[tokio::test]
+async fn n_choices_run_as_separate_seeded_requests() {
+    let s = Server::new(2048);
+    let replies = ["One.", "Two, then.", "Three it is."];
+    for r in replies {
+        s.script(say(r, FinishReason::Stop));
+    }
+    let body = with(&chat_body("Count."), json!({"n": 3, "seed": 7}));
+    let (status, v) = s.post_json(CHAT, &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let reqs = s.requests();
+    assert_eq!(reqs.len(), 3);
+    let seeds: Vec<_> = reqs.iter().map(|r| r.sampling.seed).collect();
+    assert_eq!(seeds, [Some(7), Some(8), Some(9)]);
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, (c, r)) in choices.iter().zip(replies).enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["message"]["content"], r);
+    }
+    let completion: usize = replies.iter().map(|r| tokens(r).len()).sum();
+    assert_eq!(v["usage"], usage_json(reqs[0].prompt.len(), completion));
+
+    for r in replies {
+        s.script(say(r, FinishReason::Length));
+    }
+    let body = with(
+        &body,
+        json!({"stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let (status, text) = s.post(CHAT, &body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let events = sse(&text);
+    for (i, r) in replies.iter().enumerate() {
+        let mine: Vec<Value> = events
+            .iter()
+            .filter(|e| e["choices"].get(0).is_some_and(|c| c["index"] == i))
+            .cloned()
+            .collect();
+        assert_eq!(mine[0]["choices"][0]["delta"]["role"], "assistant", "{i}");
+        assert_eq!(streamed_text(&mine), *r, "{i}");
+        assert_eq!(finish_reasons(&mine), ["length"], "{i}");
+    }
+    let usage = &events.last().unwrap()["usage"];
+    assert_eq!(*usage, usage_json(reqs[0].prompt.len(), completion));
+}
+
+/// Too many sequences for the server is the client's to fix (400, naming
+/// `n`), not an overload; `n` out of range is a 400 before the backend.
+#[tokio::test]
+async fn n_beyond_the_concurrency_limit_is_a_400() {
+    let s = Server::new(2048);
+    let (status, v) = s
+        .post_json(CHAT, &with(&chat_body("x"), json!({"n": 9})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(error_of(&v).2, Some("n"));
+    let (status, v) = s
+        .post_json(CHAT, &with(&chat_body("x"), json!({"n": 0})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert!(s.requests().is_empty());
+}
+
+/// A list of prompts with `n`: choice `k` is prompt `k / n`; `echo` puts
+/// each prompt's text before its completions (streamed, as a first chunk).
+#[tokio::test]
+async fn completion_prompt_lists_with_n_and_echo() {
+    let s = Server::new(2048);
+    let replies = [" a", " b", " c", " d"];
+    for r in replies {
+        s.script(say(r, FinishReason::Length));
+    }
+    let body = json!({"prompt": ["Once", "Twice"], "n": 2, "echo": true, "max_tokens": 4});
+    let (status, v) = s.post_json(COMPLETIONS, &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let reqs = s.requests();
+    assert_eq!(reqs.len(), 4);
+    let once = TEXT.tokenizer.encode("Once", true).unwrap();
+    let twice = TEXT.tokenizer.encode("Twice", true).unwrap();
+    assert_eq!(reqs[0].prompt, once);
+    assert_eq!(reqs[1].prompt, once);
+    assert_eq!(reqs[2].prompt, twice);
+    let texts: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, ["Once a", "Once b", "Twice c", "Twice d"]);
+    assert_eq!(v["usage"]["prompt_tokens"], once.len() + twice.len());
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+
+    for r in replies {
+        s.script(say(r, FinishReason::Length));
+    }
+    let (status, text) = s
+        .post(COMPLETIONS, &with(&body, json!({"stream": true})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let events = sse(&text);
+    for (k, want) in ["Once a", "Once b", "Twice c", "Twice d"]
+        .iter()
+        .enumerate()
+    {
+        let mine: Vec<Value> = events
+            .iter()
+            .filter(|e| e["choices"][0]["index"] == k)
+            .cloned()
+            .collect();
+        assert_eq!(streamed_text(&mine), *want, "{k}");
+    }
+    // Token prompts echo their decoded text; an empty list is a 400.
+    s.script(say(" e", FinishReason::Length));
+    let ids = tokens("Hello there");
+    let (status, v) = s
+        .post_json(COMPLETIONS, &json!({"prompt": ids, "echo": true}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["text"], "Hello there e");
+    let (status, _) = s.post_json(COMPLETIONS, &json!({"prompt": []})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+/// `logit_bias` reaches the backend as sorted pairs, `min_tokens` as a ban
+/// on the stop tokens (none with `ignore_eos`); an id outside the
+/// vocabulary is a 400 naming `logit_bias`.
+#[tokio::test]
+async fn logit_bias_and_min_tokens_reach_the_backend() {
+    let s = Server::new(2048);
+    s.script(say("ok", FinishReason::Length));
+    let body = with(
+        &chat_body("hi"),
+        json!({"logit_bias": {"42": 5, "7": -100}, "min_tokens": 3, "max_tokens": 8}),
+    );
+    let (status, v) = s.post_json(CHAT, &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let r = s.requests().pop().unwrap();
+    assert_eq!(r.sampling.logit_bias, vec![(7, -100.0), (42, 5.0)]);
+    let m = r.sampling.min_tokens.unwrap();
+    assert_eq!(m.count, 3);
+    assert_eq!(m.stop_ids, TEXT.tokenizer.stop_ids());
+
+    s.script(say("ok", FinishReason::Length));
+    let (status, _) = s
+        .post_json(CHAT, &with(&body, json!({"ignore_eos": true})))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(s.requests().pop().unwrap().sampling.min_tokens, None);
+
+    let vocab = TEXT.tokenizer.vocab_size();
+    let bad = with(
+        &chat_body("hi"),
+        json!({"logit_bias": {vocab.to_string(): 1}}),
+    );
+    let before = s.requests().len();
+    let (status, v) = s.post_json(CHAT, &bad).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(error_of(&v).2, Some("logit_bias"));
+    assert_eq!(s.requests().len(), before);
+}
+
+/// `continuous_usage_stats`: every chunk carries the usage so far, its
+/// completion count growing to the total.
+#[tokio::test]
+async fn continuous_usage_stats_on_every_chunk() {
+    let s = Server::new(2048);
+    let reply = "Counting as we go along.";
+    s.script(say(reply, FinishReason::Stop));
+    let body = with(
+        &chat_body("x"),
+        json!({"stream": true, "stream_options": {"continuous_usage_stats": true}}),
+    );
+    let (status, text) = s.post(CHAT, &body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let events = sse(&text);
+    let counts: Vec<u64> = events
+        .iter()
+        .map(|e| e["usage"]["completion_tokens"].as_u64().unwrap())
+        .collect();
+    assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{counts:?}");
+    assert_eq!(*counts.last().unwrap(), tokens(reply).len() as u64);
+    assert_eq!(counts[0], 0);
+    let prompt = s.requests()[0].prompt.len() as u64;
+    assert!(events.iter().all(|e| e["usage"]["prompt_tokens"] == prompt));
+}
+
+/// With `--reasoning-parser think`, the thinking goes to `reasoning` and the
+/// answer to `content`: in chat (whole and streamed) and as a reasoning
+/// item of the Responses API.
+#[tokio::test]
+async fn reasoning_is_split_from_the_answer() {
+    let s = Server::with_config(
+        2048,
+        ServerConfig {
+            reasoning_parser: tandem_frontend::reasoning::ReasoningParser::Think,
+            ..config()
+        },
+    );
+    let reply = "<think>The user greets me.</think>\n\nHello there!";
+    s.script(say(reply, FinishReason::Stop));
+    let (status, v) = s.post_json(CHAT, &chat_body("hi")).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert_eq!(m["reasoning"], "The user greets me.");
+    assert_eq!(m["content"], "Hello there!");
+
+    s.script(say(reply, FinishReason::Stop));
+    let (_, text) = s
+        .post(CHAT, &with(&chat_body("hi"), json!({"stream": true})))
+        .await;
+    let events = sse(&text);
+    let reasoning: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["reasoning"].as_str())
+        .collect();
+    assert_eq!(reasoning, "The user greets me.");
+    assert_eq!(streamed_text(&events), "Hello there!");
+    let first_content = events
+        .iter()
+        .position(|e| {
+            e["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|c| !c.is_empty())
+        })
+        .unwrap();
+    let last_reasoning = events
+        .iter()
+        .rposition(|e| e["choices"][0]["delta"]["reasoning"].is_string())
+        .unwrap();
+    assert!(last_reasoning < first_content);
+
+    s.script(say(reply, FinishReason::Stop));
+    let (status, v) = s
+        .post_json("/v1/responses", &json!({"model": MODEL, "input": "hi"}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["output"][0]["type"], "reasoning");
+    assert_eq!(v["output"][0]["content"][0]["text"], "The user greets me.");
+    assert_eq!(v["output"][1]["type"], "message");
+    assert_eq!(v["output"][1]["content"][0]["text"], "Hello there!");
+
+    s.script(say(reply, FinishReason::Stop));
+    let (_, text) = s
+        .post(
+            "/v1/responses",
+            &json!({"model": MODEL, "input": "hi", "stream": true}),
+        )
+        .await;
+    let kinds: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .map(str::to_string)
+        .collect();
+    let pos = |k: &str| kinds.iter().position(|x| x == k).unwrap_or(usize::MAX);
+    assert!(
+        pos("response.reasoning_text.delta") < pos("response.reasoning_text.done"),
+        "{kinds:?}"
+    );
+    assert!(
+        pos("response.reasoning_text.done") < pos("response.output_text.delta"),
+        "{kinds:?}"
+    );
+    assert_eq!(kinds.last().map(String::as_str), Some("response.completed"));
+
+    // Without the parser the tags are content.
+    let plain = Server::new(2048);
+    plain.script(say(reply, FinishReason::Stop));
+    let (_, v) = plain.post_json(CHAT, &chat_body("hi")).await;
+    assert_eq!(v["choices"][0]["message"]["content"], reply);
+    assert!(v["choices"][0]["message"].get("reasoning").is_none());
 }

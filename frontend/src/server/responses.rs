@@ -8,7 +8,8 @@
 //!
 //! Stateless: `previous_response_id` and `store: true` retrieval are not
 //! offered (a request that needs them gets a 400); `reasoning` and
-//! `truncation` are accepted and ignored.
+//! `truncation` are accepted and ignored. With a reasoning parser, the
+//! model's thinking is a `reasoning` output item before the message.
 
 use serde_json::{Map, Value, json};
 
@@ -276,14 +277,30 @@ fn usage_json(u: &UsageInfo) -> Value {
 }
 
 /// One function call item.
-fn call_item(id: &str, i: usize, c: &ParsedCall, status: &str) -> Value {
+fn call_item(id: &str, i: usize, c: &tools::ParsedCall, status: &str) -> Value {
     json!({
         "type": "function_call",
         "id": format!("fc_{}_{i}", suffix(id)),
-        "call_id": call_id(id, i),
+        "call_id": call_id(id, 0, i),
         "name": c.name,
         "arguments": c.arguments,
         "status": status,
+    })
+}
+
+/// The model's thinking (with a reasoning parser), as a reasoning item.
+fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
+    let content = if text.is_empty() {
+        json!([])
+    } else {
+        json!([{"type": "reasoning_text", "text": text}])
+    };
+    json!({
+        "type": "reasoning",
+        "id": format!("rs_{}", suffix(id)),
+        "status": status,
+        "summary": [],
+        "content": content,
     })
 }
 
@@ -364,11 +381,14 @@ async fn responses_inner(
         .map_err(|e| ApiError::internal(format!("re-encoding a request: {e}")))?;
     let chat_req = ChatRequest::parse(&chat_bytes, allow_extra)?;
     let ChatJob {
-        generation,
-        calling,
-        parser,
+        mut generations,
+        output,
         ..
     } = start_chat(&state, &chat_req, arrived, &trace).await?;
+    // The Responses API has no `n`: one generation.
+    let generation = generations
+        .pop()
+        .ok_or_else(|| ApiError::internal("no generation started"))?;
     drop(awaiting);
     let id = state.new_id("resp").replace('-', "_");
     let created = unix_now();
@@ -376,22 +396,21 @@ async fn responses_inner(
     let echo = echo(&req);
     if !stream {
         let (text, _lps, finish, usage) = generation.collect().await?;
-        let (content, calls) = if calling {
-            parser.extract(&text)
-        } else {
-            (text, Vec::new())
-        };
-        let mut output = Vec::new();
-        if !content.is_empty() || calls.is_empty() {
-            output.push(message_item(&id, &content, "completed"));
+        let out = output.whole(&text);
+        let mut items = Vec::new();
+        if let Some(r) = &out.reasoning {
+            items.push(reasoning_item(&id, r, "completed"));
         }
-        output.extend(
-            calls
+        if !out.content.is_empty() || out.calls.is_empty() {
+            items.push(message_item(&id, &out.content, "completed"));
+        }
+        items.extend(
+            out.calls
                 .iter()
                 .enumerate()
                 .map(|(i, c)| call_item(&id, i, c, "completed")),
         );
-        let incomplete = finish == FinishReason::Length && calls.is_empty();
+        let incomplete = finish == FinishReason::Length && out.calls.is_empty();
         let status = if incomplete {
             "incomplete"
         } else {
@@ -402,7 +421,7 @@ async fn responses_inner(
             created,
             &model,
             status,
-            output,
+            items,
             Some(&usage),
             incomplete,
             &echo,
@@ -422,102 +441,107 @@ async fn responses_inner(
         yield event("response.created", json!({"response": start.clone()}));
         yield event("response.in_progress", json!({"response": start}));
         let msg_id = format!("msg_{}", suffix(&id));
-        let mut calls_stream = calling.then(|| ToolStream::new(parser));
-        let mut text = String::new();
-        let mut opened = false;
-        let open_events = |opened: &mut bool| -> Vec<(&'static str, Value)> {
-            if *opened {
-                return Vec::new();
-            }
-            *opened = true;
-            vec![
-                ("response.output_item.added", json!({"output_index": 0, "item": message_item(&id, "", "in_progress")})),
-                ("response.content_part.added", json!({"item_id": msg_id, "output_index": 0, "content_index": 0,
-                    "part": {"type": "output_text", "text": "", "annotations": []}})),
-            ]
-        };
+        let rs_id = format!("rs_{}", suffix(&id));
+        let mut split = output.stream();
+        // Finished output items, in order.
+        let mut items: Vec<Value> = Vec::new();
+        // The open reasoning item's text, and the open message's (with
+        // their output indices).
+        let mut thinking: Option<(usize, String)> = None;
+        let mut message: Option<(usize, String)> = None;
         let mut pieces = std::pin::pin!(generation.pieces(true));
-        while let Some(p) = pieces.next().await {
-            match p {
-                Piece::Text(t, _) => {
-                    let t = match &mut calls_stream {
-                        Some(cs) => cs.push(&t),
-                        None => t,
-                    };
-                    if t.is_empty() {
-                        continue;
-                    }
-                    for (k, d) in open_events(&mut opened) {
-                        yield event(k, d);
-                    }
-                    text.push_str(&t);
-                    yield event("response.output_text.delta", json!({"item_id": msg_id,
-                        "output_index": 0, "content_index": 0, "delta": t, "logprobs": []}));
+        loop {
+            let (s, done) = match pieces.next().await {
+                Some(Piece::Text(t, _, _)) => (split.push(&t), None),
+                Some(Piece::Done(f, u)) => {
+                    let (s, calls) = split.finish();
+                    (s, Some((f, u, calls)))
                 }
-                Piece::Done(f, u) => {
-                    let (rest, calls) = match &mut calls_stream {
-                        Some(cs) => cs.finish(),
-                        None => (String::new(), Vec::new()),
-                    };
-                    if !rest.is_empty() {
-                        for (k, d) in open_events(&mut opened) {
-                            yield event(k, d);
-                        }
-                        text.push_str(&rest);
-                        yield event("response.output_text.delta", json!({"item_id": msg_id,
-                            "output_index": 0, "content_index": 0, "delta": rest, "logprobs": []}));
-                    }
-                    if calls.is_empty() {
-                        // A response always has its message, even an empty one.
-                        for (k, d) in open_events(&mut opened) {
-                            yield event(k, d);
-                        }
-                    }
-                    let mut output = Vec::new();
-                    if opened {
-                        yield event("response.output_text.done", json!({"item_id": msg_id,
-                            "output_index": 0, "content_index": 0, "text": text, "logprobs": []}));
-                        yield event("response.content_part.done", json!({"item_id": msg_id,
-                            "output_index": 0, "content_index": 0,
-                            "part": {"type": "output_text", "text": text, "annotations": []}}));
-                        let item = message_item(&id, &text, "completed");
-                        yield event("response.output_item.done", json!({"output_index": 0, "item": item.clone()}));
-                        output.push(item);
-                    }
-                    for (i, c) in calls.iter().enumerate() {
-                        let index = output.len();
-                        let mut added = call_item(&id, i, c, "in_progress");
-                        added["arguments"] = json!("");
-                        let item_id = added["id"].clone();
-                        yield event("response.output_item.added", json!({"output_index": index, "item": added}));
-                        yield event("response.function_call_arguments.delta", json!({"item_id": item_id,
-                            "output_index": index, "delta": c.arguments}));
-                        yield event("response.function_call_arguments.done", json!({"item_id": item_id,
-                            "output_index": index, "arguments": c.arguments}));
-                        let done = call_item(&id, i, c, "completed");
-                        yield event("response.output_item.done", json!({"output_index": index, "item": done.clone()}));
-                        output.push(done);
-                    }
-                    let incomplete = f == FinishReason::Length && calls.is_empty();
-                    let (status, kind) = if incomplete {
-                        ("incomplete", "response.incomplete")
-                    } else {
-                        ("completed", "response.completed")
-                    };
-                    let r = response_json(&id, created, &model, status, output, Some(&u), incomplete, &echo);
-                    yield event(kind, json!({"response": r}));
-                    break;
-                }
-                Piece::Error(e) => {
+                Some(Piece::Error(e)) => {
                     e.log();
                     let b = e.body().error;
-                    let failed = response_json(&id, created, &model, "failed", Vec::new(), None, false, &echo);
-                    let mut failed = failed;
+                    let mut failed = response_json(&id, created, &model, "failed", Vec::new(), None, false, &echo);
                     failed["error"] = json!({"code": b.code.unwrap_or(b.kind), "message": b.message});
                     yield event("response.failed", json!({"response": failed}));
                     break;
                 }
+                None => break,
+            };
+            if !s.reasoning.is_empty() {
+                if thinking.is_none() {
+                    let index = items.len();
+                    yield event("response.output_item.added", json!({"output_index": index,
+                        "item": reasoning_item(&id, "", "in_progress")}));
+                    thinking = Some((index, String::new()));
+                }
+                if let Some((index, text)) = &mut thinking {
+                    text.push_str(&s.reasoning);
+                    yield event("response.reasoning_text.delta", json!({"item_id": rs_id,
+                        "output_index": *index, "content_index": 0, "delta": s.reasoning}));
+                }
             }
+            // A response always has its message, even an empty one, unless
+            // it made calls.
+            let needs_message = !s.content.is_empty()
+                || done.as_ref().is_some_and(|(_, _, calls)| calls.is_empty());
+            if (needs_message || done.is_some())
+                && let Some((index, text)) = thinking.take()
+            {
+                yield event("response.reasoning_text.done", json!({"item_id": rs_id,
+                    "output_index": index, "content_index": 0, "text": text}));
+                let item = reasoning_item(&id, &text, "completed");
+                yield event("response.output_item.done", json!({"output_index": index, "item": item.clone()}));
+                items.push(item);
+            }
+            if needs_message && message.is_none() {
+                let index = items.len();
+                yield event("response.output_item.added", json!({"output_index": index,
+                    "item": message_item(&id, "", "in_progress")}));
+                yield event("response.content_part.added", json!({"item_id": msg_id, "output_index": index,
+                    "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}));
+                message = Some((index, String::new()));
+            }
+            if !s.content.is_empty()
+                && let Some((index, text)) = &mut message
+            {
+                text.push_str(&s.content);
+                yield event("response.output_text.delta", json!({"item_id": msg_id,
+                    "output_index": *index, "content_index": 0, "delta": s.content, "logprobs": []}));
+            }
+            let Some((f, u, calls)) = done else { continue };
+            if let Some((index, text)) = message.take() {
+                yield event("response.output_text.done", json!({"item_id": msg_id,
+                    "output_index": index, "content_index": 0, "text": text, "logprobs": []}));
+                yield event("response.content_part.done", json!({"item_id": msg_id,
+                    "output_index": index, "content_index": 0,
+                    "part": {"type": "output_text", "text": text, "annotations": []}}));
+                let item = message_item(&id, &text, "completed");
+                yield event("response.output_item.done", json!({"output_index": index, "item": item.clone()}));
+                items.push(item);
+            }
+            for (i, c) in calls.iter().enumerate() {
+                let index = items.len();
+                let mut added = call_item(&id, i, c, "in_progress");
+                added["arguments"] = json!("");
+                let item_id = added["id"].clone();
+                yield event("response.output_item.added", json!({"output_index": index, "item": added}));
+                yield event("response.function_call_arguments.delta", json!({"item_id": item_id,
+                    "output_index": index, "delta": c.arguments}));
+                yield event("response.function_call_arguments.done", json!({"item_id": item_id,
+                    "output_index": index, "arguments": c.arguments}));
+                let done = call_item(&id, i, c, "completed");
+                yield event("response.output_item.done", json!({"output_index": index, "item": done.clone()}));
+                items.push(done);
+            }
+            let incomplete = f == FinishReason::Length && calls.is_empty();
+            let (status, kind) = if incomplete {
+                ("incomplete", "response.incomplete")
+            } else {
+                ("completed", "response.completed")
+            };
+            let r = response_json(&id, created, &model, status, items, Some(&u), incomplete, &echo);
+            yield event(kind, json!({"response": r}));
+            break;
         }
     };
     Ok(Sse::new(events).into_response())
