@@ -4,11 +4,16 @@
 //!
 //! Every request is a streaming `/v1/chat/completions` (or `/v1/completions`)
 //! call with `stream_options.include_usage`, sent over a plain HTTP/1.1
-//! connection (one per request, `Connection: close`; no TLS). Per request it
-//! records TTFT (time to the first non-empty content delta), ITL (gaps
-//! between content deltas), TPOT (`(e2e - ttft) / (output tokens - 1)`), the
-//! end-to-end latency and the token counts the server reports in `usage`
-//! (deltas are counted when it reports none).
+//! connection (one per request, `Connection: close`; no TLS) by reqwest, its
+//! server-sent events parsed by eventsource-stream. Per request it records
+//! TTFT (time to the first token-bearing delta: non-empty content, text or
+//! reasoning), ITL (gaps between token-bearing deltas; each timed when the
+//! read that completed its event returned, not when the body ended), TPOT
+//! (`(e2e - ttft) / (output tokens - 1)`), the end-to-end latency and the
+//! token counts the server reports in `usage` (deltas are counted when it
+//! reports none). Reasoning deltas (`delta.reasoning`, or vLLM's
+//! `delta.reasoning_content`, from a server running a reasoning parser) are
+//! also counted on their own.
 //!
 //! Prompts are random words from a fixed built-in list (seeded, so two runs
 //! with the same flags send the same prompts), about one token per word.
@@ -33,14 +38,17 @@ use std::fmt::Write as _;
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, ValueEnum};
+use eventsource_stream::{EventStreamError, Eventsource};
+use futures_util::StreamExt;
+use reqwest::StatusCode;
+use reqwest::header::{ACCEPT, CONNECTION, CONTENT_TYPE, HeaderMap, HeaderValue};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tandem_types::SeededRng;
 use tokio::sync::Semaphore;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -198,34 +206,22 @@ const WORDS: &[&str] = &[
     "train", "field", "tree", "fire", "stone", "song", "law", "art", "food", "money", "market",
 ];
 
-/// SplitMix64: small, seedable, good enough for prompts and arrivals.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
-    }
-    /// Uniform in (0, 1].
-    fn unit(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
-    }
-    fn words(&mut self, n: usize, out: &mut String) {
-        for _ in 0..n {
-            if !out.is_empty() {
-                out.push(' ');
-            }
-            out.push_str(WORDS[self.range(0, WORDS.len() - 1)]);
+/// Appends `n` random words of `WORDS`, space-separated.
+fn words(rng: &mut SeededRng, n: usize, out: &mut String) {
+    for _ in 0..n {
+        if !out.is_empty() {
+            out.push(' ');
         }
+        out.push_str(WORDS[rng.below(WORDS.len())]);
     }
+}
+
+/// The seconds to the next Poisson arrival at `rate` per second: an
+/// exponential draw, `-ln(u) / rate` with `u` uniform in (0, 1] (`unit_f64`
+/// is in [0, 1) on a 2^-53 grid, so adding 2^-53 is exact and never 0).
+fn next_arrival(rng: &mut SeededRng, rate: f64) -> f64 {
+    let u = rng.unit_f64() + f64::EPSILON / 2.0;
+    -u.ln() / rate
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -255,7 +251,7 @@ struct Spec {
     carryable: Option<u64>,
 }
 
-fn shared_prefixes(args: &BenchArgs, rng: &mut Rng) -> Vec<String> {
+fn shared_prefixes(args: &BenchArgs, rng: &mut SeededRng) -> Vec<String> {
     let groups = if args.shared_prefix_len > 0 {
         args.shared_prefix_groups
     } else {
@@ -264,14 +260,14 @@ fn shared_prefixes(args: &BenchArgs, rng: &mut Rng) -> Vec<String> {
     (0..groups)
         .map(|_| {
             let mut s = String::new();
-            rng.words(args.shared_prefix_len, &mut s);
+            words(rng, args.shared_prefix_len, &mut s);
             s
         })
         .collect()
 }
 
 /// One random prompt (or user message), optionally after a shared prefix.
-fn draw(args: &BenchArgs, rng: &mut Rng, prefix: Option<&str>) -> Spec {
+fn draw(args: &BenchArgs, rng: &mut SeededRng, prefix: Option<&str>) -> Spec {
     let input = match args.input_len_range {
         Some((lo, hi)) => rng.range(lo, hi),
         None => args.input_len.max(1),
@@ -281,14 +277,14 @@ fn draw(args: &BenchArgs, rng: &mut Rng, prefix: Option<&str>) -> Spec {
         None => args.output_len.max(1),
     };
     let mut prompt = String::new();
-    let mut words = input;
+    let mut new_words = input;
     let mut input_words = input;
     if let Some(p) = prefix {
         prompt.push_str(p);
-        words = input.saturating_sub(args.shared_prefix_len).max(1);
-        input_words = args.shared_prefix_len + words;
+        new_words = input.saturating_sub(args.shared_prefix_len).max(1);
+        input_words = args.shared_prefix_len + new_words;
     }
-    rng.words(words, &mut prompt);
+    words(rng, new_words, &mut prompt);
     Spec {
         prompt,
         input_words,
@@ -298,7 +294,7 @@ fn draw(args: &BenchArgs, rng: &mut Rng, prefix: Option<&str>) -> Spec {
 }
 
 fn make_specs(args: &BenchArgs) -> Vec<Spec> {
-    let mut rng = Rng(args.seed);
+    let mut rng = SeededRng::new(args.seed);
     let prefixes = shared_prefixes(args, &mut rng);
     (0..args.num_requests)
         .map(|i| {
@@ -313,7 +309,7 @@ fn make_specs(args: &BenchArgs) -> Vec<Spec> {
 /// each sweep point gets fresh conversations: replaying the same ones would
 /// find the previous point's blocks still cached and overstate retention.
 fn make_sessions(args: &BenchArgs, sessions: usize, turns: usize, point: usize) -> Vec<Vec<Spec>> {
-    let mut rng = Rng(args.seed ^ (point as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+    let mut rng = SeededRng::new(args.seed ^ (point as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
     let prefixes = shared_prefixes(args, &mut rng);
     (0..sessions)
         .map(|i| {
@@ -414,125 +410,13 @@ fn carryable(prompt_tokens: Option<u64>, completion_tokens: u64, block_size: usi
 
 // --- HTTP and SSE -----------------------------------------------------------------
 
-/// Incremental decoder of `Transfer-Encoding: chunked` bodies.
-#[derive(Debug, Default)]
-struct Dechunker {
-    buf: Vec<u8>,
-    state: ChunkState,
-}
-
-#[derive(Debug, Default, Clone, Copy, PartialEq)]
-enum ChunkState {
-    #[default]
-    Size,
-    Data(usize),
-    DataEnd,
-    Done,
-}
-
-impl Dechunker {
-    fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<()> {
-        self.buf.extend_from_slice(input);
-        let mut pos = 0;
-        loop {
-            match self.state {
-                ChunkState::Size => {
-                    let Some(nl) = find(&self.buf[pos..], b"\r\n") else {
-                        break;
-                    };
-                    let line = std::str::from_utf8(&self.buf[pos..pos + nl])?;
-                    let hex = line.split(';').next().unwrap_or("").trim();
-                    let n = usize::from_str_radix(hex, 16)
-                        .with_context(|| format!("bad chunk size {line:?}"))?;
-                    pos += nl + 2;
-                    self.state = if n == 0 {
-                        ChunkState::Done
-                    } else {
-                        ChunkState::Data(n)
-                    };
-                }
-                ChunkState::Data(n) => {
-                    let take = n.min(self.buf.len() - pos);
-                    out.extend_from_slice(&self.buf[pos..pos + take]);
-                    pos += take;
-                    if take == n {
-                        self.state = ChunkState::DataEnd;
-                    } else {
-                        self.state = ChunkState::Data(n - take);
-                        break;
-                    }
-                }
-                ChunkState::DataEnd => {
-                    if self.buf.len() - pos < 2 {
-                        break;
-                    }
-                    pos += 2;
-                    self.state = ChunkState::Size;
-                }
-                ChunkState::Done => break,
-            }
-        }
-        self.buf.drain(..pos);
-        Ok(())
-    }
-
-    fn done(&self) -> bool {
-        self.state == ChunkState::Done
-    }
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
-/// Incremental server-sent-events parser: yields the `data` of each event.
-#[derive(Debug, Default)]
-struct SseParser {
-    buf: Vec<u8>,
-    data: Option<String>,
-}
-
-impl SseParser {
-    fn feed(&mut self, input: &[u8], events: &mut Vec<String>) {
-        self.buf.extend_from_slice(input);
-        let mut pos = 0;
-        while let Some(nl) = self.buf[pos..].iter().position(|&b| b == b'\n') {
-            let mut line = &self.buf[pos..pos + nl];
-            pos += nl + 1;
-            if let [rest @ .., b'\r'] = line {
-                line = rest;
-            }
-            if line.is_empty() {
-                if let Some(d) = self.data.take() {
-                    events.push(d);
-                }
-            } else if let Some(v) = line.strip_prefix(b"data:") {
-                let v = v.strip_prefix(b" ").unwrap_or(v);
-                let v = String::from_utf8_lossy(v);
-                match &mut self.data {
-                    Some(d) => {
-                        d.push('\n');
-                        d.push_str(&v);
-                    }
-                    None => self.data = Some(v.into_owned()),
-                }
-            }
-            // Comments (":...") and other fields are ignored.
-        }
-        self.buf.drain(..pos);
-    }
-
-    /// An event not terminated by a blank line before the stream ended.
-    fn finish(&mut self, events: &mut Vec<String>) {
-        self.feed(b"\n\n", events);
-    }
-}
-
 /// What one streamed chunk says.
 #[derive(Debug, Default, PartialEq)]
 struct Chunk {
-    /// Non-empty generated text (or reasoning) in this chunk.
+    /// Non-empty generated text (or reasoning) in this chunk: token-bearing.
     content: bool,
+    /// Non-empty reasoning in this chunk.
+    reasoning: bool,
     /// The answer text (reasoning left out, as chat clients do in history).
     text: String,
     prompt_tokens: Option<u64>,
@@ -570,12 +454,13 @@ fn parse_event(data: &str) -> Chunk {
     if let Some(choices) = v.get("choices").and_then(Value::as_array) {
         for ch in choices {
             let s = |p: &str| ch.pointer(p).and_then(Value::as_str).unwrap_or("");
-            let (content, reasoning, text) = (
-                s("/delta/content"),
-                s("/delta/reasoning_content"),
-                s("/text"),
-            );
-            c.content |= !content.is_empty() || !reasoning.is_empty() || !text.is_empty();
+            // `reasoning` is tandem's (and current vLLM's) field,
+            // `reasoning_content` older vLLM's and DeepSeek's.
+            let (content, text) = (s("/delta/content"), s("/text"));
+            let reasoning =
+                !s("/delta/reasoning").is_empty() || !s("/delta/reasoning_content").is_empty();
+            c.reasoning |= reasoning;
+            c.content |= reasoning || !content.is_empty() || !text.is_empty();
             c.text.push_str(content);
             c.text.push_str(text);
         }
@@ -590,114 +475,63 @@ fn parse_event(data: &str) -> Chunk {
     c
 }
 
-#[derive(Debug, Clone)]
-struct Target {
-    host: String,
-    port: u16,
-    /// Path prefix of the URL, without a trailing slash.
-    base: String,
+/// The base URL of the server: `--url` without trailing slashes and without
+/// a `/v1` suffix (so both `http://h:p` and `http://h:p/v1` work).
+fn parse_url(url: &str) -> Result<String> {
+    let u = reqwest::Url::parse(url).with_context(|| format!("--url {url}"))?;
+    if u.scheme() != "http" {
+        bail!("--url must start with http:// (no TLS): {url}");
+    }
+    let path = u.path().trim_end_matches('/');
+    let path = path.strip_suffix("/v1").unwrap_or(path).to_string();
+    let mut base = u;
+    base.set_path(&path);
+    base.set_query(None);
+    base.set_fragment(None);
+    Ok(base.as_str().trim_end_matches('/').to_string())
 }
 
-fn parse_url(url: &str) -> Result<Target> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| anyhow!("--url must start with http:// (no TLS): {url}"))?;
-    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let (host, port) = match authority.rsplit_once(':') {
-        Some((h, p)) if !h.ends_with(']') || authority.starts_with('[') => {
-            (h.to_string(), p.parse().context("port in --url")?)
-        }
-        _ => (authority.to_string(), 80),
-    };
-    let host = host
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_string();
-    let mut base = format!("/{path}");
-    while base.ends_with('/') {
-        base.pop();
-    }
-    // Accept URLs given with the /v1 suffix too.
-    if base.ends_with("/v1") {
-        base.truncate(base.len() - 3);
-    }
-    Ok(Target { host, port, base })
+/// The client of every request: HTTP/1.1, a fresh connection per request
+/// (`Connection: close` and no idle pool: every simulated user pays its own
+/// connect, and no request waits for another's connection), TCP_NODELAY, no
+/// proxy, no redirects.
+fn http_client() -> Result<reqwest::Client> {
+    let mut headers = HeaderMap::new();
+    headers.insert(CONNECTION, HeaderValue::from_static("close"));
+    reqwest::Client::builder()
+        .default_headers(headers)
+        .pool_max_idle_per_host(0)
+        .tcp_nodelay(true)
+        .no_proxy()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .context("building the HTTP client")
 }
 
-/// Sends one request; returns the status and the reader positioned after the
-/// response head, with any body bytes already read.
-async fn send(
-    t: &Target,
-    method: &str,
-    path: &str,
-    body: &str,
-) -> Result<(u16, bool, TcpStream, Vec<u8>)> {
-    let mut s = TcpStream::connect((t.host.as_str(), t.port))
+async fn default_model(client: &reqwest::Client, base: &str) -> Result<String> {
+    let r = client
+        .get(format!("{base}/v1/models"))
+        .send()
         .await
-        .with_context(|| format!("connecting to {}:{}", t.host, t.port))?;
-    s.set_nodelay(true)?;
-    let host = if t.host.contains(':') {
-        format!("[{}]:{}", t.host, t.port)
-    } else {
-        format!("{}:{}", t.host, t.port)
-    };
-    let req = format!(
-        "{method} {}{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\
-         Accept: text/event-stream\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        t.base,
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await?;
-    let mut buf = Vec::with_capacity(8192);
-    let mut tmp = [0u8; 8192];
-    let head_end = loop {
-        if let Some(i) = find(&buf, b"\r\n\r\n") {
-            break i;
-        }
-        let n = s.read(&mut tmp).await?;
-        if n == 0 {
-            bail!("connection closed before the response head");
-        }
-        buf.extend_from_slice(&tmp[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| anyhow!("bad status line"))?;
-    let chunked = head
-        .lines()
-        .any(|l| l.starts_with("transfer-encoding:") && l.contains("chunked"));
-    let rest = buf[head_end + 4..].to_vec();
-    Ok((status, chunked, s, rest))
-}
-
-/// Reads a whole (small) response body.
-async fn read_body(chunked: bool, mut s: TcpStream, first: Vec<u8>) -> Result<String> {
-    let mut raw = first;
-    s.read_to_end(&mut raw).await?;
-    if chunked {
-        let mut d = Dechunker::default();
-        let mut out = Vec::new();
-        d.feed(&raw, &mut out)?;
-        raw = out;
-    }
-    Ok(String::from_utf8_lossy(&raw).into_owned())
-}
-
-async fn default_model(t: &Target) -> Result<String> {
-    let (status, chunked, s, first) = send(t, "GET", "/v1/models", "").await?;
-    let body = read_body(chunked, s, first).await?;
-    if status != 200 {
-        bail!("GET /v1/models: HTTP {status}: {body}");
+        .context("GET /v1/models")?;
+    let status = r.status();
+    let body = r.text().await.context("GET /v1/models")?;
+    if status != StatusCode::OK {
+        bail!("GET /v1/models: HTTP {}: {body}", status.as_u16());
     }
     let v: Value = serde_json::from_str(&body).context("GET /v1/models: not JSON")?;
     v.pointer("/data/0/id")
         .and_then(Value::as_str)
         .map(str::to_owned)
         .ok_or_else(|| anyhow!("GET /v1/models lists no model"))
+}
+
+/// An error of the event stream, with the transport error's causes kept.
+fn stream_error(e: EventStreamError<reqwest::Error>) -> anyhow::Error {
+    match e {
+        EventStreamError::Transport(e) => anyhow::Error::new(e).context("reading the stream"),
+        e => anyhow!("reading the stream: {e}"),
+    }
 }
 
 // --- one request ------------------------------------------------------------------
@@ -709,9 +543,11 @@ struct Outcome {
     /// Seconds since the request was sent.
     ttft: Option<f64>,
     e2e: f64,
-    /// Gaps between content deltas, seconds.
+    /// Gaps between token-bearing deltas, seconds.
     itl: Vec<f64>,
     output_tokens: u64,
+    /// Chunks with non-empty reasoning.
+    reasoning_deltas: u64,
     prompt_tokens: Option<u64>,
     input_words: usize,
     /// As in `Spec`.
@@ -732,7 +568,9 @@ impl Outcome {
 
 #[derive(Debug)]
 struct Shared {
-    target: Target,
+    client: reqwest::Client,
+    /// Where requests go: the base URL and `path`.
+    url: String,
     path: &'static str,
     model: String,
     endpoint: Endpoint,
@@ -792,69 +630,62 @@ async fn run_one(sh: &Shared, spec: &Spec) -> Outcome {
 }
 
 async fn stream_one(sh: &Shared, spec: &Spec, start: Instant, o: &mut Outcome) -> Result<()> {
-    let body = request_body(sh, spec);
-    let (status, chunked, mut s, first) = send(&sh.target, "POST", sh.path, &body).await?;
-    if status != 200 {
-        let body = read_body(chunked, s, first).await.unwrap_or_default();
-        bail!("HTTP {status}: {}", body.trim());
+    let resp = sh
+        .client
+        .post(&sh.url)
+        .header(CONTENT_TYPE, "application/json")
+        .header(ACCEPT, "text/event-stream")
+        .body(request_body(sh, spec))
+        .send()
+        .await?;
+    let status = resp.status();
+    if status != StatusCode::OK {
+        let body = resp.text().await.unwrap_or_default();
+        bail!("HTTP {}: {}", status.as_u16(), body.trim());
     }
-    let mut dechunk = Dechunker::default();
-    let mut sse = SseParser::default();
-    let mut events = Vec::new();
-    let mut plain = Vec::new();
+    // When the body bytes last read arrived (ns since `start`). The event
+    // parser reads more only once it has no complete event left, so an
+    // event it yields was completed by those bytes: this is the time the
+    // event arrived, as precise as the read, whatever the parsing costs.
+    let arrived = AtomicU64::new(0);
+    let mut events = resp
+        .bytes_stream()
+        .inspect(|_| {
+            let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            arrived.store(ns, Ordering::Relaxed);
+        })
+        .eventsource();
     let mut deltas = 0u64;
-    let mut last: Option<Instant> = None;
-    let mut tmp = vec![0u8; 16384];
-    let mut input = first;
-    let mut eof = false;
+    let mut last: Option<Duration> = None;
     let mut done = false;
-    while !done {
-        if input.is_empty() {
-            let n = s.read(&mut tmp).await?;
-            if n == 0 {
-                eof = true;
-            }
-            input.extend_from_slice(&tmp[..n]);
+    while !done && let Some(ev) = events.next().await {
+        let ev = ev.map_err(stream_error)?;
+        let at = Duration::from_nanos(arrived.load(Ordering::Relaxed));
+        let c = parse_event(&ev.data);
+        if let Some(e) = c.error {
+            o.error.get_or_insert(e);
         }
-        let now = Instant::now();
-        plain.clear();
-        if chunked {
-            dechunk.feed(&input, &mut plain)?;
-        } else {
-            plain.extend_from_slice(&input);
+        if spec.turn > 0 {
+            o.text.push_str(&c.text);
         }
-        input.clear();
-        sse.feed(&plain, &mut events);
-        if eof || dechunk.done() {
-            sse.finish(&mut events);
+        if c.content {
+            deltas += 1;
+            match last {
+                None => o.ttft = Some(at.as_secs_f64()),
+                Some(prev) => o.itl.push((at - prev).as_secs_f64()),
+            }
+            last = Some(at);
         }
-        for ev in events.drain(..) {
-            let c = parse_event(&ev);
-            if let Some(e) = c.error {
-                o.error.get_or_insert(e);
-            }
-            if spec.turn > 0 {
-                o.text.push_str(&c.text);
-            }
-            if c.content {
-                deltas += 1;
-                match last {
-                    None => o.ttft = Some((now - start).as_secs_f64()),
-                    Some(prev) => o.itl.push((now - prev).as_secs_f64()),
-                }
-                last = Some(now);
-            }
-            if c.completion_tokens.is_some() {
-                o.completion_tokens_from_usage(c.completion_tokens, c.prompt_tokens);
-            }
-            if c.cached_tokens.is_some() {
-                o.cached_tokens = c.cached_tokens;
-            }
-            done |= c.done;
+        if c.reasoning {
+            o.reasoning_deltas += 1;
         }
-        if eof || dechunk.done() {
-            break;
+        if c.completion_tokens.is_some() {
+            o.completion_tokens_from_usage(c.completion_tokens, c.prompt_tokens);
         }
+        if c.cached_tokens.is_some() {
+            o.cached_tokens = c.cached_tokens;
+        }
+        done |= c.done;
     }
     if o.output_tokens == 0 {
         o.output_tokens = deltas;
@@ -966,6 +797,8 @@ struct Report {
     prompt_tokens: u64,
     prompt_tokens_from_usage: bool,
     output_tokens: u64,
+    /// Token-bearing chunks that carried reasoning.
+    reasoning_deltas: u64,
     ttft: Summary,
     tpot: Summary,
     itl: Summary,
@@ -1007,6 +840,7 @@ fn aggregate(
             .sum(),
         prompt_tokens_from_usage,
         output_tokens: ok.iter().map(|o| o.output_tokens).sum(),
+        reasoning_deltas: ok.iter().map(|o| o.reasoning_deltas).sum(),
         ttft: summarize(ok.iter().filter_map(|o| o.ttft).collect()),
         tpot: summarize(ok.iter().filter_map(|o| o.tpot()).collect()),
         itl: summarize(ok.iter().flat_map(|o| o.itl.iter().copied()).collect()),
@@ -1225,6 +1059,7 @@ impl Report {
             },
             self.output_tokens
         );
+        let _ = writeln!(s, "reasoning deltas: {}", self.reasoning_deltas);
         let _ = writeln!(
             s,
             "throughput: {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s",
@@ -1280,6 +1115,7 @@ impl Report {
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_from_usage": self.prompt_tokens_from_usage,
             "output_tokens": self.output_tokens,
+            "reasoning_deltas": self.reasoning_deltas,
             "request_throughput": num(self.per_s(self.completed as f64)),
             "output_throughput": num(self.per_s(self.output_tokens as f64)),
             "total_token_throughput":
@@ -1309,7 +1145,7 @@ async fn run_point(
     let sem = concurrency.map(|c| Arc::new(Semaphore::new(c.max(1))));
     let done = Arc::new(AtomicUsize::new(0));
     let errors = Arc::new(AtomicUsize::new(0));
-    let mut arrivals = Rng(seed ^ 0xA5A5_5A5A_DEAD_BEEF);
+    let mut arrivals = SeededRng::new(seed ^ 0xA5A5_5A5A_DEAD_BEEF);
     let start = Instant::now();
     let mut next_at = 0.0f64;
     let mut handles = Vec::with_capacity(total);
@@ -1322,7 +1158,7 @@ async fn run_point(
     for spec in specs {
         if let Some(r) = rate {
             tokio::time::sleep_until((start + Duration::from_secs_f64(next_at)).into()).await;
-            next_at += -arrivals.unit().ln() / r;
+            next_at += next_arrival(&mut arrivals, r);
         }
         let permit = match &sem {
             Some(sem) => Some(Arc::clone(sem).acquire_owned().await),
@@ -1404,7 +1240,7 @@ where
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Outcome)>();
     let done = Arc::new(AtomicUsize::new(0));
     let errors = Arc::new(AtomicUsize::new(0));
-    let mut arrivals = Rng(seed ^ 0xA5A5_5A5A_DEAD_BEEF);
+    let mut arrivals = SeededRng::new(seed ^ 0xA5A5_5A5A_DEAD_BEEF);
     let start = Instant::now();
     let mut next_at = 0.0f64;
     let mut in_flight = 0usize;
@@ -1447,7 +1283,7 @@ where
         }
         if let Some(r) = rate {
             tokio::time::sleep_until((start + Duration::from_secs_f64(next_at)).into()).await;
-            next_at += -arrivals.unit().ln() / r;
+            next_at += next_arrival(&mut arrivals, r);
         }
         let permit = match &sem {
             Some(sem) => Some(Arc::clone(sem).acquire_owned().await),
@@ -1516,24 +1352,27 @@ fn check_args(args: &BenchArgs) -> Result<()> {
 pub fn run(args: BenchArgs) -> Result<()> {
     check_args(&args)?;
     let multi_turn = args.multi_turn_sessions.zip(args.turns);
-    let target = parse_url(&args.url)?;
+    let base = parse_url(&args.url)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async move {
+        let client = http_client()?;
         let model = match &args.model {
             Some(m) => m.clone(),
-            None => default_model(&target)
+            None => default_model(&client, &base)
                 .await
                 .context("finding the model name (or pass --model)")?,
         };
+        let path = match args.endpoint {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        };
         let sh = Arc::new(Shared {
-            target,
-            path: match args.endpoint {
-                Endpoint::Chat => "/v1/chat/completions",
-                Endpoint::Completions => "/v1/completions",
-            },
+            client,
+            url: format!("{base}{path}"),
+            path,
             model: model.clone(),
             endpoint: args.endpoint,
             temperature: args.temperature,
@@ -1713,45 +1552,6 @@ mod tests {
     }
 
     #[test]
-    fn dechunk_across_splits() {
-        let raw = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n";
-        for split in 0..raw.len() {
-            let mut d = Dechunker::default();
-            let mut out = Vec::new();
-            d.feed(&raw[..split], &mut out).unwrap();
-            d.feed(&raw[split..], &mut out).unwrap();
-            assert_eq!(out, b"hello, world", "split at {split}");
-            assert!(d.done());
-        }
-        let mut d = Dechunker::default();
-        let mut out = Vec::new();
-        for b in raw {
-            d.feed(&[*b], &mut out).unwrap();
-        }
-        assert_eq!(out, b"hello, world");
-        assert!(Dechunker::default().feed(b"zz\r\n", &mut out).is_err());
-    }
-
-    #[test]
-    fn sse_events() {
-        let raw =
-            b": comment\r\ndata: {\"a\":1}\r\n\r\ndata:x\ndata: y\n\nevent: e\ndata: [DONE]\n\n";
-        for split in 0..raw.len() {
-            let mut p = SseParser::default();
-            let mut ev = Vec::new();
-            p.feed(&raw[..split], &mut ev);
-            p.feed(&raw[split..], &mut ev);
-            assert_eq!(ev, ["{\"a\":1}", "x\ny", "[DONE]"], "split at {split}");
-        }
-        let mut p = SseParser::default();
-        let mut ev = Vec::new();
-        p.feed(b"data: tail", &mut ev);
-        assert!(ev.is_empty());
-        p.finish(&mut ev);
-        assert_eq!(ev, ["tail"]);
-    }
-
-    #[test]
     fn events_parse() {
         let chat = r#"{"choices":[{"index":0,"delta":{"content":"Hi"}}]}"#;
         assert!(parse_event(chat).content);
@@ -1773,22 +1573,204 @@ mod tests {
 
     #[test]
     fn urls() {
-        let t = parse_url("http://127.0.0.1:8000").unwrap();
         assert_eq!(
-            (t.host.as_str(), t.port, t.base.as_str()),
-            ("127.0.0.1", 8000, "")
+            parse_url("http://127.0.0.1:8000").unwrap(),
+            "http://127.0.0.1:8000"
         );
-        let t = parse_url("http://localhost/v1/").unwrap();
         assert_eq!(
-            (t.host.as_str(), t.port, t.base.as_str()),
-            ("localhost", 80, "")
+            parse_url("http://localhost/v1/").unwrap(),
+            "http://localhost"
         );
-        let t = parse_url("http://[::1]:9/api").unwrap();
         assert_eq!(
-            (t.host.as_str(), t.port, t.base.as_str()),
-            ("::1", 9, "/api")
+            parse_url("http://[::1]:9/api").unwrap(),
+            "http://[::1]:9/api"
         );
+        assert_eq!(parse_url("http://h:1/api/v1").unwrap(), "http://h:1/api");
+        assert_eq!(parse_url("http://v1").unwrap(), "http://v1");
         assert!(parse_url("https://x").is_err());
+        assert!(parse_url("http://x:port").is_err());
+        assert!(parse_url("127.0.0.1:8000").is_err());
+    }
+
+    /// One piece of a fake server's response body: sent after a pause (ms),
+    /// or `None`: the body fails there (the connection is cut).
+    type Part = (u64, Option<&'static str>);
+
+    /// What the fake server saw of each request.
+    type Seen = Arc<std::sync::Mutex<Vec<(std::net::SocketAddr, HeaderMap)>>>;
+
+    /// A fake OpenAI server on loopback: `GET /v1/models` lists `fake`, and
+    /// every POST is answered with `status` and a body written in `parts`.
+    async fn fake_server(status: u16, parts: Vec<Part>) -> (String, Seen) {
+        use axum::extract::ConnectInfo;
+        use axum::routing::{get, post};
+        let seen: Seen = Arc::default();
+        let log = Arc::clone(&seen);
+        let answer = move |ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+                           headers: HeaderMap| {
+            log.lock().unwrap().push((peer, headers));
+            let parts = parts.clone();
+            async move {
+                let body = futures_util::stream::iter(parts).then(|(ms, part)| async move {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    part.ok_or_else(|| std::io::Error::other("cut"))
+                });
+                (
+                    StatusCode::from_u16(status).unwrap(),
+                    [(CONTENT_TYPE, "text/event-stream")],
+                    axum::body::Body::from_stream(body),
+                )
+            }
+        };
+        let app = axum::Router::new()
+            .route(
+                "/v1/models",
+                get(|| async { r#"{"data":[{"id":"fake"}]}"# }),
+            )
+            .route("/v1/chat/completions", post(answer));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+            axum::serve(listener, app).await.unwrap();
+        });
+        (base, seen)
+    }
+
+    fn shared_for(base: &str) -> Shared {
+        Shared {
+            client: http_client().unwrap(),
+            url: format!("{}/v1/chat/completions", parse_url(base).unwrap()),
+            path: "/v1/chat/completions",
+            model: "fake".into(),
+            endpoint: Endpoint::Chat,
+            temperature: 0.0,
+            ignore_eos: false,
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    const ROLE: Option<&str> =
+        Some("data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n");
+    const A: Option<&str> = Some("data: {\"choices\":[{\"delta\":{\"content\":\"A\"}}]}\n\n");
+    /// An event whose blank line comes in a later read.
+    const B_OPEN: Option<&str> = Some("data: {\"choices\":[{\"delta\":{\"content\":\"B\"}}]}\n");
+    const THINK: Option<&str> =
+        Some("data: {\"choices\":[{\"delta\":{\"reasoning\":\"hm\"}}]}\n\n");
+
+    const USAGE_DONE: Option<&str> = Some(
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2}}\n\n\
+         data: [DONE]\n\n",
+    );
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn events_are_timed_when_they_arrive() {
+        let (base, seen) = fake_server(
+            200,
+            vec![
+                (0, ROLE),
+                (0, A),
+                (100, B_OPEN),
+                (100, Some("\n")),
+                (300, USAGE_DONE),
+            ],
+        )
+        .await;
+        let sh = shared_for(&base);
+        assert_eq!(default_model(&sh.client, &base).await.unwrap(), "fake");
+        let spec = Spec {
+            prompt: "hi".into(),
+            max_tokens: 2,
+            turn: 1,
+            ..Spec::default()
+        };
+        let o = run_one(&sh, &spec).await;
+        assert!(o.ok, "{:?}", o.error);
+        assert_eq!(o.text, "AB");
+        assert_eq!((o.output_tokens, o.prompt_tokens), (2, Some(5)));
+        assert_eq!(o.reasoning_deltas, 0);
+        let ttft = o.ttft.unwrap();
+        // B counts from the read that completed it, 200 ms after A's.
+        assert_eq!(o.itl.len(), 1);
+        assert!(o.itl[0] >= 0.19, "{:?}", o.itl);
+        // And not when the body ended, 300 ms after that.
+        assert!(o.e2e - (ttft + o.itl[0]) >= 0.29, "{o:?}");
+
+        // Every request on a connection of its own, closed after it.
+        let again = run_one(&sh, &spec).await;
+        assert!(again.ok, "{:?}", again.error);
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 2);
+        assert_ne!(seen[0].0, seen[1].0, "a connection was reused");
+        for (_, h) in seen.iter() {
+            assert_eq!(h[CONNECTION], "close");
+            assert_eq!(h[ACCEPT], "text/event-stream");
+            assert_eq!(h[CONTENT_TYPE], "application/json");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reasoning_deltas_bear_tokens() {
+        let (base, _) = fake_server(
+            200,
+            vec![
+                (0, ROLE),
+                (0, THINK),
+                (100, THINK),
+                (100, A),
+                (0, Some("data: [DONE]\n\n")),
+            ],
+        )
+        .await;
+        let sh = shared_for(&base);
+        let spec = Spec {
+            prompt: "hi".into(),
+            max_tokens: 3,
+            turn: 1,
+            ..Spec::default()
+        };
+        let o = run_one(&sh, &spec).await;
+        assert!(o.ok, "{:?}", o.error);
+        // TTFT from the first reasoning delta, ITL over all three; the
+        // answer text leaves the reasoning out. No usage: deltas counted.
+        assert!(o.ttft.unwrap() < 0.09, "{o:?}");
+        assert_eq!(o.itl.len(), 2, "{o:?}");
+        assert!(o.itl.iter().all(|&g| g >= 0.09), "{o:?}");
+        assert_eq!((o.output_tokens, o.reasoning_deltas), (3, 2));
+        assert_eq!(o.text, "A");
+        let r = aggregate("t".into(), Some(1), None, 1.0, &[o], None);
+        assert_eq!(r.reasoning_deltas, 2);
+        assert!(r.text().contains("\nreasoning deltas: 2\n"), "{}", r.text());
+        assert_eq!(r.json()["reasoning_deltas"], json!(2));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failed_streams_are_errors() {
+        let spec = &Spec {
+            prompt: "hi".into(),
+            max_tokens: 2,
+            ..Spec::default()
+        };
+        let error = |parts: Vec<Part>, status: u16| async move {
+            let (base, _) = fake_server(status, parts).await;
+            let o = run_one(&shared_for(&base), spec).await;
+            assert!(!o.ok);
+            o.error.unwrap()
+        };
+        let e = error(vec![(0, Some("no such model"))], 404).await;
+        assert_eq!(e, "HTTP 404: no such model");
+        let e = error(vec![(0, A)], 200).await;
+        assert_eq!(e, "stream ended without [DONE]");
+        // A stream cut mid-body (no last chunk) is an error, not a hang.
+        let e = error(vec![(0, A), (0, B_OPEN), (50, None)], 200).await;
+        assert!(e.starts_with("reading the stream"), "{e}");
+        let err = "data: {\"error\":{\"message\":\"boom\"}}\n\ndata: [DONE]\n\n";
+        assert_eq!(error(vec![(0, Some(err))], 200).await, "boom");
+        let e = error(vec![(0, ROLE), (0, Some("data: [DONE]\n\n"))], 200).await;
+        assert_eq!(e, "no content in the response");
+        // Nothing listening.
+        let o = run_one(&shared_for("http://127.0.0.1:1"), spec).await;
+        assert!(!o.ok && o.error.is_some());
     }
 
     fn base_args() -> BenchArgs {
@@ -1955,13 +1937,8 @@ mod tests {
         };
         assert_eq!(t2.history, [user(&users[0]), assistant("Hello there")]);
         let sh = Shared {
-            target: parse_url("http://127.0.0.1:1").unwrap(),
-            path: "/v1/chat/completions",
             model: "m".into(),
-            endpoint: Endpoint::Chat,
-            temperature: 0.0,
-            ignore_eos: false,
-            timeout: Duration::from_secs(1),
+            ..shared_for("http://127.0.0.1:1")
         };
         let body: Value = serde_json::from_str(&request_body(&sh, &t2)).unwrap();
         assert_eq!(
@@ -2091,9 +2068,16 @@ mod tests {
         assert_eq!((c.content, c.text.as_str()), (true, "Hi "));
         let c = parse_event(r#"{"choices":[{"text":"x"}]}"#);
         assert_eq!(c.text, "x");
-        // Reasoning counts for TTFT but is not part of the answer.
+        // Reasoning counts for TTFT but is not part of the answer, under
+        // either field name.
         let c = parse_event(r#"{"choices":[{"delta":{"content":"","reasoning_content":"hm"}}]}"#);
-        assert_eq!((c.content, c.text.as_str()), (true, ""));
+        assert_eq!((c.content, c.reasoning, c.text.as_str()), (true, true, ""));
+        let c = parse_event(r#"{"choices":[{"delta":{"reasoning":"hm"}}]}"#);
+        assert_eq!((c.content, c.reasoning, c.text.as_str()), (true, true, ""));
+        let c = parse_event(r#"{"choices":[{"delta":{"reasoning":"","content":"x"}}]}"#);
+        assert_eq!((c.content, c.reasoning), (true, false));
+        let c = parse_event(r#"{"choices":[{"delta":{"reasoning":null,"content":""}}]}"#);
+        assert_eq!((c.content, c.reasoning), (false, false));
         let u = r#"{"choices":[],"usage":{"prompt_tokens":80,"completion_tokens":5,
             "prompt_tokens_details":{"cached_tokens":64}}}"#;
         let c = parse_event(u);
