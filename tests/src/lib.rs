@@ -1,12 +1,14 @@
 //! Harness of the end-to-end tests: the release binary as child processes,
-//! a tiny HTTP/1.1 client (no dependencies, so what is tested is the
-//! server), and greedy references from the engine in this process.
+//! an HTTP client (blocking reqwest, server-sent events parsed by
+//! eventsource-stream; a raw socket only for clients that must misbehave),
+//! and greedy references from the engine in this process.
 
 #![allow(clippy::unwrap_used)]
 
 pub mod cluster;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::convert::Infallible;
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -14,6 +16,11 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use eventsource_stream::Eventsource;
+use futures_util::{FutureExt, StreamExt};
+use reqwest::Method;
+use reqwest::blocking::{Client, ClientBuilder, RequestBuilder};
+use reqwest::header::{CONNECTION, CONTENT_TYPE, HeaderMap, HeaderValue};
 use serde_json::Value;
 use tandem_engine::LoadedModel;
 use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate};
@@ -233,10 +240,38 @@ pub fn ports_in(line: &str) -> Vec<u16> {
         .collect()
 }
 
+/// The settings of every HTTP client of the tests: HTTP/1.1, a fresh
+/// connection per request (`Connection: close`, nothing pooled), no proxy,
+/// no redirect followed, so what a test sees is what the server sent.
+/// `timeout` on the builder bounds the wait for the response head and,
+/// apart, the reading of the body (as a whole by `bytes`, each read by
+/// `Read::read`).
+pub fn client_builder() -> ClientBuilder {
+    let mut headers = HeaderMap::new();
+    headers.insert(CONNECTION, HeaderValue::from_static("close"));
+    Client::builder()
+        .default_headers(headers)
+        .pool_max_idle_per_host(0)
+        .no_proxy()
+        .redirect(reqwest::redirect::Policy::none())
+}
+
+/// The client of `http`: 300 s at most for a response head, and for a body.
+pub fn client() -> &'static Client {
+    static CLIENT: OnceLock<Client> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        client_builder()
+            .timeout(Duration::from_secs(300))
+            .build()
+            .unwrap()
+    })
+}
+
+/// A whole response.
 #[derive(Debug)]
 pub struct Resp {
     pub status: u16,
-    pub headers: String,
+    pub headers: HeaderMap,
     pub body: String,
 }
 
@@ -246,9 +281,17 @@ impl Resp {
             .unwrap_or_else(|e| panic!("not JSON ({e}): {} {}", self.status, self.body))
     }
 
-    /// The `data:` payloads of an SSE body.
+    /// The `data` of each event of an SSE body.
     pub fn events(&self) -> Vec<String> {
         sse_events(&self.body)
+    }
+
+    /// A response header ("" when absent or not text).
+    pub fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
     }
 
     /// `error.message` of an OpenAI error body.
@@ -260,60 +303,104 @@ impl Resp {
     }
 }
 
+/// The `data` of each event of a server-sent-events body, in order (an event
+/// not ended by a blank line is incomplete and left out, as the SSE spec
+/// says).
 pub fn sse_events(body: &str) -> Vec<String> {
-    body.split("\n\n")
-        .filter_map(|e| e.trim().strip_prefix("data: ").map(str::to_string))
-        .collect()
+    let chunks = futures_util::stream::iter([Ok::<_, Infallible>(body.as_bytes())]);
+    chunks
+        .eventsource()
+        .map(|e| {
+            e.unwrap_or_else(|e| panic!("not an event stream ({e}): {body}"))
+                .data
+        })
+        .collect::<Vec<String>>()
+        .now_or_never()
+        .expect("an in-memory stream is always ready")
 }
 
-pub fn request_bytes(method: &str, path: &str, body: &str) -> String {
-    format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
+/// An error and its causes, on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    s
 }
 
-/// One request on a fresh connection; reads to EOF.
+/// One request to `127.0.0.1:port` (`Content-Type: application/json`) on a
+/// fresh connection, its whole body read; panics when no whole response
+/// came.
 pub fn http(port: u16, method: &str, path: &str, body: &str) -> Resp {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    s.write_all(request_bytes(method, path, body).as_bytes())
-        .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let raw = String::from_utf8(raw).unwrap();
-    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let headers = head.to_ascii_lowercase();
-    let body = if headers.contains("transfer-encoding: chunked") {
-        dechunk(rest)
-    } else {
-        rest.to_string()
-    };
-    Resp {
+    http_with(port, method, path, body, &[])
+}
+
+/// `http` with extra request headers.
+pub fn http_with(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> Resp {
+    try_http(client(), port, method, path, body, headers)
+        .unwrap_or_else(|e| panic!("{method} {path} on port {port}: {}", error_chain(&e)))
+}
+
+/// `http_with` with the given client; `Err` when the request failed, timed
+/// out or its body was cut short (a chunked body without its last chunk).
+pub fn try_http(
+    client: &Client,
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> Result<Resp, reqwest::Error> {
+    let mut req = request(client, port, method, path, body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send()?;
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.bytes()?;
+    let body = String::from_utf8(body.to_vec())
+        .unwrap_or_else(|e| panic!("a body that is not UTF-8 ({e}): {body:?}"));
+    Ok(Resp {
         status,
         headers,
         body,
-    }
+    })
 }
 
-pub fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    loop {
-        let Some((size, rest)) = s.split_once("\r\n") else {
-            return out;
-        };
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
-            return out;
-        };
-        if n == 0 || rest.len() < n {
-            out.push_str(&rest[..n.min(rest.len())]);
-            return out;
-        }
-        out.push_str(&rest[..n]);
-        s = rest.get(n + 2..).unwrap_or("");
-    }
+/// The request `http` sends, with `client`, to be sent and read by the
+/// caller (e.g. a stream read piece by piece).
+pub fn request(client: &Client, port: u16, method: &str, path: &str, body: &str) -> RequestBuilder {
+    let method = Method::from_bytes(method.as_bytes()).unwrap();
+    client
+        .request(method, format!("http://127.0.0.1:{port}{path}"))
+        .header(CONTENT_TYPE, "application/json")
+        .body(body.to_string())
+}
+
+/// A raw TCP connection to `127.0.0.1:port` with one request written on it,
+/// for the few tests that need a client no HTTP library models: one that
+/// hangs up mid-response, where the test times the server's reaction from
+/// the moment the socket is dropped. Reads time out after 120 s.
+pub fn raw_request(port: u16, method: &str, path: &str, body: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s
 }
 
 /// The value of a Prometheus sample `name{labels}` (summed over matching

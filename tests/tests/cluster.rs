@@ -9,7 +9,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -186,11 +186,8 @@ fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
     let decoded_before = decoded();
     let body =
         json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true});
-    let mut conn = std::net::TcpStream::connect(("127.0.0.1", r.port)).unwrap();
-    conn.write_all(
-        tandem_tests::request_bytes("POST", "/v1/completions", &body.to_string()).as_bytes(),
-    )
-    .unwrap();
+    // A raw socket: dropping it is the disconnect the bound is timed from.
+    let mut conn = tandem_tests::raw_request(r.port, "POST", "/v1/completions", &body.to_string());
     let mut first = [0u8; 256];
     let n = conn.read(&mut first).unwrap();
     assert!(

@@ -8,13 +8,12 @@
 //! and the killed router's requests free their KV blocks on both nodes.
 
 use std::collections::HashMap;
-use std::io::{ErrorKind, Read, Write};
-use std::net::TcpStream;
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -22,13 +21,24 @@ use tandem_discovery::testing::EtcdServer;
 use tandem_tests::cluster::{
     Node, Router, counting_prompt, expected, long_prompt, short_prompt, unique_cluster,
 };
-use tandem_tests::{dechunk, free_port, http, metric, model, reference, request_bytes, sse_events};
+use tandem_tests::{
+    client_builder, error_chain, free_port, http, metric, model, reference, request, sse_events,
+    try_http,
+};
 
 const MAX_TOKENS: usize = 16;
 /// Long enough that a stream is still decoding when its router is killed.
 const STREAM_TOKENS: usize = 320;
-/// Longest wait for one read: a connection silent this long has hung.
+/// Longest wait for a response head, a whole reply or one read of a
+/// stream: a connection silent this long has hung.
 const READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The client of the requests through the balancer: the harness's, with
+/// `READ_TIMEOUT`.
+fn client() -> &'static reqwest::blocking::Client {
+    static CLIENT: OnceLock<reqwest::blocking::Client> = OnceLock::new();
+    CLIENT.get_or_init(|| client_builder().timeout(READ_TIMEOUT).build().unwrap())
+}
 
 /// haproxy as a child process with its configuration and runtime socket in
 /// a private directory; killed, and the directory removed, on drop.
@@ -338,71 +348,34 @@ struct Reply {
     body: String,
 }
 
-/// Splits a raw response into status, `X-Served-By` and de-chunked body;
-/// `Err` when it ended before its last byte.
-fn parse_reply(raw: &[u8]) -> Result<Reply, String> {
-    let raw = String::from_utf8_lossy(raw);
-    let (head, rest) = raw
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| format!("no complete head: {raw:?}"))?;
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| format!("no status: {head}"))?;
-    let lower = head.to_ascii_lowercase();
-    let server = lower
-        .lines()
-        .find_map(|l| l.strip_prefix("x-served-by: "))
-        .unwrap_or("")
-        .trim()
-        .to_string();
-    let body = if lower.contains("transfer-encoding: chunked") {
-        if !rest.ends_with("0\r\n\r\n") {
-            return Err(format!(
-                "chunked body cut short after {} bytes, no [DONE]",
-                rest.len()
-            ));
-        }
-        dechunk(rest)
-    } else {
-        rest.to_string()
-    };
-    Ok(Reply {
-        status,
-        server,
-        body,
-    })
+/// A failed request as text; panics on a timeout (a hang, not a failure).
+fn failure(e: &reqwest::Error) -> String {
+    assert!(
+        !e.is_timeout(),
+        "a response hung for {READ_TIMEOUT:?}: {}",
+        error_chain(e)
+    );
+    error_chain(e)
 }
 
-/// Reads to EOF; a reset connection is an error, a silent one a hang.
-fn read_to_end(conn: &mut TcpStream, raw: &mut Vec<u8>) -> Result<(), String> {
-    let mut buf = [0u8; 8192];
-    loop {
-        match conn.read(&mut buf) {
-            Ok(0) => return Ok(()),
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                panic!(
-                    "a response hung for {READ_TIMEOUT:?}: {:?}",
-                    String::from_utf8_lossy(raw)
-                )
-            }
-            Err(e) => return Err(format!("{e}")),
-        }
+/// A failed read of a stream as text; panics on a timeout.
+fn read_failure(e: &std::io::Error) -> String {
+    match e.get_ref().and_then(|e| e.downcast_ref::<reqwest::Error>()) {
+        Some(e) => failure(e),
+        None => error_chain(e),
     }
 }
 
 /// One request on a fresh connection through the balancer; `Err` when the
-/// connection failed or the response was cut.
+/// connection failed, reset or the response was cut (a chunked body without
+/// its last chunk).
 fn send(port: u16, path: &str, body: &str) -> Result<Reply, String> {
-    let mut conn = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
-    conn.set_read_timeout(Some(READ_TIMEOUT)).unwrap();
-    conn.write_all(request_bytes("POST", path, body).as_bytes())
-        .map_err(|e| format!("write: {e}"))?;
-    let mut raw = Vec::new();
-    read_to_end(&mut conn, &mut raw)?;
-    parse_reply(&raw)
+    let r = try_http(client(), port, "POST", path, body, &[]).map_err(|e| failure(&e))?;
+    Ok(Reply {
+        status: r.status,
+        server: r.header("x-served-by").to_string(),
+        body: r.body,
+    })
 }
 
 #[derive(Debug)]
@@ -447,7 +420,7 @@ fn failures(outcomes: &[Outcome], refs: &mut HashMap<Job, String>) -> Vec<String
 
 /// A streamed completion through the balancer, read until its first token.
 struct OpenStream {
-    conn: TcpStream,
+    resp: reqwest::blocking::Response,
     raw: Vec<u8>,
     server: String,
     prompt: String,
@@ -456,37 +429,30 @@ struct OpenStream {
 fn open_stream(port: u16, prompt: String) -> OpenStream {
     let body = json!({"prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0,
                       "stream": true});
-    let mut conn = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    conn.set_read_timeout(Some(READ_TIMEOUT)).unwrap();
-    conn.write_all(request_bytes("POST", "/v1/completions", &body.to_string()).as_bytes())
-        .unwrap();
+    let mut resp = request(client(), port, "POST", "/v1/completions", &body.to_string())
+        .send()
+        .unwrap_or_else(|e| panic!("opening a stream: {}", error_chain(&e)));
+    assert_eq!(resp.status(), 200);
+    let server = resp
+        .headers()
+        .get("x-served-by")
+        .expect("haproxy names the router")
+        .to_str()
+        .unwrap()
+        .to_string();
     let mut raw = Vec::new();
     let mut buf = [0u8; 4096];
-    let body_start = loop {
-        let n = conn.read(&mut buf).expect("reading a stream's first token");
+    while sse_events(&String::from_utf8_lossy(&raw)).is_empty() {
+        let n = resp.read(&mut buf).expect("reading a stream's first token");
         assert!(
             n > 0,
             "stream ended early: {}",
             String::from_utf8_lossy(&raw)
         );
         raw.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&raw);
-        if let Some(i) = text.find("\r\n\r\n")
-            && text[i..].contains("data: ")
-        {
-            break i;
-        }
-    };
-    let head = String::from_utf8_lossy(&raw[..body_start]).to_ascii_lowercase();
-    assert!(head.starts_with("http/1.1 200"), "{head}");
-    let server = head
-        .lines()
-        .find_map(|l| l.strip_prefix("x-served-by: "))
-        .expect("haproxy names the router")
-        .trim()
-        .to_string();
+    }
     OpenStream {
-        conn,
+        resp,
         raw,
         server,
         prompt,
@@ -497,10 +463,10 @@ impl OpenStream {
     /// Reads to the end: `Ok(text)` for a finished stream, `Err` for one
     /// whose connection ended or reset before `[DONE]`.
     fn finish(mut self) -> (String, String, Result<String, String>) {
-        let end = read_to_end(&mut self.conn, &mut self.raw);
-        let result = end
-            .and_then(|()| parse_reply(&self.raw))
-            .and_then(|r| stream_text(&r.body, "/v1/completions"));
+        let result = match self.resp.read_to_end(&mut self.raw) {
+            Ok(_) => stream_text(&String::from_utf8_lossy(&self.raw), "/v1/completions"),
+            Err(e) => Err(read_failure(&e)),
+        };
         (self.server, self.prompt, result)
     }
 }

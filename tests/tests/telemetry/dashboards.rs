@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -23,7 +23,7 @@ use tandem_discovery::testing::EtcdServer;
 use tandem_tests::cluster::{
     Node, Router, counting_prompt, long_prompt, short_prompt, unique_cluster,
 };
-use tandem_tests::{free_port, http, metric, request_bytes, sse_events};
+use tandem_tests::{free_port, http, metric, raw_request, sse_events};
 
 /// Labels that Prometheus attaches to every scraped series.
 const TARGET_LABELS: [&str; 2] = ["job", "instance"];
@@ -449,14 +449,12 @@ fn mixed_load(router: &Router) {
     });
 }
 
-/// Starts a long stream, reads its first event and closes the connection.
+/// Starts a long stream, reads its first event and closes the connection
+/// (a raw socket: the hang-up is the point).
 fn hang_up_mid_stream(port: u16) {
     let body =
         json!({"prompt": counting_prompt(0), "max_tokens": 300, "temperature": 0, "stream": true});
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    s.write_all(request_bytes("POST", "/v1/completions", &body.to_string()).as_bytes())
-        .unwrap();
+    let mut s = raw_request(port, "POST", "/v1/completions", &body.to_string());
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     while !String::from_utf8_lossy(&seen).contains("data: ") {

@@ -7,8 +7,6 @@
 //! arrive over OTLP too.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,7 +27,7 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use serde_json::{Value, json};
 use tandem_discovery::testing::EtcdServer;
 use tandem_tests::cluster::{Node, Router, expected, long_prompt, unique_cluster};
-use tandem_tests::{dechunk, metric};
+use tandem_tests::{http_with, metric};
 
 /// A span as received, with the service that sent it.
 #[derive(Debug, Clone)]
@@ -125,31 +123,14 @@ fn start_receiver(rt: &tokio::runtime::Runtime) -> (Arc<Store>, u16) {
     (store, port)
 }
 
-/// POST with an optional `traceparent`; returns status and (dechunked) body.
+/// POST with an optional `traceparent`; returns status and body.
 fn post(port: u16, path: &str, body: &str, traceparent: Option<&str>) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let tp = traceparent.map_or_else(String::new, |t| format!("traceparent: {t}\r\n"));
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n{tp}\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(rest)
-    } else {
-        rest.to_string()
-    };
-    (status, body)
+    let headers: Vec<(&str, &str)> = traceparent
+        .map(|t| ("traceparent", t))
+        .into_iter()
+        .collect();
+    let r = http_with(port, "POST", path, body, &headers);
+    (r.status, r.body)
 }
 
 fn hex(b: &[u8]) -> String {
