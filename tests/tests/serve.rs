@@ -303,9 +303,9 @@ fn api_rules() {
     ]);
     assert_eq!(r.json()["usage"]["prompt_tokens"], prompt.len());
 
-    // n > 1, too many stop strings, bad temperature, unknown model.
+    // n out of range, too many stop strings, bad temperature, unknown model.
     for (k, v) in [
-        ("n", json!(2)),
+        ("n", json!(0)),
         ("stop", json!(["a", "b", "c", "d", "e"])),
         ("temperature", json!(5)),
     ] {
