@@ -48,6 +48,12 @@ scripts/make-hf-fixture.sh "$TANDEM_TEST_HF_DIR"
 log "llama.cpp vocab tests"
 export TANDEM_LLAMA_VOCAB_DIR=$(scripts/fetch-llama-vocab.sh "$TANDEM_CACHE/llama-vocab")
 
+# The real OpenAI client libraries (SDK, langchain-openai, Agents SDK,
+# instructor, aiperf) that tests/tests/clients.rs drives, pinned in
+# tests/clients/requirements.txt (installed once into the cache).
+log "client libraries"
+export TANDEM_CLIENTS_PYTHON=$(scripts/clients-venv.sh "$TANDEM_CACHE/clients-venv")
+
 # A hang must fail the run, not eat CI's whole time budget.
 log "tests"
 timeout 1800 cargo test --workspace --release

@@ -1,0 +1,215 @@
+//! Real, unmodified OpenAI clients against `tandem serve` and a 1P1D
+//! cluster: the OpenAI Python SDK (`chat.completions.parse`, streaming tool
+//! calls, `responses.create` / `responses.parse`), langchain-openai
+//! (`with_structured_output` in its three methods, `bind_tools`, the
+//! Responses API path), the OpenAI Agents SDK with a function tool on its
+//! default Responses model, instructor (TOOLS and JSON modes), all driven by
+//! `tests/clients/clients.py`, and aiperf with its default request bodies.
+//!
+//! The libraries are pinned in `tests/clients/requirements.txt`;
+//! `scripts/test.sh` installs them and sets `TANDEM_CLIENTS_PYTHON`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tandem_discovery::testing::EtcdServer;
+use tandem_tests::cluster::{Node, Router, unique_cluster};
+use tandem_tests::{Proc, gguf_path, http, ports_in};
+
+/// The venv's python (with the pinned client libraries).
+fn python() -> PathBuf {
+    let path = std::env::var_os("TANDEM_CLIENTS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_default();
+            home.join(".cache/tandem/clients-venv/bin/python")
+        });
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/clients-venv.sh (scripts/test.sh does) or set \
+         TANDEM_CLIENTS_PYTHON to a python with tests/clients/requirements.txt installed",
+        path.display()
+    );
+    path
+}
+
+/// The model's HF tokenizer directory, for aiperf's token counts.
+fn tokenizer_dir() -> PathBuf {
+    std::env::var_os("TANDEM_TEST_HF_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_default();
+            home.join(".cache/tandem/test-fixtures/smollm2-135m-hf-f32")
+        })
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// Runs `cmd` to the end (killed after `limit`); its exit success and its
+/// combined output.
+fn run(mut cmd: Command, limit: Duration) -> (bool, String) {
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+    let out_path = std::env::temp_dir().join(format!(
+        "tandem-clients-{}-{}.log",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    ));
+    let out = std::fs::File::create(&out_path).expect("log file");
+    let err = out.try_clone().expect("log file");
+    let mut child = cmd
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err))
+        .spawn()
+        .expect("spawning a client");
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("waiting for a client") {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let _ = std::fs::remove_file(&out_path);
+    match status {
+        Some(s) => (s.success(), text),
+        None => (false, format!("{text}\n(killed after {limit:?})")),
+    }
+}
+
+fn model_name(port: u16) -> String {
+    let v = http(port, "GET", "/v1/models", "").json();
+    v["data"][0]["id"].as_str().expect("a model id").to_string()
+}
+
+/// Every check of `clients.py` passes against the server on `port`.
+fn python_clients(port: u16) {
+    let mut cmd = Command::new(python());
+    cmd.arg(repo_root().join("tests/clients/clients.py"))
+        .arg(format!("http://127.0.0.1:{port}/v1"))
+        .env("PYTHONUNBUFFERED", "1");
+    let (ok, out) = run(cmd, Duration::from_secs(600));
+    assert!(ok, "client checks failed:\n{out}");
+    assert!(out.contains("6 of 6 client checks passed"), "{out}");
+    eprintln!("{out}");
+}
+
+/// aiperf, streaming chat with its default bodies: every request succeeds
+/// and its metrics come out.
+fn aiperf(port: u16) {
+    let py = python();
+    let bin = py.with_file_name("aiperf");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut cmd = Command::new(&bin);
+    cmd.args(["profile", "--model", &model_name(port)])
+        .args(["--url", &format!("http://127.0.0.1:{port}")])
+        .args(["--endpoint-type", "chat", "--streaming"])
+        .args(["--request-count", "8", "--concurrency", "2"])
+        .args(["--synthetic-input-tokens-mean", "64"])
+        .args(["--output-tokens-mean", "16"])
+        .arg("--tokenizer")
+        .arg(tokenizer_dir())
+        .arg("--artifact-dir")
+        .arg(dir.path())
+        .args(["--ui-type", "none"]);
+    let (ok, out) = run(cmd, Duration::from_secs(300));
+    assert!(ok, "aiperf failed:\n{out}");
+    let report = std::fs::read_to_string(dir.path().join("profile_export_aiperf.json"))
+        .unwrap_or_else(|e| panic!("no aiperf report ({e}):\n{out}"));
+    let v: Value = serde_json::from_str(&report).expect("aiperf JSON");
+    let avg = |k: &str| v[k]["avg"].as_f64();
+    assert_eq!(avg("request_count"), Some(8.0), "{report}");
+    let errors = avg("error_request_count").unwrap_or(0.0);
+    assert_eq!(errors, 0.0, "{report}");
+    assert!(
+        avg("time_to_first_token").is_some_and(|t| t > 0.0),
+        "{report}"
+    );
+    assert!(
+        avg("inter_token_latency").is_some_and(|t| t > 0.0),
+        "{report}"
+    );
+    assert!(
+        avg("output_sequence_length").is_some_and(|n| n >= 1.0),
+        "{report}"
+    );
+    // The server's usage agrees with what aiperf counted in the stream.
+    assert_eq!(
+        avg("usage_completion_tokens"),
+        avg("output_sequence_length"),
+        "{report}"
+    );
+}
+
+#[test]
+fn real_clients_against_serve() {
+    let gguf = gguf_path();
+    let args: Vec<String> = [
+        "serve",
+        "--model",
+        gguf.to_str().expect("utf-8 path"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--max-length",
+        "2048",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut proc = Proc::spawn("tandem serve", &args, &[]);
+    let line = proc.wait_line("tandem: serving ", Duration::from_secs(120));
+    let port = ports_in(&line)[0];
+    python_clients(port);
+    aiperf(port);
+}
+
+#[test]
+fn real_clients_against_a_cluster() {
+    let etcd = EtcdServer::start().expect("etcd");
+    let cluster = unique_cluster("clients");
+    let _p = Node::start(
+        &etcd.url(),
+        &cluster,
+        "prefill",
+        "p0",
+        &["--max-length", "2048"],
+    );
+    // Every prompt is prefilled remotely, so the prefill node samples the
+    // first token under each constraint.
+    let d = Node::start(
+        &etcd.url(),
+        &cluster,
+        "decode",
+        "d0",
+        &["--max-length", "2048", "--remote-prefill-min-tokens", "1"],
+    );
+    let r = Router::start(&etcd.url(), &cluster);
+    r.wait_members(1, 1, Duration::from_secs(20));
+    python_clients(r.port);
+    aiperf(r.port);
+    let remote = tandem_tests::metric(
+        &d.metrics(),
+        "tandem_decode_prefills_total",
+        "outcome=\"remote\"",
+    );
+    assert!(remote >= 10.0, "only {remote} remote prefills");
+    d.assert_idle();
+}
