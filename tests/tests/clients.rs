@@ -149,12 +149,13 @@ fn aiperf(port: u16) {
         avg("output_sequence_length").is_some_and(|n| n >= 1.0),
         "{report}"
     );
-    // The server's usage agrees with what aiperf counted in the stream.
-    assert_eq!(
-        avg("usage_completion_tokens"),
-        avg("output_sequence_length"),
-        "{report}"
-    );
+    // The server's usage honours max_completion_tokens and agrees with
+    // aiperf's own count (it re-tokenizes the text, which can merge a
+    // token here and there).
+    let usage = avg("usage_completion_tokens").unwrap_or(0.0);
+    let counted = avg("output_sequence_length").unwrap_or(0.0);
+    assert!((1.0..=16.0).contains(&usage), "{report}");
+    assert!((usage - counted).abs() <= 0.1 * usage, "{report}");
 }
 
 #[test]
