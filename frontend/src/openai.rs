@@ -9,6 +9,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use tandem_modelfile::chat::ChatMessage;
+use tandem_modelfile::stop::MAX_STOP_BYTES;
 use tandem_types::FinishReason;
 use tandem_types::{Constraint, MAX_TOP_LOGPROBS, SamplingParams};
 
@@ -525,6 +526,15 @@ impl CommonParams {
             Some(Stop::One(s)) => vec![s.clone()],
             Some(Stop::Many(v)) => v.clone(),
         };
+        if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(invalid(
+                format!(
+                    "a `stop` string is {} bytes long; at most {MAX_STOP_BYTES} are allowed",
+                    long.len()
+                ),
+                "stop",
+            ));
+        }
         if stop.len() > MAX_STOP {
             return Err(invalid(
                 format!(
@@ -1037,6 +1047,16 @@ mod tests {
         assert_eq!(many.params().unwrap().stop, vec!["a", "b"]);
         let five = chat(r#"{"messages":[],"stop":["a","b","c","d","e"]}"#).unwrap();
         assert!(message(five.params().unwrap_err()).contains("at most 4"));
+        let long = format!(
+            r#"{{"messages":[],"stop":["{}"]}}"#,
+            "x".repeat(MAX_STOP_BYTES + 1)
+        );
+        assert!(message(chat(&long).unwrap().params().unwrap_err()).contains("bytes long"));
+        let at_limit = format!(
+            r#"{{"messages":[],"stop":"{}"}}"#,
+            "x".repeat(MAX_STOP_BYTES)
+        );
+        assert!(chat(&at_limit).unwrap().params().is_ok());
         assert!(chat(r#"{"messages":[],"stop":3}"#).is_err());
     }
 
