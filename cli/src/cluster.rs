@@ -320,9 +320,7 @@ fn route(
             )?;
             out.flush()?;
         }
-        let r = tandem_frontend::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE)
-            .await
-            .context("serving HTTP");
+        let r = args.http.serve(listener, state).await;
         cluster.shutdown().await;
         r
     })

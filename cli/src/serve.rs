@@ -15,6 +15,7 @@ use crate::telemetry::{Telemetry, TelemetryArgs};
 use tandem_engine::comm::{DeviceSpec, parse_devices};
 use tandem_engine::moe::Combine;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
+use tandem_frontend::auth::ApiKeys;
 use tandem_frontend::reasoning::ReasoningParser;
 use tandem_frontend::tools::ToolParser;
 use tandem_frontend::{AppState, ServerConfig};
@@ -105,6 +106,20 @@ pub struct HttpArgs {
     /// none (everything is content).
     #[arg(long, env = "TANDEM_REASONING_PARSER", default_value = "none")]
     pub reasoning_parser: ReasoningParser,
+    /// API keys clients must send (`Authorization: Bearer KEY`); repeat
+    /// the flag or separate keys with commas. Without keys the API is open.
+    #[arg(long = "api-key", env = "TANDEM_API_KEY", value_delimiter = ',')]
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one per line (`#` starts a comment); re-read on
+    /// SIGHUP, so keys can be rotated without a restart.
+    #[arg(long, env = "TANDEM_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Require a key on `/health` too (probes usually have none).
+    #[arg(long, env = "TANDEM_PROTECT_HEALTH")]
+    pub protect_health: bool,
+    /// Require a key on `/metrics` too.
+    #[arg(long, env = "TANDEM_PROTECT_METRICS")]
+    pub protect_metrics: bool,
 }
 
 #[derive(Debug, Args)]
@@ -191,7 +206,26 @@ impl HttpArgs {
         parse_addr(&self.host, self.port)
     }
 
+    /// The keys of `--api-key` and `--api-key-file`.
+    fn keys(&self) -> Result<Vec<String>> {
+        let mut keys = self.api_keys.clone();
+        if let Some(path) = &self.api_key_file {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --api-key-file {}", path.display()))?;
+            keys.extend(ApiKeys::parse_file(&text));
+        }
+        Ok(keys)
+    }
+
     pub fn server_config(&self, model_name: String) -> Result<ServerConfig> {
+        let keys = self.keys()?;
+        if keys.is_empty() && (self.protect_health || self.protect_metrics) {
+            bail!("--protect-health / --protect-metrics need --api-key or --api-key-file");
+        }
+        if self.api_key_file.is_some() && keys.is_empty() {
+            bail!("--api-key-file holds no keys");
+        }
+        let api_keys = ApiKeys::new(&keys).context("--api-key / --api-key-file")?;
         if self.max_concurrent_requests == 0 {
             bail!("--max-concurrent-requests must be at least 1");
         }
@@ -205,7 +239,43 @@ impl HttpArgs {
             model_name,
             tool_parser: self.tool_parser,
             reasoning_parser: self.reasoning_parser,
+            api_keys,
+            protect_health: self.protect_health,
+            protect_metrics: self.protect_metrics,
         })
+    }
+
+    /// Serves `state` until SIGINT/SIGTERM, re-reading `--api-key-file` on
+    /// SIGHUP (a bad file keeps the keys in use).
+    pub async fn serve(&self, listener: tokio::net::TcpListener, state: AppState) -> Result<()> {
+        let keys = state.api_keys().clone();
+        let reload = async {
+            #[cfg(unix)]
+            if self.api_key_file.is_some() {
+                use tokio::signal::unix::{SignalKind, signal};
+                match signal(SignalKind::hangup()) {
+                    Ok(mut hup) => {
+                        while hup.recv().await.is_some() {
+                            match self.keys().and_then(|k| {
+                                keys.replace(&k).context("the new keys")?;
+                                Ok(k.len())
+                            }) {
+                                Ok(n) => tracing::info!("reloaded {n} API keys"),
+                                Err(e) => tracing::error!("keeping the API keys in use: {e:#}"),
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!("listening for SIGHUP: {e}"),
+                }
+            }
+            std::future::pending::<()>().await;
+        };
+        tokio::select! {
+            r = tandem_frontend::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE) => {
+                r.context("serving HTTP")
+            }
+            () = reload => Ok(()),
+        }
     }
 }
 
@@ -338,9 +408,7 @@ fn serve_loaded(
         )?;
         stdout.flush()?;
         drop(stdout);
-        tandem_frontend::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE)
-            .await
-            .context("serving HTTP")
+        args.http.serve(listener, state).await
     })
 }
 

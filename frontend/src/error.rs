@@ -21,6 +21,9 @@ pub enum ApiError {
         param: Option<String>,
         code: Option<&'static str>,
     },
+    /// No API key, or not one of ours (401).
+    #[error("{0}")]
+    Unauthorized(String),
     /// The model the request names is not served here (404).
     #[error("{0}")]
     ModelNotFound(String),
@@ -81,6 +84,7 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::ModelNotFound(_) | Self::RouteNotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -95,6 +99,7 @@ impl ApiError {
             Self::InvalidRequest { param, code, .. } => {
                 ("invalid_request_error", param.clone(), *code)
             }
+            Self::Unauthorized(_) => ("invalid_request_error", None, Some("invalid_api_key")),
             Self::ModelNotFound(_) => ("not_found_error", None, Some("model_not_found")),
             Self::RouteNotFound(_) => ("not_found_error", None, Some("not_found")),
             Self::MethodNotAllowed(_) => {
@@ -132,7 +137,14 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         self.log();
-        (self.status(), Json(self.body())).into_response()
+        let mut r = (self.status(), Json(self.body())).into_response();
+        if matches!(self, Self::Unauthorized(_)) {
+            r.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        r
     }
 }
 

@@ -5,10 +5,12 @@
 //! [`Backend`] that runs the tokens: the local scheduler (`tandem serve`)
 //! or a cluster (`tandem router`).
 
+pub mod auth;
 pub mod backend;
 pub mod error;
 pub mod metrics;
 pub mod openai;
+mod prompt;
 pub mod reasoning;
 pub mod server;
 pub mod tools;

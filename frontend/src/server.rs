@@ -31,6 +31,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 
+use crate::auth::ApiKeys;
 use crate::backend::{Backend, BackendRequest, GenerationStream};
 use crate::error::ApiError;
 use crate::metrics::{AwaitingAdmission, MetricsRenderer, RequestTracker, record_rejected};
@@ -40,6 +41,7 @@ use crate::openai::{
     FunctionCall, FunctionDelta, GenParams, ModelCard, ModelList, Prompt, TokenLogprob,
     ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo, finish_str,
 };
+use crate::prompt::Guard;
 use crate::reasoning::ReasoningParser;
 use crate::tools::{self, ToolChoice, ToolParser};
 
@@ -63,6 +65,11 @@ pub struct ServerConfig {
     pub tool_parser: ToolParser,
     /// How the model marks its reasoning (`--reasoning-parser`).
     pub reasoning_parser: ReasoningParser,
+    /// Keys the API requires (none: open). Replaceable while serving.
+    pub api_keys: ApiKeys,
+    /// Whether `/health` and `/metrics` require a key too.
+    pub protect_health: bool,
+    pub protect_metrics: bool,
 }
 
 /// Most prompts in one `/v1/completions` request.
@@ -128,6 +135,11 @@ impl AppState {
     /// it, `/metrics` answers 404. Only the first call takes effect.
     pub fn set_metrics_renderer(&self, render: MetricsRenderer) {
         let _ = self.inner.metrics.set(Renderer(render));
+    }
+
+    /// The accepted API keys (replace them to rotate keys while serving).
+    pub fn api_keys(&self) -> &ApiKeys {
+        &self.inner.config.api_keys
     }
 
     /// Marks the server as shutting down (`/health` then answers 503).
@@ -589,14 +601,22 @@ async fn start_chat(
             Some("messages"),
         )
     })?;
+    // Client text reaches the template guarded: only the template's own
+    // markup becomes control tokens.
+    let mut guard = Guard::new(&text.tokenizer);
     let rendered = if calling && template.handles_tools() {
-        let tools = tools::tools_json(&tools);
-        template.render_json(&req.messages_json()?, Some(&tools), true)?
+        let mut tools = tools::tools_json(&tools);
+        let mut messages = req.messages_json()?;
+        guard.json(&mut tools);
+        guard.json(&mut messages);
+        template.render_json(&messages, Some(&tools), true)?
     } else {
         // The template does not render tools: describe them in the system
         // prompt, in the parser's format.
         let system = calling.then(|| parser.system_prompt(&tools));
-        template.render(&req.messages(parser, system.as_deref())?, true)?
+        let mut messages = req.messages(parser, system.as_deref())?;
+        guard.messages(&mut messages);
+        template.render(&messages, true)?
     };
     let reasoning = state.config().reasoning_parser;
     let output = OutputParser {
@@ -605,7 +625,7 @@ async fn start_chat(
         tools: calling.then_some(parser),
     };
     // The template writes its own BOS where the model wants one.
-    let prompt = text.tokenizer.encode(&rendered, false)?;
+    let prompt = guard.encode(&rendered)?;
     let generations = state
         .submit_all(vec![prompt], &params, arrived, trace)
         .await?;
@@ -1017,6 +1037,32 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
     ApiError::MethodNotAllowed(format!("Method {method} is not allowed for {}", uri.path()))
 }
 
+/// Refuses a request without a valid key (when keys are configured);
+/// `/health` and `/metrics` only when configured so.
+async fn require_key(
+    State(state): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let c = state.config();
+    let protected = match req.uri().path() {
+        "/health" => c.protect_health,
+        "/metrics" => c.protect_metrics,
+        _ => true,
+    };
+    if protected {
+        let auth = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .map(|v| v.as_bytes());
+        if let Err(e) = c.api_keys.check(auth) {
+            record_rejected(&e);
+            return e.into_response();
+        }
+    }
+    next.run(req).await
+}
+
 /// The OpenAI API routes.
 pub fn app(state: AppState) -> Router {
     let limit = state.config().max_body_bytes;
@@ -1030,6 +1076,10 @@ pub fn app(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_key,
+        ))
         .with_state(state)
 }
 

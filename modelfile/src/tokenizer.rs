@@ -248,6 +248,40 @@ pub struct Tokenizer {
     add_eos: bool,
     stop_ids: Vec<u32>,
     pre_name: &'static str,
+    /// The control tokens' texts (`<|im_start|>`, ...): client text that
+    /// spells one must not become the control token.
+    controls: Controls,
+}
+
+/// `inner` without its added tokens, and a search for their texts.
+#[derive(Clone)]
+struct Controls {
+    plain: tokenizers::Tokenizer,
+    texts: aho_corasick::AhoCorasick,
+}
+
+impl Controls {
+    fn new(
+        inner: &tokenizers::Tokenizer,
+        tokens: &[String],
+        hidden: &[bool],
+    ) -> Result<Self, TokenizerError> {
+        let mut plain = tokenizers::Tokenizer::new(inner.get_model().clone());
+        plain.with_normalizer(inner.get_normalizer().cloned());
+        plain.with_pre_tokenizer(inner.get_pre_tokenizer().cloned());
+        plain.with_decoder(inner.get_decoder().cloned());
+        let texts: Vec<&str> = tokens
+            .iter()
+            .zip(hidden)
+            .filter(|&(t, &h)| h && !t.is_empty())
+            .map(|(t, _)| t.as_str())
+            .collect();
+        let texts = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(texts)
+            .map_err(|e| TokenizerError::Encode(format!("control token search: {e}")))?;
+        Ok(Self { plain, texts })
+    }
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -441,7 +475,9 @@ impl Tokenizer {
 
         let eot_id = spec.eot_id.or_else(|| find_named(&spec.tokens, EOT_NAMES));
         let stop_ids = compute_stop_ids(&spec.tokens, spec.eos_id, eot_id);
+        let controls = Controls::new(&inner, &spec.tokens, &hidden)?;
         Ok(Tokenizer {
+            controls,
             inner,
             tokens: spec.tokens,
             pieces,
@@ -534,7 +570,9 @@ impl Tokenizer {
 
         let eot_id = find_named(&tokens, EOT_NAMES);
         let stop_ids = compute_stop_ids(&tokens, eos_id, eot_id);
+        let controls = Controls::new(&inner, &tokens, &hidden)?;
         Ok(Tokenizer {
+            controls,
             inner,
             tokens,
             pieces,
@@ -573,6 +611,26 @@ impl Tokenizer {
             out.push(eos);
         }
         Ok(out)
+    }
+
+    /// Byte ranges of `text` that spell a control token.
+    pub fn control_texts(&self, text: &str) -> Vec<std::ops::Range<usize>> {
+        self.controls
+            .texts
+            .find_iter(text)
+            .map(|m| m.range())
+            .collect()
+    }
+
+    /// Tokenizes `text` as plain text: a control token's text written in
+    /// it is split like any other text (no BOS/EOS).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .controls
+            .plain
+            .encode_fast(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
     }
 
     fn piece(&self, id: u32, skip_special: bool) -> Result<&[u8], TokenizerError> {

@@ -17,7 +17,8 @@ use serde_json::{Value, json};
 use tandem_engine::sampler::SamplingParams;
 use tandem_modelfile::chat::ChatMessage;
 use tandem_tests::{
-    Proc, Resp, gguf_path, http, model, ports_in, raw_request, reference, reference_output,
+    Proc, Resp, gguf_path, http, http_with, model, ports_in, raw_request, reference,
+    reference_output,
 };
 use tandem_types::FinishReason;
 
@@ -1021,4 +1022,55 @@ fn cpu_isa_flag_picks_the_kernels_and_keeps_greedy_output() {
     let out = run("sse2");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown instruction set"));
+}
+
+/// `--api-key-file`: requests need a listed key (401 otherwise, before any
+/// work); SIGHUP re-reads the file, so a rotated key takes over without a
+/// restart; a file that became unusable keeps the keys in use.
+#[test]
+fn api_keys_rotate_on_sighup() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("keys");
+    std::fs::write(&file, "# ops\nsk-first\n").unwrap();
+    let mut server = Server::start(&["--api-key-file", file.to_str().unwrap()]);
+    let body = chat_body("hi", 1).to_string();
+    let status = |key: Option<&str>| {
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> = auth
+            .as_deref()
+            .map(|a| vec![("authorization", a)])
+            .unwrap_or_default();
+        http_with(server.port, "POST", "/v1/chat/completions", &body, &headers).status
+    };
+    assert_eq!(status(None), 401);
+    assert_eq!(status(Some("sk-second")), 401);
+    assert_eq!(status(Some("sk-first")), 200);
+    assert_eq!(server.get("/health").status, 200, "probes stay open");
+
+    let hup = || {
+        let ok = Command::new("kill")
+            .args(["-HUP", &server.proc.pid().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    };
+    // Waits until the server answers `want` for `key`.
+    let settle = |key: &str, want: u16| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while status(Some(key)) != want {
+            assert!(Instant::now() < deadline, "{key} never got {want}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    std::fs::write(&file, "sk-second\n").unwrap();
+    hup();
+    settle("sk-second", 200);
+    assert_eq!(status(Some("sk-first")), 401);
+    // A key with a space is refused: the old set stays.
+    std::fs::write(&file, "sk third\n").unwrap();
+    hup();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(status(Some("sk-second")), 200);
+    assert!(server.proc.is_running(), "SIGHUP must not stop the server");
 }
