@@ -120,6 +120,20 @@ pub struct HttpArgs {
     /// Require a key on `/metrics` too.
     #[arg(long, env = "TANDEM_PROTECT_METRICS")]
     pub protect_metrics: bool,
+    /// Seconds a connection may take to send a request head (also how long
+    /// an idle keep-alive connection stays open).
+    #[arg(long, env = "TANDEM_HEADER_TIMEOUT_SECS", default_value_t = 10.0)]
+    pub header_timeout_secs: f64,
+    /// Seconds a request body may take to arrive (408 after).
+    #[arg(long, env = "TANDEM_BODY_TIMEOUT_SECS", default_value_t = 30.0)]
+    pub body_timeout_secs: f64,
+    /// Open connections at most; more wait to be accepted.
+    #[arg(long, env = "TANDEM_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+    /// Bytes of request bodies received at once at most (by declared
+    /// length); beyond it, 503. At least --max-body-bytes.
+    #[arg(long, env = "TANDEM_MAX_BUFFERED_BODY_BYTES", default_value_t = 256 << 20)]
+    pub max_buffered_body_bytes: usize,
 }
 
 #[derive(Debug, Args)]
@@ -226,6 +240,18 @@ impl HttpArgs {
             bail!("--api-key-file holds no keys");
         }
         let api_keys = ApiKeys::new(&keys).context("--api-key / --api-key-file")?;
+        let secs = |name: &str, v: f64| -> Result<Duration> {
+            if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+                bail!("{name} must be between 0 and 86400 seconds, got {v}");
+            }
+            Ok(Duration::from_secs_f64(v))
+        };
+        if self.max_connections == 0 {
+            bail!("--max-connections must be at least 1");
+        }
+        if self.max_buffered_body_bytes < self.max_body_bytes {
+            bail!("--max-buffered-body-bytes must be at least --max-body-bytes");
+        }
         if self.max_concurrent_requests == 0 {
             bail!("--max-concurrent-requests must be at least 1");
         }
@@ -242,6 +268,10 @@ impl HttpArgs {
             api_keys,
             protect_health: self.protect_health,
             protect_metrics: self.protect_metrics,
+            header_timeout: secs("--header-timeout-secs", self.header_timeout_secs)?,
+            body_timeout: secs("--body-timeout-secs", self.body_timeout_secs)?,
+            max_connections: self.max_connections,
+            max_buffered_body_bytes: self.max_buffered_body_bytes,
         })
     }
 

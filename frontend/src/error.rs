@@ -33,6 +33,9 @@ pub enum ApiError {
     /// The route exists but not for this method (405).
     #[error("{0}")]
     MethodNotAllowed(String),
+    /// The body did not arrive in time (408).
+    #[error("{0}")]
+    RequestTimeout(String),
     /// The body exceeds `max_body_bytes` (413).
     #[error("{0}")]
     PayloadTooLarge(String),
@@ -88,6 +91,7 @@ impl ApiError {
             Self::ModelNotFound(_) | Self::RouteNotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::Overloaded(_) | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -106,6 +110,7 @@ impl ApiError {
                 ("invalid_request_error", None, Some("method_not_allowed"))
             }
             Self::PayloadTooLarge(_) => ("invalid_request_error", None, Some("request_too_large")),
+            Self::RequestTimeout(_) => ("invalid_request_error", None, Some("request_timeout")),
             Self::Overloaded(_) => ("server_overloaded", None, Some("overloaded")),
             Self::Unavailable { .. } => ("service_unavailable", None, Some("unavailable")),
             Self::Internal { .. } => ("server_error", None, None),

@@ -18,4 +18,4 @@ pub mod tools;
 pub use backend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
 pub use error::ApiError;
 pub use metrics::MetricsRenderer;
-pub use server::{AppState, ServerConfig, app, serve};
+pub use server::{AppState, ConnectionLimits, ServerConfig, app, serve, serve_router};

@@ -18,7 +18,6 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use futures_util::{Stream, StreamExt};
 use serde::Serialize;
 use tandem_grammar::{GrammarCompiler, GrammarError};
@@ -28,7 +27,7 @@ use tandem_modelfile::tokenizer::Tokenizer;
 use tandem_proto::trace::{TRACEPARENT, TraceContext};
 use tandem_types::{Constraint, FinishReason, GenEvent, GenFailure, Sampled};
 use tokio::net::TcpListener;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 
 use crate::auth::ApiKeys;
@@ -70,6 +69,16 @@ pub struct ServerConfig {
     /// Whether `/health` and `/metrics` require a key too.
     pub protect_health: bool,
     pub protect_metrics: bool,
+    /// A connection that sends no complete request head for this long (a
+    /// new connection, or an idle keep-alive one) is closed.
+    pub header_timeout: Duration,
+    /// A request body not received within this long is a 408.
+    pub body_timeout: Duration,
+    /// Open connections beyond this wait in the kernel's accept queue.
+    pub max_connections: usize,
+    /// Request bodies being received at once, in bytes (by their declared
+    /// length); beyond it, 503. Bounds what slow uploads can hold.
+    pub max_buffered_body_bytes: usize,
 }
 
 /// Most prompts in one `/v1/completions` request.
@@ -91,6 +100,8 @@ struct Inner {
     next_id: AtomicU64,
     draining: AtomicBool,
     metrics: OnceLock<Renderer>,
+    /// Bytes of request bodies being received (`max_buffered_body_bytes`).
+    body_budget: Arc<Semaphore>,
     /// Built on the first constrained request (indexing the vocabulary
     /// takes a moment), to reject invalid constraints with a 400.
     grammar: OnceLock<Result<GrammarCompiler, GrammarError>>,
@@ -116,6 +127,9 @@ impl AppState {
     /// templates them.
     pub fn new(text: Arc<ModelText>, backend: Arc<dyn Backend>, config: ServerConfig) -> Self {
         let permits = Arc::new(Semaphore::new(config.max_concurrent_requests));
+        let body_budget = Arc::new(Semaphore::new(
+            config.max_buffered_body_bytes.min(Semaphore::MAX_PERMITS),
+        ));
         Self {
             inner: Arc::new(Inner {
                 text,
@@ -126,6 +140,7 @@ impl AppState {
                 next_id: AtomicU64::new(0),
                 draining: AtomicBool::new(false),
                 metrics: OnceLock::new(),
+                body_budget,
                 grammar: OnceLock::new(),
             }),
         }
@@ -504,6 +519,13 @@ fn done_event() -> Result<SseEvent, Infallible> {
 }
 
 fn body_error(limit: usize, e: BytesRejection) -> ApiError {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(c) = cause {
+        if c.is::<tower_http::timeout::TimeoutError>() {
+            return ApiError::RequestTimeout("The request body did not arrive in time".into());
+        }
+        cause = c.source();
+    }
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
         ApiError::PayloadTooLarge(format!(
             "The request body is larger than the limit of {limit} bytes"
@@ -1063,6 +1085,36 @@ async fn require_key(
     next.run(req).await
 }
 
+/// Reserves a request's declared body length (the limit when it declares
+/// none) from the server's body budget until the request is handled, so
+/// that slow uploads cannot hold unbounded memory: 503 when it is spent.
+async fn body_budget(
+    State(state): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if req.method() != Method::POST {
+        return next.run(req).await;
+    }
+    let limit = state.config().max_body_bytes;
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(limit)
+        .min(limit);
+    let bytes = u32::try_from(declared.max(1)).unwrap_or(u32::MAX);
+    let Ok(_reserved) = Arc::clone(&state.inner.body_budget).try_acquire_many_owned(bytes) else {
+        let e = ApiError::Overloaded(
+            "The server is receiving too many request bodies at once. Retry later.".into(),
+        );
+        record_rejected(&e);
+        return e.into_response();
+    };
+    next.run(req).await
+}
+
 /// The OpenAI API routes.
 pub fn app(state: AppState) -> Router {
     let limit = state.config().max_body_bytes;
@@ -1076,6 +1128,13 @@ pub fn app(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            state.config().body_timeout,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            body_budget,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_key,
@@ -1083,39 +1142,111 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Serves `state` on `listener` (TCP_NODELAY on every connection) until
-/// `shutdown` resolves; then stops accepting, lets in-flight requests finish
-/// for up to `grace`, and returns.
+/// Serves `state` on `listener` until `shutdown` resolves; then marks the
+/// server as draining (`/health` answers 503), stops accepting, lets
+/// in-flight requests finish for up to `grace`, and returns.
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> std::io::Result<()> {
-    let started = Arc::new(Notify::new());
-    let signal = {
-        let started = Arc::clone(&started);
-        let state = state.clone();
-        async move {
-            shutdown.await;
-            state.begin_shutdown();
-            started.notify_one();
-        }
+    let config = state.config();
+    let limits = ConnectionLimits {
+        header_timeout: config.header_timeout,
+        max_connections: config.max_connections,
     };
-    let listener = listener.tap_io(|tcp| {
+    let draining = state.clone();
+    let signal = async move {
+        shutdown.await;
+        draining.begin_shutdown();
+    };
+    serve_router(listener, app(state), limits, signal, grace).await
+}
+
+/// What one client's connections may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// A connection that sends no complete request head for this long (a
+    /// new connection, or an idle keep-alive one) is closed.
+    pub header_timeout: Duration,
+    /// Open connections at most; more wait in the kernel's accept queue.
+    pub max_connections: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self {
+            header_timeout: Duration::from_secs(10),
+            max_connections: 4096,
+        }
+    }
+}
+
+/// Serves `router` over HTTP/1 on `listener` until `shutdown` resolves;
+/// then stops accepting, lets in-flight requests finish for up to `grace`,
+/// and returns (connections still open then are dropped). Every
+/// connection gets TCP_NODELAY and the header timeout. Used by every HTTP
+/// port of the system (the API, and the nodes' health and metrics).
+pub async fn serve_router(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+
+    let service = TowerToHyperService::new(router);
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut connections = tokio::task::JoinSet::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let slot = tokio::select! {
+            s = Arc::clone(&slots).acquire_owned() => match s {
+                Ok(s) => s,
+                Err(_) => break,
+            },
+            () = &mut shutdown => break,
+        };
+        let tcp = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off.
+                    tracing::warn!("accepting a connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::warn!("setting TCP_NODELAY: {e}");
         }
-    });
-    let server = axum::serve(listener, app(state)).with_graceful_shutdown(signal);
+        let conn = http.serve_connection(TokioIo::new(tcp), service.clone());
+        let conn = graceful.watch(conn);
+        connections.spawn(async move {
+            let _slot = slot;
+            if let Err(e) = conn.await {
+                tracing::debug!("connection: {e}");
+            }
+        });
+        // Reap finished connections as we go.
+        while connections.try_join_next().is_some() {}
+    }
+    drop(listener);
     tokio::select! {
-        r = server => r,
-        () = async {
-            started.notified().await;
-            tokio::time::sleep(grace).await;
-        } => {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(grace) => {
             tracing::warn!("requests still in flight after {grace:?}; exiting anyway");
-            Ok(())
         }
     }
+    connections.shutdown().await;
+    Ok(())
 }

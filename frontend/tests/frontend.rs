@@ -246,6 +246,10 @@ fn config() -> ServerConfig {
         api_keys: Default::default(),
         protect_health: false,
         protect_metrics: false,
+        header_timeout: Duration::from_secs(10),
+        body_timeout: Duration::from_secs(30),
+        max_connections: 64,
+        max_buffered_body_bytes: 64 << 20,
     }
 }
 
@@ -1982,4 +1986,133 @@ async fn api_keys_guard_the_api() {
         },
     );
     assert_eq!(guarded.get("/health").await.0, StatusCode::UNAUTHORIZED);
+}
+
+/// What slow and stalled clients can hold, over real TCP: a connection
+/// that sends no request head is closed after the header timeout (so is an
+/// idle keep-alive one); a body that stops arriving is a 408 after the body
+/// timeout; connections beyond the cap wait to be accepted; bodies being
+/// received at once are bounded by the body budget (503 beyond it).
+#[tokio::test]
+async fn stalled_clients_are_timed_out_and_bounded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let s = Server::with_config(
+        2048,
+        ServerConfig {
+            header_timeout: Duration::from_millis(300),
+            body_timeout: Duration::from_millis(300),
+            max_connections: 2,
+            max_body_bytes: 1500,
+            max_buffered_body_bytes: 2000,
+            ..config()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(
+        listener,
+        s.state.clone(),
+        async move {
+            let _ = stopped.await;
+        },
+        Duration::from_secs(5),
+    ));
+    let read_all = |mut c: tokio::net::TcpStream| async move {
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut out))
+            .await
+            .expect("the server ends the connection")
+            .ok();
+        String::from_utf8_lossy(&out).into_owned()
+    };
+
+    // Silent connections are closed; while both slots are taken, a third
+    // connection is not served until one is.
+    let silent_a = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let silent_b = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = std::time::Instant::now();
+    let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+    third
+        .write_all(
+            format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+    let answer = read_all(third).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(200),
+        "served before a slot freed"
+    );
+    assert_eq!(read_all(silent_a).await, "", "closed without an answer");
+    assert_eq!(read_all(silent_b).await, "");
+
+    // A body that stops half way: 408.
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    slow.write_all(
+        format!(
+            "POST {CHAT} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: 1000\r\nConnection: close\r\n\r\n{{\"messages\":"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let answer = read_all(slow).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request_timeout"), "{answer}");
+
+    // One upload of 1500 declared bytes holds the budget: a second one is
+    // refused at once, before its body is read.
+    let mut big = tokio::net::TcpStream::connect(addr).await.unwrap();
+    big.write_all(
+        format!(
+            "POST {CHAT} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: 1500\r\nConnection: close\r\n\r\n{{"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut second = tokio::net::TcpStream::connect(addr).await.unwrap();
+    second
+        .write_all(
+            format!(
+                "POST {CHAT} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+                 Content-Length: 1000\r\nConnection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let answer = read_all(second).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    // The stalled upload times out and gives its bytes back.
+    assert!(read_all(big).await.starts_with("HTTP/1.1 408"));
+    s.script(say("ok", FinishReason::Stop));
+    let body = chat_body("hi").to_string();
+    let mut ok = tokio::net::TcpStream::connect(addr).await.unwrap();
+    ok.write_all(
+        format!(
+            "POST {CHAT} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let answer = read_all(ok).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .expect("serve returns after shutdown")
+        .unwrap()
+        .unwrap();
 }

@@ -559,9 +559,11 @@ fn every_sampling_parameter_reaches_the_sampler() {
         ("/v1/completions", "repetition_penalty", json!(0)),
         ("/v1/completions", "logprobs", json!(21)),
         ("/v1/completions", "max_tokens", json!(0)),
-        ("/v1/completions", "n", json!(2)),
+        ("/v1/completions", "n", json!(0)),
+        ("/v1/completions", "logit_bias", json!({"1": 150})),
         ("/v1/chat/completions", "top_logprobs", json!(21)),
-        ("/v1/chat/completions", "n", json!(3)),
+        ("/v1/chat/completions", "n", json!(33)),
+        ("/v1/chat/completions", "logit_bias", json!({"999999": 1})),
     ] {
         let mut body = if path == "/v1/completions" {
             json!({"prompt": STORY, "max_tokens": 2})
@@ -1073,4 +1075,28 @@ fn api_keys_rotate_on_sighup() {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(status(Some("sk-second")), 200);
     assert!(server.proc.is_running(), "SIGHUP must not stop the server");
+}
+
+/// A client that connects and sends nothing is disconnected after
+/// `--header-timeout-secs` (stalled connections cannot pile up), and the
+/// server keeps answering others meanwhile.
+#[test]
+fn silent_connections_are_closed_after_the_header_timeout() {
+    let server = Server::start(&["--header-timeout-secs", "0.5"]);
+    let started = Instant::now();
+    let mut silent: Vec<TcpStream> = (0..20)
+        .map(|_| TcpStream::connect(("127.0.0.1", server.port)).unwrap())
+        .collect();
+    assert_eq!(server.get("/health").status, 200);
+    for c in &mut silent {
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = Vec::new();
+        let n = c.read_to_end(&mut buf).unwrap();
+        assert_eq!(n, 0, "closed without an answer");
+    }
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(400) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
 }

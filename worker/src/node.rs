@@ -284,11 +284,16 @@ pub async fn serve(
     let mut http_stop = stop_rx.clone();
     let health_core = Arc::clone(&core);
     let health = Arc::new(move || health_core.health());
-    let http = axum::serve(http_listener, crate::http::router(health, render))
-        .with_graceful_shutdown(async move {
+    let http = tandem_frontend::serve_router(
+        http_listener,
+        crate::http::router(health, render),
+        tandem_frontend::ConnectionLimits::default(),
+        async move {
             let _ = http_stop.changed().await;
-        });
-    let http_task = tokio::spawn(async move { http.await });
+        },
+        Duration::from_secs(1),
+    );
+    let http_task = tokio::spawn(http);
 
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
     let incoming = futures_util::StreamExt::map(incoming, |s| {
