@@ -83,8 +83,24 @@ pub struct NodeArgs {
     /// UCX transports (UCX_TLS) for the ucx connector, e.g. tcp or posix,sysv,cma,self.
     #[arg(long, env = "TANDEM_UCX_TLS")]
     pub ucx_tls: Option<String>,
+    /// Network interfaces the ucx connector uses (UCX_NET_DEVICES, e.g.
+    /// eth0 or mlx5_0:1). Default: the interface holding --advertise-host
+    /// (lo for 127.0.0.1), so KV ports never open on other interfaces.
+    #[arg(long, env = "TANDEM_UCX_NET_DEVICES")]
+    pub ucx_net_devices: Option<String>,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
+}
+
+/// The interface holding `host`'s address (resolved if it is a name).
+fn interface_of(host: &str) -> Option<String> {
+    use std::net::ToSocketAddrs;
+    let ips: Vec<std::net::IpAddr> = (host, 0).to_socket_addrs().ok()?.map(|a| a.ip()).collect();
+    if_addrs::get_if_addrs()
+        .ok()?
+        .into_iter()
+        .find(|i| ips.contains(&i.ip()))
+        .map(|i| i.name)
 }
 
 #[derive(Debug, Args)]
@@ -162,6 +178,21 @@ fn node_options(node: &NodeArgs, role: Role) -> Result<NodeOptions> {
         etcd: node.etcd.config()?,
         transport,
         ucx_tls: node.ucx_tls.clone(),
+        ucx_net_devices: match &node.ucx_net_devices {
+            Some(d) => Some(d.clone()),
+            None if transport == TransportKind::Ucx => {
+                let found = interface_of(&node.advertise_host);
+                if found.is_none() {
+                    tracing::warn!(
+                        "no interface holds --advertise-host {}; UCX may listen on every \
+                         interface (set --ucx-net-devices)",
+                        node.advertise_host
+                    );
+                }
+                found
+            }
+            None => None,
+        },
         shutdown_grace: SHUTDOWN_GRACE,
     })
 }

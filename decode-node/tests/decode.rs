@@ -114,6 +114,7 @@ impl Node {
             etcd: None,
             transport: TransportKind::InProcess,
             ucx_tls: None,
+            ucx_net_devices: None,
             shutdown_grace: Duration::from_secs(1),
         };
         let (core, scheduler) =

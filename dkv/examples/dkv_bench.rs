@@ -75,6 +75,7 @@ fn dkv(args: &[String]) -> Result<Dkv, String> {
     Dkv::new(DkvConfig {
         transport: TransportKind::Ucx,
         ucx_tls: tls,
+        ucx_net_devices: None,
     })
     .map_err(|e| e.to_string())
 }

@@ -49,6 +49,10 @@ pub struct DkvConfig {
     /// `UCX_TLS` for this instance (e.g. `"tcp"`); `None` lets UCX choose
     /// (and honours a `UCX_TLS` environment variable).
     pub ucx_tls: Option<String>,
+    /// `UCX_NET_DEVICES` (e.g. `"lo"`, `"eth0"`): the network interfaces
+    /// UCX's network transports listen and connect on. `None` lets UCX use
+    /// them all; a `UCX_NET_DEVICES` environment variable wins.
+    pub ucx_net_devices: Option<String>,
 }
 
 impl DkvConfig {
@@ -56,6 +60,7 @@ impl DkvConfig {
         Self {
             transport: TransportKind::Ucx,
             ucx_tls: None,
+            ucx_net_devices: None,
         }
     }
 
@@ -63,6 +68,7 @@ impl DkvConfig {
         Self {
             transport: TransportKind::InProcess,
             ucx_tls: None,
+            ucx_net_devices: None,
         }
     }
 }
@@ -172,9 +178,11 @@ impl Dkv {
                 Backend::Local
             }
             #[cfg(dkv_ucx)]
-            TransportKind::Ucx => {
-                Backend::Ucx(ucx::UcxHandle::start(cfg.ucx_tls.as_deref(), live.clone())?)
-            }
+            TransportKind::Ucx => Backend::Ucx(ucx::UcxHandle::start(
+                cfg.ucx_tls.as_deref(),
+                cfg.ucx_net_devices.as_deref(),
+                live.clone(),
+            )?),
             #[cfg(not(dkv_ucx))]
             TransportKind::Ucx => {
                 return Err(DkvError::UcxUnavailable(

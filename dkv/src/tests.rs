@@ -65,6 +65,7 @@ fn tcp() -> DkvConfig {
     DkvConfig {
         transport: TransportKind::Ucx,
         ucx_tls: Some("tcp".into()),
+        ucx_net_devices: Some("lo".into()),
     }
 }
 
@@ -73,6 +74,7 @@ fn shm() -> DkvConfig {
     DkvConfig {
         transport: TransportKind::Ucx,
         ucx_tls: Some("posix,sysv,cma,self".into()),
+        ucx_net_devices: None,
     }
 }
 
@@ -753,6 +755,7 @@ fn ucx_unavailable_is_reported() {
         let cfg = DkvConfig {
             transport: TransportKind::Ucx,
             ucx_tls: Some(tls.into()),
+            ucx_net_devices: None,
         };
         let m = match Dkv::new(cfg) {
             Err(DkvError::UcxUnavailable(m)) => m,

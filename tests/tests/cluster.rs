@@ -34,6 +34,17 @@ fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
     let r = Router::start_with(&etcd.url(), &cluster, &long);
     r.wait_members(1, 1, Duration::from_secs(10));
 
+    // Nodes bound to 127.0.0.1 listen on nothing else: not gRPC, not
+    // metrics, and not the KV transfer engine's UCX sockets.
+    for (name, pid) in [("prefill", p.proc.pid()), ("decode", d.proc.pid())] {
+        let listening = listening_addresses(pid);
+        assert!(listening.len() >= 3, "{name}: {listening:?}");
+        assert!(
+            listening.iter().all(|a| a.ip().is_loopback()),
+            "{name} listens beyond loopback: {listening:?}"
+        );
+    }
+
     // A router whose cluster has no workers answers 503 with a clear
     // message, and says so on /health.
     let lonely = Router::start(&etcd.url(), &format!("{cluster}-empty"));
@@ -260,6 +271,46 @@ const CANCEL_BOUND: Duration = Duration::from_secs(1);
 const MEMBERSHIP_MARGIN: Duration = Duration::from_secs(1);
 
 /// Polls `f` until it holds; panics after `timeout`.
+/// The TCP addresses process `pid` listens on (its sockets' inodes looked
+/// up in /proc/net/tcp{,6}).
+fn listening_addresses(pid: u32) -> Vec<std::net::SocketAddr> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the process's fds")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    let mut out = Vec::new();
+    for (file, v6) in [("/proc/net/tcp", false), ("/proc/net/tcp6", true)] {
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local address, state 0A (LISTEN), inode
+            if f.len() < 10 || f[3] != "0A" || !inodes.iter().any(|i| i == f[9]) {
+                continue;
+            }
+            let (ip, port) = f[1].split_once(':').expect("addr:port");
+            let port = u16::from_str_radix(port, 16).expect("hex port");
+            // The kernel prints each 32-bit word in host (little-endian) order.
+            let bytes: Vec<u8> = (0..ip.len() / 8)
+                .flat_map(|w| {
+                    let word = u32::from_str_radix(&ip[w * 8..w * 8 + 8], 16).expect("hex");
+                    word.to_le_bytes()
+                })
+                .collect();
+            let ip: std::net::IpAddr = if v6 {
+                <[u8; 16]>::try_from(bytes).expect("16 bytes").into()
+            } else {
+                <[u8; 4]>::try_from(bytes).expect("4 bytes").into()
+            };
+            out.push(std::net::SocketAddr::new(ip, port));
+        }
+    }
+    out
+}
+
 fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !f() {

@@ -39,6 +39,8 @@ pub struct NodeOptions {
     pub etcd: Option<EtcdConfig>,
     pub transport: TransportKind,
     pub ucx_tls: Option<String>,
+    /// Interfaces dkv's UCX network transports use (`UCX_NET_DEVICES`).
+    pub ucx_net_devices: Option<String>,
     /// How long in-flight requests may run on after a shutdown signal.
     pub shutdown_grace: Duration,
 }
@@ -81,6 +83,7 @@ impl NodeCore {
         let dkv = Dkv::new(DkvConfig {
             transport: opts.transport,
             ucx_tls: opts.ucx_tls.clone(),
+            ucx_net_devices: opts.ucx_net_devices.clone(),
         })?;
         // The pool lives in memory the transfer engine allocates, so that
         // same-host peers write it with direct copies (UCX only does direct

@@ -172,16 +172,21 @@ pub(crate) struct UcxHandle {
 }
 
 impl UcxHandle {
-    pub(crate) fn start(tls: Option<&str>, live: Arc<AtomicUsize>) -> Result<Self, DkvError> {
+    pub(crate) fn start(
+        tls: Option<&str>,
+        net_devices: Option<&str>,
+        live: Arc<AtomicUsize>,
+    ) -> Result<Self, DkvError> {
         let wake = Arc::new(Wake::new()?);
         let (tx, rx) = mpsc::channel();
         let (init_tx, init_rx) = mpsc::sync_channel(1);
         let tls = tls.map(str::to_owned);
+        let net_devices = net_devices.map(str::to_owned);
         let actor_wake = wake.clone();
         let thread = std::thread::Builder::new()
             .name("dkv-ucx".into())
-            .spawn(
-                move || match Actor::init(tls.as_deref(), rx, actor_wake, live) {
+            .spawn(move || {
+                match Actor::init(tls.as_deref(), net_devices.as_deref(), rx, actor_wake, live) {
                     Ok((actor, address)) => {
                         let _ = init_tx.send(Ok(address));
                         actor.run();
@@ -189,8 +194,8 @@ impl UcxHandle {
                     Err(e) => {
                         let _ = init_tx.send(Err(e));
                     }
-                },
-            )
+                }
+            })
             .map_err(|e| DkvError::UcxUnavailable(format!("spawning the UCX thread: {e}")))?;
         let address = match init_rx.recv() {
             Ok(Ok(a)) => a,
@@ -428,6 +433,7 @@ struct Actor {
 impl Actor {
     fn init(
         tls: Option<&str>,
+        net_devices: Option<&str>,
         rx: mpsc::Receiver<Cmd>,
         wake: Arc<Wake>,
         live: Arc<AtomicUsize>,
@@ -451,6 +457,26 @@ impl Actor {
                 unsafe { ucp_config_release(config) };
                 return Err(DkvError::UcxUnavailable(format!(
                     "UCX_TLS={tls}: {}",
+                    status_string(s)
+                )));
+            }
+        }
+        // Only the interfaces the node was told to use (an explicit
+        // UCX_NET_DEVICES wins): UCX otherwise listens on every interface,
+        // the external ones too when the node binds 127.0.0.1.
+        if let Some(devices) = net_devices
+            && std::env::var_os("UCX_NET_DEVICES").is_none()
+        {
+            let value = CString::new(devices).map_err(|_| {
+                DkvError::UcxUnavailable(format!("ucx_net_devices {devices:?} contains NUL"))
+            })?;
+            // SAFETY: config is live; both strings are NUL-terminated.
+            let s = unsafe { ucp_config_modify(config, c"NET_DEVICES".as_ptr(), value.as_ptr()) };
+            if s != UCS_OK {
+                // SAFETY: releasing the config we read.
+                unsafe { ucp_config_release(config) };
+                return Err(DkvError::UcxUnavailable(format!(
+                    "UCX_NET_DEVICES={devices}: {}",
                     status_string(s)
                 )));
             }
