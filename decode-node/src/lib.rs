@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::Counter;
@@ -156,7 +156,19 @@ impl Inner {
                     return;
                 }
             };
-            let (outcome, worker) = self.place_prefill(&job, &slot, &trace).await;
+            let placed = tokio::select! {
+                placed = self.place_prefill(&job, &slot, &trace) => placed,
+                () = out.closed() => {
+                    // The router went away mid-prefill: dropping the call
+                    // cancels it on the prefill node, but writes already
+                    // under way may still land for a moment, so the blocks
+                    // are held for the transfer grace, then freed with
+                    // `stream`.
+                    tokio::time::sleep(self.config.transfer_grace).await;
+                    return;
+                }
+            };
+            let (outcome, worker) = placed;
             prefill_worker = worker;
             stream.complete_import(outcome);
         }
@@ -212,7 +224,13 @@ impl Inner {
             outcome("local");
             return (ImportOutcome::PrefillLocally, String::new());
         }
+        // However many targets the router named, the prompt waits for
+        // remote prefills at most this long in total.
+        let budget = Instant::now() + 2 * self.config.prefill_timeout;
         for (i, target) in job.prefill.iter().enumerate() {
+            if i > 0 && Instant::now() >= budget {
+                break;
+            }
             match self.remote_prefill(job, slot, target, trace).await {
                 Ok((first, remote_cached_tokens)) => {
                     outcome(if i == 0 { "remote" } else { "retried" });

@@ -682,3 +682,68 @@ async fn short_or_cached_prompts_are_prefilled_here() {
     decode.shutdown().await;
     prefill.shutdown().await;
 }
+
+/// A caller that goes away while its prompt waits on a prefill node that
+/// never answers frees the reserved blocks within the transfer grace, not
+/// after the prefill timeout of every target; more than
+/// `MAX_PREFILL_TARGETS` targets are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_gone_mid_prefill_frees_its_blocks_at_once() {
+    use pb::decode_server::Decode;
+    let _serial = serial().await;
+    let decode = Node::start(Role::Decode, "decode");
+    let stalled = FakeServer::start(Fake::Stall).await;
+    // A long timeout: only the cancellation can free the blocks in time.
+    let (timeout, grace) = (Duration::from_secs(30), Duration::from_millis(200));
+    let svc = DecodeService::new(Arc::clone(&decode.core), config(timeout, grace));
+    let m = &harness().model;
+    let job = |targets: usize| GenerateJob {
+        prompt: prompt("volcanoes"),
+        sampling: SamplingParams::greedy(),
+        max_tokens: MAX_TOKENS,
+        stop_token_ids: m.text.tokenizer.stop_ids(),
+        prefill: (0..targets)
+            .map(|i| target(&format!("stalled-{i}"), &stalled.server.endpoint))
+            .collect(),
+        constraint: None,
+    };
+    let too_many = svc
+        .generate(Request::new(
+            job(tandem_proto::MAX_PREFILL_TARGETS + 1).to_pb(&decode.core.fingerprint),
+        ))
+        .await
+        .expect_err("too many targets");
+    assert_eq!(too_many.code(), tonic::Code::InvalidArgument);
+
+    let stream = svc
+        .generate(Request::new(
+            job(tandem_proto::MAX_PREFILL_TARGETS).to_pb(&decode.core.fingerprint),
+        ))
+        .await
+        .expect("generate accepted")
+        .into_inner();
+    let until = Instant::now() + Duration::from_secs(10);
+    while stalled.calls() == 0 {
+        assert!(Instant::now() < until, "the prefill was never asked");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let in_use = decode
+        .core
+        .scheduler
+        .stats()
+        .kv_blocks_in_use
+        .load(Ordering::Relaxed);
+    assert!(in_use > 0, "blocks are reserved while the prefill runs");
+    let cancelled = Instant::now();
+    drop(stream);
+    decode.wait_idle().await;
+    assert!(
+        cancelled.elapsed() < Duration::from_secs(5),
+        "blocks held {:?} after the caller left",
+        cancelled.elapsed()
+    );
+    assert_eq!(stalled.calls(), 1, "no retry after the caller left");
+    drop(svc);
+    stalled.server.stop().await;
+    decode.shutdown().await;
+}

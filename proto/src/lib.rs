@@ -25,6 +25,8 @@ pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
 
 /// Longest prefill deadline a decode node may ask for.
 pub const MAX_DEADLINE: Duration = Duration::from_secs(600);
+/// Most prefill workers one `Generate` may name (the first and retries).
+pub const MAX_PREFILL_TARGETS: usize = 4;
 
 /// Why a message was rejected.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -328,6 +330,15 @@ impl GenerateJob {
             .sampling
             .ok_or_else(|| invalid("sampling", "missing"))?
             .try_into()?;
+        if req.prefill.len() > MAX_PREFILL_TARGETS {
+            return Err(invalid(
+                "prefill",
+                format!(
+                    "{} targets; at most {MAX_PREFILL_TARGETS}",
+                    req.prefill.len()
+                ),
+            ));
+        }
         let prefill = req
             .prefill
             .into_iter()

@@ -58,6 +58,12 @@ impl RoutingConfig {
         if self.prefill_candidates == 0 || self.decode_attempts == 0 {
             return Err("prefill candidates and decode attempts must be at least 1".into());
         }
+        if self.prefill_candidates > tandem_proto::MAX_PREFILL_TARGETS {
+            return Err(format!(
+                "prefill candidates must be at most {} (what a decode node accepts)",
+                tandem_proto::MAX_PREFILL_TARGETS
+            ));
+        }
         Ok(())
     }
 }
