@@ -289,6 +289,25 @@ fn garbage(cfg: DkvConfig, other: Option<DkvConfig>) {
     with("address and rkey swapped", &|d| {
         std::mem::swap(&mut d.worker_address, &mut d.rkey)
     });
+    // An intact envelope around a payload UCX would abort on (found by an
+    // attacker: byte 0x28, then zeros): refused before UCX sees it.
+    if good
+        .worker_address
+        .starts_with(&crate::descriptor::MAGIC_UCX_ADDRESS)
+    {
+        let mut payload = vec![0u8; 200];
+        payload[0] = 0x28;
+        cases.push((
+            "forged UCX address".into(),
+            RemoteRegion {
+                worker_address: crate::descriptor::seal(
+                    crate::descriptor::MAGIC_UCX_ADDRESS,
+                    &payload,
+                ),
+                ..good.clone()
+            },
+        ));
+    }
     // A descriptor of the other transport.
     let other = other.map(|cfg| {
         let o = Dkv::new(cfg).expect("other dkv");

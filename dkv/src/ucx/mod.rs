@@ -428,6 +428,9 @@ struct Actor {
     no_peer_errors: bool,
     transfers: Vec<Transfer>,
     closing: Vec<Closing>,
+    /// The first byte of our own worker address: UCX's address header
+    /// (format version and flags).
+    header: u8,
 }
 
 impl Actor {
@@ -581,6 +584,7 @@ impl Actor {
             no_peer_errors,
             transfers: Vec::new(),
             closing: Vec::new(),
+            header: address.first().copied().unwrap_or_default(),
         };
         Ok((actor, address))
     }
@@ -810,6 +814,19 @@ impl Actor {
     fn connect(&mut self, address: &[u8]) -> Result<u64, DkvError> {
         if let Some(&id) = self.by_address.get(address) {
             return Ok(id);
+        }
+        // UCX asserts (aborting the process) on an address whose header
+        // names a format it does not expect, so a peer's header must be
+        // ours: the nodes of a cluster run the same UCX and address
+        // settings. (The checksum only proves the envelope is intact, not
+        // who made it.)
+        if address.first() != Some(&self.header) {
+            return Err(DkvError::InvalidDescriptor(format!(
+                "worker_address: UCX address header {:#04x}, expected {:#04x} (another UCX \
+                 build or not a UCX address)",
+                address.first().copied().unwrap_or_default(),
+                self.header
+            )));
         }
         if self.peers.len() >= MAX_PEERS {
             let idle = self
