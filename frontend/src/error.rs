@@ -33,6 +33,9 @@ pub enum ApiError {
     /// The route exists but not for this method (405).
     #[error("{0}")]
     MethodNotAllowed(String),
+    /// A body that is not JSON (415).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
     /// The body did not arrive in time (408).
     #[error("{0}")]
     RequestTimeout(String),
@@ -92,6 +95,7 @@ impl ApiError {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::Overloaded(_) | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -111,6 +115,11 @@ impl ApiError {
             }
             Self::PayloadTooLarge(_) => ("invalid_request_error", None, Some("request_too_large")),
             Self::RequestTimeout(_) => ("invalid_request_error", None, Some("request_timeout")),
+            Self::UnsupportedMediaType(_) => (
+                "invalid_request_error",
+                None,
+                Some("unsupported_media_type"),
+            ),
             Self::Overloaded(_) => ("server_overloaded", None, Some("overloaded")),
             Self::Unavailable { .. } => ("service_unavailable", None, Some("unavailable")),
             Self::Internal { .. } => ("server_error", None, None),

@@ -1085,7 +1085,8 @@ async fn require_key(
     next.run(req).await
 }
 
-/// Reserves a request's declared body length (the limit when it declares
+/// Checks a POST body's declared type, then reserves its declared length
+/// (the limit when it declares
 /// none) from the server's body budget until the request is handled, so
 /// that slow uploads cannot hold unbounded memory: 503 when it is spent.
 async fn body_budget(
@@ -1095,6 +1096,25 @@ async fn body_budget(
 ) -> Response {
     if req.method() != Method::POST {
         return next.run(req).await;
+    }
+    // Bodies are JSON: a declared type must say so (a missing one is
+    // accepted, as clients that send JSON often leave it out).
+    if let Some(ct) = req.headers().get(header::CONTENT_TYPE) {
+        let essence = ct
+            .to_str()
+            .ok()
+            .and_then(|v| v.split(';').next())
+            .map(|v| v.trim().to_ascii_lowercase());
+        let json = essence
+            .as_deref()
+            .is_some_and(|e| e == "application/json" || e.ends_with("+json"));
+        if !json {
+            let e = ApiError::UnsupportedMediaType(
+                "The request body must be JSON, sent with Content-Type: application/json".into(),
+            );
+            record_rejected(&e);
+            return e.into_response();
+        }
     }
     let limit = state.config().max_body_bytes;
     let declared = req

@@ -2116,3 +2116,39 @@ async fn stalled_clients_are_timed_out_and_bounded() {
         .unwrap()
         .unwrap();
 }
+
+/// A body declared as anything but JSON is a 415 in OpenAI's shape; JSON
+/// with parameters, `+json` types and a missing type are accepted.
+#[tokio::test]
+async fn content_type_must_be_json() {
+    let s = Server::new(2048);
+    let send = |ct: Option<&str>| {
+        let mut r = Request::post(CHAT);
+        if let Some(ct) = ct {
+            r = r.header(header::CONTENT_TYPE, ct);
+        }
+        r.body(Body::from(chat_body("hi").to_string())).unwrap()
+    };
+    for bad in [
+        "application/x-www-form-urlencoded",
+        "text/plain",
+        "multipart/form-data; boundary=x",
+    ] {
+        let resp = s.send(send(Some(bad))).await;
+        assert_eq!(resp.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE, "{bad}");
+        let (_, text) = text_of(resp).await;
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(error_of(&v).1, Some("unsupported_media_type"));
+    }
+    assert!(s.requests().is_empty());
+    for good in [
+        None,
+        Some("application/json"),
+        Some("Application/JSON; charset=utf-8"),
+        Some("application/vnd.api+json"),
+    ] {
+        s.script(say("ok", FinishReason::Stop));
+        let resp = s.send(send(good)).await;
+        assert_eq!(resp.status(), StatusCode::OK, "{good:?}");
+    }
+}
