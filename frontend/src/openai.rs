@@ -19,6 +19,9 @@ use crate::tools::ToolParser;
 /// Most stop strings in one request (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
 
+/// Most messages in one chat request (OpenAI's limit).
+pub const MAX_MESSAGES: usize = 2048;
+
 /// Fields accepted only when null (or their no-op value): features we do
 /// not implement.
 const UNSUPPORTED: &[&str] = &[
@@ -306,7 +309,17 @@ fn typed<T: serde::de::DeserializeOwned>(map: Map<String, Value>) -> Result<T, A
 
 impl ChatRequest {
     pub fn parse(body: &[u8], allow_extra: bool) -> Result<Self, ApiError> {
-        typed(check_fields(body, CHAT_FIELDS, allow_extra)?)
+        let req: Self = typed(check_fields(body, CHAT_FIELDS, allow_extra)?)?;
+        if req.messages.len() > MAX_MESSAGES {
+            return Err(invalid(
+                format!(
+                    "`messages` has {} entries; at most {MAX_MESSAGES} are allowed",
+                    req.messages.len()
+                ),
+                "messages",
+            ));
+        }
+        Ok(req)
     }
 
     /// The conversation for the chat template; `developer` becomes `system`.
@@ -1172,6 +1185,15 @@ mod tests {
         // Chat-only fields are unknown here.
         let e = CompletionRequest::parse(br#"{"prompt":"x","messages":[]}"#, false).unwrap_err();
         assert!(message(e).contains("messages"));
+    }
+
+    #[test]
+    fn message_count_is_capped() {
+        let msg = r#"{"role":"user","content":"x"}"#;
+        let body = |n: usize| format!(r#"{{"messages":[{}]}}"#, vec![msg; n].join(","));
+        assert!(chat(&body(MAX_MESSAGES)).is_ok());
+        let m = message(chat(&body(MAX_MESSAGES + 1)).unwrap_err());
+        assert!(m.contains("at most 2048"), "{m}");
     }
 
     #[test]
