@@ -120,6 +120,14 @@ pub struct HttpArgs {
     /// Require a key on `/metrics` too.
     #[arg(long, env = "TANDEM_PROTECT_METRICS")]
     pub protect_metrics: bool,
+    /// Requests one API key may have in flight (0: no limit); beyond it,
+    /// 429 with Retry-After, so one client cannot take every slot.
+    #[arg(
+        long,
+        env = "TANDEM_MAX_CONCURRENT_REQUESTS_PER_KEY",
+        default_value_t = 0
+    )]
+    pub max_concurrent_requests_per_key: usize,
     /// Seconds a connection may take to send a request head (also how long
     /// an idle keep-alive connection stays open).
     #[arg(long, env = "TANDEM_HEADER_TIMEOUT_SECS", default_value_t = 10.0)]
@@ -233,8 +241,15 @@ impl HttpArgs {
 
     pub fn server_config(&self, model_name: String) -> Result<ServerConfig> {
         let keys = self.keys()?;
-        if keys.is_empty() && (self.protect_health || self.protect_metrics) {
-            bail!("--protect-health / --protect-metrics need --api-key or --api-key-file");
+        if keys.is_empty()
+            && (self.protect_health
+                || self.protect_metrics
+                || self.max_concurrent_requests_per_key > 0)
+        {
+            bail!(
+                "--protect-health, --protect-metrics and --max-concurrent-requests-per-key \
+                 need --api-key or --api-key-file"
+            );
         }
         if self.api_key_file.is_some() && keys.is_empty() {
             bail!("--api-key-file holds no keys");
@@ -268,6 +283,7 @@ impl HttpArgs {
             api_keys,
             protect_health: self.protect_health,
             protect_metrics: self.protect_metrics,
+            max_concurrent_requests_per_key: self.max_concurrent_requests_per_key,
             header_timeout: secs("--header-timeout-secs", self.header_timeout_secs)?,
             body_timeout: secs("--body-timeout-secs", self.body_timeout_secs)?,
             max_connections: self.max_connections,

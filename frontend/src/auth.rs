@@ -96,14 +96,15 @@ impl ApiKeys {
             .is_empty()
     }
 
-    /// Checks an `Authorization` header value (`Bearer KEY`).
-    pub fn check(&self, authorization: Option<&[u8]>) -> Result<(), ApiError> {
+    /// Checks an `Authorization` header value (`Bearer KEY`); the key's
+    /// digest when keys are required (`None` when the API is open).
+    pub fn check(&self, authorization: Option<&[u8]>) -> Result<Option<[u8; 32]>, ApiError> {
         let digests = self
             .digests
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if digests.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let Some(token) = authorization.and_then(bearer) else {
             return Err(ApiError::Unauthorized(
@@ -119,7 +120,7 @@ impl ApiKeys {
             .iter()
             .fold(false, |found, d| found | ct_eq(d, &presented));
         if ok {
-            Ok(())
+            Ok(Some(presented))
         } else {
             Err(ApiError::Unauthorized("Incorrect API key provided.".into()))
         }
@@ -172,7 +173,7 @@ mod tests {
         // No keys: open.
         let open = ApiKeys::default();
         assert!(!open.enabled());
-        assert!(open.check(None).is_ok());
+        assert_eq!(open.check(None).ok(), Some(None));
     }
 
     #[test]

@@ -42,6 +42,9 @@ pub enum ApiError {
     /// The body exceeds `max_body_bytes` (413).
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// This API key has too many requests in flight (429, retryable).
+    #[error("{0}")]
+    RateLimited(String),
     /// Too many requests in flight (503, retryable).
     #[error("{0}")]
     Overloaded(String),
@@ -96,6 +99,7 @@ impl ApiError {
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Overloaded(_) | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -120,6 +124,7 @@ impl ApiError {
                 None,
                 Some("unsupported_media_type"),
             ),
+            Self::RateLimited(_) => ("rate_limit_error", None, Some("rate_limit_exceeded")),
             Self::Overloaded(_) => ("server_overloaded", None, Some("overloaded")),
             Self::Unavailable { .. } => ("service_unavailable", None, Some("unavailable")),
             Self::Internal { .. } => ("server_error", None, None),
@@ -152,11 +157,14 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         self.log();
         let mut r = (self.status(), Json(self.body())).into_response();
-        if matches!(self, Self::Unauthorized(_)) {
-            r.headers_mut().insert(
-                axum::http::header::WWW_AUTHENTICATE,
-                axum::http::HeaderValue::from_static("Bearer"),
-            );
+        let extra = match self {
+            Self::Unauthorized(_) => Some((axum::http::header::WWW_AUTHENTICATE, "Bearer")),
+            Self::RateLimited(_) => Some((axum::http::header::RETRY_AFTER, "1")),
+            _ => None,
+        };
+        if let Some((name, value)) = extra {
+            r.headers_mut()
+                .insert(name, axum::http::HeaderValue::from_static(value));
         }
         r
     }

@@ -69,6 +69,8 @@ pub struct ServerConfig {
     /// Whether `/health` and `/metrics` require a key too.
     pub protect_health: bool,
     pub protect_metrics: bool,
+    /// Requests one API key may have in flight (0: no limit); beyond it, 429.
+    pub max_concurrent_requests_per_key: usize,
     /// A connection that sends no complete request head for this long (a
     /// new connection, or an idle keep-alive one) is closed.
     pub header_timeout: Duration,
@@ -102,6 +104,8 @@ struct Inner {
     metrics: OnceLock<Renderer>,
     /// Bytes of request bodies being received (`max_buffered_body_bytes`).
     body_budget: Arc<Semaphore>,
+    /// Requests in flight per API key (by digest).
+    per_key: std::sync::Mutex<std::collections::HashMap<[u8; 32], Arc<Semaphore>>>,
     /// Built on the first constrained request (indexing the vocabulary
     /// takes a moment), to reject invalid constraints with a 400.
     grammar: OnceLock<Result<GrammarCompiler, GrammarError>>,
@@ -141,6 +145,7 @@ impl AppState {
                 draining: AtomicBool::new(false),
                 metrics: OnceLock::new(),
                 body_budget,
+                per_key: Default::default(),
                 grammar: OnceLock::new(),
             }),
         }
@@ -1072,17 +1077,53 @@ async fn require_key(
         "/metrics" => c.protect_metrics,
         _ => true,
     };
-    if protected {
-        let auth = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .map(|v| v.as_bytes());
-        if let Err(e) = c.api_keys.check(auth) {
+    if !protected {
+        return next.run(req).await;
+    }
+    let auth = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    let key = match c.api_keys.check(auth) {
+        Ok(key) => key,
+        Err(e) => {
             record_rejected(&e);
             return e.into_response();
         }
-    }
-    next.run(req).await
+    };
+    let limit = c.max_concurrent_requests_per_key;
+    let Some(key) = key.filter(|_| limit > 0) else {
+        return next.run(req).await;
+    };
+    let slots = {
+        let mut map = state
+            .inner
+            .per_key
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Keys that are idle again are forgotten (rotated keys go away).
+        map.retain(|_, s| s.available_permits() < limit);
+        Arc::clone(
+            map.entry(key)
+                .or_insert_with(|| Arc::new(Semaphore::new(limit))),
+        )
+    };
+    let Ok(slot) = slots.try_acquire_owned() else {
+        let e = ApiError::RateLimited(format!(
+            "This API key already has {limit} requests in flight \
+             (--max-concurrent-requests-per-key). Retry later."
+        ));
+        record_rejected(&e);
+        return e.into_response();
+    };
+    // The slot is held until the response body is done (a stream's end).
+    let response = next.run(req).await;
+    let (parts, body) = response.into_parts();
+    let body = axum::body::Body::from_stream(body.into_data_stream().map(move |chunk| {
+        let _held = &slot;
+        chunk
+    }));
+    Response::from_parts(parts, body)
 }
 
 /// Checks a POST body's declared type, then reserves its declared length

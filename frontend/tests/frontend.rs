@@ -246,6 +246,7 @@ fn config() -> ServerConfig {
         api_keys: Default::default(),
         protect_health: false,
         protect_metrics: false,
+        max_concurrent_requests_per_key: 0,
         header_timeout: Duration::from_secs(10),
         body_timeout: Duration::from_secs(30),
         max_connections: 64,
@@ -2151,4 +2152,48 @@ async fn content_type_must_be_json() {
         let resp = s.send(send(good)).await;
         assert_eq!(resp.status(), StatusCode::OK, "{good:?}");
     }
+}
+
+/// `max_concurrent_requests_per_key`: a key with its requests in flight
+/// gets 429 with `Retry-After` (a stream holds its slot to the end); other
+/// keys are not affected; the slot comes back when the request ends.
+#[tokio::test]
+async fn per_key_limit_answers_429() {
+    let s = Arc::new(Server::with_config(
+        2048,
+        ServerConfig {
+            api_keys: tandem_frontend::auth::ApiKeys::new(&["sk-a", "sk-b"]).unwrap(),
+            max_concurrent_requests_per_key: 1,
+            ..config()
+        },
+    ));
+    let req = |key: &str, stream: bool| {
+        let body = with(&chat_body("hi"), json!({"stream": stream}));
+        Request::post(CHAT)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::AUTHORIZATION, format!("Bearer {key}"))
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    };
+    let (open, gate) = watch::channel(false);
+    let mut steps = vec![Step::Gate(gate)];
+    steps.extend(tokens("Held.").into_iter().map(token));
+    steps.push(Step::Finish(FinishReason::Stop));
+    s.script(Reply::Run(steps));
+    // A stream: the headers come back at once, the slot stays taken.
+    let held = s.send(req("sk-a", true)).await;
+    assert_eq!(held.status(), StatusCode::OK);
+    let second = s.send(req("sk-a", false)).await;
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(second.headers()[header::RETRY_AFTER], "1");
+    let (_, text) = text_of(second).await;
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error_of(&v).1, Some("rate_limit_exceeded"));
+    s.script(say("ok", FinishReason::Stop));
+    assert_eq!(s.send(req("sk-b", false)).await.status(), StatusCode::OK);
+    open.send(true).unwrap();
+    let (_, text) = text_of(held).await;
+    assert_eq!(streamed_text(&sse(&text)), "Held.");
+    s.script(say("ok", FinishReason::Stop));
+    assert_eq!(s.send(req("sk-a", false)).await.status(), StatusCode::OK);
 }
