@@ -63,6 +63,12 @@ timeout 1800 cargo test --workspace --release
 log "dkv without UCX"
 CARGO_TARGET_DIR=target/no-ucx TANDEM_DKV_NO_UCX=1 timeout 600 cargo test --release -p tandem-dkv
 
+# The fuzz targets (run with scripts/fuzz.sh) live outside the workspace:
+# check that they still compile against today's APIs.
+log "fuzz targets compile"
+CARGO_TARGET_DIR=target/fuzz-check timeout 900 cargo check --release --quiet \
+  --manifest-path fuzz/Cargo.toml --bins
+
 # The NCCL communicator is behind a feature (no GPU here): it must still
 # build, lint clean, and pass its host-side tests (clean "not available"
 # errors without a GPU, device-list validation).
