@@ -224,6 +224,26 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Starts `tandem serve` on the test model, on 127.0.0.1 and a free port,
+/// with `extra` flags; returns the process and its port once it serves.
+pub fn start_serve(extra: &[&str]) -> (Proc, u16) {
+    let gguf = gguf_path();
+    let mut args: Vec<String> = vec![
+        "serve".into(),
+        "--model".into(),
+        gguf.to_string_lossy().into_owned(),
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        "0".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut proc = Proc::spawn("tandem serve", &args, &[]);
+    let line = proc.wait_line("tandem: serving ", Duration::from_secs(120));
+    let port = ports_in(&line)[0];
+    (proc, port)
+}
+
 /// The ports in a line such as `... http://127.0.0.1:P ... http://127.0.0.1:Q`.
 pub fn ports_in(line: &str) -> Vec<u16> {
     line.split("http://")

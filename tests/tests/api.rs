@@ -11,36 +11,13 @@ use tandem_discovery::testing::EtcdServer;
 use tandem_modelfile::ModelMeta;
 use tandem_modelfile::tokenizer::Tokenizer;
 use tandem_tests::cluster::{Node, Router, unique_cluster};
-use tandem_tests::{Proc, gguf_path, http, ports_in, sse_events};
+use tandem_tests::{gguf_path, http, sse_events, start_serve};
 
 fn tokenizer() -> Tokenizer {
     ModelMeta::load(&gguf_path())
         .expect("model metadata")
         .text
         .tokenizer
-}
-
-fn start_serve(extra: &[&str]) -> (Proc, u16) {
-    let gguf = gguf_path();
-    let mut args: Vec<String> = [
-        "serve",
-        "--model",
-        gguf.to_str().expect("utf-8 path"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--max-length",
-        "512",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let mut proc = Proc::spawn("tandem serve", &args, &[]);
-    let line = proc.wait_line("tandem: serving ", Duration::from_secs(120));
-    let port = ports_in(&line)[0];
-    (proc, port)
 }
 
 fn post(port: u16, path: &str, body: &Value) -> Value {
@@ -202,7 +179,7 @@ fn sampling_extensions(port: u16) {
 
 #[test]
 fn serve_honours_the_sampling_extensions() {
-    let (_proc, port) = start_serve(&[]);
+    let (_proc, port) = start_serve(&["--max-length", "512"]);
     sampling_extensions(port);
 }
 
@@ -231,7 +208,7 @@ fn cluster_honours_the_sampling_extensions() {
 /// `content`, whole and streamed.
 #[test]
 fn reasoning_parser_splits_real_output() {
-    let (_proc, port) = start_serve(&["--reasoning-parser", "think"]);
+    let (_proc, port) = start_serve(&["--max-length", "512", "--reasoning-parser", "think"]);
     let body = json!({
         "messages": [{"role": "user", "content": "Is water wet? Think first."}],
         "max_tokens": 60,

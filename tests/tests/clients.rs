@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tandem_discovery::testing::EtcdServer;
 use tandem_tests::cluster::{Node, Router, unique_cluster};
-use tandem_tests::{Proc, gguf_path, http, ports_in};
+use tandem_tests::{http, start_serve};
 
 /// The venv's python (with the pinned client libraries).
 fn python() -> PathBuf {
@@ -160,24 +160,7 @@ fn aiperf(port: u16) {
 
 #[test]
 fn real_clients_against_serve() {
-    let gguf = gguf_path();
-    let args: Vec<String> = [
-        "serve",
-        "--model",
-        gguf.to_str().expect("utf-8 path"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--max-length",
-        "2048",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut proc = Proc::spawn("tandem serve", &args, &[]);
-    let line = proc.wait_line("tandem: serving ", Duration::from_secs(120));
-    let port = ports_in(&line)[0];
+    let (_proc, port) = start_serve(&["--max-length", "2048"]);
     python_clients(port);
     aiperf(port);
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tandem_discovery::testing::EtcdServer;
 use tandem_tests::cluster::{Node, Router, expected, short_prompt, unique_cluster};
-use tandem_tests::{Proc, gguf_path, http, ports_in};
+use tandem_tests::{http, start_serve};
 
 fn schema() -> Value {
     json!({
@@ -91,33 +91,9 @@ fn invalid_outputs(port: u16, n: u64, long: bool) -> (usize, Vec<String>) {
     (count, bad)
 }
 
-fn start_serve() -> (Proc, u16) {
-    let gguf = gguf_path();
-    let args: Vec<String> = [
-        "serve",
-        "--model",
-        gguf.to_str().expect("utf-8 path"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--max-length",
-        "512",
-        "--max-batch-size",
-        "32",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut proc = Proc::spawn("tandem serve", &args, &[]);
-    let line = proc.wait_line("tandem: serving ", Duration::from_secs(120));
-    let port = ports_in(&line)[0];
-    (proc, port)
-}
-
 #[test]
 fn serve_output_matches_the_schema_at_temperature_one() {
-    let (_proc, port) = start_serve();
+    let (_proc, port) = start_serve(&["--max-length", "512", "--max-batch-size", "32"]);
     let (n, bad) = invalid_outputs(port, 200, false);
     assert_eq!(n, 0, "{n} of 200 outputs invalid, e.g. {bad:?}");
 
@@ -251,7 +227,7 @@ fn params_of(name: &str) -> Value {
 /// results renders; bad choices are 400s.
 #[test]
 fn forced_tool_calls_parse_and_match_their_schema() {
-    let (_proc, port) = start_serve();
+    let (_proc, port) = start_serve(&["--max-length", "512", "--max-batch-size", "32"]);
     let ask = |choice: Value, seed: u64, stream: bool| {
         let b = json!({
             "messages": [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}],
