@@ -174,14 +174,23 @@ impl Points {
         self.0.iter().filter(move |p| p.name == name)
     }
 
+    /// The single point of `name` if there is exactly one and it carries
+    /// no labels.
+    pub fn try_only(&self, name: &str) -> Option<&Point> {
+        let mut found = self.named(name);
+        match (found.next(), found.next()) {
+            (Some(p), None) if p.labels.is_empty() => Some(p),
+            _ => None,
+        }
+    }
+
     /// The single point of `name`, which must carry no labels; panics
     /// otherwise (none, several, or labeled).
     pub fn only(&self, name: &str) -> &Point {
-        let found: Vec<&Point> = self.named(name).collect();
-        match found.as_slice() {
-            [p] if p.labels.is_empty() => p,
-            _ => panic!("{name}: expected one unlabeled point, found {found:?}"),
-        }
+        self.try_only(name).unwrap_or_else(|| {
+            let found: Vec<&Point> = self.named(name).collect();
+            panic!("{name}: expected one unlabeled point, found {found:?}")
+        })
     }
 
     /// The one point of `name` with exactly `labels`; panics when there is
@@ -264,13 +273,16 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "expected one unlabeled point")]
-    fn only_refuses_labeled_points() {
+    fn only_refuses_labeled_missing_and_repeated_points() {
         let t = TestMeter::new();
-        t.meter()
-            .u64_counter("c")
-            .build()
-            .add(1, &[KeyValue::new("k", "a")]);
-        t.points().only("c");
+        let c = t.meter().u64_counter("c").build();
+        c.add(1, &[KeyValue::new("k", "a")]);
+        t.meter().u64_counter("one").build().add(2, &[]);
+        let p = t.points();
+        assert!(p.try_only("c").is_none(), "labeled");
+        assert!(p.try_only("missing").is_none());
+        assert_eq!(p.try_only("one").map(|p| p.value), Some(2.0));
+        c.add(1, &[KeyValue::new("k", "b")]);
+        assert!(t.points().try_only("c").is_none(), "two points");
     }
 }
