@@ -269,17 +269,19 @@ impl AppState {
         };
         let limits = self.inner.backend.limits();
         let mut requests = Vec::with_capacity(total);
+        let mut sampling = params.sampling.clone();
+        if params.min_tokens > 0 && !stop_token_ids.is_empty() {
+            sampling.min_tokens = Some(tandem_types::MinTokens {
+                count: params.min_tokens,
+                stop_ids: stop_token_ids.clone(),
+            });
+        }
         for prompt in prompts {
+            // Choices differ only in their seed, which the check ignores.
+            let max_tokens = limits.check(&prompt, params.max_tokens, &sampling)?;
             for j in 0..params.n {
-                let mut sampling = params.sampling.clone();
+                let mut sampling = sampling.clone();
                 sampling.seed = sampling.seed.map(|s| s.wrapping_add(j as u64));
-                if params.min_tokens > 0 && !stop_token_ids.is_empty() {
-                    sampling.min_tokens = Some(tandem_types::MinTokens {
-                        count: params.min_tokens,
-                        stop_ids: stop_token_ids.clone(),
-                    });
-                }
-                let max_tokens = limits.check(&prompt, params.max_tokens, &sampling)?;
                 requests.push(BackendRequest {
                     prompt: prompt.clone(),
                     sampling,

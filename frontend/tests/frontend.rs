@@ -352,6 +352,40 @@ impl Server {
     }
 }
 
+/// `serve` on a real TCP port of 127.0.0.1, until [`TcpServer::stop`].
+struct TcpServer {
+    addr: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl TcpServer {
+    async fn start(s: &Server) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(
+            listener,
+            s.state.clone(),
+            async move {
+                let _ = stopped.await;
+            },
+            Duration::from_secs(5),
+        ));
+        Self { addr, stop, task }
+    }
+
+    /// Signals shutdown; `serve` must return within 10 s.
+    async fn stop(self) {
+        self.stop.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("serve returns after shutdown")
+            .unwrap()
+            .unwrap();
+    }
+}
+
 async fn text_of(resp: Response) -> (StatusCode, String) {
     let status = resp.status();
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
@@ -1540,17 +1574,8 @@ async fn serve_answers_over_tcp_and_shuts_down() {
     let s = Server::new(2048);
     let reply = "Over the wire.";
     s.script(say(reply, FinishReason::Stop));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve(
-        listener,
-        s.state.clone(),
-        async move {
-            let _ = stopped.await;
-        },
-        Duration::from_secs(5),
-    ));
+    let tcp = TcpServer::start(&s).await;
+    let addr = tcp.addr;
 
     let body = chat_body("Hi").to_string();
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -1570,12 +1595,7 @@ async fn serve_answers_over_tcp_and_shuts_down() {
     let v: Value = serde_json::from_str(json_body).unwrap();
     assert_eq!(v["choices"][0]["message"]["content"], reply);
 
-    stop.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(10), server)
-        .await
-        .expect("serve returns after shutdown")
-        .unwrap()
-        .unwrap();
+    tcp.stop().await;
     let (status, v) = s.get_json("/health").await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(v["status"], "draining");
@@ -2009,17 +2029,8 @@ async fn stalled_clients_are_timed_out_and_bounded() {
             ..config()
         },
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve(
-        listener,
-        s.state.clone(),
-        async move {
-            let _ = stopped.await;
-        },
-        Duration::from_secs(5),
-    ));
+    let tcp = TcpServer::start(&s).await;
+    let addr = tcp.addr;
     let read_all = |mut c: tokio::net::TcpStream| async move {
         let mut out = Vec::new();
         tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut out))
@@ -2110,12 +2121,7 @@ async fn stalled_clients_are_timed_out_and_bounded() {
     let answer = read_all(ok).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 
-    stop.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(10), server)
-        .await
-        .expect("serve returns after shutdown")
-        .unwrap()
-        .unwrap();
+    tcp.stop().await;
 }
 
 /// A body declared as anything but JSON is a 415 in OpenAI's shape; JSON
