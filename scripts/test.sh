@@ -66,6 +66,9 @@ CARGO_TARGET_DIR=target/no-ucx TANDEM_DKV_NO_UCX=1 timeout 600 cargo test --rele
 # The fuzz targets (run with scripts/fuzz.sh) live outside the workspace:
 # check that they still compile against today's APIs.
 log "fuzz targets compile"
+# libfuzzer-sys builds libFuzzer's C++: use clang++ (installed above) where
+# the machine has no default C++ compiler.
+command -v c++ >/dev/null || export CXX=clang++
 CARGO_TARGET_DIR=target/fuzz-check timeout 900 cargo check --release --quiet \
   --manifest-path fuzz/Cargo.toml --bins
 
