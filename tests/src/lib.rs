@@ -440,3 +440,42 @@ pub fn metric(text: &str, name: &str, labels: &str) -> f64 {
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum()
 }
+
+/// The chaos suite's harness: namespaces, fault proxy, load generator.
+pub mod chaos;
+
+impl Proc {
+    /// A child process from `cmd` (e.g. `ip netns exec NS tandem ...`:
+    /// `ip` execs the program, so the pid is the program's), with the same
+    /// stdout/stderr capture and log level as [`Proc::spawn`].
+    pub fn spawn_command(name: &str, mut cmd: Command) -> Proc {
+        cmd.env("TANDEM_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {name}: {e}"));
+        let (tx, lines) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let log = Arc::clone(&stderr);
+        let err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                log.lock().unwrap().push_str(&format!("{line}\n"));
+            }
+        });
+        Proc {
+            name: name.to_string(),
+            child,
+            lines: Mutex::new(lines),
+            stderr,
+        }
+    }
+}
