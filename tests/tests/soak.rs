@@ -100,7 +100,9 @@ fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
             .iter()
             .filter(|r| r.outcome == Outcome::Correct)
             .count();
-        let fmt = |d: Option<Duration>| d.map_or("-".into(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3));
+        let fmt = |d: Option<Duration>| {
+            d.map_or("-".into(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3))
+        };
         println!(
             "| {m} | {} | {correct} | {} | {} |",
             in_min.len(),
@@ -109,7 +111,9 @@ fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
         );
     }
 
-    println!("\n| process | RSS after warm-up (KiB) | last (KiB) | slope (KiB/min) |\n|---|---|---|---|");
+    println!(
+        "\n| process | RSS after warm-up (KiB) | last (KiB) | slope (KiB/min) |\n|---|---|---|---|"
+    );
     let mut too_steep = Vec::new();
     for (name, pts) in &samples {
         let after: Vec<(f64, f64)> = pts

@@ -185,10 +185,14 @@ impl Load {
                     let mut rng = SeededRng::new(seed);
                     while !stop.load(Ordering::Relaxed) {
                         let slow = i < knobs.slow.load(Ordering::Relaxed);
-                        let cut = rng.below(1000) < knobs.disconnect_per_mille.load(Ordering::Relaxed) as usize;
+                        let cut = rng.below(1000)
+                            < knobs.disconnect_per_mille.load(Ordering::Relaxed) as usize;
                         let r = one_request(target, &catalog, &mut rng, deadline, slow, cut);
                         let failed = !matches!(r.outcome, Outcome::Correct | Outcome::Aborted);
-                        records.lock().unwrap_or_else(PoisonError::into_inner).push(r);
+                        records
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .push(r);
                         if failed {
                             // A failing cluster is not hammered in a tight loop.
                             std::thread::sleep(Duration::from_millis(200));
@@ -360,7 +364,11 @@ fn exchange(
         }
         let _ = s.set_read_timeout(Some(left.min(Duration::from_millis(500))));
         // A slow reader takes a little at a time.
-        let want = if slow && head_end.is_some() { 256 } else { buf.len() };
+        let want = if slow && head_end.is_some() {
+            256
+        } else {
+            buf.len()
+        };
         match s.read(&mut buf[..want]) {
             Ok(0) => break,
             Ok(n) => {
@@ -396,7 +404,10 @@ fn exchange(
         }
     }
     let Some(h) = head_end else {
-        return Exchange::Transport(format!("closed after {} bytes, no response head", raw.len()));
+        return Exchange::Transport(format!(
+            "closed after {} bytes, no response head",
+            raw.len()
+        ));
     };
     let head = String::from_utf8_lossy(&raw[..h]).to_string();
     let status: u16 = head
@@ -648,7 +659,10 @@ mod tests {
             classify(503, err, false, &p),
             Outcome::Clean("503/unavailable".into())
         );
-        assert!(matches!(classify(503, "oops", false, &p), Outcome::Wrong(_)));
+        assert!(matches!(
+            classify(503, "oops", false, &p),
+            Outcome::Wrong(_)
+        ));
         let stream = "data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[{\"text\":\"b\"}]}\n\ndata: [DONE]\n\n";
         assert_eq!(classify(200, stream, true, &p), Outcome::Correct);
         let failed = format!("data: {{\"choices\":[{{\"text\":\"a\"}}]}}\n\ndata: {err}\n\n");

@@ -176,8 +176,8 @@ impl NsEtcd {
         let mut proc = Proc::spawn_command("etcd", cmd);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let ok = get_json(ip, ETCD_CLIENT_PORT, "/health")
-                .is_some_and(|v| v["health"] == "true");
+            let ok =
+                get_json(ip, ETCD_CLIENT_PORT, "/health").is_some_and(|v| v["health"] == "true");
             if ok {
                 break;
             }
@@ -309,6 +309,11 @@ impl ChaosCluster {
                 advertise.to_string(),
             ];
             if role == "decode" {
+                // Extra decode flags for experiments (e.g. a longer
+                // `--transfer-grace-ms`), whitespace-separated.
+                if let Ok(extra) = std::env::var("TANDEM_CHAOS_DECODE_FLAGS") {
+                    a.extend(extra.split_whitespace().map(String::from));
+                }
                 a.extend(
                     [
                         "--remote-prefill-min-tokens",

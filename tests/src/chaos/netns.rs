@@ -94,7 +94,14 @@ impl Net {
         sh("ip", &["-n", &hub, "link", "set", "lo", "up"]);
         sh(
             "ip",
-            &["netns", "exec", &hub, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
+            &[
+                "netns",
+                "exec",
+                &hub,
+                "sysctl",
+                "-qw",
+                "net.ipv4.ip_forward=1",
+            ],
         );
         // Root <-> hub: hub .1, root .2 (the test's clients) and .3 (the
         // fault proxies), a /29.
@@ -142,7 +149,10 @@ impl Net {
                 &["-n", &hub, "addr", "add", &a(base + 1, 29), "dev", &hub_dev],
             );
             sh("ip", &["-n", &hub, "link", "set", &hub_dev, "up"]);
-            sh("ip", &["-n", &ns, "addr", "add", &a(base + 2, 29), "dev", "v0"]);
+            sh(
+                "ip",
+                &["-n", &ns, "addr", "add", &a(base + 2, 29), "dev", "v0"],
+            );
             sh("ip", &["-n", &ns, "link", "set", "v0", "up"]);
             sh(
                 "ip",
@@ -247,8 +257,22 @@ impl Net {
         sh(
             "ip",
             &[
-                "netns", "exec", &space.name, "tc", "qdisc", "replace", "dev", &space.dev, "root",
-                "tbf", "rate", rate, "burst", "32kbit", "latency", "500ms",
+                "netns",
+                "exec",
+                &space.name,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                &space.dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "32kbit",
+                "latency",
+                "500ms",
             ],
         );
     }
@@ -257,7 +281,15 @@ impl Net {
         sh(
             "ip",
             &[
-                "netns", "exec", &space.name, "tc", "qdisc", "del", "dev", &space.dev, "root",
+                "netns",
+                "exec",
+                &space.name,
+                "tc",
+                "qdisc",
+                "del",
+                "dev",
+                &space.dev,
+                "root",
             ],
         );
     }
@@ -268,7 +300,9 @@ impl Drop for Net {
         for s in &self.spaces {
             let _ = Command::new("ip").args(["netns", "del", &s.name]).output();
         }
-        let _ = Command::new("ip").args(["netns", "del", &self.hub]).output();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.hub])
+            .output();
         let _ = Command::new("ip")
             .args(["link", "del", &self.root_dev])
             .output();

@@ -357,11 +357,19 @@ mod tests {
         let t = Instant::now();
         assert_eq!(roundtrip(&mut s, &mut r, "slow"), "slow\n");
         // One delay each way.
-        assert!(t.elapsed() >= Duration::from_millis(300), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
         p.heal();
         let t = Instant::now();
         roundtrip(&mut s, &mut r, "fast");
-        assert!(t.elapsed() < Duration::from_millis(150), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_millis(150),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[test]
