@@ -16,6 +16,7 @@ use tandem_dkv::TransportKind;
 use tandem_frontend::AppState;
 use tandem_modelfile::ModelMeta;
 use tandem_prefill_node::PrefillService;
+use tandem_proto::tls::{ClusterTls, PeerConnector, TlsFiles};
 use tandem_router::ClusterBackend;
 use tandem_router::cluster::{ClusterHandle, RoutingConfig};
 use tandem_types::RequestLimits;
@@ -57,6 +58,39 @@ impl EtcdArgs {
     }
 }
 
+/// The process's identity in the cluster: mutual TLS on every internal gRPC
+/// connection (all three flags, or none for plaintext).
+#[derive(Debug, Args)]
+pub struct ClusterTlsArgs {
+    /// PEM file of the cluster CA: peers must present certificates it signed.
+    #[arg(long, env = "TANDEM_CLUSTER_CA")]
+    pub cluster_ca: Option<PathBuf>,
+    /// PEM certificate (chain) of this process, signed by the cluster CA; for
+    /// nodes its names must cover --advertise-host.
+    #[arg(long, env = "TANDEM_CLUSTER_CERT")]
+    pub cluster_cert: Option<PathBuf>,
+    /// PEM private key of --cluster-cert.
+    #[arg(long, env = "TANDEM_CLUSTER_KEY")]
+    pub cluster_key: Option<PathBuf>,
+}
+
+impl ClusterTlsArgs {
+    fn load(&self) -> Result<Option<ClusterTls>> {
+        match (&self.cluster_ca, &self.cluster_cert, &self.cluster_key) {
+            (None, None, None) => Ok(None),
+            (Some(ca), Some(cert), Some(key)) => {
+                let files = TlsFiles {
+                    ca: ca.clone(),
+                    cert: cert.clone(),
+                    key: key.clone(),
+                };
+                Ok(Some(ClusterTls::load(&files)?))
+            }
+            _ => bail!("--cluster-ca, --cluster-cert and --cluster-key go together"),
+        }
+    }
+}
+
 /// Flags of a prefill or decode node.
 #[derive(Debug, Args)]
 pub struct NodeArgs {
@@ -88,6 +122,11 @@ pub struct NodeArgs {
     /// (lo for 127.0.0.1), so KV ports never open on other interfaces.
     #[arg(long, env = "TANDEM_UCX_NET_DEVICES")]
     pub ucx_net_devices: Option<String>,
+    #[command(flatten)]
+    pub tls: ClusterTlsArgs,
+    /// Close gRPC connections that carried no traffic for this many seconds.
+    #[arg(long, env = "TANDEM_GRPC_IDLE_TIMEOUT_SECS", default_value_t = 300)]
+    pub grpc_idle_timeout_secs: u64,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
@@ -158,6 +197,8 @@ pub struct RouterArgs {
     #[arg(long, env = "TANDEM_PREFILL_CANDIDATES", default_value_t = 2)]
     pub prefill_candidates: usize,
     #[command(flatten)]
+    pub tls: ClusterTlsArgs,
+    #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
 
@@ -194,6 +235,11 @@ fn node_options(node: &NodeArgs, role: Role) -> Result<NodeOptions> {
             None => None,
         },
         shutdown_grace: SHUTDOWN_GRACE,
+        tls: node.tls.load()?,
+        grpc_idle_timeout: match node.grpc_idle_timeout_secs {
+            0 => bail!("--grpc-idle-timeout-secs must be at least 1"),
+            s => Duration::from_secs(s),
+        },
     })
 }
 
@@ -233,7 +279,7 @@ fn serve_node_role(
     let model = Arc::new(m);
     rt.block_on(async {
         let (core, scheduler) = NodeCore::start(model, sched, opts)?;
-        let mut builder = tonic::transport::Server::builder();
+        let mut builder = tandem_worker::grpc::server(opts)?;
         let worker = WorkerService::new(Arc::clone(&core)).into_server();
         let r = match decode {
             None => {
@@ -331,8 +377,10 @@ fn route(
         vocab_size: m.config.vocab_size,
     };
     let text = Arc::new(m.text);
+    let peers = PeerConnector::new(args.tls.load()?);
+    let http_tls = args.http.tls()?;
     rt.block_on(async {
-        let cluster = ClusterHandle::start(etcd, fingerprint, routing)
+        let cluster = ClusterHandle::start(etcd, fingerprint, routing, peers)
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
         let backend = ClusterBackend::new(Arc::clone(&cluster.cluster), limits);
@@ -346,12 +394,14 @@ fn route(
             let mut out = std::io::stdout().lock();
             writeln!(
                 out,
-                "tandem: router for {} on http://{local} (cluster {})",
-                server.model_name, etcd.cluster
+                "tandem: router for {} on {}://{local} (cluster {})",
+                server.model_name,
+                if http_tls.is_some() { "https" } else { "http" },
+                etcd.cluster
             )?;
             out.flush()?;
         }
-        let r = args.http.serve(listener, state).await;
+        let r = args.http.serve(listener, state, http_tls).await;
         cluster.shutdown().await;
         r
     })

@@ -17,6 +17,7 @@ use tandem_engine::moe::Combine;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
 use tandem_frontend::auth::ApiKeys;
 use tandem_frontend::reasoning::ReasoningParser;
+use tandem_frontend::tls::HttpTls;
 use tandem_frontend::tools::ToolParser;
 use tandem_frontend::{AppState, ServerConfig};
 use tandem_modelfile::fetch;
@@ -114,6 +115,12 @@ pub struct HttpArgs {
     /// SIGHUP, so keys can be rotated without a restart.
     #[arg(long, env = "TANDEM_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
+    /// PEM certificate chain: serve HTTPS instead of HTTP (with --tls-key).
+    #[arg(long, env = "TANDEM_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "TANDEM_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// Require a key on `/health` too (probes usually have none).
     #[arg(long, env = "TANDEM_PROTECT_HEALTH")]
     pub protect_health: bool,
@@ -291,9 +298,23 @@ impl HttpArgs {
         })
     }
 
+    /// HTTPS settings, loaded and checked (`None`: plain HTTP).
+    pub fn tls(&self) -> Result<Option<HttpTls>> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Ok(Some(HttpTls::load(cert, key)?)),
+            (None, None) => Ok(None),
+            _ => bail!("--tls-cert and --tls-key go together"),
+        }
+    }
+
     /// Serves `state` until SIGINT/SIGTERM, re-reading `--api-key-file` on
     /// SIGHUP (a bad file keeps the keys in use).
-    pub async fn serve(&self, listener: tokio::net::TcpListener, state: AppState) -> Result<()> {
+    pub async fn serve(
+        &self,
+        listener: tokio::net::TcpListener,
+        state: AppState,
+        tls: Option<HttpTls>,
+    ) -> Result<()> {
         let keys = state.api_keys().clone();
         let reload = async {
             #[cfg(unix)]
@@ -317,7 +338,7 @@ impl HttpArgs {
             std::future::pending::<()>().await;
         };
         tokio::select! {
-            r = tandem_frontend::serve(listener, state, shutdown_signal(), SHUTDOWN_GRACE) => {
+            r = tandem_frontend::serve(listener, state, tls, shutdown_signal(), SHUTDOWN_GRACE) => {
                 r.context("serving HTTP")
             }
             () = reload => Ok(()),
@@ -336,12 +357,12 @@ pub fn parse_addr(host: &str, port: u16) -> Result<SocketAddr> {
 }
 
 /// Everything `serve` runs with, checked before anything starts.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 struct ServeConfig {
     addr: SocketAddr,
-    threads: Option<usize>,
     scheduler: SchedulerConfig,
     server: ServerConfig,
+    tls: Option<HttpTls>,
 }
 
 impl ServeConfig {
@@ -351,9 +372,9 @@ impl ServeConfig {
         args.engine.kernels.validate()?;
         Ok(Self {
             addr,
-            threads: args.engine.kernels.threads,
             scheduler: args.engine.scheduler_config(context)?,
             server: args.http.server_config(model_name)?,
+            tls: args.http.tls()?,
         })
     }
 }
@@ -447,14 +468,19 @@ fn serve_loaded(
             .with_context(|| format!("binding {}", config.addr))?;
         let local = listener.local_addr().context("reading the bound address")?;
         let mut stdout = std::io::stdout().lock();
+        let scheme = if config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         writeln!(
             stdout,
-            "tandem: serving {} on http://{local}",
+            "tandem: serving {} on {scheme}://{local}",
             config.server.model_name
         )?;
         stdout.flush()?;
         drop(stdout);
-        args.http.serve(listener, state).await
+        args.http.serve(listener, state, config.tls.clone()).await
     })
 }
 

@@ -21,7 +21,7 @@ use tandem_worker::{NodeCore, WorkerError};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::task::TaskTracker;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tracing::Instrument;
 
@@ -123,10 +123,11 @@ impl Inner {
         if let Some(c) = map.get(endpoint) {
             return Ok(c.clone());
         }
-        let ch = Endpoint::from_shared(endpoint.to_string())
-            .map_err(|e| WorkerError::Internal(format!("prefill endpoint {endpoint}: {e}")))?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
+        let ch = self
+            .core
+            .peers
+            .endpoint(endpoint)
+            .map_err(|e| WorkerError::Internal(format!("prefill endpoint: {e}")))?
             .connect_lazy();
         map.insert(endpoint.to_string(), ch.clone());
         Ok(ch)

@@ -116,6 +116,8 @@ impl Node {
             ucx_tls: None,
             ucx_net_devices: None,
             shutdown_grace: Duration::from_secs(1),
+            tls: None,
+            grpc_idle_timeout: Duration::from_secs(60),
         };
         let (core, scheduler) =
             NodeCore::start(Arc::clone(&harness().model), config, &opts).expect("node starts");

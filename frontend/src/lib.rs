@@ -13,6 +13,7 @@ pub mod openai;
 mod prompt;
 pub mod reasoning;
 pub mod server;
+pub mod tls;
 pub mod tools;
 
 pub use backend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};

@@ -42,6 +42,7 @@ use crate::openai::{
 };
 use crate::prompt::Guard;
 use crate::reasoning::ReasoningParser;
+use crate::tls::HttpTls;
 use crate::tools::{self, ToolChoice, ToolParser};
 
 mod choices;
@@ -1211,6 +1212,7 @@ pub fn app(state: AppState) -> Router {
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
+    tls: Option<HttpTls>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> std::io::Result<()> {
@@ -1224,7 +1226,7 @@ pub async fn serve(
         shutdown.await;
         draining.begin_shutdown();
     };
-    serve_router(listener, app(state), limits, signal, grace).await
+    serve_router(listener, app(state), limits, tls, signal, grace).await
 }
 
 /// What one client's connections may hold.
@@ -1246,15 +1248,17 @@ impl Default for ConnectionLimits {
     }
 }
 
-/// Serves `router` over HTTP/1 on `listener` until `shutdown` resolves;
-/// then stops accepting, lets in-flight requests finish for up to `grace`,
-/// and returns (connections still open then are dropped). Every
-/// connection gets TCP_NODELAY and the header timeout. Used by every HTTP
+/// Serves `router` over HTTP/1 (inside TLS when `tls` is given) on
+/// `listener` until `shutdown` resolves; then stops accepting, lets
+/// in-flight requests finish for up to `grace`, and returns (connections
+/// still open then are dropped). Every connection gets TCP_NODELAY and the
+/// header timeout, which also bounds the TLS handshake. Used by every HTTP
 /// port of the system (the API, and the nodes' health and metrics).
 pub async fn serve_router(
     listener: TcpListener,
     router: Router,
     limits: ConnectionLimits,
+    tls: Option<HttpTls>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> std::io::Result<()> {
@@ -1292,11 +1296,36 @@ pub async fn serve_router(
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::warn!("setting TCP_NODELAY: {e}");
         }
-        let conn = http.serve_connection(TokioIo::new(tcp), service.clone());
-        let conn = graceful.watch(conn);
+        let watcher = graceful.watcher();
+        let (http, service, tls) = (http.clone(), service.clone(), tls.clone());
+        let handshake_timeout = limits.header_timeout;
         connections.spawn(async move {
             let _slot = slot;
-            if let Err(e) = conn.await {
+            let served = match tls {
+                None => {
+                    let conn = http.serve_connection(TokioIo::new(tcp), service);
+                    watcher.watch(conn).await
+                }
+                Some(tls) => {
+                    let stream =
+                        match tokio::time::timeout(handshake_timeout, tls.acceptor().accept(tcp))
+                            .await
+                        {
+                            Ok(Ok(s)) => s,
+                            Ok(Err(e)) => {
+                                tracing::debug!("TLS handshake: {e}");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!("TLS handshake timed out");
+                                return;
+                            }
+                        };
+                    let conn = http.serve_connection(TokioIo::new(stream), service);
+                    watcher.watch(conn).await
+                }
+            };
+            if let Err(e) = served {
                 tracing::debug!("connection: {e}");
             }
         });

@@ -367,6 +367,7 @@ impl TcpServer {
         let task = tokio::spawn(serve(
             listener,
             s.state.clone(),
+            None,
             async move {
                 let _ = stopped.await;
             },

@@ -14,6 +14,7 @@ pub mod pb {
     tonic::include_proto!("tandem.v1");
 }
 
+pub mod tls;
 pub mod trace;
 
 /// Bumped on any incompatible change of the messages' meaning.
@@ -285,11 +286,19 @@ fn check_prompt(prompt: &[u32]) -> Result<(), ProtoError> {
     Ok(())
 }
 
-/// A gRPC endpoint a node can dial: `http://host:port`.
+/// A gRPC endpoint a node can dial: `http://host:port`, or `https://` in a
+/// cluster under mutual TLS (whether the scheme is the cluster's own is the
+/// dialler's check, `tls::PeerConnector::endpoint`).
 fn check_endpoint(field: &'static str, e: &str) -> Result<(), ProtoError> {
     let rest = e
         .strip_prefix("http://")
-        .ok_or_else(|| invalid(field, format!("`{e}` does not start with http://")))?;
+        .or_else(|| e.strip_prefix("https://"))
+        .ok_or_else(|| {
+            invalid(
+                field,
+                format!("`{e}` does not start with http:// or https://"),
+            )
+        })?;
     let (host, port) = rest
         .rsplit_once(':')
         .ok_or_else(|| invalid(field, format!("`{e}` has no port")))?;

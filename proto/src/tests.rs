@@ -188,11 +188,18 @@ fn generate_request_validation() {
         "http://host",
         "http://h:0",
         "http://h:x",
+        "https://h:0",
+        "ftp://h:1",
     ] {
         let mut r = job.to_pb(&fp());
         r.prefill[0].endpoint = bad.into();
         let e = GenerateJob::validate(r, &fp()).expect_err(bad);
         assert!(e.to_string().contains("endpoint"), "{bad}: {e}");
+    }
+    for good in ["http://h:1", "https://h:1"] {
+        let mut r = job.to_pb(&fp());
+        r.prefill[0].endpoint = good.into();
+        assert!(GenerateJob::validate(r, &fp()).is_ok(), "{good}");
     }
     let mut r = job.to_pb(&fp());
     r.max_tokens = 0;

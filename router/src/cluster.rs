@@ -19,6 +19,7 @@ use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Gauge, Histogram};
 use tandem_discovery::{EtcdConfig, Membership, Role, Snapshot};
 use tandem_frontend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
+use tandem_proto::tls::PeerConnector;
 use tandem_proto::{
     GenerateJob, PrefillTarget, WorkerRecord, failure_from_status, finish_from_pb, pb,
 };
@@ -29,7 +30,7 @@ use tandem_types::{
 };
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Streaming};
 
 /// Routing weights and limits, validated at startup.
@@ -232,6 +233,9 @@ async fn follow_events(worker: std::sync::Weak<Worker>) {
 pub struct Cluster {
     fingerprint: ModelFingerprint,
     routing: RoutingConfig,
+    /// How workers are dialled: under mutual TLS a worker is used only over
+    /// a connection on which it proved its identity.
+    peers: PeerConnector,
     workers: RwLock<BTreeMap<(Role, String), Arc<Worker>>>,
     rng: AtomicU64,
 }
@@ -250,6 +254,7 @@ impl ClusterHandle {
         etcd: &EtcdConfig,
         fingerprint: ModelFingerprint,
         routing: RoutingConfig,
+        peers: PeerConnector,
     ) -> Result<Self, String> {
         let membership = Membership::watch(etcd)
             .await
@@ -257,6 +262,7 @@ impl ClusterHandle {
         let cluster = Arc::new(Cluster {
             fingerprint,
             routing,
+            peers,
             workers: RwLock::new(BTreeMap::new()),
             rng: AtomicU64::new(0x2545_f491_4f6c_dd1d),
         });
@@ -535,11 +541,8 @@ impl Cluster {
                 tracing::error!(id = %record.id, "incompatible worker ignored: {m}");
                 continue;
             }
-            let channel = match Endpoint::from_shared(record.grpc_endpoint.clone()) {
-                Ok(e) => e
-                    .connect_timeout(Duration::from_secs(2))
-                    .tcp_nodelay(true)
-                    .connect_lazy(),
+            let channel = match self.peers.endpoint(&record.grpc_endpoint) {
+                Ok(e) => e.connect_lazy(),
                 Err(e) => {
                     tracing::warn!(id = %record.id, error = %e, "bad worker endpoint; ignored");
                     continue;
@@ -702,6 +705,7 @@ mod tests {
     use futures_util::Stream;
     use tandem_proto::trace::TraceContext;
     use tandem_types::SamplingParams;
+    use tonic::transport::Endpoint;
     use tonic::{Request, Response, Status};
 
     const BLOCK: usize = 4;
@@ -787,6 +791,7 @@ mod tests {
         Cluster {
             fingerprint: fingerprint(),
             routing,
+            peers: PeerConnector::default(),
             workers: RwLock::new(workers),
             rng: AtomicU64::new(0x2545_f491_4f6c_dd1d),
         }

@@ -5,6 +5,8 @@
 //! `PeriodicReader`, flushed on demand), as [`Points`]: one [`Point`] per
 //! data point, with lookups by instrument name and labels.
 
+pub mod tls;
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Deref;

@@ -246,7 +246,7 @@ pub fn start_serve(extra: &[&str]) -> (Proc, u16) {
 
 /// The ports in a line such as `... http://127.0.0.1:P ... http://127.0.0.1:Q`.
 pub fn ports_in(line: &str) -> Vec<u16> {
-    line.split("http://")
+    line.split("://")
         .skip(1)
         .filter_map(|s| {
             let hostport = s.split_whitespace().next()?;

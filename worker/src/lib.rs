@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod events;
+pub mod grpc;
 pub mod http;
 pub mod node;
 pub mod service;

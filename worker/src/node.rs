@@ -12,6 +12,7 @@ use tandem_dkv::{Dkv, DkvConfig, KvLayout, Region, TransportKind};
 use tandem_engine::kv_cache::{ExternalMemory, ExternalOwner};
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerHandle};
 use tandem_engine::{LoadedModel, ModelFingerprint};
+use tandem_proto::tls::{ClusterTls, PeerConnector};
 use tandem_proto::{WorkerRecord, pb};
 use tokio::net::TcpListener;
 
@@ -43,6 +44,10 @@ pub struct NodeOptions {
     pub ucx_net_devices: Option<String>,
     /// How long in-flight requests may run on after a shutdown signal.
     pub shutdown_grace: Duration,
+    /// Mutual TLS for gRPC, both as a server and towards peers.
+    pub tls: Option<ClusterTls>,
+    /// gRPC connections with no traffic for this long are closed.
+    pub grpc_idle_timeout: Duration,
 }
 
 /// Everything a node's request handlers share.
@@ -65,6 +70,8 @@ pub struct NodeCore {
     pub full_layout: KvLayout,
     pub tp: usize,
     pub hub: Arc<EventHub>,
+    /// How this node dials its peers (plaintext or mutual TLS).
+    pub peers: PeerConnector,
     draining: AtomicBool,
     registration: Mutex<Option<Registration>>,
 }
@@ -151,6 +158,7 @@ impl NodeCore {
             full_layout,
             tp,
             hub,
+            peers: PeerConnector::new(opts.tls.clone()),
             draining: AtomicBool::new(false),
             registration: Mutex::new(None),
         });
@@ -174,7 +182,7 @@ impl NodeCore {
         WorkerRecord {
             id: self.id.clone(),
             role: self.role.as_str().to_string(),
-            grpc_endpoint: format!("http://{host}:{}", grpc.port()),
+            grpc_endpoint: format!("{}://{host}:{}", self.peers.scheme(), grpc.port()),
             metrics_endpoint: format!("http://{host}:{}", metrics.port()),
             fingerprint: self.fingerprint.clone(),
             kv_blocks_total: c.num_blocks,
@@ -291,6 +299,7 @@ pub async fn serve(
         http_listener,
         crate::http::router(health, render),
         tandem_frontend::ConnectionLimits::default(),
+        None,
         async move {
             let _ = http_stop.changed().await;
         },
@@ -299,9 +308,11 @@ pub async fn serve(
     let http_task = tokio::spawn(http);
 
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
-    let incoming = futures_util::StreamExt::map(incoming, |s| {
-        s.inspect(|s| {
+    let idle = opts.grpc_idle_timeout;
+    let incoming = futures_util::StreamExt::map(incoming, move |s| {
+        s.map(|s| {
             let _ = s.set_nodelay(true);
+            crate::grpc::IdleTimeoutIo::new(s, idle)
         })
     });
     let mut grpc_stop = stop_rx.clone();

@@ -1,0 +1,464 @@
+//! End to end, a cluster that lets no one in: every internal gRPC
+//! connection under mutual TLS with a cluster CA made for the test, the
+//! OpenAI port over HTTPS. The cluster must still serve correct greedy
+//! output through a real prefill -> decode handoff, while gRPC callers
+//! without a CA-signed certificate are refused by every node, `Worker.Events`
+//! is unreadable without one, and workers registered in etcd by strangers
+//! never receive a request (the attack of issue 16, item 3).
+//!
+//! Needs the release binary, `TANDEM_TEST_GGUF`, `etcd` and libucx
+//! (scripts/test.sh provides all).
+
+#![allow(clippy::unwrap_used)]
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
+use serde_json::{Value, json};
+use tandem_discovery::testing::EtcdServer;
+use tandem_discovery::{EtcdConfig, Registration, Role};
+use tandem_proto::pb;
+use tandem_proto::pb::worker_client::WorkerClient;
+use tandem_proto::tls::{ClusterTls, PeerConnector, TlsFiles};
+use tandem_testkit::tls::{PemFiles, TestCa};
+use tandem_tests::cluster::{Node, Router, expected, long_prompt, short_prompt, unique_cluster};
+use tandem_tests::metric;
+use tokio_rustls::rustls;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
+const MAX_TOKENS: usize = 8;
+
+fn tls_flags(ca: &TestCa, id: &PemFiles) -> Vec<String> {
+    let p = |p: &Path| p.to_str().unwrap().to_string();
+    vec![
+        "--cluster-ca".into(),
+        p(ca.ca_path()),
+        "--cluster-cert".into(),
+        p(&id.cert),
+        "--cluster-key".into(),
+        p(&id.key),
+    ]
+}
+
+fn ring() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// An HTTPS client that trusts only `ca` (HTTP/1.1 by hand over
+/// tokio-rustls: one request per connection, `Connection: close`).
+struct Https {
+    rt: tokio::runtime::Runtime,
+    connector: tokio_rustls::TlsConnector,
+}
+
+impl Https {
+    fn new(ca: &Path) -> Https {
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_file_iter(ca).unwrap() {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let config = rustls::ClientConfig::builder_with_provider(ring())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Https {
+            rt: tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap(),
+            connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
+        }
+    }
+
+    /// GET (no body) or POST (JSON body); the status and the body.
+    fn request(&self, port: u16, path: &str, body: Option<&Value>) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        self.rt.block_on(async {
+            let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap();
+            let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+            let mut tls = self.connector.connect(name, tcp).await.unwrap();
+            let body = body.map(Value::to_string).unwrap_or_default();
+            let method = if body.is_empty() { "GET" } else { "POST" };
+            let head = format!(
+                "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+                 Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            tls.write_all(head.as_bytes()).await.unwrap();
+            tls.write_all(body.as_bytes()).await.unwrap();
+            let mut raw = Vec::new();
+            tokio::time::timeout(Duration::from_secs(120), tls.read_to_end(&mut raw))
+                .await
+                .expect("response within 120 s")
+                .unwrap();
+            let raw = String::from_utf8(raw).unwrap();
+            let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+            let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+            assert!(
+                !head
+                    .to_ascii_lowercase()
+                    .contains("transfer-encoding: chunked"),
+                "{head}"
+            );
+            (status, body.to_string())
+        })
+    }
+
+    fn json(&self, port: u16, path: &str, body: Option<Value>) -> Value {
+        let (status, text) = self.request(port, path, body.as_ref());
+        assert_eq!(status, 200, "{path}: {text}");
+        serde_json::from_str(&text).unwrap()
+    }
+}
+
+/// How one gRPC caller presents itself.
+#[derive(Debug, Clone, Copy)]
+enum Caller<'a> {
+    Plaintext,
+    /// TLS trusting the cluster CA, but no client certificate.
+    Anonymous,
+    /// TLS with a certificate.
+    WithCert(&'a PemFiles),
+}
+
+async fn worker_client(
+    caller: Caller<'_>,
+    ca: &Path,
+    port: u16,
+) -> Result<WorkerClient<tonic::transport::Channel>, String> {
+    let channel = match caller {
+        Caller::Plaintext => Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+            .unwrap()
+            .connect_timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .map_err(|e| e.to_string())?,
+        Caller::Anonymous => {
+            let tls = ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(std::fs::read(ca).unwrap()));
+            Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
+                .unwrap()
+                .tls_config(tls)
+                .unwrap()
+                .connect_timeout(Duration::from_secs(5))
+                .connect()
+                .await
+                .map_err(|e| e.to_string())?
+        }
+        Caller::WithCert(id) => {
+            let tls = ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(std::fs::read(ca).unwrap()))
+                .identity(Identity::from_pem(
+                    std::fs::read(&id.cert).unwrap(),
+                    std::fs::read(&id.key).unwrap(),
+                ));
+            Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
+                .unwrap()
+                .tls_config(tls)
+                .unwrap()
+                .connect_timeout(Duration::from_secs(5))
+                .connect()
+                .await
+                .map_err(|e| e.to_string())?
+        }
+    };
+    Ok(WorkerClient::new(channel))
+}
+
+/// `Info`, then the first message of `Events`, as `caller`.
+async fn probe(caller: Caller<'_>, ca: &Path, port: u16) -> Result<pb::WorkerInfo, String> {
+    let mut c = worker_client(caller, ca, port).await?;
+    let info = tokio::time::timeout(Duration::from_secs(10), c.info(pb::InfoRequest {}))
+        .await
+        .map_err(|_| "Info timed out".to_string())?
+        .map_err(|s| format!("Info: {s}"))?
+        .into_inner();
+    let mut events = tokio::time::timeout(
+        Duration::from_secs(10),
+        c.events(pb::EventsRequest { after_event_id: 0 }),
+    )
+    .await
+    .map_err(|_| "Events timed out".to_string())?
+    .map_err(|s| format!("Events: {s}"))?
+    .into_inner();
+    tokio::time::timeout(Duration::from_secs(10), events.message())
+        .await
+        .map_err(|_| "no event".to_string())?
+        .map_err(|s| format!("Events stream: {s}"))?
+        .ok_or("Events ended")?;
+    Ok(info)
+}
+
+/// A stranger's "worker": a TCP listener that counts connections and, when
+/// given a certificate, completed TLS handshakes (a client that checks the
+/// cluster CA never completes one with it).
+struct FakeWorker {
+    port: u16,
+    connections: Arc<AtomicUsize>,
+    handshakes: Arc<AtomicUsize>,
+}
+
+impl FakeWorker {
+    fn start(rt: &tokio::runtime::Runtime, tls_identity: Option<&PemFiles>) -> FakeWorker {
+        let std_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        std_listener.set_nonblocking(true).unwrap();
+        let port = std_listener.local_addr().unwrap().port();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let handshakes = Arc::new(AtomicUsize::new(0));
+        let acceptor = tls_identity.map(|id| {
+            let chain = CertificateDer::pem_file_iter(&id.cert)
+                .unwrap()
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap();
+            let key = rustls_pki_types::PrivateKeyDer::from_pem_file(&id.key).unwrap();
+            let mut config = rustls::ServerConfig::builder_with_provider(ring())
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_no_client_auth()
+                .with_single_cert(chain, key)
+                .unwrap();
+            config.alpn_protocols = vec![b"h2".to_vec()];
+            tokio_rustls::TlsAcceptor::from(Arc::new(config))
+        });
+        let (c, h) = (Arc::clone(&connections), Arc::clone(&handshakes));
+        rt.spawn(async move {
+            let listener = tokio::net::TcpListener::from_std(std_listener).unwrap();
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    return;
+                };
+                c.fetch_add(1, Ordering::SeqCst);
+                if let Some(acceptor) = acceptor.clone() {
+                    let h = Arc::clone(&h);
+                    tokio::spawn(async move {
+                        if acceptor.accept(tcp).await.is_ok() {
+                            h.fetch_add(1, Ordering::SeqCst);
+                        }
+                    });
+                }
+            }
+        });
+        FakeWorker {
+            port,
+            connections,
+            handshakes,
+        }
+    }
+}
+
+#[test]
+fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "cluster");
+    let node_id = ca.issue("node", &["127.0.0.1", "localhost"]);
+    let router_id = ca.issue("router", &["127.0.0.1", "localhost"]);
+    let rogue = TestCa::new(dir.path(), "rogue");
+    let stranger = rogue.issue("stranger", &["127.0.0.1", "localhost"]);
+
+    let etcd = EtcdServer::start().unwrap();
+    let cluster = unique_cluster("mtls");
+    let node_flags = tls_flags(&ca, &node_id);
+    let node_flags: Vec<&str> = node_flags.iter().map(String::as_str).collect();
+    let p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &node_flags);
+    let d = Node::start(&etcd.url(), &cluster, "decode", "d0", &node_flags);
+    let mut router_flags = tls_flags(&ca, &router_id);
+    router_flags.extend([
+        "--tls-cert".to_string(),
+        router_id.cert.to_str().unwrap().to_string(),
+        "--tls-key".to_string(),
+        router_id.key.to_str().unwrap().to_string(),
+    ]);
+    let router_flags: Vec<&str> = router_flags.iter().map(String::as_str).collect();
+    let r = Router::start_with(&etcd.url(), &cluster, &router_flags);
+    let client = Https::new(ca.ca_path());
+
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, body) = client.request(r.port, "/health", None);
+        let h: Value = serde_json::from_str(&body).unwrap();
+        let n = |k: &str| h[k].as_array().map_or(0, Vec::len);
+        if n("prefill_workers") == 1 && n("decode_workers") == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "membership never became 1P1D: {h}\nrouter: {}",
+            r.proc.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Correct greedy output over HTTPS, the long prompt through a real
+    // prefill -> decode handoff under mutual TLS.
+    for prompt in [short_prompt().to_string(), long_prompt(0)] {
+        let body = json!({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0});
+        let v = client.json(r.port, "/v1/completions", Some(body));
+        assert_eq!(
+            v["choices"][0]["text"],
+            expected(&prompt, MAX_TOKENS).as_str(),
+            "{prompt}"
+        );
+    }
+    assert_eq!(
+        metric(
+            &d.metrics(),
+            "tandem_decode_prefills_total",
+            "outcome=\"remote\""
+        ),
+        1.0
+    );
+    // Plain HTTP on the HTTPS port gets no answer.
+    assert!(
+        tandem_tests::try_http(tandem_tests::client(), r.port, "GET", "/health", "", &[])
+            .map_or(true, |resp| resp.status != 200)
+    );
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ca_path = ca.ca_path();
+    for (name, port) in [("prefill", p.grpc), ("decode", d.grpc)] {
+        // A caller with a cluster certificate gets through: the refusals
+        // below are about the certificate, not a broken server.
+        let info = rt
+            .block_on(probe(Caller::WithCert(&router_id), ca_path, port))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(info.role, name);
+        for (who, caller) in [
+            ("plaintext", Caller::Plaintext),
+            ("no certificate", Caller::Anonymous),
+            ("another CA's certificate", Caller::WithCert(&stranger)),
+        ] {
+            let refused = rt.block_on(probe(caller, ca_path, port));
+            assert!(refused.is_err(), "{name} answered a caller with {who}");
+        }
+    }
+
+    // Strangers register "decode workers" in etcd with the real node's
+    // fingerprint: one plaintext, one over TLS with another CA's
+    // certificate. The router must never hand either a request.
+    let real = rt
+        .block_on(probe(Caller::WithCert(&router_id), ca_path, d.grpc))
+        .unwrap();
+    let plain_fake = FakeWorker::start(&rt, None);
+    let tls_fake = FakeWorker::start(&rt, Some(&stranger));
+    let cfg = EtcdConfig {
+        endpoints: vec![etcd.url()],
+        cluster: cluster.clone(),
+        lease_ttl: Duration::from_secs(30),
+    };
+    let register = |id: &str, endpoint: String| {
+        let record = pb::WorkerRecord {
+            version: real.version,
+            id: id.into(),
+            role: "decode".into(),
+            grpc_endpoint: endpoint,
+            metrics_endpoint: "http://127.0.0.1:1".into(),
+            fingerprint: real.fingerprint.clone(),
+            kv_blocks_total: 4096,
+            max_batch_size: 64,
+            tp: 1,
+            dp: 1,
+        };
+        rt.block_on(Registration::start(
+            &cfg,
+            Role::Decode,
+            id,
+            prost::Message::encode_to_vec(&record),
+        ))
+        .unwrap()
+    };
+    let _a = register(
+        "fake-plain",
+        format!("http://127.0.0.1:{}", plain_fake.port),
+    );
+    let _b = register("fake-tls", format!("https://127.0.0.1:{}", tls_fake.port));
+    // Give the router time to see both records.
+    std::thread::sleep(Duration::from_secs(2));
+    for i in 0..8 {
+        let prompt = format!("{} {i}", short_prompt());
+        let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+        let v = client.json(r.port, "/v1/completions", Some(body));
+        assert_eq!(v["choices"][0]["text"], expected(&prompt, 4).as_str());
+    }
+    assert_eq!(
+        plain_fake.connections.load(Ordering::SeqCst),
+        0,
+        "the router dialled a plaintext worker in a TLS cluster"
+    );
+    assert_eq!(
+        tls_fake.handshakes.load(Ordering::SeqCst),
+        0,
+        "a worker without a cluster certificate completed a TLS handshake"
+    );
+
+    p.assert_idle();
+    d.assert_idle();
+}
+
+#[test]
+fn bad_tls_settings_fail_startup_loudly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "cluster");
+    let id = ca.issue("node", &["127.0.0.1"]);
+    let other = ca.issue("other", &["127.0.0.1"]);
+    // A key that is not the certificate's, and a partial set of flags.
+    let p = |p: &Path| p.to_str().unwrap().to_string();
+    for (args, wants) in [
+        (
+            vec![
+                "--cluster-ca".to_string(),
+                p(ca.ca_path()),
+                "--cluster-cert".into(),
+                p(&id.cert),
+                "--cluster-key".into(),
+                p(&other.key),
+            ],
+            "TLS",
+        ),
+        (
+            vec!["--cluster-ca".to_string(), p(ca.ca_path())],
+            "go together",
+        ),
+    ] {
+        let out = std::process::Command::new(tandem_tests::binary())
+            .arg("prefill")
+            .args(["--model", tandem_tests::gguf_path().to_str().unwrap()])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(wants), "{args:?}: {stderr}");
+    }
+    // A router's HTTPS key that does not match its certificate.
+    let out = std::process::Command::new(tandem_tests::binary())
+        .arg("router")
+        .args(["--etcd", "http://127.0.0.1:1"])
+        .args(["--model", tandem_tests::gguf_path().to_str().unwrap()])
+        .args(["--tls-cert", &p(&id.cert), "--tls-key", &p(&other.key)])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("certificate and key rejected"), "{stderr}");
+
+    // The connector itself: what a node built from good files dials.
+    let tls = ClusterTls::load(&TlsFiles {
+        ca: ca.ca_path().to_path_buf(),
+        cert: id.cert.clone(),
+        key: id.key.clone(),
+    })
+    .unwrap();
+    assert!(
+        PeerConnector::new(Some(tls))
+            .endpoint("http://127.0.0.1:1")
+            .is_err()
+    );
+}
