@@ -10,6 +10,7 @@ pub mod backend;
 pub mod error;
 pub mod metrics;
 pub mod openai;
+pub mod openapi;
 mod prompt;
 pub mod reasoning;
 pub mod server;

@@ -12,6 +12,7 @@ use tandem_modelfile::chat::ChatMessage;
 use tandem_modelfile::stop::MAX_STOP_BYTES;
 use tandem_types::FinishReason;
 use tandem_types::{Constraint, MAX_TOP_LOGPROBS, SamplingParams};
+use utoipa::ToSchema;
 
 use crate::error::ApiError;
 use crate::tools::ToolParser;
@@ -24,7 +25,7 @@ pub const MAX_MESSAGES: usize = 2048;
 
 /// Fields accepted only when null (or their no-op value): features we do
 /// not implement.
-const UNSUPPORTED: &[&str] = &[
+pub(crate) const UNSUPPORTED: &[&str] = &[
     "functions",
     "function_call",
     "audio",
@@ -37,9 +38,9 @@ const UNSUPPORTED: &[&str] = &[
 ];
 
 /// Fields accepted and ignored (bookkeeping that does not change the output).
-const IGNORED: &[&str] = &["user", "store", "metadata", "service_tier"];
+pub(crate) const IGNORED: &[&str] = &["user", "store", "metadata", "service_tier"];
 
-const CHAT_FIELDS: &[&str] = &[
+pub(crate) const CHAT_FIELDS: &[&str] = &[
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -67,7 +68,7 @@ const CHAT_FIELDS: &[&str] = &[
     "top_logprobs",
 ];
 
-const COMPLETION_FIELDS: &[&str] = &[
+pub(crate) const COMPLETION_FIELDS: &[&str] = &[
     "response_format",
     "prompt",
     "model",
@@ -92,14 +93,14 @@ const COMPLETION_FIELDS: &[&str] = &[
 ];
 
 /// `stop`: one string or a list.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, ToSchema)]
 #[serde(untagged)]
 pub enum Stop {
     One(String),
     Many(Vec<String>),
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, ToSchema)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
@@ -108,7 +109,7 @@ pub struct StreamOptions {
 }
 
 /// A chat message as sent; `content` is checked in [`ChatRequest::messages`].
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, ToSchema)]
 pub struct RequestMessage {
     pub role: String,
     #[serde(default)]
@@ -124,7 +125,7 @@ pub struct RequestMessage {
 }
 
 /// Sampling and length fields shared by both endpoints.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, ToSchema)]
 pub struct CommonParams {
     #[serde(default)]
     pub model: Option<String>,
@@ -169,10 +170,11 @@ pub struct CommonParams {
     pub min_tokens: Option<u64>,
     /// Token id (as a string) -> bias in [-100, 100] added to its logit.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     pub logit_bias: Option<Map<String, Value>>,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, ToSchema)]
 pub struct ChatRequest {
     pub messages: Vec<RequestMessage>,
     #[serde(default)]
@@ -192,7 +194,7 @@ pub struct ChatRequest {
 }
 
 /// `prompt` of a completion: text, or one text / token list in an array.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, ToSchema)]
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
@@ -201,7 +203,7 @@ pub enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, ToSchema)]
 pub struct CompletionRequest {
     pub prompt: Prompt,
     /// Number of alternatives to report per token (OpenAI allows 0..=5).
@@ -709,12 +711,12 @@ pub fn finish_str(f: FinishReason) -> &'static str {
     }
 }
 
-#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq, ToSchema)]
 pub struct PromptTokensDetails {
     pub cached_tokens: usize,
 }
 
-#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq, ToSchema)]
 pub struct UsageInfo {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -734,7 +736,7 @@ impl UsageInfo {
 }
 
 /// One alternative token in OpenAI's chat `top_logprobs`.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct TopLogprob {
     pub token: String,
     pub logprob: f32,
@@ -742,7 +744,7 @@ pub struct TopLogprob {
 }
 
 /// One generated token in OpenAI's chat `logprobs.content`.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct TokenLogprob {
     pub token: String,
     pub logprob: f32,
@@ -750,16 +752,17 @@ pub struct TokenLogprob {
     pub top_logprobs: Vec<TopLogprob>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatLogprobs {
     pub content: Vec<TokenLogprob>,
 }
 
 /// The legacy completions `logprobs` object.
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq, ToSchema)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     pub token_logprobs: Vec<f32>,
+    #[schema(value_type = Vec<std::collections::HashMap<String, f32>>)]
     pub top_logprobs: Vec<Map<String, Value>>,
     pub text_offset: Vec<usize>,
 }
@@ -785,7 +788,7 @@ impl CompletionLogprobs {
     }
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct AssistantMessage {
     pub role: &'static str,
     /// `null` when the answer is only tool calls.
@@ -798,7 +801,7 @@ pub struct AssistantMessage {
 }
 
 /// One call in a response.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ToolCallOut {
     pub id: String,
     #[serde(rename = "type")]
@@ -806,7 +809,7 @@ pub struct ToolCallOut {
     pub function: FunctionCall,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct FunctionCall {
     pub name: String,
     pub arguments: String,
@@ -814,7 +817,7 @@ pub struct FunctionCall {
 
 /// A streamed piece of one call: the first carries `id`, `type` and the
 /// name, later ones argument text.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ToolCallDelta {
     pub index: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -824,7 +827,7 @@ pub struct ToolCallDelta {
     pub function: FunctionDelta,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct FunctionDelta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
@@ -832,7 +835,7 @@ pub struct FunctionDelta {
     pub arguments: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatChoice {
     pub index: u32,
     pub message: AssistantMessage,
@@ -841,7 +844,7 @@ pub struct ChatChoice {
 }
 
 /// `chat.completion`
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatCompletion {
     pub id: String,
     pub object: &'static str,
@@ -851,7 +854,7 @@ pub struct ChatCompletion {
     pub usage: UsageInfo,
 }
 
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq, ToSchema)]
 pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
@@ -863,7 +866,7 @@ pub struct Delta {
     pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChunkChoice {
     pub index: u32,
     pub delta: Delta,
@@ -872,7 +875,7 @@ pub struct ChunkChoice {
 }
 
 /// `chat.completion.chunk`
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatCompletionChunk {
     pub id: String,
     pub object: &'static str,
@@ -884,7 +887,7 @@ pub struct ChatCompletionChunk {
     pub usage: Option<Option<UsageInfo>>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct CompletionChoice {
     pub index: u32,
     pub text: String,
@@ -893,7 +896,7 @@ pub struct CompletionChoice {
 }
 
 /// `text_completion` (also its streamed chunks).
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct Completion {
     pub id: String,
     pub object: &'static str,
@@ -904,7 +907,7 @@ pub struct Completion {
     pub usage: Option<Option<UsageInfo>>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ModelCard {
     pub id: String,
     pub object: &'static str,
@@ -913,7 +916,7 @@ pub struct ModelCard {
     pub max_model_len: usize,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ModelList {
     pub object: &'static str,
     pub data: Vec<ModelCard>,
