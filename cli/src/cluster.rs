@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use tandem_decode_node::{DecodeConfig, DecodeService};
-use tandem_discovery::{EtcdConfig, Role};
+use tandem_discovery::{EtcdConfig, EtcdSecurity, EtcdTls, EtcdUser, Role};
 use tandem_dkv::TransportKind;
 use tandem_frontend::AppState;
 use tandem_modelfile::ModelMeta;
@@ -41,9 +41,72 @@ pub struct EtcdArgs {
     /// Lease TTL in seconds: how long a crashed worker stays listed.
     #[arg(long, env = "TANDEM_LEASE_TTL", default_value_t = 5)]
     pub lease_ttl: u64,
+    /// PEM CA of etcd's server certificate (for https:// etcd endpoints).
+    #[arg(long, env = "TANDEM_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// PEM client certificate for an etcd run with --client-cert-auth.
+    #[arg(long, env = "TANDEM_ETCD_CERT", requires = "etcd_key")]
+    pub etcd_cert: Option<PathBuf>,
+    /// PEM private key of --etcd-cert.
+    #[arg(long, env = "TANDEM_ETCD_KEY", requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user (etcd's own authentication; the password from
+    /// TANDEM_ETCD_PASSWORD or --etcd-password-file).
+    #[arg(long, env = "TANDEM_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// The etcd user's password (prefer the environment variable or
+    /// --etcd-password-file: a flag shows in the process list).
+    #[arg(long, env = "TANDEM_ETCD_PASSWORD", hide_env_values = true)]
+    pub etcd_password: Option<String>,
+    /// File holding the etcd user's password (first line).
+    #[arg(long, env = "TANDEM_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
 }
 
 impl EtcdArgs {
+    fn security(&self) -> Result<EtcdSecurity> {
+        let read = |p: &PathBuf, what: &str| {
+            std::fs::read(p).with_context(|| format!("reading {what} {}", p.display()))
+        };
+        let tls = match &self.etcd_ca {
+            None if self.etcd_cert.is_some() => bail!("--etcd-cert needs --etcd-ca"),
+            None => None,
+            Some(ca) => Some(EtcdTls {
+                ca_pem: read(ca, "--etcd-ca")?,
+                identity: match (&self.etcd_cert, &self.etcd_key) {
+                    (Some(c), Some(k)) => Some((read(c, "--etcd-cert")?, read(k, "--etcd-key")?)),
+                    _ => None,
+                },
+            }),
+        };
+        let password = match (&self.etcd_password_file, &self.etcd_password) {
+            (Some(_), Some(_)) => {
+                bail!("--etcd-password and --etcd-password-file are alternatives")
+            }
+            (Some(f), None) => Some(
+                std::fs::read_to_string(f)
+                    .with_context(|| format!("reading --etcd-password-file {}", f.display()))?
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string(),
+            ),
+            (None, p) => p.clone(),
+        };
+        let user = match (&self.etcd_user, password) {
+            (Some(name), Some(password)) => Some(EtcdUser {
+                name: name.clone(),
+                password,
+            }),
+            (Some(_), None) => {
+                bail!("--etcd-user needs --etcd-password (TANDEM_ETCD_PASSWORD) or --etcd-password-file")
+            }
+            (None, Some(_)) => bail!("an etcd password was given without --etcd-user"),
+            (None, None) => None,
+        };
+        Ok(EtcdSecurity { tls, user })
+    }
+
     fn config(&self) -> Result<Option<EtcdConfig>> {
         if self.etcd.is_empty() {
             return Ok(None);
@@ -52,6 +115,7 @@ impl EtcdArgs {
             endpoints: self.etcd.clone(),
             cluster: self.cluster.clone(),
             lease_ttl: Duration::from_secs(self.lease_ttl),
+            security: self.security()?,
         };
         c.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(Some(c))

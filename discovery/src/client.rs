@@ -4,7 +4,7 @@ use std::future::Future;
 use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 
 use crate::{DiscoveryError, EtcdConfig};
 
@@ -30,6 +30,20 @@ pub(crate) async fn connect(cfg: &EtcdConfig) -> Result<Client, DiscoveryError> 
         // A member cut off from its leader fails requests and watches instead
         // of serving stale data or going quiet.
         .with_require_leader(true);
+    let options = match &cfg.security.tls {
+        None => options,
+        Some(t) => {
+            let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(&t.ca_pem));
+            if let Some((cert, key)) = &t.identity {
+                tls = tls.identity(Identity::from_pem(cert, key));
+            }
+            options.with_tls(tls)
+        }
+    };
+    let options = match &cfg.security.user {
+        None => options,
+        Some(u) => options.with_user(&u.name, &u.password),
+    };
     Client::connect(&cfg.endpoints, Some(options))
         .await
         .map_err(classify)

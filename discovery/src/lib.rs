@@ -32,6 +32,49 @@ pub struct EtcdConfig {
     /// Lease TTL: how long a crashed worker stays visible. Rounded up to whole
     /// seconds (etcd's unit); etcd may raise it to its own minimum.
     pub lease_ttl: Duration,
+    /// TLS and authentication towards etcd (none by default).
+    pub security: EtcdSecurity,
+}
+
+/// How this process proves itself to etcd and checks etcd's identity.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EtcdSecurity {
+    /// `https://` endpoints: etcd's certificate must be signed by this CA.
+    pub tls: Option<EtcdTls>,
+    /// etcd's own authentication (`etcdctl auth enable`).
+    pub user: Option<EtcdUser>,
+}
+
+/// PEM material for TLS to etcd, read at startup.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    pub ca_pem: Vec<u8>,
+    /// A client certificate and key, for an etcd run with
+    /// `--client-cert-auth`.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdTls")
+            .field("client_certificate", &self.identity.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A user name and password; the password never appears in `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdUser {
+    pub name: String,
+    pub password: String,
+}
+
+impl fmt::Debug for EtcdUser {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdUser")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
 }
 
 impl EtcdConfig {
@@ -46,6 +89,31 @@ impl EtcdConfig {
             return Err(DiscoveryError::InvalidConfig(format!(
                 "empty etcd endpoint {e:?}"
             )));
+        }
+        let https = self
+            .endpoints
+            .iter()
+            .filter(|e| e.starts_with("https://"))
+            .count();
+        match (self.security.tls.is_some(), https) {
+            (true, n) if n != self.endpoints.len() => {
+                return Err(DiscoveryError::InvalidConfig(
+                    "etcd TLS is configured: every etcd endpoint must be https://".into(),
+                ));
+            }
+            (false, n) if n > 0 => {
+                return Err(DiscoveryError::InvalidConfig(
+                    "https:// etcd endpoints need the etcd CA (--etcd-ca)".into(),
+                ));
+            }
+            _ => {}
+        }
+        if let Some(u) = &self.security.user
+            && (u.name.is_empty() || u.password.is_empty())
+        {
+            return Err(DiscoveryError::InvalidConfig(
+                "etcd user name and password must both be non-empty".into(),
+            ));
         }
         if !valid_cluster(&self.cluster) {
             return Err(DiscoveryError::InvalidConfig(format!(

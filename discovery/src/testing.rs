@@ -20,13 +20,41 @@ pub struct EtcdServer {
     dir: tempfile::TempDir,
     client_port: u16,
     peer_port: u16,
+    tls: Option<ServerTls>,
     child: Option<Child>,
+}
+
+/// PEM files of an etcd that serves clients over TLS and demands client
+/// certificates signed by `ca` (`--client-cert-auth`).
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// Where one launch listens and what it is given.
+struct Launch<'a> {
+    client_port: u16,
+    peer_port: u16,
+    tls: Option<(&'a ServerTls, u16)>,
 }
 
 impl EtcdServer {
     /// Starts etcd (from `PATH`, else `/usr/bin/etcd`) on free loopback
     /// ports and waits until it reports healthy.
     pub fn start() -> io::Result<EtcdServer> {
+        Self::start_inner(None)
+    }
+
+    /// Like [`EtcdServer::start`], but clients must speak TLS and present a
+    /// certificate signed by `tls.ca` ([`EtcdServer::url`] is `https://`).
+    /// Health is probed on a separate plain-HTTP metrics port.
+    pub fn start_tls(tls: ServerTls) -> io::Result<EtcdServer> {
+        Self::start_inner(Some(tls))
+    }
+
+    fn start_inner(tls: Option<ServerTls>) -> io::Result<EtcdServer> {
         let bin = find_etcd()?;
         let dir = tempfile::Builder::new().prefix("tandem-etcd-").tempdir()?;
         let mut last_error = None;
@@ -34,13 +62,20 @@ impl EtcdServer {
         // a few times before giving up.
         for _ in 0..3 {
             let (client_port, peer_port) = free_ports()?;
-            match launch(&bin, dir.path(), client_port, peer_port) {
+            let metrics_port = free_ports()?.0;
+            let l = Launch {
+                client_port,
+                peer_port,
+                tls: tls.as_ref().map(|t| (t, metrics_port)),
+            };
+            match launch(&bin, dir.path(), &l) {
                 Ok(child) => {
                     return Ok(EtcdServer {
                         bin,
                         dir,
                         client_port,
                         peer_port,
+                        tls,
                         child: Some(child),
                     });
                 }
@@ -60,7 +95,8 @@ impl EtcdServer {
 
     /// The client URL to put in `EtcdConfig::endpoints`.
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// Kills etcd (SIGKILL, as a crash) and waits for it; the data dir and
@@ -76,12 +112,13 @@ impl EtcdServer {
     /// leases written before [`EtcdServer::stop`] come back.
     pub fn start_again(&mut self) -> io::Result<()> {
         self.stop();
-        self.child = Some(launch(
-            &self.bin,
-            self.dir.path(),
-            self.client_port,
-            self.peer_port,
-        )?);
+        let metrics_port = free_ports()?.0;
+        let l = Launch {
+            client_port: self.client_port,
+            peer_port: self.peer_port,
+            tls: self.tls.as_ref().map(|t| (t, metrics_port)),
+        };
+        self.child = Some(launch(&self.bin, self.dir.path(), &l)?);
         Ok(())
     }
 
@@ -129,16 +166,36 @@ fn free_ports() -> io::Result<(u16, u16)> {
 
 /// Spawns etcd with its output appended to `dir/etcd.log` and waits until it
 /// is healthy; on failure the error carries the tail of that output.
-fn launch(bin: &Path, dir: &Path, client_port: u16, peer_port: u16) -> io::Result<Child> {
+fn launch(bin: &Path, dir: &Path, l: &Launch<'_>) -> io::Result<Child> {
+    let (client_port, peer_port) = (l.client_port, l.peer_port);
     let log_path = dir.join("etcd.log");
     let mut log = OpenOptions::new()
         .create(true)
         .append(true)
         .open(&log_path)?;
     let log_start = log.seek(SeekFrom::End(0))?;
-    let client = format!("http://127.0.0.1:{client_port}");
+    let scheme = if l.tls.is_some() { "https" } else { "http" };
+    let client = format!("{scheme}://127.0.0.1:{client_port}");
     let peer = format!("http://127.0.0.1:{peer_port}");
-    let mut child = Command::new(bin)
+    let mut cmd = Command::new(bin);
+    let health_port = match l.tls {
+        None => client_port,
+        Some((t, metrics_port)) => {
+            cmd.arg("--cert-file")
+                .arg(&t.cert)
+                .arg("--key-file")
+                .arg(&t.key)
+                .arg("--trusted-ca-file")
+                .arg(&t.ca)
+                .arg("--client-cert-auth")
+                .args([
+                    "--listen-metrics-urls",
+                    &format!("http://127.0.0.1:{metrics_port}"),
+                ]);
+            metrics_port
+        }
+    };
+    let mut child = cmd
         .arg("--data-dir")
         .arg(dir.join("data"))
         .args(["--listen-client-urls", &client])
@@ -164,7 +221,7 @@ fn launch(bin: &Path, dir: &Path, client_port: u16, peer_port: u16) -> io::Resul
         if let Some(status) = child.try_wait()? {
             return Err(fail(format!("etcd exited with {status}")));
         }
-        if healthy(client_port) {
+        if healthy(health_port) {
             return Ok(child);
         }
         if Instant::now() >= deadline {

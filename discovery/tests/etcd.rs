@@ -28,6 +28,7 @@ fn config(endpoint: String, cluster: &str) -> EtcdConfig {
         endpoints: vec![endpoint],
         cluster: cluster.into(),
         lease_ttl: TTL,
+        security: Default::default(),
     }
 }
 
@@ -471,4 +472,120 @@ fn etcd_server_reports_a_failed_start_and_dies_with_its_handle() {
         std::net::TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err(),
         "etcd outlived its handle"
     );
+}
+
+/// An etcd that demands TLS client certificates, then etcd's own user
+/// authentication: workers register only with both, and a process with
+/// neither (or another CA's certificate) is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_and_user_authentication_keep_strangers_out() {
+    use tandem_discovery::testing::ServerTls;
+    use tandem_discovery::{EtcdSecurity, EtcdTls, EtcdUser};
+    use tandem_testkit::tls::{PemFiles, TestCa};
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "etcd");
+    let server = ca.issue("server", &["127.0.0.1", "localhost"]);
+    let node = ca.issue("node", &["node"]);
+    let rogue = TestCa::new(dir.path(), "rogue").issue("stranger", &["node"]);
+    let etcd = EtcdServer::start_tls(ServerTls {
+        ca: server.ca.clone(),
+        cert: server.cert.clone(),
+        key: server.key.clone(),
+    })
+    .unwrap();
+    assert!(etcd.url().starts_with("https://"));
+    let ca_pem = std::fs::read(ca.ca_path()).unwrap();
+    let identity = |p: &PemFiles| {
+        Some((
+            std::fs::read(&p.cert).unwrap(),
+            std::fs::read(&p.key).unwrap(),
+        ))
+    };
+    let with = |identity: Option<(Vec<u8>, Vec<u8>)>, user: Option<EtcdUser>| EtcdConfig {
+        security: EtcdSecurity {
+            tls: Some(EtcdTls {
+                ca_pem: ca_pem.clone(),
+                identity,
+            }),
+            user,
+        },
+        ..config(etcd.url(), "secure")
+    };
+
+    // Plaintext settings for an https:// endpoint are refused up front.
+    let plain = config(etcd.url(), "secure");
+    assert!(matches!(
+        Registration::start(&plain, Role::Decode, "d", b"v".to_vec()).await,
+        Err(DiscoveryError::InvalidConfig(_))
+    ));
+    // No client certificate, or one from another CA: etcd refuses.
+    for (who, id) in [("none", None), ("another CA's", identity(&rogue))] {
+        let r = Registration::start(&with(id, None), Role::Decode, "d", b"v".to_vec()).await;
+        assert!(r.is_err(), "registered with {who} certificate");
+    }
+    // The cluster's certificate works.
+    let good = with(identity(&node), None);
+    let reg = Registration::start(&good, Role::Decode, "d0", b"v".to_vec())
+        .await
+        .unwrap();
+    let m = Membership::watch(&good).await.unwrap();
+    assert!(
+        wait_for(Duration::from_secs(5), || has(&m, Role::Decode, "d0"))
+            .await
+            .is_some()
+    );
+    reg.shutdown().await;
+    m.shutdown().await;
+
+    // Turn on etcd's authentication (root user), as an operator would.
+    let tls = etcd_client::TlsOptions::new()
+        .ca_certificate(etcd_client::Certificate::from_pem(&ca_pem))
+        .identity(etcd_client::Identity::from_pem(
+            std::fs::read(&node.cert).unwrap(),
+            std::fs::read(&node.key).unwrap(),
+        ));
+    let mut admin = etcd_client::Client::connect(
+        [etcd.url()],
+        Some(etcd_client::ConnectOptions::new().with_tls(tls)),
+    )
+    .await
+    .unwrap();
+    admin.user_add("root", "s3cret", None).await.unwrap();
+    admin.user_grant_role("root", "root").await.unwrap();
+    admin.auth_enable().await.unwrap();
+
+    // A certificate alone no longer writes; a wrong password neither.
+    let r = Registration::start(&good, Role::Decode, "d1", b"v".to_vec()).await;
+    assert!(r.is_err(), "registered without a user");
+    let wrong = EtcdUser {
+        name: "root".into(),
+        password: "guess".into(),
+    };
+    let r = Registration::start(
+        &with(identity(&node), Some(wrong)),
+        Role::Decode,
+        "d1",
+        b"v".to_vec(),
+    )
+    .await;
+    assert!(r.is_err(), "registered with a wrong password");
+    let user = EtcdUser {
+        name: "root".into(),
+        password: "s3cret".into(),
+    };
+    // The password never shows in logs.
+    assert!(!format!("{user:?}").contains("s3cret"));
+    let authed = with(identity(&node), Some(user));
+    let reg = Registration::start(&authed, Role::Decode, "d1", b"v".to_vec())
+        .await
+        .unwrap();
+    let m = Membership::watch(&authed).await.unwrap();
+    assert!(
+        wait_for(Duration::from_secs(5), || has(&m, Role::Decode, "d1"))
+            .await
+            .is_some()
+    );
+    reg.shutdown().await;
+    m.shutdown().await;
 }

@@ -352,6 +352,7 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
         endpoints: vec![etcd.url()],
         cluster: cluster.clone(),
         lease_ttl: Duration::from_secs(30),
+        security: Default::default(),
     };
     let register = |id: &str, endpoint: String| {
         let record = pb::WorkerRecord {
