@@ -267,8 +267,8 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
     let cluster = unique_cluster("mtls");
     let node_flags = tls_flags(&ca, &node_id);
     let node_flags: Vec<&str> = node_flags.iter().map(String::as_str).collect();
-    let p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &node_flags);
-    let d = Node::start(&etcd.url(), &cluster, "decode", "d0", &node_flags);
+    let mut p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &node_flags);
+    let mut d = Node::start(&etcd.url(), &cluster, "decode", "d0", &node_flags);
     let mut router_flags = tls_flags(&ca, &router_id);
     router_flags.extend([
         "--tls-cert".to_string(),
@@ -339,6 +339,65 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
             assert!(refused.is_err(), "{name} answered a caller with {who}");
         }
     }
+
+    // The attacks of issue 16 items 1 and 2, as a stranger: a Prefill whose
+    // region would crash UCX, and a Generate naming the stranger's own
+    // prefill endpoint (to be handed the decode node's KV region). Both
+    // die at the handshake; the nodes stay up.
+    let stranger_channel = |port: u16| {
+        let _rt = rt.enter();
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(std::fs::read(ca_path).unwrap()))
+            .identity(Identity::from_pem(
+                std::fs::read(&stranger.cert).unwrap(),
+                std::fs::read(&stranger.key).unwrap(),
+            ));
+        Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
+            .unwrap()
+            .tls_config(tls)
+            .unwrap()
+            .connect_timeout(Duration::from_secs(5))
+            .connect_lazy()
+    };
+    let mut poison = vec![0x28u8];
+    poison.resize(64, 0);
+    let prefill = pb::PrefillRequest {
+        version: tandem_proto::PROTOCOL_VERSION,
+        prompt: vec![1, 2, 3],
+        dst_blocks: vec![0],
+        region: Some(pb::KvRegion {
+            worker_address: poison,
+            rkey: vec![0; 16],
+            base: 0,
+            len: 1 << 20,
+            connector: "ucx".into(),
+        }),
+        ..Default::default()
+    };
+    let r1 = rt.block_on(
+        pb::prefill_client::PrefillClient::new(stranger_channel(p.grpc)).prefill(prefill),
+    );
+    assert!(r1.is_err());
+    let generate = pb::GenerateRequest {
+        version: tandem_proto::PROTOCOL_VERSION,
+        prompt: (0..200).collect(),
+        max_tokens: 1,
+        prefill: vec![pb::PrefillTarget {
+            worker_id: "mine".into(),
+            endpoint: format!("https://127.0.0.1:{}", p.grpc),
+        }],
+        ..Default::default()
+    };
+    let r2 = rt.block_on(
+        pb::decode_client::DecodeClient::new(stranger_channel(d.grpc)).generate(generate),
+    );
+    assert!(r2.is_err());
+    assert!(p.proc.is_running() && d.proc.is_running(), "a node died");
+    assert_eq!(
+        metric(&d.metrics(), "tandem_decode_prefills_total", "outcome=\"remote\""),
+        1.0,
+        "the stranger's Generate reached the decode node"
+    );
 
     // Strangers register "decode workers" in etcd with the real node's
     // fingerprint: one plaintext, one over TLS with another CA's
