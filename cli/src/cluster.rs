@@ -99,7 +99,9 @@ impl EtcdArgs {
                 password,
             }),
             (Some(_), None) => {
-                bail!("--etcd-user needs --etcd-password (TANDEM_ETCD_PASSWORD) or --etcd-password-file")
+                bail!(
+                    "--etcd-user needs --etcd-password (TANDEM_ETCD_PASSWORD) or --etcd-password-file"
+                )
             }
             (None, Some(_)) => bail!("an etcd password was given without --etcd-user"),
             (None, None) => None,
