@@ -138,6 +138,10 @@ pub struct ClusterTlsArgs {
     /// PEM private key of --cluster-cert.
     #[arg(long, env = "TANDEM_CLUSTER_KEY")]
     pub cluster_key: Option<PathBuf>,
+    /// The DNS name every node certificate carries, checked instead of the
+    /// dialled host (for pods, whose addresses no certificate can name).
+    #[arg(long, env = "TANDEM_CLUSTER_SERVER_NAME", requires = "cluster_ca")]
+    pub cluster_server_name: Option<String>,
 }
 
 impl ClusterTlsArgs {
@@ -149,6 +153,7 @@ impl ClusterTlsArgs {
                     ca: ca.clone(),
                     cert: cert.clone(),
                     key: key.clone(),
+                    server_name: self.cluster_server_name.clone(),
                 };
                 Ok(Some(ClusterTls::load(&files)?))
             }

@@ -53,6 +53,10 @@ pub struct TlsFiles {
     pub cert: PathBuf,
     /// The certificate's private key.
     pub key: PathBuf,
+    /// The name every node's certificate carries, checked instead of the
+    /// dialled host (pods come and go with addresses no certificate names).
+    /// `None`: the certificate must name the host in the endpoint.
+    pub server_name: Option<String>,
 }
 
 /// Loaded and checked cluster TLS material.
@@ -60,6 +64,7 @@ pub struct TlsFiles {
 pub struct ClusterTls {
     ca: Certificate,
     identity: Identity,
+    server_name: Option<String>,
 }
 
 impl ClusterTls {
@@ -81,6 +86,7 @@ impl ClusterTls {
         let tls = ClusterTls {
             ca: Certificate::from_pem(ca),
             identity: Identity::from_pem(cert, key),
+            server_name: files.server_name.clone(),
         };
         tonic::transport::Server::builder()
             .tls_config(tls.server_config())
@@ -102,10 +108,14 @@ impl ClusterTls {
 
     /// A client that presents our certificate and trusts only the cluster CA.
     pub fn client_config(&self) -> ClientTlsConfig {
-        ClientTlsConfig::new()
+        let c = ClientTlsConfig::new()
             .ca_certificate(self.ca.clone())
             .identity(self.identity.clone())
-            .timeout(HANDSHAKE_TIMEOUT)
+            .timeout(HANDSHAKE_TIMEOUT);
+        match &self.server_name {
+            Some(name) => c.domain_name(name.clone()),
+            None => c,
+        }
     }
 }
 
@@ -218,6 +228,7 @@ mod tests {
             ca: ca.to_path_buf(),
             cert: cert.to_path_buf(),
             key: key.to_path_buf(),
+            server_name: None,
         };
         let absent = dir.path().join("absent.pem");
         let junk = write(dir.path(), "junk.pem", "not a certificate");
@@ -261,6 +272,7 @@ mod tests {
             ca: pem.ca.clone(),
             cert: pem.cert.clone(),
             key: pem.key.clone(),
+            server_name: None,
         };
         let tls = PeerConnector::new(Some(ClusterTls::load(&files).expect("valid files")));
         assert_eq!(tls.scheme(), "https");

@@ -33,9 +33,15 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 const MAX_TOKENS: usize = 8;
 
+/// The name node certificates carry; peers check it instead of the
+/// dialled address (`--cluster-server-name`), as in a pod network.
+const NODE_NAME: &str = "tandem-node";
+
 fn tls_flags(ca: &TestCa, id: &PemFiles) -> Vec<String> {
     let p = |p: &Path| p.to_str().unwrap().to_string();
     vec![
+        "--cluster-server-name".into(),
+        NODE_NAME.into(),
         "--cluster-ca".into(),
         p(ca.ca_path()),
         "--cluster-cert".into(),
@@ -143,6 +149,7 @@ async fn worker_client(
             .map_err(|e| e.to_string())?,
         Caller::Anonymous => {
             let tls = ClientTlsConfig::new()
+                .domain_name(NODE_NAME)
                 .ca_certificate(Certificate::from_pem(std::fs::read(ca).unwrap()));
             Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
                 .unwrap()
@@ -155,6 +162,7 @@ async fn worker_client(
         }
         Caller::WithCert(id) => {
             let tls = ClientTlsConfig::new()
+                .domain_name(NODE_NAME)
                 .ca_certificate(Certificate::from_pem(std::fs::read(ca).unwrap()))
                 .identity(Identity::from_pem(
                     std::fs::read(&id.cert).unwrap(),
@@ -258,10 +266,11 @@ impl FakeWorker {
 fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "cluster");
-    let node_id = ca.issue("node", &["127.0.0.1", "localhost"]);
+    // Node certificates name no address at all, only NODE_NAME.
+    let node_id = ca.issue("node", &[NODE_NAME]);
     let router_id = ca.issue("router", &["127.0.0.1", "localhost"]);
     let rogue = TestCa::new(dir.path(), "rogue");
-    let stranger = rogue.issue("stranger", &["127.0.0.1", "localhost"]);
+    let stranger = rogue.issue("stranger", &["127.0.0.1", NODE_NAME]);
 
     let etcd = EtcdServer::start().unwrap();
     let cluster = unique_cluster("mtls");
@@ -347,6 +356,7 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
     let stranger_channel = |port: u16| {
         let _rt = rt.enter();
         let tls = ClientTlsConfig::new()
+            .domain_name(NODE_NAME)
             .ca_certificate(Certificate::from_pem(std::fs::read(ca_path).unwrap()))
             .identity(Identity::from_pem(
                 std::fs::read(&stranger.cert).unwrap(),
@@ -394,7 +404,11 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
     assert!(r2.is_err());
     assert!(p.proc.is_running() && d.proc.is_running(), "a node died");
     assert_eq!(
-        metric(&d.metrics(), "tandem_decode_prefills_total", "outcome=\"remote\""),
+        metric(
+            &d.metrics(),
+            "tandem_decode_prefills_total",
+            "outcome=\"remote\""
+        ),
         1.0,
         "the stranger's Generate reached the decode node"
     );
@@ -514,6 +528,7 @@ fn bad_tls_settings_fail_startup_loudly() {
         ca: ca.ca_path().to_path_buf(),
         cert: id.cert.clone(),
         key: id.key.clone(),
+        server_name: None,
     })
     .unwrap();
     assert!(
