@@ -151,6 +151,11 @@ fn base() -> Value {
         s.insert("additionalProperties".into(), Value::Bool(false));
     }
     schemas.extend(hand_written_schemas());
+    for (name, example) in examples() {
+        if let Some(Value::Object(s)) = schemas.get_mut(name) {
+            s.insert("examples".into(), json!([example]));
+        }
+    }
     json!({
         "openapi": "3.1.0",
         "info": {
@@ -162,6 +167,24 @@ fn base() -> Value {
         "paths": paths(),
         "components": {"schemas": schemas},
     })
+}
+
+/// A valid request for each request schema (tested).
+fn examples() -> [(&'static str, Value); 3] {
+    [
+        (
+            "ChatRequest",
+            json!({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}),
+        ),
+        (
+            "CompletionRequest",
+            json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+        ),
+        (
+            "ResponsesRequest",
+            json!({"input": "Say hello.", "max_output_tokens": 8}),
+        ),
+    ]
 }
 
 /// Replaces `allOf` (how `#[serde(flatten)]` is derived) with one object
@@ -1028,6 +1051,24 @@ mod tests {
                 assert_eq!(&p[k], v, "{name}.{property}.{k}");
             }
         }
+    }
+
+    #[test]
+    fn examples_are_valid_requests() {
+        let d = doc();
+        for (name, example) in examples() {
+            assert_eq!(schema(&d, name)["examples"], json!([example]), "{name}");
+        }
+        let [(_, chat), (_, completion), _] = examples();
+        let chat = ChatRequest::parse(chat.to_string().as_bytes(), false).unwrap();
+        assert!(chat.params().is_ok());
+        assert!(
+            chat.messages(crate::tools::ToolParser::Hermes, None)
+                .is_ok()
+        );
+        let completion =
+            CompletionRequest::parse(completion.to_string().as_bytes(), false).unwrap();
+        assert!(completion.params().is_ok());
     }
 
     #[test]
