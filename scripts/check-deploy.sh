@@ -184,6 +184,13 @@ for f in "${values[@]}"; do
   check "with ServiceMonitor/PodMonitor: built-in kinds validated, monitors' selectors and ports checked ($name)" \
     render_monitors "$f"
 done
+# TLS material and API keys from Secrets (the secrets themselves are the
+# operator's, e.g. cert-manager's): both modes render and validate.
+for mode in disaggregated aggregated; do
+  check "helm template | kubernetes-validate --strict -k $kube (TLS and API keys from Secrets, $mode)" \
+    render_validate "$chart/values.yaml" --set mode=$mode --set tls.cluster.secretName=tandem-cluster-tls \
+    --set tls.http.secretName=tandem-https --set apiKeys.secretName=tandem-api-keys
+done
 echo "NOTE ServiceMonitor/PodMonitor (monitoring.coreos.com/v1) are not schema-validated: kubernetes-validate has no CRD schemas offline"
 
 check "refused: unknown mode" must_fail --set mode=bogus
@@ -192,6 +199,7 @@ check "refused: unknown value key (schema)" must_fail --set router.tp=2
 check "refused: grace period shorter than preStop + drain" must_fail --set decode.terminationGracePeriodSeconds=20
 check "refused: --devices and --tp disagree" must_fail --set prefill.tp=3 --set prefill.devices=cpu:2
 check "refused: persistentVolumeClaim cache without a claim" must_fail --set model.cache.type=persistentVolumeClaim
+check "refused: an invalid Secret name" must_fail --set tls.cluster.secretName=Not_A_Name
 check "chart README values table covers values.yaml" readme_table
 check "hadolint deploy/docker/Dockerfile" "$hadolint" --no-color deploy/docker/Dockerfile
 

@@ -131,6 +131,71 @@ empty otherwise.
   value: {{ include "tandem.clusterName" . | quote }}
 {{- end -}}
 
+{{/* Env, mounts and volumes of the TLS material and API keys a role uses:
+     cluster TLS for the roles on the internal gRPC (router, nodes), HTTPS
+     and API keys for the front (router, serve). Context: root, cluster, front. */}}
+{{- define "tandem.securityEnv" -}}
+{{- $t := .root.Values.tls -}}
+{{- if and .cluster $t.cluster.secretName }}
+- name: TANDEM_CLUSTER_CA
+  value: /etc/tandem/cluster-tls/ca.crt
+- name: TANDEM_CLUSTER_CERT
+  value: /etc/tandem/cluster-tls/tls.crt
+- name: TANDEM_CLUSTER_KEY
+  value: /etc/tandem/cluster-tls/tls.key
+- name: TANDEM_CLUSTER_SERVER_NAME
+  value: {{ $t.cluster.serverName | quote }}
+{{- end }}
+{{- if and .front $t.http.secretName }}
+- name: TANDEM_TLS_CERT
+  value: /etc/tandem/http-tls/tls.crt
+- name: TANDEM_TLS_KEY
+  value: /etc/tandem/http-tls/tls.key
+{{- end }}
+{{- if and .front .root.Values.apiKeys.secretName }}
+- name: TANDEM_API_KEY_FILE
+  value: /etc/tandem/api-keys/keys
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.securityMounts" -}}
+{{- $t := .root.Values.tls -}}
+{{- if and .cluster $t.cluster.secretName }}
+- name: cluster-tls
+  mountPath: /etc/tandem/cluster-tls
+  readOnly: true
+{{- end }}
+{{- if and .front $t.http.secretName }}
+- name: http-tls
+  mountPath: /etc/tandem/http-tls
+  readOnly: true
+{{- end }}
+{{- if and .front .root.Values.apiKeys.secretName }}
+- name: api-keys
+  mountPath: /etc/tandem/api-keys
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.securityVolumes" -}}
+{{- $t := .root.Values.tls -}}
+{{- if and .cluster $t.cluster.secretName }}
+- name: cluster-tls
+  secret:
+    secretName: {{ $t.cluster.secretName }}
+{{- end }}
+{{- if and .front $t.http.secretName }}
+- name: http-tls
+  secret:
+    secretName: {{ $t.http.secretName }}
+{{- end }}
+{{- if and .front .root.Values.apiKeys.secretName }}
+- name: api-keys
+  secret:
+    secretName: {{ .root.Values.apiKeys.secretName }}
+{{- end }}
+{{- end -}}
+
 {{/* Volume mounts of every tandem container. */}}
 {{- define "tandem.volumeMounts" -}}
 {{- if ne .Values.model.cache.type "image" }}
@@ -170,6 +235,9 @@ empty otherwise.
 httpGet:
   path: {{ .path }}
   port: {{ .port }}
+  {{- with .scheme }}
+  scheme: {{ . }}
+  {{- end }}
 {{ toYaml .timing }}
 {{- end -}}
 
@@ -244,6 +312,9 @@ etcd (bool: the role uses etcd), node (bool: prefill/decode env).
 {{- define "tandem.deployment" -}}
 {{- $root := .root -}}
 {{- $v := .values -}}
+{{- $front := not .node -}}
+{{- $sec := dict "root" $root "cluster" .etcd "front" $front -}}
+{{- $scheme := ternary "HTTPS" "" (and $front (ne $root.Values.tls.http.secretName "")) -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -314,6 +385,7 @@ spec:
             {{- if .etcd }}
             {{- include "tandem.etcdEnv" $root | nindent 12 }}
             {{- end }}
+            {{- include "tandem.securityEnv" $sec | nindent 12 }}
             {{- with $v.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -324,11 +396,11 @@ spec:
               protocol: TCP
             {{- end }}
           startupProbe:
-            {{- include "tandem.probe" (dict "path" .probes.startup "port" .probePort "timing" $v.probes.startup) | nindent 12 }}
+            {{- include "tandem.probe" (dict "path" .probes.startup "port" .probePort "scheme" $scheme "timing" $v.probes.startup) | nindent 12 }}
           readinessProbe:
-            {{- include "tandem.probe" (dict "path" .probes.readiness "port" .probePort "timing" $v.probes.readiness) | nindent 12 }}
+            {{- include "tandem.probe" (dict "path" .probes.readiness "port" .probePort "scheme" $scheme "timing" $v.probes.readiness) | nindent 12 }}
           livenessProbe:
-            {{- include "tandem.probe" (dict "path" .probes.liveness "port" .probePort "timing" $v.probes.liveness) | nindent 12 }}
+            {{- include "tandem.probe" (dict "path" .probes.liveness "port" .probePort "scheme" $scheme "timing" $v.probes.liveness) | nindent 12 }}
           {{- with (include "tandem.lifecycle" $v | trim) }}
           {{- . | nindent 10 }}
           {{- end }}
@@ -338,8 +410,10 @@ spec:
             {{- toYaml $root.Values.securityContext | nindent 12 }}
           volumeMounts:
             {{- include "tandem.volumeMounts" $root | trim | nindent 12 }}
+            {{- include "tandem.securityMounts" $sec | nindent 12 }}
       volumes:
         {{- include "tandem.volumes" $root | trim | nindent 8 }}
+        {{- include "tandem.securityVolumes" $sec | nindent 8 }}
 {{- end -}}
 
 {{/* The LoadBalancer (by default) Service in front of the router or serve pods. */}}
