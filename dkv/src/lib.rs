@@ -365,6 +365,38 @@ impl Dkv {
         })
     }
 
+    /// Resolves once everything this instance wrote to the peer at
+    /// `worker_address` so far (finished, failed and cancelled transfers
+    /// alike) has landed in the peer's memory or can no longer land: the
+    /// fence a receiver waits for before it reuses memory an abandoned
+    /// transfer was writing. Nothing to flush (no endpoint) is success.
+    pub async fn flush_peer(
+        &self,
+        #[cfg_attr(not(dkv_ucx), allow(unused_variables))] worker_address: &[u8],
+    ) -> Result<(), DkvError> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(DkvError::Shutdown);
+        }
+        match &self.inner.backend {
+            // In-process writes are synchronous: nothing is ever in flight.
+            Backend::Local => Ok(()),
+            #[cfg(dkv_ucx)]
+            Backend::Ucx(h) => {
+                let address = descriptor::open(
+                    "worker_address",
+                    descriptor::MAGIC_UCX_ADDRESS,
+                    worker_address,
+                )?;
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                h.send(ucx::Cmd::FlushPeer {
+                    address: address.to_vec(),
+                    reply: tx,
+                })?;
+                rx.await.unwrap_or(Err(DkvError::Shutdown))
+            }
+        }
+    }
+
     async fn write_inner(
         &self,
         local: &Region,

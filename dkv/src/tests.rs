@@ -969,3 +969,56 @@ fn ucx_layout_end_to_end() {
 fn in_process_layout_end_to_end() {
     layout_end_to_end(DkvConfig::in_process());
 }
+
+/// The fence: a transfer cancelled mid-way may still have puts in flight;
+/// once `flush_peer` resolves, nothing more lands in the peer's memory.
+fn flush_peer_fences_cancelled_writes(cfg: DkvConfig) {
+    let (a, b) = pair(&cfg);
+    let src = Buf::new((BLOCK * BLOCKS) as usize, |i| (i % 251) as u8);
+    let dst = Buf::new((BLOCK * BLOCKS) as usize, |_| 0);
+    let (ra, rb) = (register(&a, &src), register(&b, &dst));
+    let desc = rb.descriptor();
+    let rt = rt();
+    // Never talked to: nothing to flush.
+    rt.block_on(a.flush_peer(&desc.worker_address))
+        .expect("flush without an endpoint");
+    // Not an address at all.
+    assert!(matches!(
+        rt.block_on(a.flush_peer(b"junk")),
+        Err(DkvError::InvalidDescriptor(_))
+    ));
+    let ops: Vec<WriteOp> = (0..BLOCKS).map(|i| block_op(i, i)).collect();
+    for round in 0..5u64 {
+        // Cancelled after a short while, usually with puts still queued.
+        let cut = Duration::from_micros(200 * (round + 1));
+        let _ = rt.block_on(async {
+            tokio::time::timeout(cut, a.write(&ra, &desc, &ops, deadline())).await
+        });
+        rt.block_on(a.flush_peer(&desc.worker_address))
+            .expect("flush after a cancelled write");
+        let fenced = dst.bytes().to_vec();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            dst.bytes() == &fenced[..],
+            "round {round}: bytes landed after the fence"
+        );
+    }
+    // The endpoint still works for new writes after the fence.
+    rt.block_on(a.write(&ra, &desc, &ops[..1], deadline()))
+        .expect("write after the fence");
+}
+
+#[cfg(dkv_ucx)]
+#[test]
+fn ucx_tcp_flush_peer_fences_cancelled_writes() {
+    flush_peer_fences_cancelled_writes(tcp());
+}
+
+#[test]
+fn in_process_flush_peer_is_immediate() {
+    let (a, b) = pair(&DkvConfig::in_process());
+    let dst = Buf::new(BLOCK as usize, |_| 0);
+    let rb = register(&b, &dst);
+    rt().block_on(a.flush_peer(&rb.descriptor().worker_address))
+        .expect("in-process flush");
+}

@@ -83,6 +83,11 @@ pub(crate) enum Cmd {
     Unregister(u64),
     Write(Box<WriteCmd>),
     Cancel(u64),
+    /// Remote completion of everything posted so far to this peer.
+    FlushPeer {
+        address: Vec<u8>,
+        reply: oneshot::Sender<Result<(), DkvError>>,
+    },
     Shutdown,
     #[cfg(test)]
     Stall(Duration),
@@ -428,6 +433,8 @@ struct Actor {
     no_peer_errors: bool,
     transfers: Vec<Transfer>,
     closing: Vec<Closing>,
+    /// `FlushPeer`s in flight: the peer, the flush request, the caller.
+    peer_flushes: Vec<(u64, *mut c_void, oneshot::Sender<Result<(), DkvError>>)>,
     /// The first byte of our own worker address: UCX's address header
     /// (format version and flags).
     header: u8,
@@ -584,6 +591,7 @@ impl Actor {
             no_peer_errors,
             transfers: Vec::new(),
             closing: Vec::new(),
+            peer_flushes: Vec::new(),
             header: address.first().copied().unwrap_or_default(),
         };
         Ok((actor, address))
@@ -633,7 +641,8 @@ impl Actor {
 
     /// Poll timeout in ms (-1: until an event).
     fn sleep_timeout(&self, now: Instant, arm_failed: bool) -> i32 {
-        let live = self.transfers.iter().any(|t| t.stopped.is_none());
+        let live =
+            self.transfers.iter().any(|t| t.stopped.is_none()) || !self.peer_flushes.is_empty();
         let draining = !self.transfers.is_empty() || !self.closing.is_empty();
         let mut until = if live || arm_failed {
             Some(BUSY_SLEEP)
@@ -721,6 +730,31 @@ impl Actor {
                 for t in self.transfers.iter_mut().filter(|t| t.id == id) {
                     t.reply = None;
                     t.stopped.get_or_insert(now);
+                }
+            }
+            Cmd::FlushPeer { address, reply } => {
+                let Some(peer_id) = self.by_address.get(&address).copied() else {
+                    // No endpoint (never connected, or closed): nothing of
+                    // ours is queued towards that peer.
+                    let _ = reply.send(Ok(()));
+                    return;
+                };
+                let Some(peer) = self.peers.get(&peer_id) else {
+                    let _ = reply.send(Ok(()));
+                    return;
+                };
+                // SAFETY: all-zero is a valid ucp_request_param_t.
+                let p: ucp_request_param_t = unsafe { std::mem::zeroed() };
+                // SAFETY: the endpoint is open (it is in `peers`).
+                let r = unsafe { ucp_ep_flush_nbx(peer.ep, &p) };
+                match posted(r) {
+                    Posted::Done => {
+                        let _ = reply.send(Ok(()));
+                    }
+                    Posted::Pending(req) => self.peer_flushes.push((peer_id, req, reply)),
+                    Posted::Failed(st) => {
+                        let _ = reply.send(Err(transfer_error("ucp_ep_flush_nbx", st)));
+                    }
                 }
             }
             Cmd::Shutdown => {}
@@ -997,6 +1031,20 @@ impl Actor {
     fn advance(&mut self, now: Instant) -> bool {
         let mut activity = false;
         let mut evict: Vec<(u64, String)> = Vec::new();
+        self.peer_flushes.retain_mut(|(_, req, reply)| match poll_request(*req) {
+            None => true,
+            Some(st) => {
+                activity = true;
+                let r = if st == UCS_OK {
+                    Ok(())
+                } else {
+                    Err(transfer_error("ucp_ep_flush_nbx", st))
+                };
+                let (tx, _) = oneshot::channel();
+                let _ = std::mem::replace(reply, tx).send(r);
+                false
+            }
+        });
         for t in &mut self.transfers {
             if t.reply.as_ref().is_some_and(|r| r.is_closed()) {
                 t.reply = None;
@@ -1115,6 +1163,18 @@ impl Actor {
                 unsafe { ucp_request_free(req) };
             }
         }
+        self.peer_flushes.retain_mut(|(p, req, reply)| {
+            if *p != peer_id {
+                return true;
+            }
+            // SAFETY: releases our handle; UCX frees it on completion.
+            unsafe { ucp_request_free(*req) };
+            // The endpoint is closed: nothing more of ours reaches the peer
+            // through it.
+            let (tx, _) = oneshot::channel();
+            let _ = std::mem::replace(reply, tx).send(Ok(()));
+            false
+        });
         tracing::debug!(peer_id, why, "dkv: closing endpoint");
         // SAFETY: all-zero is a valid ucp_request_param_t.
         let mut p: ucp_request_param_t = unsafe { std::mem::zeroed() };
@@ -1159,6 +1219,11 @@ impl Actor {
 
     fn shutdown(mut self) {
         let now = Instant::now();
+        for (_, req, reply) in self.peer_flushes.drain(..) {
+            // SAFETY: releases our handle; the worker goes below.
+            unsafe { ucp_request_free(req) };
+            let _ = reply.send(Err(DkvError::Shutdown));
+        }
         for t in &mut self.transfers {
             t.fail(DkvError::Shutdown, now);
         }
