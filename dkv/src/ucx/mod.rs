@@ -417,6 +417,9 @@ fn poll_request(req: *mut c_void) -> Option<ucs_status_t> {
     Some(s)
 }
 
+/// A `FlushPeer` in flight: the peer, the flush request, the caller.
+type PeerFlush = (u64, *mut c_void, oneshot::Sender<Result<(), DkvError>>);
+
 struct Actor {
     ctx: ucp_context_h,
     worker: ucp_worker_h,
@@ -434,7 +437,7 @@ struct Actor {
     transfers: Vec<Transfer>,
     closing: Vec<Closing>,
     /// `FlushPeer`s in flight: the peer, the flush request, the caller.
-    peer_flushes: Vec<(u64, *mut c_void, oneshot::Sender<Result<(), DkvError>>)>,
+    peer_flushes: Vec<PeerFlush>,
     /// The first byte of our own worker address: UCX's address header
     /// (format version and flags).
     header: u8,
