@@ -234,9 +234,11 @@ pub struct DecodeArgs {
     /// and the prompt prefilled here.
     #[arg(long, env = "TANDEM_PREFILL_TIMEOUT_MS", default_value_t = 30_000)]
     pub prefill_timeout_ms: u64,
-    /// Wait after an abandoned transfer before reusing its blocks.
-    #[arg(long, env = "TANDEM_TRANSFER_GRACE_MS", default_value_t = 500)]
-    pub transfer_grace_ms: u64,
+    /// A failed or abandoned transfer's blocks stay out of use until its
+    /// prefill node confirms none of its writes can land (`Fence`); at most
+    /// this many seconds, then they are released anyway (logged).
+    #[arg(long, env = "TANDEM_FENCE_LIMIT_SECS", default_value_t = 600)]
+    pub fence_limit_secs: u64,
 }
 
 #[derive(Debug, Args)]
@@ -386,7 +388,7 @@ pub fn run_decode(args: DecodeArgs) -> Result<()> {
     let cfg = DecodeConfig {
         remote_prefill_min_tokens: args.remote_prefill_min_tokens,
         prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
-        transfer_grace: Duration::from_millis(args.transfer_grace_ms),
+        fence_limit: Duration::from_secs(args.fence_limit_secs),
     };
     run_node(&args.engine, &args.node, Role::Decode, Some(cfg))
 }

@@ -33,10 +33,11 @@ pub struct DecodeConfig {
     /// Watchdog: a remote prefill (compute and transfer) that takes longer
     /// is abandoned and the prompt prefilled here.
     pub prefill_timeout: Duration,
-    /// After an abandoned transfer, how long to wait before reusing its
-    /// destination blocks (the prefill node stops writing at the same
-    /// deadline; this covers a write already on the wire).
-    pub transfer_grace: Duration,
+    /// Longest a failed or abandoned transfer's blocks are kept out of use
+    /// while its prefill node cannot confirm (`Fence`) that none of its
+    /// writes can land any more; past it they are released anyway (logged,
+    /// `tandem.decode.quarantine_expired`).
+    pub fence_limit: Duration,
 }
 
 impl DecodeConfig {
@@ -48,6 +49,9 @@ impl DecodeConfig {
                 tandem_proto::MAX_DEADLINE
             ));
         }
+        if self.fence_limit.is_zero() {
+            return Err("the fence limit must be at least 1 s".into());
+        }
         Ok(())
     }
 }
@@ -55,6 +59,10 @@ impl DecodeConfig {
 struct DecodeMetrics {
     /// Prefill placements, by `outcome` (local|remote|retried|fallback).
     prefills: Counter<u64>,
+    /// Transfers whose blocks were quarantined until fenced.
+    quarantined: Counter<u64>,
+    /// Quarantines released at the fence limit, unfenced.
+    quarantine_expired: Counter<u64>,
 }
 
 fn metrics() -> &'static DecodeMetrics {
@@ -69,8 +77,58 @@ fn metrics() -> &'static DecodeMetrics {
                      retried (remote after a failed worker), fallback (local after remote failures)",
                 )
                 .build(),
+            quarantined: m
+                .u64_counter("tandem.decode.quarantined")
+                .with_description(
+                    "Failed or abandoned KV transfers whose destination blocks were held \
+                     until the prefill node fenced them",
+                )
+                .build(),
+            quarantine_expired: m
+                .u64_counter("tandem.decode.quarantine_expired")
+                .with_description(
+                    "Quarantined blocks released at --fence-limit-secs without a fence",
+                )
+                .build(),
         }
     })
+}
+
+/// A transfer that may still be writing into a request's blocks, and where
+/// to fence it.
+#[derive(Debug, Clone)]
+struct Fence {
+    worker_id: String,
+    endpoint: String,
+    transfer_id: u64,
+}
+
+/// Where a prompt's prefill ended up.
+enum Placement {
+    /// The import is complete (remote) or to be computed here, in its blocks.
+    Done(ImportOutcome, String),
+    /// A remote attempt failed in a way that may leave writes in flight: its
+    /// blocks cannot be trusted until fenced. The other targets from the
+    /// given index on are still to be tried, with fresh blocks.
+    Tainted(Fence, usize),
+}
+
+/// Transfer ids: unique across the decode nodes that share a prefill node
+/// (a random base per process, then a counter; never 0).
+fn next_transfer_id() -> u64 {
+    use std::hash::BuildHasher;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: OnceLock<AtomicU64> = OnceLock::new();
+    let next = NEXT.get_or_init(|| {
+        let base = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+        AtomicU64::new(base)
+    });
+    loop {
+        let id = next.fetch_add(1, Ordering::Relaxed);
+        if id != 0 {
+            return id;
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -87,6 +145,35 @@ struct Inner {
 }
 
 type Outgoing = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
+
+/// A failed remote prefill, and whether writes may still be in flight.
+#[derive(Debug)]
+struct Attempt {
+    error: WorkerError,
+    tainted: bool,
+}
+
+/// Whether a call failed because no connection could be made (so the
+/// request never left): a refused or unroutable connect.
+fn never_connected(status: &Status) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(e) = cur {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::HostUnreachable
+                    | std::io::ErrorKind::NetworkUnreachable
+            );
+        }
+        cur = e.source();
+    }
+    false
+}
+
+/// How long one `Fence` call may take (the prefill node waits up to 10 s for
+/// the transfer to stop and 10 s per endpoint flush).
+const FENCE_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl DecodeService {
     pub fn new(core: Arc<NodeCore>, config: DecodeConfig) -> Self {
@@ -150,28 +237,65 @@ impl Inner {
     ) {
         let mut prefill_worker = String::new();
         if !job.prefill.is_empty() {
-            let slot = match stream.next().await {
-                Some(Event::ImportReady(slot)) => slot,
-                other => {
-                    let _ = out.send(Err(event_status(other))).await;
-                    return;
+            // However many targets the router named, the prompt waits for
+            // remote prefills at most this long in total.
+            let budget = Instant::now() + 2 * self.config.prefill_timeout;
+            let mut from = 0;
+            loop {
+                let slot = match stream.next().await {
+                    Some(Event::ImportReady(slot)) => slot,
+                    other => {
+                        let _ = out.send(Err(event_status(other))).await;
+                        return;
+                    }
+                };
+                let attempt = Mutex::new(None);
+                let placed = tokio::select! {
+                    placed = self.place_prefill(&job, &slot, &trace, &attempt, from, budget) => placed,
+                    () = out.closed() => {
+                        // The router went away mid-prefill: dropping the
+                        // call cancels it, but writes already under way may
+                        // still land, so the blocks wait for the fence.
+                        let pending = attempt.lock().unwrap_or_else(PoisonError::into_inner).take();
+                        if let Some(fence) = pending {
+                            self.quarantine(stream, fence);
+                        }
+                        return;
+                    }
+                };
+                match placed {
+                    Placement::Done(outcome, worker) => {
+                        prefill_worker = worker;
+                        stream.complete_import(outcome);
+                        break;
+                    }
+                    Placement::Tainted(fence, next) => {
+                        // Go on in fresh blocks (the prefix-cache lookup
+                        // again); the tainted ones stay reserved until the
+                        // prefill node fences them.
+                        let fresh = self.core.scheduler.submit(Request {
+                            prompt: job.prompt.clone(),
+                            sampling: job.sampling.clone(),
+                            max_tokens: job.max_tokens,
+                            stop_token_ids: job.stop_token_ids.clone(),
+                            handoff: KvHandoff::Import,
+                            constraint: job.constraint.clone(),
+                        });
+                        match fresh {
+                            Ok(fresh) => {
+                                let old = std::mem::replace(&mut stream, fresh);
+                                self.quarantine(old, fence);
+                                from = next;
+                            }
+                            Err(e) => {
+                                self.quarantine(stream, fence);
+                                let _ = out.send(Err(WorkerError::from(e).into())).await;
+                                return;
+                            }
+                        }
+                    }
                 }
-            };
-            let placed = tokio::select! {
-                placed = self.place_prefill(&job, &slot, &trace) => placed,
-                () = out.closed() => {
-                    // The router went away mid-prefill: dropping the call
-                    // cancels it on the prefill node, but writes already
-                    // under way may still land for a moment, so the blocks
-                    // are held for the transfer grace, then freed with
-                    // `stream`.
-                    tokio::time::sleep(self.config.transfer_grace).await;
-                    return;
-                }
-            };
-            let (outcome, worker) = placed;
-            prefill_worker = worker;
-            stream.complete_import(outcome);
+            }
         }
         loop {
             let ev = tokio::select! {
@@ -214,7 +338,10 @@ impl Inner {
         job: &GenerateJob,
         slot: &ImportSlot,
         trace: &TraceContext,
-    ) -> (ImportOutcome, String) {
+        attempt: &Mutex<Option<Fence>>,
+        from: usize,
+        budget: Instant,
+    ) -> Placement {
         let block_size = self.core.fingerprint.block_size;
         let uncached = job
             .prompt
@@ -223,32 +350,107 @@ impl Inner {
         let outcome = |o: &'static str| metrics().prefills.add(1, &[KeyValue::new("outcome", o)]);
         if uncached < self.config.remote_prefill_min_tokens {
             outcome("local");
-            return (ImportOutcome::PrefillLocally, String::new());
+            return Placement::Done(ImportOutcome::PrefillLocally, String::new());
         }
-        // However many targets the router named, the prompt waits for
-        // remote prefills at most this long in total.
-        let budget = Instant::now() + 2 * self.config.prefill_timeout;
-        for (i, target) in job.prefill.iter().enumerate() {
+        for (i, target) in job.prefill.iter().enumerate().skip(from) {
             if i > 0 && Instant::now() >= budget {
                 break;
             }
-            match self.remote_prefill(job, slot, target, trace).await {
+            let fence = Fence {
+                worker_id: target.worker_id.clone(),
+                endpoint: target.endpoint.clone(),
+                transfer_id: next_transfer_id(),
+            };
+            let set = |f: Option<Fence>| {
+                *attempt.lock().unwrap_or_else(PoisonError::into_inner) = f;
+            };
+            set(Some(fence.clone()));
+            let result = self
+                .remote_prefill(job, slot, target, trace, fence.transfer_id)
+                .await;
+            set(None);
+            match result {
                 Ok((first, remote_cached_tokens)) => {
                     outcome(if i == 0 { "remote" } else { "retried" });
                     let ready = ImportOutcome::Ready {
                         first,
                         remote_cached_tokens,
                     };
-                    return (ready, target.worker_id.clone());
+                    return Placement::Done(ready, target.worker_id.clone());
                 }
-                Err(e) => {
-                    tracing::warn!(worker = %target.worker_id, error = %e, "remote prefill failed");
+                Err(Attempt { error, tainted }) => {
+                    tracing::warn!(worker = %target.worker_id, error = %error, tainted, "remote prefill failed");
                     self.forget_channel(&target.endpoint);
+                    if tainted {
+                        return Placement::Tainted(fence, i + 1);
+                    }
                 }
             }
         }
         outcome("fallback");
-        (ImportOutcome::PrefillLocally, String::new())
+        Placement::Done(ImportOutcome::PrefillLocally, String::new())
+    }
+
+    /// Keeps `stream` (and so its blocks) until the prefill node confirms
+    /// that none of `fence`'s writes can land any more, retrying with
+    /// backoff; past the fence limit the blocks are released anyway.
+    fn quarantine(self: &Arc<Self>, stream: RequestStream, fence: Fence) {
+        metrics().quarantined.add(1, &[]);
+        let me = Arc::clone(self);
+        let task = async move {
+            let start = Instant::now();
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                match me.fence(&fence).await {
+                    Ok(()) => {
+                        tracing::debug!(worker = %fence.worker_id, transfer = fence.transfer_id, "transfer fenced; blocks released");
+                        break;
+                    }
+                    Err(e) if start.elapsed() >= me.config.fence_limit => {
+                        metrics().quarantine_expired.add(1, &[]);
+                        tracing::warn!(
+                            worker = %fence.worker_id,
+                            transfer = fence.transfer_id,
+                            error = %e,
+                            "no fence within {:?}; releasing the transfer's blocks anyway",
+                            me.config.fence_limit
+                        );
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::debug!(worker = %fence.worker_id, error = %e, "fence not reached yet");
+                        me.forget_channel(&fence.endpoint);
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                    }
+                }
+            }
+            drop(stream);
+        };
+        self.tasks.spawn(task.in_current_span());
+    }
+
+    async fn fence(&self, fence: &Fence) -> Result<(), WorkerError> {
+        let core = &self.core;
+        let worker_addresses = std::iter::once(&*core.region)
+            .chain(core.peer_regions.iter())
+            .map(|r| r.descriptor().worker_address)
+            .collect();
+        let mut client = pb::prefill_client::PrefillClient::new(self.channel(&fence.endpoint)?);
+        let mut request = tonic::Request::new(pb::FenceRequest {
+            transfer_id: fence.transfer_id,
+            worker_addresses,
+        });
+        request.set_timeout(FENCE_CALL_TIMEOUT);
+        match tokio::time::timeout(FENCE_CALL_TIMEOUT, client.fence(request)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(status)) => Err(WorkerError::Internal(format!(
+                "fence answered {:?}: {}",
+                status.code(),
+                status.message()
+            ))),
+            Err(_) => Err(WorkerError::Deadline("fence call".into())),
+        }
     }
 
     /// Asks one prefill node; a stalled call is abandoned at the deadline.
@@ -258,7 +460,8 @@ impl Inner {
         slot: &ImportSlot,
         target: &PrefillTarget,
         trace: &TraceContext,
-    ) -> Result<(Sampled, usize), WorkerError> {
+        transfer_id: u64,
+    ) -> Result<(Sampled, usize), Attempt> {
         let core = &self.core;
         let connector = core.dkv.connector().to_string();
         let regions: Vec<KvRegion> = std::iter::once(&*core.region)
@@ -283,12 +486,23 @@ impl Inner {
             regions,
             deadline,
             constraint: job.constraint.clone(),
+            transfer_id,
         }
         .to_pb(&core.fingerprint);
         let mut request = tonic::Request::new(req);
         trace.inject(request.metadata_mut());
         request.set_timeout(deadline);
-        let mut client = pb::prefill_client::PrefillClient::new(self.channel(&target.endpoint)?);
+        // Nothing was sent yet: the blocks are untouched.
+        let clean = |error| Attempt {
+            error,
+            tainted: false,
+        };
+        let tainted = |error| Attempt {
+            error,
+            tainted: true,
+        };
+        let channel = self.channel(&target.endpoint).map_err(clean)?;
+        let mut client = pb::prefill_client::PrefillClient::new(channel);
         let watchdog = |what: &str| {
             tandem_dkv::metrics()
                 .watchdog_firings
@@ -309,32 +523,39 @@ impl Inner {
             Ok(Ok(r)) => r.into_inner(),
             Ok(Err(status)) => {
                 if status.code() == Code::DeadlineExceeded || status.code() == Code::Cancelled {
-                    let e = watchdog("prefill stalled");
-                    tokio::time::sleep(self.config.transfer_grace).await;
-                    return Err(e);
+                    return Err(tainted(watchdog("prefill stalled")));
                 }
-                return Err(WorkerError::Internal(format!(
+                let e = WorkerError::Internal(format!(
                     "prefill node {} answered {:?}: {}",
                     target.worker_id,
                     status.code(),
                     status.message()
-                )));
+                ));
+                // Refused before anything was written (an incompatible
+                // peer, or no connection at all); any other failure may
+                // leave writes in flight.
+                return Err(
+                    if status.code() == Code::FailedPrecondition || never_connected(&status) {
+                        clean(e)
+                    } else {
+                        tainted(e)
+                    },
+                );
             }
-            Err(_) => {
-                let e = watchdog("no prefill answer");
-                tokio::time::sleep(self.config.transfer_grace).await;
-                return Err(e);
-            }
+            Err(_) => return Err(tainted(watchdog("no prefill answer"))),
         };
-        let first = Sampled::try_from(resp.first.ok_or_else(|| {
-            WorkerError::Internal("prefill response without a first token".into())
-        })?)?;
+        // An answer means every write was flushed: nothing is in flight.
+        let first = resp
+            .first
+            .ok_or_else(|| WorkerError::Internal("prefill response without a first token".into()))
+            .and_then(|f| Sampled::try_from(f).map_err(WorkerError::from))
+            .map_err(clean)?;
         let vocab = core.model.model.config().vocab_size;
         if first.token as usize >= vocab {
-            return Err(WorkerError::Internal(format!(
+            return Err(clean(WorkerError::Internal(format!(
                 "prefill node sent token {} outside the vocabulary",
                 first.token
-            )));
+            ))));
         }
         Ok((first, resp.cached_tokens as usize))
     }

@@ -241,12 +241,17 @@ enum Fake {
     BadToken,
     /// A response without a first token.
     NoToken,
+    /// Never answers, and refuses to fence (a partitioned node, as far as
+    /// the decode node can tell).
+    StallUnfenced,
 }
 
 #[derive(Clone)]
 struct FakePrefill {
     how: Fake,
     calls: Arc<AtomicUsize>,
+    /// `Fence` calls answered OK.
+    fences: Arc<AtomicUsize>,
     /// Calls whose handler has not finished or been dropped.
     open: Arc<AtomicUsize>,
 }
@@ -271,7 +276,7 @@ impl pb::prefill_server::Prefill for FakePrefill {
         let _open = Open(Arc::clone(&self.open));
         let first = match self.how {
             Fake::Fail(code) => return Err(Status::new(code, "fake prefill failure")),
-            Fake::Stall => return std::future::pending().await,
+            Fake::Stall | Fake::StallUnfenced => return std::future::pending().await,
             Fake::BadToken => Some(pb::Token {
                 id: u32::MAX,
                 logprob: None,
@@ -286,11 +291,23 @@ impl pb::prefill_server::Prefill for FakePrefill {
             blocks: 0,
         }))
     }
+
+    async fn fence(
+        &self,
+        _req: Request<pb::FenceRequest>,
+    ) -> Result<Response<pb::FenceResponse>, Status> {
+        if matches!(self.how, Fake::StallUnfenced) {
+            return Err(Status::unavailable("fake: cannot fence"));
+        }
+        self.fences.fetch_add(1, Ordering::SeqCst);
+        Ok(Response::new(pb::FenceResponse {}))
+    }
 }
 
 struct FakeServer {
     server: Server,
     calls: Arc<AtomicUsize>,
+    fences: Arc<AtomicUsize>,
     open: Arc<AtomicUsize>,
 }
 
@@ -299,20 +316,27 @@ impl FakeServer {
         let fake = FakePrefill {
             how,
             calls: Arc::default(),
+            fences: Arc::default(),
             open: Arc::default(),
         };
         let (calls, open) = (Arc::clone(&fake.calls), Arc::clone(&fake.open));
+        let fences = Arc::clone(&fake.fences);
         let svc = pb::prefill_server::PrefillServer::new(fake);
         let server = Server::start(tonic::transport::Server::builder().add_service(svc)).await;
         Self {
             server,
             calls,
+            fences,
             open,
         }
     }
 
     fn calls(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
+    }
+
+    fn fences(&self) -> usize {
+        self.fences.load(Ordering::SeqCst)
     }
 }
 
@@ -323,11 +347,11 @@ fn target(id: &str, endpoint: &str) -> PrefillTarget {
     }
 }
 
-fn config(prefill_timeout: Duration, transfer_grace: Duration) -> DecodeConfig {
+fn config(prefill_timeout: Duration, fence_limit: Duration) -> DecodeConfig {
     let c = DecodeConfig {
         remote_prefill_min_tokens: 1,
         prefill_timeout,
-        transfer_grace,
+        fence_limit,
     };
     c.validate().expect("valid decode config");
     c
@@ -438,7 +462,7 @@ async fn remote_prefill_gives_the_local_greedy_tokens() {
     let real = Server::real_prefill(&prefill).await;
     let svc = DecodeService::new(
         Arc::clone(&decode.core),
-        config(Duration::from_secs(30), Duration::from_millis(50)),
+        config(Duration::from_secs(30), Duration::from_secs(60)),
     );
     let (outcomes, blocks) = (counter(PREFILLS, "outcome"), counter(BLOCKS, "connector"));
 
@@ -483,7 +507,7 @@ async fn failed_and_unreachable_workers_are_passed_over() {
     let failing = FakeServer::start(Fake::Fail(Code::Internal)).await;
     let svc = DecodeService::new(
         Arc::clone(&decode.core),
-        config(Duration::from_secs(30), Duration::from_millis(50)),
+        config(Duration::from_secs(30), Duration::from_secs(60)),
     );
     let (outcomes, watchdog) = (counter(PREFILLS, "outcome"), counter(WATCHDOG, "connector"));
 
@@ -512,18 +536,21 @@ async fn failed_and_unreachable_workers_are_passed_over() {
 }
 
 /// A prefill node that never answers is abandoned at the prefill timeout;
-/// the destination blocks are reused only after the transfer grace; the
-/// prompt is prefilled here (outcome `fallback`, one watchdog firing) and
-/// the call to the stalled node is cancelled.
+/// the prompt is prefilled here in fresh blocks (outcome `fallback`, one
+/// watchdog firing), the call to the stalled node is cancelled, and the
+/// abandoned blocks are released once the node fences the transfer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_prefill_falls_back_after_the_timeout_and_grace() {
+async fn a_stalled_prefill_falls_back_after_the_timeout_and_is_fenced() {
     let _serial = serial().await;
     let p = prompt("glaciers");
     let want = reference(&p);
     let decode = Node::start(Role::Decode, "decode");
     let stalled = FakeServer::start(Fake::Stall).await;
-    let (timeout, grace) = (Duration::from_millis(400), Duration::from_millis(600));
-    let svc = DecodeService::new(Arc::clone(&decode.core), config(timeout, grace));
+    let timeout = Duration::from_millis(400);
+    let svc = DecodeService::new(
+        Arc::clone(&decode.core),
+        config(timeout, Duration::from_secs(60)),
+    );
     let (outcomes, watchdog) = (counter(PREFILLS, "outcome"), counter(WATCHDOG, "connector"));
 
     let got = run(
@@ -536,8 +563,8 @@ async fn a_stalled_prefill_falls_back_after_the_timeout_and_grace() {
     assert_eq!(got.tokens, want);
     assert_eq!(got.finished.prefill_worker, "");
     assert!(
-        got.first_token_after >= timeout + grace,
-        "first token after {:?}: before the timeout and grace had passed",
+        got.first_token_after >= timeout,
+        "first token after {:?}: before the timeout",
         got.first_token_after
     );
     assert!(got.first_token_after < Duration::from_secs(10), "{got:?}");
@@ -558,10 +585,52 @@ async fn a_stalled_prefill_falls_back_after_the_timeout_and_grace() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-
     decode.wait_idle().await;
+    assert_eq!(stalled.fences(), 1, "the abandoned transfer was fenced");
     drop(svc);
     stalled.server.stop().await;
+    decode.shutdown().await;
+}
+
+/// Blocks an abandoned transfer may still write are not reused while its
+/// prefill node cannot fence it: they stay reserved (the request itself
+/// goes on in fresh blocks) until the fence limit, then are released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfenced_blocks_stay_out_of_use_until_the_fence_limit() {
+    let _serial = serial().await;
+    let p = prompt("lighthouses");
+    let want = reference(&p);
+    let decode = Node::start(Role::Decode, "decode");
+    let partitioned = FakeServer::start(Fake::StallUnfenced).await;
+    let (timeout, limit) = (Duration::from_millis(300), Duration::from_secs(3));
+    let svc = DecodeService::new(Arc::clone(&decode.core), config(timeout, limit));
+    let got = run(
+        &svc,
+        &decode,
+        &p,
+        vec![target("prefill-partitioned", &partitioned.server.endpoint)],
+    )
+    .await;
+    assert_eq!(got.tokens, want, "the request went on in fresh blocks");
+    let done = Instant::now();
+    let in_use = || {
+        decode
+            .core
+            .scheduler
+            .stats()
+            .kv_blocks_in_use
+            .load(Ordering::Relaxed)
+    };
+    assert!(in_use() > 0, "the tainted blocks were released unfenced");
+    decode.wait_idle().await;
+    let held = done.elapsed() + timeout;
+    assert!(
+        held >= limit - Duration::from_millis(500),
+        "released after {held:?}, before the fence limit"
+    );
+    assert_eq!(partitioned.fences(), 0);
+    drop(svc);
+    partitioned.server.stop().await;
     decode.shutdown().await;
 }
 
@@ -581,7 +650,7 @@ async fn unusable_answers_fall_back_to_a_local_prefill() {
     ];
     let svc = DecodeService::new(
         Arc::clone(&decode.core),
-        config(Duration::from_secs(30), Duration::from_millis(50)),
+        config(Duration::from_secs(30), Duration::from_secs(60)),
     );
     let (outcomes, watchdog) = (counter(PREFILLS, "outcome"), counter(WATCHDOG, "connector"));
 
@@ -631,7 +700,7 @@ async fn short_or_cached_prompts_are_prefilled_here() {
         Arc::clone(&decode.core),
         DecodeConfig {
             remote_prefill_min_tokens: bs,
-            ..config(Duration::from_secs(30), Duration::from_millis(50))
+            ..config(Duration::from_secs(30), Duration::from_secs(60))
         },
     );
     let outcomes = counter(PREFILLS, "outcome");
@@ -686,7 +755,7 @@ async fn short_or_cached_prompts_are_prefilled_here() {
 }
 
 /// A caller that goes away while its prompt waits on a prefill node that
-/// never answers frees the reserved blocks within the transfer grace, not
+/// never answers frees the reserved blocks once the node fences the call, not
 /// after the prefill timeout of every target; more than
 /// `MAX_PREFILL_TARGETS` targets are refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -696,8 +765,11 @@ async fn a_caller_gone_mid_prefill_frees_its_blocks_at_once() {
     let decode = Node::start(Role::Decode, "decode");
     let stalled = FakeServer::start(Fake::Stall).await;
     // A long timeout: only the cancellation can free the blocks in time.
-    let (timeout, grace) = (Duration::from_secs(30), Duration::from_millis(200));
-    let svc = DecodeService::new(Arc::clone(&decode.core), config(timeout, grace));
+    let timeout = Duration::from_secs(30);
+    let svc = DecodeService::new(
+        Arc::clone(&decode.core),
+        config(timeout, Duration::from_secs(60)),
+    );
     let m = &harness().model;
     let job = |targets: usize| GenerateJob {
         prompt: prompt("volcanoes"),

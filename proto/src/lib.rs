@@ -390,6 +390,37 @@ impl GenerateJob {
     }
 }
 
+/// Most worker addresses one `Fence` may name (a decode node's TP ranks).
+pub const MAX_FENCE_ADDRESSES: usize = 64;
+
+/// A validated `FenceRequest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FenceJob {
+    pub transfer_id: u64,
+    pub worker_addresses: Vec<Vec<u8>>,
+}
+
+impl FenceJob {
+    pub fn validate(req: pb::FenceRequest) -> Result<Self, ProtoError> {
+        if req.transfer_id == 0 {
+            return Err(invalid("transfer_id", "0 names no transfer"));
+        }
+        if req.worker_addresses.is_empty() || req.worker_addresses.len() > MAX_FENCE_ADDRESSES {
+            return Err(invalid(
+                "worker_addresses",
+                format!(
+                    "{} given, 1..={MAX_FENCE_ADDRESSES} allowed",
+                    req.worker_addresses.len()
+                ),
+            ));
+        }
+        Ok(Self {
+            transfer_id: req.transfer_id,
+            worker_addresses: req.worker_addresses,
+        })
+    }
+}
+
 /// Registered remote memory, as sent by a decode node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvRegion {
@@ -415,6 +446,8 @@ pub struct PrefillJob {
     pub deadline: Duration,
     /// The first token is sampled under it.
     pub constraint: Option<Constraint>,
+    /// Names the transfer for a later `Fence`; 0: never fenced.
+    pub transfer_id: u64,
 }
 
 impl PrefillJob {
@@ -505,6 +538,7 @@ impl PrefillJob {
             regions,
             deadline,
             constraint: constraint_from_pb(req.constraint)?,
+            transfer_id: req.transfer_id,
         })
     }
 
@@ -520,6 +554,7 @@ impl PrefillJob {
             rank_regions: self.regions.iter().skip(1).map(region_to_pb).collect(),
             deadline_ms: self.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
             constraint: self.constraint.as_ref().map(constraint_to_pb),
+            transfer_id: self.transfer_id,
         }
     }
 }

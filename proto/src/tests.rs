@@ -32,6 +32,7 @@ fn prefill_req() -> pb::PrefillRequest {
         skip_blocks: 1,
         dst_blocks: vec![7, 9],
         constraint: None,
+        transfer_id: 42,
         region: Some(pb::KvRegion {
             worker_address: vec![1, 2],
             rkey: vec![3],
@@ -252,4 +253,29 @@ fn worker_records_round_trip_and_garbage_is_rejected() {
         ..rec
     };
     assert!(WorkerRecord::decode(&odd.encode()).is_err());
+}
+
+#[test]
+fn fence_requests_name_a_transfer_and_bounded_addresses() {
+    let ok = pb::FenceRequest {
+        transfer_id: 7,
+        worker_addresses: vec![vec![1, 2, 3]],
+    };
+    assert_eq!(FenceJob::validate(ok.clone()).map(|j| j.transfer_id), Ok(7));
+    for bad in [
+        pb::FenceRequest {
+            transfer_id: 0,
+            ..ok.clone()
+        },
+        pb::FenceRequest {
+            worker_addresses: vec![],
+            ..ok.clone()
+        },
+        pb::FenceRequest {
+            worker_addresses: vec![vec![1]; MAX_FENCE_ADDRESSES + 1],
+            ..ok.clone()
+        },
+    ] {
+        assert!(FenceJob::validate(bad).is_err());
+    }
 }

@@ -212,6 +212,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

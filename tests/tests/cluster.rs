@@ -571,6 +571,7 @@ fn prefill_request(fp: pb::Fingerprint, prompt: Vec<u32>, dst: Vec<u32>) -> pb::
         deadline_ms: 5000,
         rank_regions: vec![],
         constraint: None,
+        transfer_id: 0,
     }
 }
 

@@ -52,8 +52,15 @@ const BUSY_SLEEP: Duration = Duration::from_millis(1);
 /// endpoint without peer error handling may never finish closing).
 const DRAIN_SLEEP: Duration = Duration::from_millis(10);
 /// How long a cancelled or timed-out transfer may drain before its endpoint
-/// is force-closed.
-const GRACE: Duration = Duration::from_millis(500);
+/// is force-closed. Long: a slow but live peer (a throttled link drains an
+/// 8 MiB window at 10 Mbit/s in 7 s) must drain, so that a later
+/// `FlushPeer` can confirm its data landed; only a dead one is cut off.
+const GRACE: Duration = Duration::from_secs(30);
+/// After a force close, data the kernel still holds for the old socket
+/// (an orphaned TCP connection retransmits for minutes) may land at the
+/// peer: for this long a `FlushPeer` to that address cannot confirm
+/// anything and fails.
+const EVICTED_UNSAFE: Duration = Duration::from_secs(300);
 /// At shutdown, how long closing endpoints may take.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(2);
 /// Zero bytes appended to addresses and keys handed to UCX, which parses
@@ -438,6 +445,8 @@ struct Actor {
     closing: Vec<Closing>,
     /// `FlushPeer`s in flight: the peer, the flush request, the caller.
     peer_flushes: Vec<PeerFlush>,
+    /// Addresses whose endpoint was force-closed, and when.
+    evicted: HashMap<Vec<u8>, Instant>,
     /// The first byte of our own worker address: UCX's address header
     /// (format version and flags).
     header: u8,
@@ -595,6 +604,7 @@ impl Actor {
             transfers: Vec::new(),
             closing: Vec::new(),
             peer_flushes: Vec::new(),
+            evicted: HashMap::new(),
             header: address.first().copied().unwrap_or_default(),
         };
         Ok((actor, address))
@@ -736,6 +746,16 @@ impl Actor {
                 }
             }
             Cmd::FlushPeer { address, reply } => {
+                if let Some(at) = self.evicted.get(&address)
+                    && at.elapsed() < EVICTED_UNSAFE
+                {
+                    let _ = reply.send(Err(DkvError::PeerUnreachable(format!(
+                        "the endpoint was force-closed {:?} ago; its socket may still deliver \
+                         data for up to {EVICTED_UNSAFE:?}",
+                        at.elapsed()
+                    ))));
+                    return;
+                }
                 let Some(peer_id) = self.by_address.get(&address).copied() else {
                     // No endpoint (never connected, or closed): nothing of
                     // ours is queued towards that peer.
@@ -1034,20 +1054,21 @@ impl Actor {
     fn advance(&mut self, now: Instant) -> bool {
         let mut activity = false;
         let mut evict: Vec<(u64, String)> = Vec::new();
-        self.peer_flushes.retain_mut(|(_, req, reply)| match poll_request(*req) {
-            None => true,
-            Some(st) => {
-                activity = true;
-                let r = if st == UCS_OK {
-                    Ok(())
-                } else {
-                    Err(transfer_error("ucp_ep_flush_nbx", st))
-                };
-                let (tx, _) = oneshot::channel();
-                let _ = std::mem::replace(reply, tx).send(r);
-                false
-            }
-        });
+        self.peer_flushes
+            .retain_mut(|(_, req, reply)| match poll_request(*req) {
+                None => true,
+                Some(st) => {
+                    activity = true;
+                    let r = if st == UCS_OK {
+                        Ok(())
+                    } else {
+                        Err(transfer_error("ucp_ep_flush_nbx", st))
+                    };
+                    let (tx, _) = oneshot::channel();
+                    let _ = std::mem::replace(reply, tx).send(r);
+                    false
+                }
+            });
         for t in &mut self.transfers {
             if t.reply.as_ref().is_some_and(|r| r.is_closed()) {
                 t.reply = None;
@@ -1156,6 +1177,9 @@ impl Actor {
         };
         self.by_address.remove(&peer.address);
         let now = Instant::now();
+        self.evicted
+            .retain(|_, at| now.duration_since(*at) < EVICTED_UNSAFE);
+        self.evicted.insert(peer.address.clone(), now);
         for t in self.transfers.iter_mut().filter(|t| t.peer == peer_id) {
             t.fail(DkvError::PeerUnreachable(why.to_owned()), now);
             t.ep_gone = true;
