@@ -13,9 +13,10 @@ cd "$(dirname "$0")/.."
 # transport, bound with bindgen, hence clang), etcd (worker discovery; the
 # end-to-end tests start their own), protoc (gRPC code generation), haproxy
 # (the load balancer in front of two routers in tests/deploy), promtool
-# (Prometheus, to check the alert rules in tests/telemetry).
+# (Prometheus, to check the alert rules in tests/telemetry), iproute2 (`ip`
+# and `tc`: the chaos suite's network namespaces, veths and rate limits).
 ensure_packages libucx-dev ucx-utils etcd-server etcd-client protobuf-compiler clang \
-  libclang-dev pkg-config haproxy prometheus
+  libclang-dev pkg-config haproxy prometheus iproute2
 
 log "formatting and lints"
 cargo fmt --all -- --check
