@@ -171,6 +171,11 @@ fn never_connected(status: &Status) -> bool {
     false
 }
 
+/// After finding a prefill node gone (connection refused), how long its
+/// transfer's blocks stay quarantined for bytes its dead sockets still
+/// held to arrive.
+const PEER_GONE_SETTLE: Duration = Duration::from_secs(2);
+
 /// How long one `Fence` call may take (the prefill node waits up to 10 s for
 /// the transfer to stop and 10 s per endpoint flush).
 const FENCE_CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -444,6 +449,15 @@ impl Inner {
         request.set_timeout(FENCE_CALL_TIMEOUT);
         match tokio::time::timeout(FENCE_CALL_TIMEOUT, client.fence(request)).await {
             Ok(Ok(_)) => Ok(()),
+            Ok(Err(status)) if never_connected(&status) => {
+                // Nobody listens there any more: the prefill process is
+                // gone, and the kernel delivers what its closed sockets
+                // still held right away (on a network that is not itself
+                // partitioned). Let that settle, then count it as fenced.
+                tracing::info!(worker = %fence.worker_id, "prefill node gone; its transfer counts as fenced");
+                tokio::time::sleep(PEER_GONE_SETTLE).await;
+                Ok(())
+            }
             Ok(Err(status)) => Err(WorkerError::Internal(format!(
                 "fence answered {:?}: {}",
                 status.code(),
