@@ -209,8 +209,24 @@ pub fn failure_from_status(s: &tonic::Status) -> GenFailure {
         | Code::ResourceExhausted
         | Code::Aborted
         | Code::Cancelled => GenFailure::Unavailable(detail),
+        // A connection that broke under the call (the node died or the
+        // network cut it): the node is unavailable, not faulty.
+        _ if broken_connection(s) => GenFailure::Unavailable(detail),
         _ => GenFailure::Internal(detail),
     }
+}
+
+/// Whether the status carries an I/O error from the transport: a
+/// connection reset, closed or cut mid-call.
+fn broken_connection(s: &tonic::Status) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(s);
+    while let Some(e) = cur {
+        if e.is::<std::io::Error>() {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
 }
 
 /// The status a node answers with when a request it was running fails:

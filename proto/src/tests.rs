@@ -279,3 +279,17 @@ fn fence_requests_name_a_transfer_and_bounded_addresses() {
         assert!(FenceJob::validate(bad).is_err());
     }
 }
+
+#[test]
+fn a_call_cut_by_a_broken_connection_is_unavailable() {
+    let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+    let s = tonic::Status::from_error(Box::new(reset));
+    assert_eq!(s.code(), tonic::Code::Unknown);
+    assert!(matches!(
+        failure_from_status(&s),
+        GenFailure::Unavailable(_)
+    ));
+    // The same code without a transport cause stays a fault of the node.
+    let s = tonic::Status::unknown("node bug");
+    assert!(matches!(failure_from_status(&s), GenFailure::Internal(_)));
+}
