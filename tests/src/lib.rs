@@ -10,7 +10,7 @@ pub mod cluster;
 use std::convert::Infallible;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -132,38 +132,11 @@ pub struct Proc {
 impl Proc {
     pub fn spawn(name: &str, args: &[String], env: &[(&str, &str)]) -> Proc {
         let mut cmd = Command::new(binary());
-        cmd.args(args)
-            .env("TANDEM_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        cmd.args(args);
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawning {name}: {e}"));
-        let (tx, lines) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let log = Arc::clone(&stderr);
-        let err = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                log.lock().unwrap().push_str(&format!("{line}\n"));
-            }
-        });
-        Proc {
-            name: name.to_string(),
-            child,
-            lines: Mutex::new(lines),
-            stderr,
-        }
+        Self::spawn_command(name, cmd)
     }
 
     /// Waits for a stdout line containing `marker` and returns it.
@@ -449,8 +422,11 @@ impl Proc {
     /// `ip` execs the program, so the pid is the program's), with the same
     /// stdout/stderr capture and log level as [`Proc::spawn`].
     pub fn spawn_command(name: &str, mut cmd: Command) -> Proc {
-        cmd.env("TANDEM_LOG", "warn")
-            .stdin(Stdio::null())
+        // A level the caller chose stays.
+        if !cmd.get_envs().any(|(k, _)| k == "TANDEM_LOG") {
+            cmd.env("TANDEM_LOG", "warn");
+        }
+        cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         let mut child = cmd
@@ -478,4 +454,32 @@ impl Proc {
             stderr,
         }
     }
+}
+
+/// The workspace root (the tests' Python scripts live under it).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// The client venv's python (the pinned client libraries and schemathesis):
+/// `TANDEM_CLIENTS_PYTHON`, else the default cache location.
+pub fn clients_python() -> PathBuf {
+    let path = std::env::var_os("TANDEM_CLIENTS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_default();
+            home.join(".cache/tandem/clients-venv/bin/python")
+        });
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/clients-venv.sh (scripts/test.sh does) or set \
+         TANDEM_CLIENTS_PYTHON to a python with tests/clients/requirements.txt installed",
+        path.display()
+    );
+    path
 }

@@ -9,7 +9,7 @@
 //! The libraries are pinned in `tests/clients/requirements.txt`;
 //! `scripts/test.sh` installs them and sets `TANDEM_CLIENTS_PYTHON`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -18,25 +18,6 @@ use serde_json::Value;
 use tandem_discovery::testing::EtcdServer;
 use tandem_tests::cluster::{Node, Router, unique_cluster};
 use tandem_tests::{http, start_serve};
-
-/// The venv's python (with the pinned client libraries).
-fn python() -> PathBuf {
-    let path = std::env::var_os("TANDEM_CLIENTS_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_default();
-            home.join(".cache/tandem/clients-venv/bin/python")
-        });
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/clients-venv.sh (scripts/test.sh does) or set \
-         TANDEM_CLIENTS_PYTHON to a python with tests/clients/requirements.txt installed",
-        path.display()
-    );
-    path
-}
 
 /// The model's HF tokenizer directory, for aiperf's token counts.
 fn tokenizer_dir() -> PathBuf {
@@ -48,13 +29,6 @@ fn tokenizer_dir() -> PathBuf {
                 .unwrap_or_default();
             home.join(".cache/tandem/test-fixtures/smollm2-135m-hf-f32")
         })
-}
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root")
-        .to_path_buf()
 }
 
 /// Runs `cmd` to the end (killed after `limit`); its exit success and its
@@ -100,8 +74,8 @@ fn model_name(port: u16) -> String {
 
 /// Every check of `clients.py` passes against the server on `port`.
 fn python_clients(port: u16) {
-    let mut cmd = Command::new(python());
-    cmd.arg(repo_root().join("tests/clients/clients.py"))
+    let mut cmd = Command::new(tandem_tests::clients_python());
+    cmd.arg(tandem_tests::repo_root().join("tests/clients/clients.py"))
         .arg(format!("http://127.0.0.1:{port}/v1"))
         .env("PYTHONUNBUFFERED", "1");
     let (ok, out) = run(cmd, Duration::from_secs(600));
@@ -113,7 +87,7 @@ fn python_clients(port: u16) {
 /// aiperf, streaming chat with its default bodies: every request succeeds
 /// and its metrics come out.
 fn aiperf(port: u16) {
-    let py = python();
+    let py = tandem_tests::clients_python();
     let bin = py.with_file_name("aiperf");
     let dir = tempfile::tempdir().expect("temp dir");
     let mut cmd = Command::new(&bin);

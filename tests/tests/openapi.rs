@@ -10,38 +10,11 @@
 //! tokens (`max_tokens` and its spellings); `TANDEM_FUZZ_SECONDS` sets the
 //! fuzzing budget (default 45 s), `TANDEM_FUZZ_SEED` its seed.
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tandem_tests::{http, http_with, model, reference, start_serve};
-
-/// The venv's python (with the pinned client libraries and schemathesis).
-fn python() -> PathBuf {
-    let path = std::env::var_os("TANDEM_CLIENTS_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_default();
-            home.join(".cache/tandem/clients-venv/bin/python")
-        });
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/clients-venv.sh (scripts/test.sh does) or set \
-         TANDEM_CLIENTS_PYTHON to a python with tests/clients/requirements.txt installed",
-        path.display()
-    );
-    path
-}
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root")
-        .to_path_buf()
-}
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -136,7 +109,7 @@ fn schemathesis(port: u16, seconds: u64, seed: u64) -> (bool, String, Value) {
     let log = dir.path().join("output.log");
     let out = std::fs::File::create(&log).expect("log file");
     let err = out.try_clone().expect("log file");
-    let bin = python().with_file_name("schemathesis");
+    let bin = tandem_tests::clients_python().with_file_name("schemathesis");
     let mut cmd = Command::new(&bin);
     cmd.arg("run")
         .arg(format!("http://127.0.0.1:{port}/openapi.json"))
@@ -157,7 +130,10 @@ fn schemathesis(port: u16, seconds: u64, seed: u64) -> (bool, String, Value) {
         .arg("--report-json-path")
         .arg(&report)
         .env("SCHEMATHESIS_HOOKS", "schemathesis_hooks")
-        .env("PYTHONPATH", repo_root().join("tests/clients"))
+        .env(
+            "PYTHONPATH",
+            tandem_tests::repo_root().join("tests/clients"),
+        )
         // Its cache (.schemathesis/) goes with the temporary directory.
         .current_dir(dir.path())
         .env("NO_COLOR", "1")

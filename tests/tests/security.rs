@@ -135,49 +135,38 @@ enum Caller<'a> {
     WithCert(&'a PemFiles),
 }
 
+/// The endpoint of a node's gRPC port as `caller` dials it.
+fn endpoint(caller: Caller<'_>, ca: &Path, port: u16) -> Endpoint {
+    let tls = match caller {
+        Caller::Plaintext => None,
+        Caller::Anonymous => Some(ClientTlsConfig::new()),
+        Caller::WithCert(id) => Some(ClientTlsConfig::new().identity(Identity::from_pem(
+            std::fs::read(&id.cert).unwrap(),
+            std::fs::read(&id.key).unwrap(),
+        ))),
+    };
+    let e = match tls {
+        None => Endpoint::from_shared(format!("http://127.0.0.1:{port}")).unwrap(),
+        Some(tls) => Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
+            .unwrap()
+            .tls_config(
+                tls.domain_name(NODE_NAME)
+                    .ca_certificate(Certificate::from_pem(std::fs::read(ca).unwrap())),
+            )
+            .unwrap(),
+    };
+    e.connect_timeout(Duration::from_secs(5))
+}
+
 async fn worker_client(
     caller: Caller<'_>,
     ca: &Path,
     port: u16,
 ) -> Result<WorkerClient<tonic::transport::Channel>, String> {
-    let channel = match caller {
-        Caller::Plaintext => Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
-            .unwrap()
-            .connect_timeout(Duration::from_secs(5))
-            .connect()
-            .await
-            .map_err(|e| e.to_string())?,
-        Caller::Anonymous => {
-            let tls = ClientTlsConfig::new()
-                .domain_name(NODE_NAME)
-                .ca_certificate(Certificate::from_pem(std::fs::read(ca).unwrap()));
-            Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
-                .unwrap()
-                .tls_config(tls)
-                .unwrap()
-                .connect_timeout(Duration::from_secs(5))
-                .connect()
-                .await
-                .map_err(|e| e.to_string())?
-        }
-        Caller::WithCert(id) => {
-            let tls = ClientTlsConfig::new()
-                .domain_name(NODE_NAME)
-                .ca_certificate(Certificate::from_pem(std::fs::read(ca).unwrap()))
-                .identity(Identity::from_pem(
-                    std::fs::read(&id.cert).unwrap(),
-                    std::fs::read(&id.key).unwrap(),
-                ));
-            Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
-                .unwrap()
-                .tls_config(tls)
-                .unwrap()
-                .connect_timeout(Duration::from_secs(5))
-                .connect()
-                .await
-                .map_err(|e| e.to_string())?
-        }
-    };
+    let channel = endpoint(caller, ca, port)
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
     Ok(WorkerClient::new(channel))
 }
 
@@ -355,19 +344,7 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
     // die at the handshake; the nodes stay up.
     let stranger_channel = |port: u16| {
         let _rt = rt.enter();
-        let tls = ClientTlsConfig::new()
-            .domain_name(NODE_NAME)
-            .ca_certificate(Certificate::from_pem(std::fs::read(ca_path).unwrap()))
-            .identity(Identity::from_pem(
-                std::fs::read(&stranger.cert).unwrap(),
-                std::fs::read(&stranger.key).unwrap(),
-            ));
-        Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
-            .unwrap()
-            .tls_config(tls)
-            .unwrap()
-            .connect_timeout(Duration::from_secs(5))
-            .connect_lazy()
+        endpoint(Caller::WithCert(&stranger), ca_path, port).connect_lazy()
     };
     let mut poison = vec![0x28u8];
     poison.resize(64, 0);
