@@ -14,14 +14,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_tests::chaos::load::{Catalog, Load, LoadConfig, Outcome, Tally};
-use tandem_tests::chaos::{ChaosCluster, quantile, rss_kib, slope};
+use tandem_tests::chaos::{ChaosCluster, quantile, rss_kib, slope, sustained_growth};
 
 const SAMPLE: Duration = Duration::from_secs(10);
 /// Samples before this are warm-up (allocator arenas, caches filling).
 const WARM_UP: Duration = Duration::from_secs(30);
 /// Flat: growth after warm-up at most this many KiB per minute per process
-/// (or 1% of its RSS per minute, if more).
+/// (or 1% of its RSS per minute, if more), unless the growth is a one-time
+/// step (see [`sustained_growth`]: the high-water mark must rise in each of
+/// [`WINDOWS`] slices of the run for it to count as a leak).
 const MAX_SLOPE_KIB_PER_MIN: f64 = 1024.0;
+const WINDOWS: usize = 3;
 
 #[test]
 fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
@@ -126,7 +129,7 @@ fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
         let last = after.last().map_or(0.0, |p| p.1);
         println!("| {name} | {first:.0} | {last:.0} | {s:+.0} |");
         let bound = MAX_SLOPE_KIB_PER_MIN.max(first / 100.0);
-        if s > bound {
+        if sustained_growth(&after, WINDOWS, bound) {
             too_steep.push(format!("{name}: {s:+.0} KiB/min (bound {bound:.0})"));
         }
     }

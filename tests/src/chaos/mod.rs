@@ -451,6 +451,32 @@ pub fn slope(points: &[(f64, f64)]) -> f64 {
     if sxx == 0.0 { 0.0 } else { sxy / sxx }
 }
 
+/// Whether memory samples `(minute, KiB)` show a leak rather than a one-time
+/// step: the least-squares slope is above `bound` KiB/min *and* the
+/// high-water mark rises by at least half that rate in each of `windows`
+/// consecutive equal slices. A growing arena or cache steps once and then
+/// stays; a leak keeps raising the high-water mark slice after slice.
+pub fn sustained_growth(points: &[(f64, f64)], windows: usize, bound: f64) -> bool {
+    if points.len() < 2 || windows < 2 || slope(points) <= bound {
+        return false;
+    }
+    let (t0, t1) = (points[0].0, points[points.len() - 1].0);
+    let width = (t1 - t0) / windows as f64;
+    let high_water = |w: usize| {
+        let (lo, hi) = (t0 + width * w as f64, t0 + width * (w + 1) as f64);
+        points
+            .iter()
+            .filter(|p| p.0 >= lo && (p.0 < hi || w + 1 == windows))
+            .map(|p| p.1)
+            .fold(None, |m: Option<f64>, y| Some(m.map_or(y, |m| m.max(y))))
+    };
+    let marks: Vec<Option<f64>> = (0..windows).map(high_water).collect();
+    marks.windows(2).all(|pair| match (pair[0], pair[1]) {
+        (Some(a), Some(b)) => b - a >= bound * width / 2.0,
+        _ => true,
+    })
+}
+
 /// The `q` quantile (0..=1) of `v` (nearest rank), `None` when empty.
 pub fn quantile(v: &mut [Duration], q: f64) -> Option<Duration> {
     if v.is_empty() {
@@ -474,5 +500,33 @@ mod tests {
         assert_eq!(quantile(&mut v, 0.99), Some(Duration::from_millis(99)));
         assert_eq!(quantile(&mut v, 0.5), Some(Duration::from_millis(50)));
         assert_eq!(quantile(&mut [], 0.5), None);
+    }
+
+    #[test]
+    fn a_leak_is_sustained_growth_and_a_step_is_not() {
+        let minutes = |f: &dyn Fn(f64) -> f64| -> Vec<(f64, f64)> {
+            (0..10).map(|i| i as f64 / 6.0).map(|t| (t, f(t))).collect()
+        };
+        // 2 MiB/min, steadily: a leak.
+        let leak = minutes(&|t| 300_000.0 + 2048.0 * t);
+        assert!(sustained_growth(&leak, 3, 1024.0));
+        // One 4.8 MB step mid-run, flat otherwise (the CI failure that
+        // motivated this): steep by least squares, but not sustained.
+        let step = minutes(&|t| if t < 0.8 { 300_000.0 } else { 304_800.0 });
+        assert!(slope(&step) > 1024.0);
+        assert!(!sustained_growth(&step, 3, 1024.0));
+        // Flat with noise.
+        let flat = minutes(&|t| {
+            300_000.0
+                + if (t * 6.0) as i64 % 2 == 0 {
+                    200.0
+                } else {
+                    0.0
+                }
+        });
+        assert!(!sustained_growth(&flat, 3, 1024.0));
+        // A leak plus a step is still a leak.
+        let both = minutes(&|t| 300_000.0 + 2048.0 * t + if t > 0.5 { 5000.0 } else { 0.0 });
+        assert!(sustained_growth(&both, 3, 1024.0));
     }
 }
