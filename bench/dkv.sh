@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # dkv write bandwidth against ucx_perftest (ucp_put_bw), same transports and
-# sizes, in one run. Two processes each: a server that registers a region and
-# progresses, a client that writes into it.
+# sizes, in one run. Two processes each: a server that registers a region,
+# grants it once per write of the client's plan (a granted byte lands once)
+# and progresses, a client that writes into it, a grant per write.
 #   usage: bench/dkv.sh
 # Environment:
 #   ROUNDS=n         alternating perftest/dkv rounds (default 2); best wins
@@ -88,15 +89,17 @@ run_perftest() { # test name tls size round
 run_dkv() { # name tls mem round
   local name=$1 tls=$2 mem=$3 r=$4 ctl spid line sargs=()
   local log=$out/dkv.$name.$mem.$r
+  # The client's plan: the server grants once per write of it.
+  local plan=(--sizes "$sizes_csv" --block "$block" --reps "$reps" --warmup 3 --lat-reps 1000)
   [[ $mem == heap ]] && sargs=(--register)
   ctl=$out/ctl.$name.$mem.$r
   mkfifo "$ctl"
-  "$bench" server --tls "$tls" --size "$max_bytes" "${sargs[@]}" <"$ctl" >"$log.desc" 2>"$log.server" &
+  "$bench" server --tls "$tls" --size "$max_bytes" "${sargs[@]}" "${plan[@]}" <"$ctl" >"$log.desc" 2>"$log.server" &
   spid=$!
   exec 3>"$ctl"
-  for _ in $(seq 1 100); do [[ -s $log.desc ]] && break; sleep 0.05; done
-  if ! "$bench" client --tls "$tls" --desc "$(head -n1 "$log.desc")" --sizes "$sizes_csv" \
-      --block "$block" --reps "$reps" --warmup 3 --lat-reps 1000 >"$log" 2>"$log.err"; then
+  # One DESC line per grant, then END once all are out.
+  for _ in $(seq 1 200); do grep -q '^END' "$log.desc" && break; sleep 0.05; done
+  if ! "$bench" client --tls "$tls" --desc-file "$log.desc" "${plan[@]}" >"$log" 2>"$log.err"; then
     exec 3>&-; wait "$spid" || true
     echo "dkv_bench client failed, see $log.err" >&2; exit 1
   fi

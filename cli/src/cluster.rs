@@ -234,11 +234,11 @@ pub struct DecodeArgs {
     /// and the prompt prefilled here.
     #[arg(long, env = "TANDEM_PREFILL_TIMEOUT_MS", default_value_t = 30_000)]
     pub prefill_timeout_ms: u64,
-    /// A failed or abandoned transfer's blocks stay out of use until its
-    /// prefill node confirms none of its writes can land (`Fence`); at most
-    /// this many seconds, then they are released anyway (logged).
-    #[arg(long, env = "TANDEM_FENCE_LIMIT_SECS", default_value_t = 600)]
-    pub fence_limit_secs: u64,
+    /// A failed or abandoned transfer's blocks stay out of use while a
+    /// write its grant accepted is still landing (a frozen peer mid-way);
+    /// at most this many seconds, then they are released anyway (logged).
+    #[arg(long, env = "TANDEM_QUARANTINE_LIMIT_SECS", default_value_t = 600)]
+    pub quarantine_limit_secs: u64,
 }
 
 #[derive(Debug, Args)]
@@ -388,7 +388,7 @@ pub fn run_decode(args: DecodeArgs) -> Result<()> {
     let cfg = DecodeConfig {
         remote_prefill_min_tokens: args.remote_prefill_min_tokens,
         prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
-        fence_limit: Duration::from_secs(args.fence_limit_secs),
+        quarantine_limit: Duration::from_secs(args.quarantine_limit_secs),
     };
     run_node(&args.engine, &args.node, Role::Decode, Some(cfg))
 }

@@ -1,9 +1,10 @@
 //! Decode role: a gRPC `Generate` service. For each request it looks up its
 //! own prefix cache, reserves destination blocks for the rest of the prompt,
-//! asks a prefill node (the router's ranked choices, in order) to compute
-//! and write them, and meanwhile keeps decoding its other sequences. Short
-//! or mostly cached prompts, and prefills that fail or stall past their
-//! deadline, are prefilled here instead.
+//! grants one prefill node (the router's ranked choices, in order) the right
+//! to write exactly those blocks, asks it to compute and write them, and
+//! meanwhile keeps decoding its other sequences. Short or mostly cached
+//! prompts, and prefills that fail or stall past their deadline, are
+//! prefilled here instead.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -11,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::Counter;
+use tandem_dkv::Grant;
 use tandem_engine::sampler::Sampled;
 use tandem_engine::scheduler::{
     Event, ImportOutcome, ImportSlot, KvHandoff, Request, RequestStream,
@@ -34,10 +36,10 @@ pub struct DecodeConfig {
     /// is abandoned and the prompt prefilled here.
     pub prefill_timeout: Duration,
     /// Longest a failed or abandoned transfer's blocks are kept out of use
-    /// while its prefill node cannot confirm (`Fence`) that none of its
-    /// writes can land any more; past it they are released anyway (logged,
-    /// `tandem.decode.quarantine_expired`).
-    pub fence_limit: Duration,
+    /// while a write its grant accepted is still landing (a rendezvous
+    /// receive from a frozen peer); past it they are released anyway
+    /// (logged, `tandem.decode.quarantine_expired`).
+    pub quarantine_limit: Duration,
 }
 
 impl DecodeConfig {
@@ -49,8 +51,8 @@ impl DecodeConfig {
                 tandem_proto::MAX_DEADLINE
             ));
         }
-        if self.fence_limit.is_zero() {
-            return Err("the fence limit must be at least 1 s".into());
+        if self.quarantine_limit.is_zero() {
+            return Err("the quarantine limit must be at least 1 s".into());
         }
         Ok(())
     }
@@ -59,9 +61,9 @@ impl DecodeConfig {
 struct DecodeMetrics {
     /// Prefill placements, by `outcome` (local|remote|retried|fallback).
     prefills: Counter<u64>,
-    /// Transfers whose blocks were quarantined until fenced.
+    /// Failed transfers whose blocks were held until no write was landing.
     quarantined: Counter<u64>,
-    /// Quarantines released at the fence limit, unfenced.
+    /// Quarantines released at the limit with a write still landing.
     quarantine_expired: Counter<u64>,
 }
 
@@ -81,55 +83,43 @@ fn metrics() -> &'static DecodeMetrics {
                 .u64_counter("tandem.decode.quarantined")
                 .with_description(
                     "Failed or abandoned KV transfers whose destination blocks were held \
-                     until the prefill node fenced them",
+                     until no write their grant accepted was still landing",
                 )
                 .build(),
             quarantine_expired: m
                 .u64_counter("tandem.decode.quarantine_expired")
                 .with_description(
-                    "Quarantined blocks released at --fence-limit-secs without a fence",
+                    "Quarantined blocks released at --quarantine-limit-secs with a write \
+                     still landing",
                 )
                 .build(),
         }
     })
 }
 
-/// A transfer that may still be writing into a request's blocks, and where
-/// to fence it.
+/// The grants of a transfer that failed in a way that may leave writes in
+/// flight: its blocks stay out of use until every grant is revoked and
+/// nothing it accepted is still landing.
 #[derive(Debug, Clone)]
-struct Fence {
+struct Tainted {
     worker_id: String,
-    endpoint: String,
-    transfer_id: u64,
+    grants: Arc<[Grant]>,
 }
 
 /// Where a prompt's prefill ended up.
 enum Placement {
     /// The import is complete (remote) or to be computed here, in its blocks.
     Done(ImportOutcome, String),
-    /// A remote attempt failed in a way that may leave writes in flight: its
-    /// blocks cannot be trusted until fenced. The other targets from the
-    /// given index on are still to be tried, with fresh blocks.
-    Tainted(Fence, usize),
+    /// A remote attempt failed in a way that may leave writes in flight:
+    /// its blocks wait in quarantine. The other targets from the given
+    /// index on are still to be tried, with fresh blocks.
+    Tainted(Tainted, usize),
 }
 
-/// Transfer ids: unique across the decode nodes that share a prefill node
-/// (a random base per process, then a counter; never 0).
-fn next_transfer_id() -> u64 {
-    use std::hash::BuildHasher;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: OnceLock<AtomicU64> = OnceLock::new();
-    let next = NEXT.get_or_init(|| {
-        let base = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
-        AtomicU64::new(base)
-    });
-    loop {
-        let id = next.fetch_add(1, Ordering::Relaxed);
-        if id != 0 {
-            return id;
-        }
-    }
-}
+/// After a prefill node answers, how long its last bytes may take to land
+/// here (they may still be in the network: the answer only says that our
+/// transport has them queued, or the peer's does).
+const LANDING_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct DecodeService {
@@ -170,15 +160,6 @@ fn never_connected(status: &Status) -> bool {
     }
     false
 }
-
-/// After finding a prefill node gone (connection refused), how long its
-/// transfer's blocks stay quarantined for bytes its dead sockets still
-/// held to arrive.
-const PEER_GONE_SETTLE: Duration = Duration::from_secs(2);
-
-/// How long one `Fence` call may take (the prefill node waits up to 10 s for
-/// the transfer to stop and 10 s per endpoint flush).
-const FENCE_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl DecodeService {
     pub fn new(core: Arc<NodeCore>, config: DecodeConfig) -> Self {
@@ -259,11 +240,11 @@ impl Inner {
                     placed = self.place_prefill(&job, &slot, &trace, &attempt, from, budget) => placed,
                     () = out.closed() => {
                         // The router went away mid-prefill: dropping the
-                        // call cancels it, but writes already under way may
-                        // still land, so the blocks wait for the fence.
+                        // call cancels it; the grants are revoked and the
+                        // blocks wait until nothing accepted is landing.
                         let pending = attempt.lock().unwrap_or_else(PoisonError::into_inner).take();
-                        if let Some(fence) = pending {
-                            self.quarantine(stream, fence);
+                        if let Some(tainted) = pending {
+                            self.quarantine(stream, tainted);
                         }
                         return;
                     }
@@ -274,10 +255,10 @@ impl Inner {
                         stream.complete_import(outcome);
                         break;
                     }
-                    Placement::Tainted(fence, next) => {
+                    Placement::Tainted(tainted, next) => {
                         // Go on in fresh blocks (the prefix-cache lookup
-                        // again); the tainted ones stay reserved until the
-                        // prefill node fences them.
+                        // again); the tainted ones stay reserved until
+                        // nothing is landing in them.
                         let fresh = self.core.scheduler.submit(Request {
                             prompt: job.prompt.clone(),
                             sampling: job.sampling.clone(),
@@ -289,11 +270,11 @@ impl Inner {
                         match fresh {
                             Ok(fresh) => {
                                 let old = std::mem::replace(&mut stream, fresh);
-                                self.quarantine(old, fence);
+                                self.quarantine(old, tainted);
                                 from = next;
                             }
                             Err(e) => {
-                                self.quarantine(stream, fence);
+                                self.quarantine(stream, tainted);
                                 let _ = out.send(Err(WorkerError::from(e).into())).await;
                                 return;
                             }
@@ -343,7 +324,7 @@ impl Inner {
         job: &GenerateJob,
         slot: &ImportSlot,
         trace: &TraceContext,
-        attempt: &Mutex<Option<Fence>>,
+        attempt: &Mutex<Option<Tainted>>,
         from: usize,
         budget: Instant,
     ) -> Placement {
@@ -361,17 +342,23 @@ impl Inner {
             if i > 0 && Instant::now() >= budget {
                 break;
             }
-            let fence = Fence {
+            let grants = match self.grant(slot) {
+                Ok(g) => g,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot grant the prompt's blocks; prefilling here");
+                    break;
+                }
+            };
+            let pending = Tainted {
                 worker_id: target.worker_id.clone(),
-                endpoint: target.endpoint.clone(),
-                transfer_id: next_transfer_id(),
+                grants,
             };
-            let set = |f: Option<Fence>| {
-                *attempt.lock().unwrap_or_else(PoisonError::into_inner) = f;
+            let set = |t: Option<Tainted>| {
+                *attempt.lock().unwrap_or_else(PoisonError::into_inner) = t;
             };
-            set(Some(fence.clone()));
+            set(Some(pending.clone()));
             let result = self
-                .remote_prefill(job, slot, target, trace, fence.transfer_id)
+                .remote_prefill(job, slot, target, trace, &pending.grants)
                 .await;
             set(None);
             match result {
@@ -387,7 +374,7 @@ impl Inner {
                     tracing::warn!(worker = %target.worker_id, error = %error, tainted, "remote prefill failed");
                     self.forget_channel(&target.endpoint);
                     if tainted {
-                        return Placement::Tainted(fence, i + 1);
+                        return Placement::Tainted(pending, i + 1);
                     }
                 }
             }
@@ -396,75 +383,45 @@ impl Inner {
         Placement::Done(ImportOutcome::PrefillLocally, String::new())
     }
 
-    /// Keeps `stream` (and so its blocks) until the prefill node confirms
-    /// that none of `fence`'s writes can land any more, retrying with
-    /// backoff; past the fence limit the blocks are released anyway.
-    fn quarantine(self: &Arc<Self>, stream: RequestStream, fence: Fence) {
+    /// Grants the prompt's destination blocks on every rank's pool, for
+    /// one attempt; expiring a little after the attempt's deadline.
+    fn grant(&self, slot: &ImportSlot) -> Result<Arc<[Grant]>, WorkerError> {
+        let core = &self.core;
+        let block = core.layout.block_bytes;
+        let ranges: Vec<std::ops::Range<u64>> = slot.blocks[slot.cached_blocks..]
+            .iter()
+            .map(|&b| u64::from(b) * block..(u64::from(b) + 1) * block)
+            .collect();
+        let expires = Instant::now() + self.config.prefill_timeout + LANDING_WAIT;
+        std::iter::once(&*core.region)
+            .chain(core.peer_regions.iter())
+            .map(|r| r.grant(&ranges, expires).map_err(WorkerError::Transfer))
+            .collect()
+    }
+
+    /// Keeps `stream` (and so its blocks) until the transfer's grants are
+    /// revoked and nothing they accepted is still landing; past the
+    /// quarantine limit the blocks are released anyway.
+    fn quarantine(self: &Arc<Self>, stream: RequestStream, tainted: Tainted) {
         metrics().quarantined.add(1, &[]);
-        let me = Arc::clone(self);
+        let limit = self.config.quarantine_limit;
         let task = async move {
-            let start = Instant::now();
-            let mut backoff = Duration::from_millis(100);
-            loop {
-                match me.fence(&fence).await {
-                    Ok(()) => {
-                        tracing::debug!(worker = %fence.worker_id, transfer = fence.transfer_id, "transfer fenced; blocks released");
-                        break;
-                    }
-                    Err(e) if start.elapsed() >= me.config.fence_limit => {
-                        metrics().quarantine_expired.add(1, &[]);
-                        tracing::warn!(
-                            worker = %fence.worker_id,
-                            transfer = fence.transfer_id,
-                            error = %e,
-                            "no fence within {:?}; releasing the transfer's blocks anyway",
-                            me.config.fence_limit
-                        );
-                        break;
-                    }
-                    Err(e) => {
-                        tracing::debug!(worker = %fence.worker_id, error = %e, "fence not reached yet");
-                        me.forget_channel(&fence.endpoint);
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(5));
-                    }
+            let revoked = async {
+                for g in tainted.grants.iter() {
+                    g.revoke().await;
                 }
+            };
+            if tokio::time::timeout(limit, revoked).await.is_err() {
+                metrics().quarantine_expired.add(1, &[]);
+                tracing::warn!(
+                    worker = %tainted.worker_id,
+                    "a write from this prefill node was still landing after {limit:?}; \
+                     releasing its blocks anyway"
+                );
             }
             drop(stream);
         };
         self.tasks.spawn(task.in_current_span());
-    }
-
-    async fn fence(&self, fence: &Fence) -> Result<(), WorkerError> {
-        let core = &self.core;
-        let worker_addresses = std::iter::once(&*core.region)
-            .chain(core.peer_regions.iter())
-            .map(|r| r.descriptor().worker_address)
-            .collect();
-        let mut client = pb::prefill_client::PrefillClient::new(self.channel(&fence.endpoint)?);
-        let mut request = tonic::Request::new(pb::FenceRequest {
-            transfer_id: fence.transfer_id,
-            worker_addresses,
-        });
-        request.set_timeout(FENCE_CALL_TIMEOUT);
-        match tokio::time::timeout(FENCE_CALL_TIMEOUT, client.fence(request)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(status)) if never_connected(&status) => {
-                // Nobody listens there any more: the prefill process is
-                // gone, and the kernel delivers what its closed sockets
-                // still held right away (on a network that is not itself
-                // partitioned). Let that settle, then count it as fenced.
-                tracing::info!(worker = %fence.worker_id, "prefill node gone; its transfer counts as fenced");
-                tokio::time::sleep(PEER_GONE_SETTLE).await;
-                Ok(())
-            }
-            Ok(Err(status)) => Err(WorkerError::Internal(format!(
-                "fence answered {:?}: {}",
-                status.code(),
-                status.message()
-            ))),
-            Err(_) => Err(WorkerError::Deadline("fence call".into())),
-        }
     }
 
     /// Asks one prefill node; a stalled call is abandoned at the deadline.
@@ -474,18 +431,17 @@ impl Inner {
         slot: &ImportSlot,
         target: &PrefillTarget,
         trace: &TraceContext,
-        transfer_id: u64,
+        grants: &[Grant],
     ) -> Result<(Sampled, usize), Attempt> {
         let core = &self.core;
         let connector = core.dkv.connector().to_string();
-        let regions: Vec<KvRegion> = std::iter::once(&*core.region)
-            .chain(core.peer_regions.iter())
-            .map(|r| {
-                let d = r.descriptor();
+        let regions: Vec<KvRegion> = grants
+            .iter()
+            .map(|g| {
+                let d = g.descriptor();
                 KvRegion {
                     worker_address: d.worker_address,
-                    rkey: d.rkey,
-                    base: d.base,
+                    grant: d.grant,
                     len: d.len,
                     connector: connector.clone(),
                 }
@@ -500,7 +456,6 @@ impl Inner {
             regions,
             deadline,
             constraint: job.constraint.clone(),
-            transfer_id,
         }
         .to_pb(&core.fingerprint);
         let mut request = tonic::Request::new(req);
@@ -558,7 +513,19 @@ impl Inner {
             }
             Err(_) => return Err(tainted(watchdog("no prefill answer"))),
         };
-        // An answer means every write was flushed: nothing is in flight.
+        // The answer says the prefill node sent everything; the grants say
+        // whether it all landed here (only then are the blocks usable).
+        let landing = Instant::now() + LANDING_WAIT;
+        for g in grants {
+            g.complete(landing).await.map_err(|e| {
+                tainted(WorkerError::Deadline(format!(
+                    "KV from {} did not all land ({} of {} bytes): {e}",
+                    target.worker_id,
+                    g.landed(),
+                    g.total()
+                )))
+            })?;
+        }
         let first = resp
             .first
             .ok_or_else(|| WorkerError::Internal("prefill response without a first token".into()))

@@ -8,11 +8,11 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use tandem_decode_node::{DecodeConfig, DecodeService};
-use tandem_dkv::TransportKind;
+use tandem_dkv::{Dkv, DkvConfig, DkvError, Refusal, RemoteRegion, TransportKind, WriteOp};
 use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::SamplingParams;
@@ -241,17 +241,14 @@ enum Fake {
     BadToken,
     /// A response without a first token.
     NoToken,
-    /// Never answers, and refuses to fence (a partitioned node, as far as
-    /// the decode node can tell).
-    StallUnfenced,
 }
 
 #[derive(Clone)]
 struct FakePrefill {
     how: Fake,
     calls: Arc<AtomicUsize>,
-    /// `Fence` calls answered OK.
-    fences: Arc<AtomicUsize>,
+    /// The last request received (with the decode node's grant in it).
+    last: Arc<Mutex<Option<pb::PrefillRequest>>>,
     /// Calls whose handler has not finished or been dropped.
     open: Arc<AtomicUsize>,
 }
@@ -269,14 +266,15 @@ impl Drop for Open {
 impl pb::prefill_server::Prefill for FakePrefill {
     async fn prefill(
         &self,
-        _req: Request<pb::PrefillRequest>,
+        req: Request<pb::PrefillRequest>,
     ) -> Result<Response<pb::PrefillResponse>, Status> {
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(req.into_inner());
         self.calls.fetch_add(1, Ordering::SeqCst);
         self.open.fetch_add(1, Ordering::SeqCst);
         let _open = Open(Arc::clone(&self.open));
         let first = match self.how {
             Fake::Fail(code) => return Err(Status::new(code, "fake prefill failure")),
-            Fake::Stall | Fake::StallUnfenced => return std::future::pending().await,
+            Fake::Stall => return std::future::pending().await,
             Fake::BadToken => Some(pb::Token {
                 id: u32::MAX,
                 logprob: None,
@@ -291,23 +289,12 @@ impl pb::prefill_server::Prefill for FakePrefill {
             blocks: 0,
         }))
     }
-
-    async fn fence(
-        &self,
-        _req: Request<pb::FenceRequest>,
-    ) -> Result<Response<pb::FenceResponse>, Status> {
-        if matches!(self.how, Fake::StallUnfenced) {
-            return Err(Status::unavailable("fake: cannot fence"));
-        }
-        self.fences.fetch_add(1, Ordering::SeqCst);
-        Ok(Response::new(pb::FenceResponse {}))
-    }
 }
 
 struct FakeServer {
     server: Server,
     calls: Arc<AtomicUsize>,
-    fences: Arc<AtomicUsize>,
+    last: Arc<Mutex<Option<pb::PrefillRequest>>>,
     open: Arc<AtomicUsize>,
 }
 
@@ -316,17 +303,17 @@ impl FakeServer {
         let fake = FakePrefill {
             how,
             calls: Arc::default(),
-            fences: Arc::default(),
+            last: Arc::default(),
             open: Arc::default(),
         };
         let (calls, open) = (Arc::clone(&fake.calls), Arc::clone(&fake.open));
-        let fences = Arc::clone(&fake.fences);
+        let last = Arc::clone(&fake.last);
         let svc = pb::prefill_server::PrefillServer::new(fake);
         let server = Server::start(tonic::transport::Server::builder().add_service(svc)).await;
         Self {
             server,
             calls,
-            fences,
+            last,
             open,
         }
     }
@@ -335,8 +322,11 @@ impl FakeServer {
         self.calls.load(Ordering::SeqCst)
     }
 
-    fn fences(&self) -> usize {
-        self.fences.load(Ordering::SeqCst)
+    fn last_request(&self) -> Option<pb::PrefillRequest> {
+        self.last
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 }
 
@@ -347,11 +337,37 @@ fn target(id: &str, endpoint: &str) -> PrefillTarget {
     }
 }
 
-fn config(prefill_timeout: Duration, fence_limit: Duration) -> DecodeConfig {
+/// Writes one whole block `block` into the pool `req`'s region names,
+/// as a prefill node holding that request's grant would (from its own
+/// in-process transport).
+async fn write_block(req: &pb::PrefillRequest, block: u32) -> Result<(), DkvError> {
+    let region = req.region.as_ref().expect("a region");
+    let remote = RemoteRegion {
+        worker_address: region.worker_address.clone(),
+        grant: region.grant.clone(),
+        len: region.len,
+    };
+    // Node::start's pool: 96 blocks.
+    let block_bytes = region.len / 96;
+    let writer = Dkv::new(DkvConfig::in_process())?;
+    let src = writer.alloc(block_bytes as usize)?;
+    let op = WriteOp {
+        local_offset: 0,
+        remote_offset: u64::from(block) * block_bytes,
+        len: block_bytes,
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    writer
+        .write(&src, &remote, &[op], deadline)
+        .await
+        .map(|_| ())
+}
+
+fn config(prefill_timeout: Duration, quarantine_limit: Duration) -> DecodeConfig {
     let c = DecodeConfig {
         remote_prefill_min_tokens: 1,
         prefill_timeout,
-        fence_limit,
+        quarantine_limit,
     };
     c.validate().expect("valid decode config");
     c
@@ -537,10 +553,11 @@ async fn failed_and_unreachable_workers_are_passed_over() {
 
 /// A prefill node that never answers is abandoned at the prefill timeout;
 /// the prompt is prefilled here in fresh blocks (outcome `fallback`, one
-/// watchdog firing), the call to the stalled node is cancelled, and the
-/// abandoned blocks are released once the node fences the transfer.
+/// watchdog firing), the call to the stalled node is cancelled, the
+/// abandoned blocks are released, and a late write from the stalled node
+/// is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_prefill_falls_back_after_the_timeout_and_is_fenced() {
+async fn a_stalled_prefill_falls_back_after_the_timeout_and_cannot_write_late() {
     let _serial = serial().await;
     let p = prompt("glaciers");
     let want = reference(&p);
@@ -586,51 +603,17 @@ async fn a_stalled_prefill_falls_back_after_the_timeout_and_is_fenced() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     decode.wait_idle().await;
-    assert_eq!(stalled.fences(), 1, "the abandoned transfer was fenced");
+    let late = stalled.last_request().expect("the stalled node was asked");
+    let refused = decode.core.dkv.refused_writes();
+    let block = late.dst_blocks[0];
+    assert!(matches!(
+        write_block(&late, block).await,
+        Err(DkvError::Refused(_))
+    ));
+    assert_eq!(decode.core.dkv.refused_writes(), refused + 1);
+    assert_eq!(decode.core.dkv.live_grants(), 0, "grants leaked");
     drop(svc);
     stalled.server.stop().await;
-    decode.shutdown().await;
-}
-
-/// Blocks an abandoned transfer may still write are not reused while its
-/// prefill node cannot fence it: they stay reserved (the request itself
-/// goes on in fresh blocks) until the fence limit, then are released.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unfenced_blocks_stay_out_of_use_until_the_fence_limit() {
-    let _serial = serial().await;
-    let p = prompt("lighthouses");
-    let want = reference(&p);
-    let decode = Node::start(Role::Decode, "decode");
-    let partitioned = FakeServer::start(Fake::StallUnfenced).await;
-    let (timeout, limit) = (Duration::from_millis(300), Duration::from_secs(3));
-    let svc = DecodeService::new(Arc::clone(&decode.core), config(timeout, limit));
-    let got = run(
-        &svc,
-        &decode,
-        &p,
-        vec![target("prefill-partitioned", &partitioned.server.endpoint)],
-    )
-    .await;
-    assert_eq!(got.tokens, want, "the request went on in fresh blocks");
-    let done = Instant::now();
-    let in_use = || {
-        decode
-            .core
-            .scheduler
-            .stats()
-            .kv_blocks_in_use
-            .load(Ordering::Relaxed)
-    };
-    assert!(in_use() > 0, "the tainted blocks were released unfenced");
-    decode.wait_idle().await;
-    let held = done.elapsed() + timeout;
-    assert!(
-        held >= limit - Duration::from_millis(500),
-        "released after {held:?}, before the fence limit"
-    );
-    assert_eq!(partitioned.fences(), 0);
-    drop(svc);
-    partitioned.server.stop().await;
     decode.shutdown().await;
 }
 
@@ -755,9 +738,10 @@ async fn short_or_cached_prompts_are_prefilled_here() {
 }
 
 /// A caller that goes away while its prompt waits on a prefill node that
-/// never answers frees the reserved blocks once the node fences the call, not
-/// after the prefill timeout of every target; more than
-/// `MAX_PREFILL_TARGETS` targets are refused.
+/// never answers frees the reserved blocks at once, not after the prefill
+/// timeout of every target; more than `MAX_PREFILL_TARGETS` targets are
+/// refused. Meanwhile the prefill node's grant lets it write the request's
+/// own blocks and nothing else, and only until the caller left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_gone_mid_prefill_frees_its_blocks_at_once() {
     use pb::decode_server::Decode;
@@ -808,9 +792,36 @@ async fn a_caller_gone_mid_prefill_frees_its_blocks_at_once() {
         .kv_blocks_in_use
         .load(Ordering::Relaxed);
     assert!(in_use > 0, "blocks are reserved while the prefill runs");
+    let asked = stalled.last_request().expect("the stalled node was asked");
+    let dkv = &decode.core.dkv;
+    let refused = dkv.refused_writes();
+    let outside = (0..96u32)
+        .find(|b| !asked.dst_blocks.contains(b))
+        .expect("a block outside the request");
+    assert!(matches!(
+        write_block(&asked, outside).await,
+        Err(DkvError::Refused(Refusal::OutOfRange))
+    ));
+    assert_eq!(dkv.refused_writes(), refused + 1);
+    write_block(&asked, asked.dst_blocks[0])
+        .await
+        .expect("the granted block is writable");
+    // Each granted byte once: a replay is refused.
+    assert!(matches!(
+        write_block(&asked, asked.dst_blocks[0]).await,
+        Err(DkvError::Refused(Refusal::OutOfRange))
+    ));
     let cancelled = Instant::now();
     drop(stream);
     decode.wait_idle().await;
+    // The grant went with the caller.
+    let last = asked.dst_blocks[asked.dst_blocks.len() - 1];
+    assert!(matches!(
+        write_block(&asked, last).await,
+        Err(DkvError::Refused(_))
+    ));
+    assert_eq!(dkv.refused_writes(), refused + 3);
+    assert_eq!(dkv.live_grants(), 0, "grants leaked");
     assert!(
         cancelled.elapsed() < Duration::from_secs(5),
         "blocks held {:?} after the caller left",

@@ -1,24 +1,31 @@
 //! Write bandwidth between two processes over UCX.
 //!
 //! ```text
-//! dkv_bench server [--tls TLS] [--size BYTES] [--register]
-//!     allocates BYTES with Dkv::alloc (or registers heap memory), prints `DESC <addr hex> <rkey hex> <base> <len>`, then
-//!     progresses until stdin closes and checks what the client wrote.
-//! dkv_bench client --desc "<DESC line>" [--tls TLS] [--sizes 1,4,16,64]
-//!     [--block 65536] [--reps 10] [--warmup 3] [--lat-reps N]
-//!     for each size (MiB) writes it as one op per block, as one merged
-//!     op, and per block four writes at a time; prints
-//!     `RESULT size=B mode=blocks|merged|blocks-q4 ops=N best=X median=Y`
+//! dkv_bench server [--tls TLS] [--size BYTES] [--register] [PLAN]
+//!     allocates BYTES with Dkv::alloc (or registers heap memory) and grants
+//!     all of it once per write the client's PLAN makes (a byte lands once
+//!     per grant); prints one `DESC <addr hex> <grant hex> <len>` line per
+//!     grant, then `END <n>`; progresses until stdin closes and checks what
+//!     the client wrote (and that the receiver refused nothing).
+//! dkv_bench client [--desc-file FILE] [--tls TLS] [PLAN]
+//!     reads the server's DESC lines (from FILE, or stdin up to `END`) and
+//!     uses each for one write(). For each size (MiB) writes it as one op
+//!     per block, as one merged op, and per block four writes at a time;
+//!     prints `RESULT size=B mode=blocks|merged|blocks-q4 ops=N best=X median=Y`
 //!     in MB/s, where MB = 2^20 bytes as ucx_perftest counts them; with
 //!     --lat-reps, also `LATENCY bytes=64 p50= p90= p99= us` of 64-byte writes.
+//! PLAN, the same on both sides: [--sizes 1,4,16,64] [--block 65536]
+//!     [--reps 10] [--warmup 3] [--lat-reps N]
 //! ```
 //! Both sides use the same offsets, so the server can verify the pattern.
+//! Grants are made before the timed writes (as a decode node grants its
+//! blocks before it asks a prefill node for them).
 
 use std::io::{BufRead, Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_dkv::{Dkv, DkvConfig, RemoteRegion, TransportKind, WriteOp};
+use tandem_dkv::{Dkv, DkvConfig, Grant, RemoteRegion, TransportKind, WriteOp};
 
 fn pattern(i: usize) -> u8 {
     (i.wrapping_mul(131) ^ (i >> 12)) as u8
@@ -80,10 +87,64 @@ fn dkv(args: &[String]) -> Result<Dkv, String> {
     .map_err(|e| e.to_string())
 }
 
+/// What the client writes: both sides parse it from the same options, so
+/// the server knows how many grants to make.
+struct Plan {
+    sizes: Vec<u64>,
+    block: u64,
+    reps: usize,
+    warmup: usize,
+    lat_reps: usize,
+}
+
+/// Untimed 64-byte writes before the latency samples.
+const LAT_WARMUP: usize = 100;
+/// Writes per round of each mode: blocks, merged, blocks-q4.
+const MODES: [(&str, usize); 3] = [("blocks", 1), ("merged", 1), ("blocks-q4", 4)];
+
+impl Plan {
+    fn parse(args: &[String]) -> Result<Plan, String> {
+        let num = |name: &str, default: usize| -> Result<usize, String> {
+            arg(args, name)
+                .map_or(Ok(default), |s| s.parse())
+                .map_err(|e| format!("{name}: {e}"))
+        };
+        let sizes = arg(args, "--sizes")
+            .unwrap_or_else(|| "1,4,16,64".into())
+            .split(',')
+            .map(|s| {
+                s.trim()
+                    .parse::<u64>()
+                    .map(|m| m << 20)
+                    .map_err(|e| format!("--sizes: {e}"))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Plan {
+            sizes,
+            block: num("--block", 64 << 10)? as u64,
+            reps: num("--reps", 10)?.max(1),
+            warmup: num("--warmup", 3)?,
+            lat_reps: num("--lat-reps", 0)?,
+        })
+    }
+
+    /// write() calls the client makes: each needs a grant of its own.
+    fn writes(&self) -> usize {
+        let per_size: usize = MODES.iter().map(|(_, depth)| depth).sum();
+        let lat = if self.lat_reps > 0 {
+            self.lat_reps + LAT_WARMUP
+        } else {
+            0
+        };
+        self.sizes.len() * (self.warmup + self.reps) * per_size + lat
+    }
+}
+
 fn server(args: &[String]) -> Result<(), String> {
     let size: usize = arg(args, "--size")
         .map_or(Ok(64 << 20), |s| s.parse())
         .map_err(|e| format!("--size: {e}"))?;
+    let plan = Plan::parse(args)?;
     let d = dkv(args)?;
     // --register: the target is ordinary heap memory registered with
     // ucp_mem_map; default: memory from Dkv::alloc (transport-allocated).
@@ -95,25 +156,58 @@ fn server(args: &[String]) -> Result<(), String> {
     } else {
         (d.alloc(size).map_err(|e| e.to_string())?, None)
     };
-    let desc = region.descriptor();
-    println!(
-        "DESC {} {} {} {}",
-        hex(&desc.worker_address),
-        hex(&desc.rkey),
-        desc.base,
-        desc.len
-    );
-    std::io::stdout().flush().map_err(|e| e.to_string())?;
-    // The dkv thread progresses incoming puts; we only wait for EOF.
+    // One grant of the whole region per write: every write of the plan
+    // writes its bytes again. Generous expiry: the run takes minutes.
+    let expires = Instant::now() + Duration::from_secs(3600);
+    let whole = 0..size as u64;
+    let grants: Vec<Grant> = (0..plan.writes())
+        .map(|_| region.grant(std::slice::from_ref(&whole), expires))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("grant: {e}"))?;
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    for g in &grants {
+        let desc = g.descriptor();
+        writeln!(
+            out,
+            "DESC {} {} {}",
+            hex(&desc.worker_address),
+            hex(&desc.grant),
+            desc.len
+        )
+        .map_err(|e| e.to_string())?;
+    }
+    writeln!(out, "END {}", grants.len()).map_err(|e| e.to_string())?;
+    out.flush().map_err(|e| e.to_string())?;
+    drop(out);
+    // The dkv thread receives the writes; we only wait for EOF.
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
+    // Every write landed (its bytes are checked below) and none was
+    // refused; the client's last write may still be finishing its landing.
+    let until = Instant::now() + Duration::from_secs(5);
+    while grants.iter().any(|g| g.landed() == 0) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let unused = grants.iter().filter(|g| g.landed() == 0).count();
+    if d.refused_writes() != 0 || unused != 0 {
+        return Err(format!(
+            "server: {} writes refused, {unused} of {} grants got nothing",
+            d.refused_writes(),
+            grants.len()
+        ));
+    }
+    drop(grants);
     let written: usize = arg(args, "--verify")
         .map_or(Ok(size), |s| s.parse())
         .map_err(|e| format!("--verify: {e}"))?;
     // SAFETY: the region (and its memory) is alive; the client is done.
     let got = unsafe { std::slice::from_raw_parts(region.as_ptr(), region.len()) };
     match (0..written.min(size)).find(|&i| got[i] != pattern(i)) {
-        None => eprintln!("server: verified {} bytes", written.min(size)),
+        None => eprintln!(
+            "server: verified {} bytes; {} grants, each written, none refused",
+            written.min(size),
+            plan.writes()
+        ),
         Some(i) => return Err(format!("server: byte {i} is {} not {}", got[i], pattern(i))),
     }
     drop(region);
@@ -124,48 +218,57 @@ fn server(args: &[String]) -> Result<(), String> {
 fn parse_desc(line: &str) -> Result<RemoteRegion, String> {
     let f: Vec<&str> = line.split_whitespace().collect();
     match f.as_slice() {
-        ["DESC", a, k, base, len] => Ok(RemoteRegion {
+        ["DESC", a, g, len] => Ok(RemoteRegion {
             worker_address: unhex(a)?,
-            rkey: unhex(k)?,
-            base: base.parse().map_err(|e| format!("base: {e}"))?,
+            grant: unhex(g)?,
             len: len.parse().map_err(|e| format!("len: {e}"))?,
         }),
         _ => Err(format!("not a DESC line: {line:?}")),
     }
 }
 
-fn client(args: &[String]) -> Result<(), String> {
-    let desc = match arg(args, "--desc") {
-        Some(d) => d,
-        None => {
-            let mut l = String::new();
-            std::io::stdin()
-                .lock()
-                .read_line(&mut l)
-                .map_err(|e| e.to_string())?;
-            l
+/// The server's DESC lines up to its `END <n>` line (which must be there:
+/// a missing one is a server that did not finish printing).
+fn read_descs(input: impl BufRead) -> Result<Vec<RemoteRegion>, String> {
+    let mut descs = Vec::new();
+    for line in input.lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let line = line.trim();
+        if let Some(n) = line.strip_prefix("END ") {
+            let n: usize = n.parse().map_err(|e| format!("END: {e}"))?;
+            if n != descs.len() {
+                return Err(format!("END {n} after {} DESC lines", descs.len()));
+            }
+            return Ok(descs);
         }
+        descs.push(parse_desc(line)?);
+    }
+    Err(format!("no END line after {} DESC lines", descs.len()))
+}
+
+fn client(args: &[String]) -> Result<(), String> {
+    let descs = match arg(args, "--desc-file") {
+        Some(path) => {
+            let f = std::fs::File::open(&path).map_err(|e| format!("{path}: {e}"))?;
+            read_descs(std::io::BufReader::new(f))?
+        }
+        None => read_descs(std::io::stdin().lock())?,
     };
-    let remote = parse_desc(desc.trim())?;
-    let num = |name: &str, default: usize| -> Result<usize, String> {
-        arg(args, name)
-            .map_or(Ok(default), |s| s.parse())
-            .map_err(|e| format!("{name}: {e}"))
-    };
-    let block = num("--block", 64 << 10)? as u64;
-    let reps = num("--reps", 10)?.max(1);
-    let warmup = num("--warmup", 3)?;
-    let sizes: Vec<u64> = arg(args, "--sizes")
-        .unwrap_or_else(|| "1,4,16,64".into())
-        .split(',')
-        .map(|s| {
-            s.trim()
-                .parse::<u64>()
-                .map(|m| m << 20)
-                .map_err(|e| format!("--sizes: {e}"))
-        })
-        .collect::<Result<_, _>>()?;
-    let max = sizes.iter().copied().max().unwrap_or(0).min(remote.len) as usize;
+    let plan = Plan::parse(args)?;
+    if descs.len() < plan.writes() {
+        return Err(format!(
+            "{} descriptors for {} writes: give the server the same plan options",
+            descs.len(),
+            plan.writes()
+        ));
+    }
+    let remote_len = descs.iter().map(|d| d.len).min().unwrap_or(0);
+    // One grant per write(), in order.
+    let mut descs = descs.into_iter();
+    let mut next = move || descs.next().ok_or_else(|| "out of grants".to_owned());
+    let (block, reps, warmup) = (plan.block, plan.reps, plan.warmup);
+    let sizes = &plan.sizes;
+    let max = sizes.iter().copied().max().unwrap_or(0).min(remote_len) as usize;
     let d = dkv(args)?;
     let buf = Buf::new(max, pattern);
     // SAFETY: the region keeps `buf` alive.
@@ -174,7 +277,7 @@ fn client(args: &[String]) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    for &size in &sizes {
+    for &size in sizes {
         if size > max as u64 {
             return Err(format!("size {size} exceeds the regions ({max} bytes)"));
         }
@@ -193,23 +296,25 @@ fn client(args: &[String]) -> Result<(), String> {
         // blocks-q4: the per-block write four times concurrently (as a node
         // with several layers or requests in flight), so the fixed cost of
         // one write() overlaps with the others' data movement.
-        for (mode, ops, depth) in [
-            ("blocks", &blocks, 1),
-            ("merged", &merged, 1),
-            ("blocks-q4", &blocks, 4),
-        ] {
+        for (mode, depth) in MODES {
+            let ops = if mode == "merged" { &merged } else { &blocks };
             let mut mbs = Vec::with_capacity(reps);
             let dl = || Instant::now() + Duration::from_secs(60);
             for i in 0..warmup + reps {
+                let remotes: Vec<RemoteRegion> =
+                    (0..depth).map(|_| next()).collect::<Result<_, _>>()?;
                 let t = Instant::now();
                 let bytes = rt
                     .block_on(async {
-                        if depth == 1 {
-                            return d.write(&local, &remote, ops, dl()).await.map(|s| s.bytes);
+                        let w = |r| d.write(&local, r, ops, dl());
+                        match remotes.as_slice() {
+                            [r] => w(r).await.map(|s| s.bytes),
+                            [r1, r2, r3, r4] => {
+                                let (a, b, c, e) = tokio::join!(w(r1), w(r2), w(r3), w(r4));
+                                Ok(a?.bytes + b?.bytes + c?.bytes + e?.bytes)
+                            }
+                            _ => unreachable!("depth is 1 or 4"),
                         }
-                        let w = || d.write(&local, &remote, ops, dl());
-                        let (a, b, c, e) = tokio::join!(w(), w(), w(), w());
-                        Ok(a?.bytes + b?.bytes + c?.bytes + e?.bytes)
                     })
                     .map_err(|e| format!("write {size} B {mode}: {e}"))?;
                 let secs = t.elapsed().as_secs_f64();
@@ -228,7 +333,7 @@ fn client(args: &[String]) -> Result<(), String> {
     }
     // Small-write latency: the fixed cost of one write() (command to the
     // transport thread, put, flush round trip, completion back).
-    let lat_reps = num("--lat-reps", 0)?;
+    let lat_reps = plan.lat_reps;
     if lat_reps > 0 {
         let op = [WriteOp {
             local_offset: 0,
@@ -236,7 +341,8 @@ fn client(args: &[String]) -> Result<(), String> {
             len: 64,
         }];
         let mut us = Vec::with_capacity(lat_reps);
-        for i in 0..lat_reps + 100 {
+        for i in 0..lat_reps + LAT_WARMUP {
+            let remote = next()?;
             let t = Instant::now();
             rt.block_on(d.write(
                 &local,
@@ -245,7 +351,7 @@ fn client(args: &[String]) -> Result<(), String> {
                 Instant::now() + Duration::from_secs(10),
             ))
             .map_err(|e| format!("latency write: {e}"))?;
-            if i >= 100 {
+            if i >= LAT_WARMUP {
                 us.push(t.elapsed().as_secs_f64() * 1e6);
             }
         }

@@ -1,17 +1,18 @@
 //! Wire envelope for the opaque bytes in a `RemoteRegion`. UCX parses worker
-//! addresses and packed rkeys without a length, so garbage from the network
-//! must never reach it: every blob carries a magic (which also tells the
-//! transport apart), its length and an xxh3 checksum, and is handed to UCX
-//! from a zero-padded copy.
+//! addresses without a length, so garbage from the network must never reach
+//! it: every blob carries a magic (which also tells the transport apart),
+//! its length and an xxh3 checksum, and is handed to UCX from a zero-padded
+//! copy. (The checksum proves the blob intact, not who made it: grants carry
+//! a secret for that.)
 
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::DkvError;
 
 pub(crate) const MAGIC_UCX_ADDRESS: [u8; 4] = *b"DKua";
-pub(crate) const MAGIC_UCX_RKEY: [u8; 4] = *b"DKuk";
 pub(crate) const MAGIC_LOCAL_ADDRESS: [u8; 4] = *b"DKla";
-pub(crate) const MAGIC_LOCAL_RKEY: [u8; 4] = *b"DKlk";
+/// A write grant's token (any transport).
+pub(crate) const MAGIC_GRANT: [u8; 4] = *b"DKgr";
 
 const HEADER: usize = 4 + 4 + 8;
 /// Far above any UCX worker address or packed rkey, far below harm.
@@ -34,8 +35,9 @@ pub(crate) fn open<'a>(what: &str, magic: [u8; 4], blob: &'a [u8]) -> Result<&'a
         .ok_or_else(|| bad(&format!("{} bytes, shorter than the header", blob.len())))?;
     if header[..4] != magic {
         let kind = match [header[0], header[1], header[2], header[3]] {
-            MAGIC_UCX_ADDRESS | MAGIC_UCX_RKEY => "a UCX",
-            MAGIC_LOCAL_ADDRESS | MAGIC_LOCAL_RKEY => "an in-process",
+            MAGIC_UCX_ADDRESS => "a UCX address",
+            MAGIC_LOCAL_ADDRESS => "an in-process address",
+            MAGIC_GRANT => "a grant",
             _ => "not a dkv",
         };
         return Err(bad(&format!("wrong magic ({kind} descriptor?)")));
@@ -72,28 +74,28 @@ mod tests {
 
     #[test]
     fn round_trip_and_corruption() {
-        let blob = seal(MAGIC_UCX_RKEY, b"packed key");
+        let blob = seal(MAGIC_GRANT, b"a token");
         assert_eq!(
-            open("rkey", MAGIC_UCX_RKEY, &blob).ok(),
-            Some(&b"packed key"[..])
+            open("grant", MAGIC_GRANT, &blob).ok(),
+            Some(&b"a token"[..])
         );
-        // Wrong transport, truncation, bit flips anywhere, trailing bytes.
-        assert!(open("rkey", MAGIC_LOCAL_RKEY, &blob).is_err());
+        // Wrong kind, truncation, bit flips anywhere, trailing bytes.
+        assert!(open("grant", MAGIC_UCX_ADDRESS, &blob).is_err());
         for cut in 0..blob.len() {
             assert!(
-                open("rkey", MAGIC_UCX_RKEY, &blob[..cut]).is_err(),
+                open("grant", MAGIC_GRANT, &blob[..cut]).is_err(),
                 "cut {cut}"
             );
         }
         for i in 0..blob.len() {
             let mut b = blob.clone();
             b[i] ^= 0x40;
-            assert!(open("rkey", MAGIC_UCX_RKEY, &b).is_err(), "flip {i}");
+            assert!(open("grant", MAGIC_GRANT, &b).is_err(), "flip {i}");
         }
         let mut long = blob.clone();
         long.push(0);
-        assert!(open("rkey", MAGIC_UCX_RKEY, &long).is_err());
-        assert!(open("rkey", MAGIC_UCX_RKEY, &seal(MAGIC_UCX_RKEY, b"")).is_err());
+        assert!(open("grant", MAGIC_GRANT, &long).is_err());
+        assert!(open("grant", MAGIC_GRANT, &seal(MAGIC_GRANT, b"")).is_err());
         assert!(read_u64("k", &[1, 2, 3], 0).is_err());
         assert_eq!(read_u64("k", &7u64.to_le_bytes(), 0).ok(), Some(7));
     }

@@ -1,5 +1,7 @@
 use thiserror::Error;
 
+use crate::Refusal;
+
 /// Everything `dkv` can fail with. Descriptors and ops come from the network,
 /// so each variant names what was wrong instead of panicking.
 #[derive(Error, Debug)]
@@ -22,6 +24,9 @@ pub enum DkvError {
     PeerUnreachable(String),
     #[error("dkv transport is shut down")]
     Shutdown,
+    /// The receiver refused the write (no valid grant for those bytes).
+    #[error("the receiver refused the write ({})", .0.label())]
+    Refused(Refusal),
 }
 
 impl DkvError {
@@ -34,6 +39,7 @@ impl DkvError {
             | Self::InvalidDescriptor(_)
             | Self::InvalidRegion(_)
             | Self::InvalidLayout(_) => "bounds",
+            Self::Refused(_) => "refused",
             Self::UcxUnavailable(_) | Self::Ucx { .. } | Self::Shutdown => "transport",
         }
     }

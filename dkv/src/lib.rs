@@ -1,15 +1,20 @@
 //! dKV: the KV block transfer engine. A prefill node writes KV bytes from
-//! its registered memory straight into a decode node's registered memory
-//! with one-sided puts; the decode node's CPU only progresses the transport.
+//! its registered memory into a decode node's registered memory; the
+//! receiver lets a write land only where a live [`Grant`] of its own allows
+//! it (UCX active messages checked on arrival, then copied, or received
+//! zero-copy by rendezvous, into the granted bytes).
 //!
 //! - [`Dkv`]: one transport instance (UCX, or in-process for tests).
-//! - [`Region`]: registered local memory; its [`RemoteRegion`] descriptor is
-//!   plain data the nodes exchange over gRPC.
-//! - [`Dkv::write`]: validated one-sided writes with a deadline.
+//! - [`Region`]: registered local memory.
+//! - [`Grant`]: ranges of a region one peer may write, once, until it
+//!   expires or is revoked; its [`RemoteRegion`] descriptor is plain data
+//!   the nodes exchange over gRPC.
+//! - [`Dkv::write`]: validated writes with a deadline.
 //! - [`KvLayout`]: block ids -> [`WriteOp`]s for the engine's block layout.
 
 mod descriptor;
 mod error;
+mod grant;
 pub mod layout;
 mod local;
 mod metrics;
@@ -27,7 +32,9 @@ use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 
+use crate::grant::{GrantTable, Token};
 pub use error::DkvError;
+pub use grant::{Grant, Refusal};
 pub use layout::KvLayout;
 pub use metrics::{DkvMetrics, metrics};
 
@@ -75,15 +82,25 @@ impl DkvConfig {
 
 /// Where a peer may write: plain data, carried in protobuf by the nodes.
 /// `worker_address` (the owner's UCP worker address: writers connect by
-/// address, so a node needs no listener port for dkv) and `rkey` are
-/// opaque, checksummed blobs; `base`/`len` must match what the rkey was made
-/// for. A descriptor stays valid while its `Region` lives.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// address, so a node needs no listener port for dkv) and `grant` (the
+/// grant's id and secret) are opaque, checksummed blobs; `len` is the
+/// region's length, which write offsets are relative to. A descriptor is
+/// honoured while its [`Grant`] lives, for the granted bytes only.
+#[derive(Clone, PartialEq, Eq)]
 pub struct RemoteRegion {
     pub worker_address: Vec<u8>,
-    pub rkey: Vec<u8>,
-    pub base: u64,
+    pub grant: Vec<u8>,
     pub len: u64,
+}
+
+impl fmt::Debug for RemoteRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The grant's secret stays out of logs.
+        f.debug_struct("RemoteRegion")
+            .field("worker_address_len", &self.worker_address.len())
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Copy `len` bytes at `local_offset` of the local region to `remote_offset`
@@ -122,6 +139,11 @@ struct DkvInner {
     /// Registrations not yet undone (UCX: counted by the actor as it maps
     /// and unmaps).
     live: Arc<AtomicUsize>,
+    /// What peers may write into our regions (the receiving side checks
+    /// every incoming write here).
+    grants: Arc<GrantTable>,
+    /// The sealed worker address of our descriptors.
+    address: Vec<u8>,
     closed: AtomicBool,
 }
 
@@ -135,6 +157,8 @@ impl DkvInner {
             #[cfg(dkv_ucx)]
             Backend::Ucx(h) => h.shutdown(),
         }
+        // Nothing lands any more; owners waiting on a grant are told.
+        self.grants.clear();
     }
 }
 
@@ -172,17 +196,27 @@ impl Dkv {
     pub fn with_metrics(cfg: DkvConfig, metrics: &'static DkvMetrics) -> Result<Dkv, DkvError> {
         let id = next_id();
         let live = Arc::new(AtomicUsize::new(0));
-        let backend = match cfg.transport {
+        let connector = match cfg.transport {
+            TransportKind::InProcess => "local",
+            TransportKind::Ucx => "ucx",
+        };
+        let grants = GrantTable::new(metrics, connector);
+        let (backend, address) = match cfg.transport {
             TransportKind::InProcess => {
-                local::add_instance(id);
-                Backend::Local
+                local::add_instance(id, grants.clone());
+                (Backend::Local, local::address(id))
             }
             #[cfg(dkv_ucx)]
-            TransportKind::Ucx => Backend::Ucx(ucx::UcxHandle::start(
-                cfg.ucx_tls.as_deref(),
-                cfg.ucx_net_devices.as_deref(),
-                live.clone(),
-            )?),
+            TransportKind::Ucx => {
+                let h = ucx::UcxHandle::start(
+                    cfg.ucx_tls.as_deref(),
+                    cfg.ucx_net_devices.as_deref(),
+                    live.clone(),
+                    grants.clone(),
+                )?;
+                let address = h.address.clone();
+                (Backend::Ucx(h), address)
+            }
             #[cfg(not(dkv_ucx))]
             TransportKind::Ucx => {
                 return Err(DkvError::UcxUnavailable(
@@ -198,6 +232,8 @@ impl Dkv {
                 backend,
                 metrics,
                 live,
+                grants,
+                address,
                 closed: AtomicBool::new(false),
             }),
         };
@@ -227,14 +263,32 @@ impl Dkv {
         self.inner.live.load(Ordering::Relaxed)
     }
 
-    /// Registers `[ptr, ptr+len)` so remote peers may write into it
-    /// (`ucp_mem_map`) and local writes may read from it.
+    /// Grants not yet revoked, or revoked with a write still landing (a
+    /// leak check).
+    pub fn live_grants(&self) -> usize {
+        self.inner.grants.live()
+    }
+
+    /// Incoming writes refused so far (no valid grant for them).
+    pub fn refused_writes(&self) -> u64 {
+        self.inner.grants.refused()
+    }
+
+    /// The sealed address peers write to (every descriptor of ours carries it).
+    pub fn worker_address(&self) -> Vec<u8> {
+        self.inner.address.clone()
+    }
+
+    /// Registers `[ptr, ptr+len)` so that peers may write the parts of it
+    /// that a [`Grant`] names and local writes may read from it
+    /// (`ucp_mem_map`).
     ///
     /// # Safety
     /// The memory must stay valid while the returned `Region` lives; `owner`
-    /// is kept alive by the `Region` (and by transfers still reading it), so
-    /// making `owner` own the memory satisfies this. Peers holding the
-    /// descriptor may write into it at any time until the `Region` drops.
+    /// is kept alive by the `Region` (and by transfers and grants still
+    /// using it), so making `owner` own the memory satisfies this. Granted
+    /// ranges may be written by the peer at any time until the grant is
+    /// revoked.
     pub unsafe fn register(
         &self,
         ptr: *mut u8,
@@ -249,10 +303,8 @@ impl Dkv {
 
     /// Allocates `len` zeroed bytes and registers them; the memory lives as
     /// long as the `Region` (see [`Region::as_ptr`]). With UCX the transports
-    /// allocate it (a sysv/posix segment when shared memory is enabled), so
-    /// same-host peers write it with one direct copy instead of active
-    /// messages the target must progress: put write targets (the decode
-    /// node's KV cache) here.
+    /// allocate it, suitably for their zero-copy paths (registered with
+    /// RDMA devices where there are any).
     pub fn alloc(&self, len: usize) -> Result<Region, DkvError> {
         self.add_region(None, len, Arc::new(()))
     }
@@ -272,7 +324,7 @@ impl Dkv {
             )));
         }
         let id = next_id();
-        let (ptr, worker_address, rkey, release, owner) = match &self.inner.backend {
+        let (ptr, release, owner) = match &self.inner.backend {
             Backend::Local => {
                 let (ptr, owner) = match ptr {
                     Some(p) => (p, owner),
@@ -281,25 +333,13 @@ impl Dkv {
                         (mem.ptr, Arc::new(mem) as Owner)
                     }
                 };
-                (
-                    ptr,
-                    local::address(self.inner.id),
-                    local::rkey(id),
-                    Release::Local,
-                    Some(owner),
-                )
+                (ptr, Release::Local, Some(owner))
             }
             #[cfg(dkv_ucx)]
             Backend::Ucx(h) => {
                 // The actor keeps the owner with the mapping.
-                let (base, rkey) = h.register(id, ptr.map(|p| p as usize), len, Some(owner))?;
-                (
-                    base as *mut u8,
-                    h.address.clone(),
-                    rkey,
-                    Release::Ucx(h.releaser()),
-                    None,
-                )
+                let base = h.register(id, ptr.map(|p| p as usize), len, Some(owner))?;
+                (base as *mut u8, Release::Ucx(h.releaser()), None)
             }
         };
         let shared = Arc::new(RegionShared {
@@ -307,12 +347,8 @@ impl Dkv {
             dkv: self.inner.id,
             ptr,
             len,
-            descriptor: RemoteRegion {
-                worker_address,
-                rkey,
-                base: ptr as u64,
-                len: len as u64,
-            },
+            worker_address: self.inner.address.clone(),
+            grants: self.inner.grants.clone(),
             release,
         });
         if let Some(owner) = owner {
@@ -321,12 +357,15 @@ impl Dkv {
         Ok(Region { shared })
     }
 
-    /// One-sided writes from `local` into `remote`; resolves once the bytes
-    /// are visible in the remote memory. Every op is checked against both
-    /// regions before anything is sent. Past `deadline` ->
-    /// [`DkvError::DeadlineExceeded`]. Dropping the future cancels: no more
-    /// puts are issued for it (at most one window already posted still
-    /// lands), and an endpoint that does not drain is force-closed.
+    /// Writes from `local` into the ranges `remote`'s grant allows;
+    /// resolves once the peer's transport has every byte (the receiver's
+    /// [`Grant`] tells when they landed: it alone checks and copies them).
+    /// Every op is checked against both lengths before anything is sent.
+    /// Past `deadline` -> [`DkvError::DeadlineExceeded`]. Dropping the
+    /// future cancels: no more bytes are sent for it (at most one window
+    /// already posted still arrives), and an endpoint that does not drain
+    /// is force-closed. The in-process transport reports a refused write
+    /// as [`DkvError::Refused`]; over UCX only the receiver knows.
     pub async fn write(
         &self,
         local: &Region,
@@ -365,38 +404,6 @@ impl Dkv {
         })
     }
 
-    /// Resolves once everything this instance wrote to the peer at
-    /// `worker_address` so far (finished, failed and cancelled transfers
-    /// alike) has landed in the peer's memory or can no longer land: the
-    /// fence a receiver waits for before it reuses memory an abandoned
-    /// transfer was writing. Nothing to flush (no endpoint) is success.
-    pub async fn flush_peer(
-        &self,
-        #[cfg_attr(not(dkv_ucx), allow(unused_variables))] worker_address: &[u8],
-    ) -> Result<(), DkvError> {
-        if self.inner.closed.load(Ordering::Acquire) {
-            return Err(DkvError::Shutdown);
-        }
-        match &self.inner.backend {
-            // In-process writes are synchronous: nothing is ever in flight.
-            Backend::Local => Ok(()),
-            #[cfg(dkv_ucx)]
-            Backend::Ucx(h) => {
-                let address = descriptor::open(
-                    "worker_address",
-                    descriptor::MAGIC_UCX_ADDRESS,
-                    worker_address,
-                )?;
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                h.send(ucx::Cmd::FlushPeer {
-                    address: address.to_vec(),
-                    reply: tx,
-                })?;
-                rx.await.unwrap_or(Err(DkvError::Shutdown))
-            }
-        }
-    }
-
     async fn write_inner(
         &self,
         local: &Region,
@@ -413,37 +420,23 @@ impl Dkv {
                 "local region was registered by another Dkv".into(),
             ));
         }
-        if remote.base.checked_add(remote.len).is_none() {
-            return Err(DkvError::InvalidDescriptor(format!(
-                "base {:#x} + len {} overflows",
-                remote.base, remote.len
-            )));
-        }
+        let token = Token::open(&remote.grant)?;
         let (ops, bytes) = plan(local.shared.len as u64, remote.len, ops)?;
         if Instant::now() >= deadline {
             return Err(DkvError::DeadlineExceeded);
         }
         match &self.inner.backend {
             Backend::Local => {
-                local::write(&local.shared, remote, &ops, deadline)?;
+                local::write(&local.shared, remote, &token, &ops, deadline)?;
                 Ok(bytes)
             }
             #[cfg(dkv_ucx)]
             Backend::Ucx(h) => {
-                use crate::descriptor::{MAGIC_UCX_ADDRESS, MAGIC_UCX_RKEY};
-                let address =
-                    descriptor::open("worker_address", MAGIC_UCX_ADDRESS, &remote.worker_address)?;
-                let key = descriptor::open("rkey", MAGIC_UCX_RKEY, &remote.rkey)?;
-                let (key_base, key_len) = (
-                    descriptor::read_u64("rkey", key, 0)?,
-                    descriptor::read_u64("rkey", key, 8)?,
-                );
-                if key_base != remote.base || key_len != remote.len {
-                    return Err(DkvError::InvalidDescriptor(format!(
-                        "base {:#x} / len {} do not match the key's {key_base:#x} / {key_len}",
-                        remote.base, remote.len
-                    )));
-                }
+                let address = descriptor::open(
+                    "worker_address",
+                    descriptor::MAGIC_UCX_ADDRESS,
+                    &remote.worker_address,
+                )?;
                 if ops.is_empty() {
                     return Ok(0);
                 }
@@ -453,8 +446,7 @@ impl Dkv {
                     id,
                     region: local.shared.clone(),
                     address: address.to_vec(),
-                    rkey: key[16..].to_vec(),
-                    remote_base: remote.base,
+                    token,
                     ops,
                     deadline,
                     reply: tx,
@@ -535,9 +527,22 @@ impl fmt::Debug for Region {
 }
 
 impl Region {
-    /// What a peer needs to write into this region.
-    pub fn descriptor(&self) -> RemoteRegion {
-        self.shared.descriptor.clone()
+    /// Lets the holder of the returned grant's descriptor write `ranges`
+    /// (byte offsets into this region) once each, until `expires` or until
+    /// the grant is revoked (dropped), whichever comes first.
+    pub fn grant(
+        &self,
+        ranges: &[std::ops::Range<u64>],
+        expires: Instant,
+    ) -> Result<Grant, DkvError> {
+        self.shared
+            .grants
+            .issue(Arc::clone(&self.shared), ranges, expires)
+    }
+
+    /// The sealed address of the transport this region belongs to.
+    pub fn worker_address(&self) -> &[u8] {
+        &self.shared.worker_address
     }
 
     pub fn len(&self) -> usize {
@@ -561,7 +566,8 @@ pub(crate) struct RegionShared {
     pub(crate) dkv: u64,
     pub(crate) ptr: *mut u8,
     pub(crate) len: usize,
-    descriptor: RemoteRegion,
+    worker_address: Vec<u8>,
+    grants: Arc<GrantTable>,
     release: Release,
 }
 

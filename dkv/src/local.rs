@@ -2,18 +2,20 @@
 //! instances of this process, found through a process-wide registry. Node
 //! tests use it to run prefill and decode logic without UCX.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
-use crate::descriptor::{self, MAGIC_LOCAL_ADDRESS, MAGIC_LOCAL_RKEY};
+use crate::descriptor::{self, MAGIC_LOCAL_ADDRESS};
+use crate::grant::{GrantTable, Token};
 use crate::{DkvError, Owner, RegionShared, RemoteRegion, WriteOp};
 
 #[derive(Default)]
 struct Registry {
-    /// Live in-process `Dkv` instances.
-    instances: HashSet<u64>,
+    /// Live in-process `Dkv` instances and the grants of each (what a
+    /// receiver checks incoming writes against).
+    instances: HashMap<u64, Arc<GrantTable>>,
     regions: HashMap<u64, Entry>,
 }
 
@@ -21,7 +23,6 @@ struct Registry {
 /// down releases its memory as the UCX transport does.
 struct Entry {
     dkv: u64,
-    region: Weak<RegionShared>,
     owner: Owner,
     live: Arc<AtomicUsize>,
 }
@@ -38,12 +39,8 @@ pub(crate) fn address(instance: u64) -> Vec<u8> {
     descriptor::seal(MAGIC_LOCAL_ADDRESS, &instance.to_le_bytes())
 }
 
-pub(crate) fn rkey(region: u64) -> Vec<u8> {
-    descriptor::seal(MAGIC_LOCAL_RKEY, &region.to_le_bytes())
-}
-
-pub(crate) fn add_instance(id: u64) {
-    registry().instances.insert(id);
+pub(crate) fn add_instance(id: u64, grants: Arc<GrantTable>) {
+    registry().instances.insert(id, grants);
 }
 
 /// Forgets the instance and undoes its registrations.
@@ -71,7 +68,6 @@ pub(crate) fn add_region(region: &Arc<RegionShared>, owner: Owner, live: Arc<Ato
         region.id,
         Entry {
             dkv: region.dkv,
-            region: Arc::downgrade(region),
             owner,
             live,
         },
@@ -86,10 +82,12 @@ pub(crate) fn remove_region(id: u64) {
 }
 
 /// Copies `ops` (already validated against `local.len` and `remote.len`)
-/// into the registered region `remote` names.
+/// into the region `token` names, each op only if the receiver's grant
+/// table accepts it (as the UCX receiver does on arrival).
 pub(crate) fn write(
     local: &RegionShared,
     remote: &RemoteRegion,
+    token: &Token,
     ops: &[WriteOp],
     deadline: Instant,
 ) -> Result<(), DkvError> {
@@ -102,55 +100,41 @@ pub(crate) fn write(
         )?,
         0,
     )?;
-    let region = descriptor::read_u64(
-        "rkey",
-        descriptor::open("rkey", MAGIC_LOCAL_RKEY, &remote.rkey)?,
-        0,
-    )?;
-    // Take both regions and their owners under the lock, copy (and maybe
-    // drop them) outside it: the last drop of a region takes the lock.
-    let (target, _owners) = {
+    // Take the source's owner and the receiver's grants under the lock,
+    // copy (and maybe drop them) outside it: the last drop of a region
+    // takes the lock.
+    let (grants, _src_owner) = {
         let r = registry();
-        if !r.instances.contains(&instance) {
-            return Err(DkvError::PeerUnreachable(format!(
-                "in-process dkv {instance} is gone"
-            )));
-        }
+        let grants = r.instances.get(&instance).cloned().ok_or_else(|| {
+            DkvError::PeerUnreachable(format!("in-process dkv {instance} is gone"))
+        })?;
         let src_owner = r
             .regions
             .get(&local.id)
             .map(|e| e.owner.clone())
             .ok_or(DkvError::Shutdown)?;
-        let target = r
-            .regions
-            .get(&region)
-            .and_then(|e| Some((e.region.upgrade()?, e.owner.clone())));
-        let (target, dst_owner) = target.ok_or_else(|| {
-            DkvError::InvalidDescriptor(format!("region {region} is not registered"))
-        })?;
-        (target, (src_owner, dst_owner))
+        (grants, src_owner)
     };
-    if target.dkv != instance || target.ptr as u64 != remote.base || target.len as u64 != remote.len
-    {
-        return Err(DkvError::InvalidDescriptor(format!(
-            "region {region}: descriptor (dkv {instance}, base {:#x}, len {}) does not match the registration",
-            remote.base, remote.len
-        )));
-    }
     for op in ops {
         if Instant::now() >= deadline {
             return Err(DkvError::DeadlineExceeded);
         }
-        // SAFETY: both ranges were validated against their region lengths;
-        // both regions are registered and alive (`local` borrowed, `target`
-        // held). `copy` tolerates overlap (a region writing into itself).
+        let landing = grants
+            .accept(token, op.remote_offset, op.len)
+            .map_err(DkvError::Refused)?;
+        // SAFETY: the source range was validated against the local region,
+        // which `local` keeps alive; the grant table accepted the target
+        // range (inside its region, which the grant keeps alive until the
+        // landing is done). `copy` tolerates overlap (a region writing into
+        // itself).
         unsafe {
             std::ptr::copy(
                 local.ptr.add(op.local_offset as usize),
-                target.ptr.add(op.remote_offset as usize),
-                op.len as usize,
+                landing.dst as *mut u8,
+                landing.len(),
             );
         }
+        landing.done();
     }
     Ok(())
 }

@@ -9,7 +9,14 @@ use opentelemetry::metrics::{Counter, Histogram, Meter};
 
 /// Every `reason` of `tandem.dkv.transfer_failures`: [`crate::DkvError::reason`]
 /// and `cancelled` (a transfer dropped before it completed).
-pub const FAILURE_REASONS: [&str; 5] = ["deadline", "peer", "bounds", "transport", "cancelled"];
+pub const FAILURE_REASONS: [&str; 6] = [
+    "deadline",
+    "peer",
+    "bounds",
+    "transport",
+    "refused",
+    "cancelled",
+];
 
 /// Buckets (ms) for one transfer: sub-millisecond local copies up to stalls.
 const TRANSFER_MS_BUCKETS: [f64; 16] = [
@@ -26,10 +33,13 @@ pub struct DkvMetrics {
     /// Time of successful `write` calls, submit to remote completion (ms).
     pub transfer_latency: Histogram<f64>,
     /// Failed or cancelled transfers, labeled `reason`
-    /// (deadline|peer|bounds|cancelled|transport).
+    /// (deadline|peer|bounds|refused|cancelled|transport).
     pub transfer_failures: Counter<u64>,
     /// Decode-stall watchdog firings (recorded by the decode node).
     pub watchdog_firings: Counter<u64>,
+    /// Incoming writes a receiver refused (no valid grant for them),
+    /// labeled `reason` ([`crate::Refusal::label`]).
+    pub refused_writes: Counter<u64>,
 }
 
 /// The process's instruments, from the global meter provider (installed by
@@ -65,6 +75,10 @@ impl DkvMetrics {
             watchdog_firings: m
                 .u64_counter("tandem.dkv.watchdog_firings")
                 .with_description("Decode-stall watchdog firings")
+                .build(),
+            refused_writes: m
+                .u64_counter("tandem.dkv.refused_writes")
+                .with_description("Incoming KV writes refused for want of a valid grant, by reason")
                 .build(),
         }
     }
@@ -103,6 +117,7 @@ mod tests {
             DkvError::DeadlineExceeded,
             DkvError::PeerUnreachable(s()),
             DkvError::Shutdown,
+            DkvError::Refused(crate::Refusal::Forged),
         ];
         for e in &errors {
             assert!(FAILURE_REASONS.contains(&e.reason()), "{e:?}");

@@ -3,9 +3,8 @@
 //! the blocks the decode node lacks straight into the decode node's
 //! registered memory with one-sided puts.
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
@@ -13,138 +12,18 @@ use opentelemetry::KeyValue;
 use tandem_dkv::{KvLayout, Region, RemoteRegion, WriteOp};
 use tandem_engine::scheduler::{Event, KvHandoff, LayerDone, Request};
 use tandem_proto::trace::TraceContext;
-use tandem_proto::{FenceJob, PrefillJob, pb};
+use tandem_proto::{PrefillJob, pb};
 use tandem_worker::{NodeCore, WorkerError};
-use tokio::sync::watch;
 use tracing::Instrument;
 
 #[derive(Debug, Clone)]
 pub struct PrefillService {
     core: Arc<NodeCore>,
-    fences: Arc<Mutex<FenceTable>>,
-}
-
-/// How long a fenced id is remembered (a `Prefill` for it arriving later
-/// is refused): far beyond any deadline a caller may set.
-const FENCE_MEMORY: Duration = Duration::from_secs(1800);
-/// Fenced ids remembered at most (oldest forgotten first).
-const MAX_FENCED: usize = 1 << 16;
-/// How long a `Fence` waits for a running transfer to stop, and for each
-/// endpoint flush, before answering UNAVAILABLE (the caller retries).
-const FENCE_WAIT: Duration = Duration::from_secs(10);
-
-/// Transfers by id: running ones (with the switch that stops them) and
-/// fenced ones.
-#[derive(Debug, Default)]
-struct FenceTable {
-    running: HashMap<u64, Running>,
-    fenced: HashSet<u64>,
-    order: VecDeque<(u64, Instant)>,
-}
-
-#[derive(Debug)]
-struct Running {
-    stop: watch::Sender<bool>,
-    /// Turns true when the transfer's future is gone (its writes stopped).
-    done: watch::Receiver<bool>,
-}
-
-impl FenceTable {
-    fn fence(&mut self, id: u64, now: Instant) {
-        while let Some(&(old, at)) = self.order.front() {
-            if self.order.len() < MAX_FENCED && now.duration_since(at) < FENCE_MEMORY {
-                break;
-            }
-            self.order.pop_front();
-            self.fenced.remove(&old);
-        }
-        if self.fenced.insert(id) {
-            self.order.push_back((id, now));
-        }
-    }
-}
-
-/// Marks a running transfer done when its future ends, however it ends.
-struct RunningGuard {
-    fences: Arc<Mutex<FenceTable>>,
-    id: u64,
-    done: watch::Sender<bool>,
-}
-
-impl Drop for RunningGuard {
-    fn drop(&mut self) {
-        self.fences
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .running
-            .remove(&self.id);
-        let _ = self.done.send(true);
-    }
 }
 
 impl PrefillService {
     pub fn new(core: Arc<NodeCore>) -> Self {
-        Self {
-            core,
-            fences: Arc::default(),
-        }
-    }
-
-    /// Registers a transfer under its id; `None` for id 0 (never fenced).
-    fn start_transfer(
-        &self,
-        id: u64,
-    ) -> Result<Option<(RunningGuard, watch::Receiver<bool>)>, WorkerError> {
-        if id == 0 {
-            return Ok(None);
-        }
-        let mut t = self.fences.lock().unwrap_or_else(PoisonError::into_inner);
-        if t.fenced.contains(&id) || t.running.contains_key(&id) {
-            return Err(WorkerError::Fenced(id));
-        }
-        let (stop, stopped) = watch::channel(false);
-        let (done_tx, done) = watch::channel(false);
-        t.running.insert(id, Running { stop, done });
-        let guard = RunningGuard {
-            fences: Arc::clone(&self.fences),
-            id,
-            done: done_tx,
-        };
-        Ok(Some((guard, stopped)))
-    }
-
-    /// Stops transfer `job.transfer_id` (or refuses it, should it arrive
-    /// later), then waits until none of this node's writes towards the
-    /// caller's pools can land any more.
-    async fn fence(&self, job: FenceJob) -> Result<(), WorkerError> {
-        let done = {
-            let mut t = self.fences.lock().unwrap_or_else(PoisonError::into_inner);
-            t.fence(job.transfer_id, Instant::now());
-            t.running.get(&job.transfer_id).map(|r| {
-                let _ = r.stop.send(true);
-                r.done.clone()
-            })
-        };
-        if let Some(mut done) = done {
-            tokio::time::timeout(FENCE_WAIT, done.wait_for(|d| *d))
-                .await
-                .map_err(|_| {
-                    WorkerError::Transfer(tandem_dkv::DkvError::PeerUnreachable(
-                        "the fenced transfer did not stop in time".into(),
-                    ))
-                })?
-                .map_err(|_| WorkerError::Stopped)?;
-        }
-        for address in &job.worker_addresses {
-            tokio::time::timeout(FENCE_WAIT, self.core.dkv.flush_peer(address))
-                .await
-                .map_err(|_| {
-                    WorkerError::Transfer(tandem_dkv::DkvError::PeerUnreachable(
-                        "flushing the endpoint timed out".into(),
-                    ))
-                })??;
-        }
-        Ok(())
+        Self { core }
     }
 
     pub fn into_server(self) -> pb::prefill_server::PrefillServer<Self> {
@@ -165,16 +44,13 @@ impl PrefillService {
                 theirs: r.connector.clone(),
             });
         }
-        // Refused if already fenced; stopped if fenced while it runs.
-        let transfer = self.start_transfer(job.transfer_id)?;
         let deadline = Instant::now() + job.deadline;
         let remotes: Vec<RemoteRegion> = job
             .regions
             .iter()
             .map(|r| RemoteRegion {
                 worker_address: r.worker_address.clone(),
-                rkey: r.rkey.clone(),
-                base: r.base,
+                grant: r.grant.clone(),
                 len: r.len,
             })
             .collect();
@@ -321,26 +197,6 @@ impl PrefillService {
                 blocks: blocks as u32,
             })
         };
-        let (_running, stopped) = match transfer {
-            Some((guard, stopped)) => (Some(guard), Some(stopped)),
-            None => (None, None),
-        };
-        let id = job.transfer_id;
-        let fenced = async move {
-            if let Some(mut stopped) = stopped
-                && stopped.wait_for(|s| *s).await.is_ok()
-            {
-                return;
-            }
-            // Never fenced (id 0), or the switch is gone with its entry.
-            std::future::pending::<()>().await;
-        };
-        let work = async {
-            tokio::select! {
-                r = work => r,
-                () = fenced => Err(WorkerError::Fenced(id)),
-            }
-        };
         match tokio::time::timeout_at(deadline.into(), work).await {
             Ok(r) => r,
             Err(_) => Err(WorkerError::Deadline(format!(
@@ -447,23 +303,5 @@ impl pb::prefill_server::Prefill for PrefillService {
         }
         .instrument(span)
         .await
-    }
-
-    async fn fence(
-        &self,
-        req: tonic::Request<pb::FenceRequest>,
-    ) -> Result<tonic::Response<pb::FenceResponse>, tonic::Status> {
-        let job = FenceJob::validate(req.into_inner()).map_err(WorkerError::from)?;
-        let id = job.transfer_id;
-        match self.fence(job).await {
-            Ok(()) => {
-                tracing::info!(transfer = id, "transfer fenced");
-                Ok(tonic::Response::new(pb::FenceResponse {}))
-            }
-            Err(e) => {
-                tracing::warn!(transfer = id, error = %e, "fence not reached yet");
-                Err(e.into())
-            }
-        }
     }
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use tandem_dkv::{Dkv, DkvConfig, KvLayout, Region, TransportKind};
+use tandem_dkv::{Dkv, DkvConfig, Grant, KvLayout, Region, TransportKind};
 use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::SamplingParams;
@@ -143,6 +143,8 @@ struct Dest {
     _dkv: Dkv,
     region: Region,
     layout: KvLayout,
+    /// Every grant handed out so far, kept alive for the test.
+    grants: std::sync::Mutex<Vec<Grant>>,
 }
 
 impl Dest {
@@ -156,15 +158,24 @@ impl Dest {
             _dkv: dkv,
             region,
             layout,
+            grants: Default::default(),
         }
     }
 
+    /// A fresh grant of the whole region.
     fn kv_region(&self, connector: &str) -> KvRegion {
-        let d = self.region.descriptor();
+        let g = self
+            .region
+            .grant(
+                std::slice::from_ref(&(0..self.region.len() as u64)),
+                Instant::now() + Duration::from_secs(120),
+            )
+            .expect("grant");
+        let d = g.descriptor();
+        self.grants.lock().expect("grants").push(g);
         KvRegion {
             worker_address: d.worker_address,
-            rkey: d.rkey,
-            base: d.base,
+            grant: d.grant,
             len: d.len,
             connector: connector.into(),
         }
@@ -228,7 +239,6 @@ fn job(
         regions: vec![region],
         deadline,
         constraint: None,
-        transfer_id: 0,
     }
     .to_pb(&node.core.fingerprint)
 }
@@ -350,7 +360,7 @@ async fn mismatched_requests_are_refused_with_their_error() {
     assert_eq!(node.steps(), steps, "a refused request computed something");
 
     let mut garbled = dest.kv_region("local");
-    garbled.rkey[0] ^= 0xff;
+    garbled.grant[0] ^= 0xff;
     let err = node
         .prefill(job(&node, &p, 0, &[1], garbled, LONG))
         .await
@@ -405,84 +415,5 @@ async fn a_deadline_expiring_mid_transfer_fails_and_frees_the_blocks() {
          not mid-transfer"
     );
     node.wait_idle().await;
-    node.shutdown().await;
-}
-
-/// `Fence`: a transfer fenced before it arrives is refused when it does and
-/// writes nothing; one fenced while it runs stops (ABORTED) and frees its
-/// blocks, and the fence answers only after that; a malformed fence is
-/// refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fenced_transfers_are_refused_or_stopped() {
-    use pb::prefill_server::Prefill;
-    let _serial = serial().await;
-    // Four tokens per step: the long prompt below takes many steps.
-    let node = Node::start(4);
-    let dest = Dest::new(&node, 12);
-    let svc = node.svc.clone().expect("service");
-    let region = dest.kv_region("local");
-    let fence = |id: u64| pb::FenceRequest {
-        transfer_id: id,
-        worker_addresses: vec![region.worker_address.clone()],
-    };
-    let with_id = |id: u64, req: pb::PrefillRequest| pb::PrefillRequest {
-        transfer_id: id,
-        ..req
-    };
-    let bs = node.core.fingerprint.block_size;
-    let p = prompt_of(2 * bs + 8, "Lighthouses guided ships along rocky coasts.");
-
-    // Fenced first: the late request is refused and writes nothing.
-    svc.fence(Request::new(fence(11)))
-        .await
-        .expect("fence an unknown transfer");
-    let late = job(&node, &p, 0, &[1, 2, 3], region.clone(), LONG);
-    let err = node
-        .prefill(with_id(11, late))
-        .await
-        .expect_err("fenced transfer");
-    assert_eq!(err.code(), Code::Aborted, "{err:?}");
-    assert!((0..12).all(|b| !dest.written(b)));
-
-    // Fenced while it runs.
-    let long = prompt_of(
-        6 * bs + 8,
-        "Canals carried coal and grain across the country.",
-    );
-    let running = job(
-        &node,
-        &long,
-        0,
-        &[4, 5, 6, 7, 8, 9, 10],
-        region.clone(),
-        LONG,
-    );
-    let call = {
-        let svc = svc.clone();
-        tokio::spawn(async move { svc.prefill(Request::new(with_id(12, running))).await })
-    };
-    let until = Instant::now() + Duration::from_secs(10);
-    while node.steps() < 3 {
-        assert!(Instant::now() < until, "the prefill never started");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    svc.fence(Request::new(fence(12)))
-        .await
-        .expect("fence a running transfer");
-    // The fence answered: the transfer is over.
-    let err = tokio::time::timeout(Duration::from_secs(1), call)
-        .await
-        .expect("the transfer ended before the fence answered")
-        .expect("task")
-        .expect_err("stopped by the fence");
-    assert_eq!(err.code(), Code::Aborted, "{err:?}");
-    node.wait_idle().await;
-
-    let err = svc
-        .fence(Request::new(fence(0)))
-        .await
-        .expect_err("transfer id 0");
-    assert_eq!(err.code(), Code::InvalidArgument);
-    drop(svc);
     node.shutdown().await;
 }

@@ -17,8 +17,9 @@ pub mod pb {
 pub mod tls;
 pub mod trace;
 
-/// Bumped on any incompatible change of the messages' meaning.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Bumped on any incompatible change of the messages' meaning (2: KV
+/// regions carry grants, and KV moves as checked messages, not puts).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Longest prompt a message may carry (a bound on allocation; the node's own
 /// `--max-length` is checked after).
@@ -406,45 +407,23 @@ impl GenerateJob {
     }
 }
 
-/// Most worker addresses one `Fence` may name (a decode node's TP ranks).
-pub const MAX_FENCE_ADDRESSES: usize = 64;
-
-/// A validated `FenceRequest`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FenceJob {
-    pub transfer_id: u64,
-    pub worker_addresses: Vec<Vec<u8>>,
-}
-
-impl FenceJob {
-    pub fn validate(req: pb::FenceRequest) -> Result<Self, ProtoError> {
-        if req.transfer_id == 0 {
-            return Err(invalid("transfer_id", "0 names no transfer"));
-        }
-        if req.worker_addresses.is_empty() || req.worker_addresses.len() > MAX_FENCE_ADDRESSES {
-            return Err(invalid(
-                "worker_addresses",
-                format!(
-                    "{} given, 1..={MAX_FENCE_ADDRESSES} allowed",
-                    req.worker_addresses.len()
-                ),
-            ));
-        }
-        Ok(Self {
-            transfer_id: req.transfer_id,
-            worker_addresses: req.worker_addresses,
-        })
-    }
-}
-
-/// Registered remote memory, as sent by a decode node.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A decode node's KV pool and its grant for one transfer, as sent by the
+/// decode node (the grant's secret is in `grant`: not for logs).
+#[derive(Clone, PartialEq, Eq)]
 pub struct KvRegion {
     pub worker_address: Vec<u8>,
-    pub rkey: Vec<u8>,
-    pub base: u64,
+    pub grant: Vec<u8>,
     pub len: u64,
     pub connector: String,
+}
+
+impl std::fmt::Debug for KvRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvRegion")
+            .field("len", &self.len)
+            .field("connector", &self.connector)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A validated [`pb::PrefillRequest`]: `dst_blocks` are checked to lie in
@@ -462,8 +441,6 @@ pub struct PrefillJob {
     pub deadline: Duration,
     /// The first token is sampled under it.
     pub constraint: Option<Constraint>,
-    /// Names the transfer for a later `Fence`; 0: never fenced.
-    pub transfer_id: u64,
 }
 
 impl PrefillJob {
@@ -482,16 +459,12 @@ impl PrefillJob {
         let first = req.region.ok_or_else(|| invalid("region", "missing"))?;
         let mut regions = Vec::with_capacity(1 + req.rank_regions.len());
         for r in std::iter::once(first).chain(req.rank_regions) {
-            if r.worker_address.is_empty() || r.rkey.is_empty() {
-                return Err(invalid("region", "empty worker address or key"));
-            }
-            if r.base.checked_add(r.len).is_none() {
-                return Err(invalid("region", "base + len overflows"));
+            if r.worker_address.is_empty() || r.grant.is_empty() {
+                return Err(invalid("region", "empty worker address or grant"));
             }
             regions.push(KvRegion {
                 worker_address: r.worker_address,
-                rkey: r.rkey,
-                base: r.base,
+                grant: r.grant,
                 len: r.len,
                 connector: r.connector,
             });
@@ -554,7 +527,6 @@ impl PrefillJob {
             regions,
             deadline,
             constraint: constraint_from_pb(req.constraint)?,
-            transfer_id: req.transfer_id,
         })
     }
 
@@ -570,7 +542,6 @@ impl PrefillJob {
             rank_regions: self.regions.iter().skip(1).map(region_to_pb).collect(),
             deadline_ms: self.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
             constraint: self.constraint.as_ref().map(constraint_to_pb),
-            transfer_id: self.transfer_id,
         }
     }
 }
@@ -578,8 +549,7 @@ impl PrefillJob {
 fn region_to_pb(r: &KvRegion) -> pb::KvRegion {
     pb::KvRegion {
         worker_address: r.worker_address.clone(),
-        rkey: r.rkey.clone(),
-        base: r.base,
+        grant: r.grant.clone(),
         len: r.len,
         connector: r.connector.clone(),
     }

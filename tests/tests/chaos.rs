@@ -12,7 +12,7 @@
 //!
 //! `TANDEM_CHAOS_ONLY=TEXT` runs only the scenarios whose name contains
 //! TEXT (after the baseline); `TANDEM_CHAOS_DECODE_FLAGS` adds flags to the
-//! decode nodes (experiments, e.g. `--fence-limit-secs 30`).
+//! decode nodes (experiments, e.g. `--quarantine-limit-secs 30`).
 //!
 //! Needs root (network namespaces, veth, policy rules, tbf), etcd, libucx,
 //! the release binary and `TANDEM_TEST_GGUF`. Without namespaces it fails,

@@ -563,15 +563,13 @@ fn prefill_request(fp: pb::Fingerprint, prompt: Vec<u32>, dst: Vec<u32>) -> pb::
         dst_blocks: dst,
         region: Some(pb::KvRegion {
             worker_address: vec![1, 2, 3],
-            rkey: vec![4, 5, 6],
-            base: 4096,
+            grant: vec![4, 5, 6],
             len: 64 * block_bytes,
             connector: "ucx".into(),
         }),
         deadline_ms: 5000,
         rank_regions: vec![],
         constraint: None,
-        transfer_id: 0,
     }
 }
 

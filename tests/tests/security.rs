@@ -354,8 +354,7 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
         dst_blocks: vec![0],
         region: Some(pb::KvRegion {
             worker_address: poison,
-            rkey: vec![0; 16],
-            base: 0,
+            grant: vec![0; 16],
             len: 1 << 20,
             connector: "ucx".into(),
         }),

@@ -23,9 +23,6 @@ pub enum WorkerError {
     Deadline(String),
     #[error("the scheduler stopped")]
     Stopped,
-    /// The caller fenced this transfer: it was stopped, or is refused.
-    #[error("transfer {0} was fenced by its caller")]
-    Fenced(u64),
     /// A request the scheduler accepted failed while running.
     #[error(transparent)]
     Failed(GenFailure),
@@ -57,7 +54,6 @@ impl From<WorkerError> for Status {
             }
             WorkerError::Transfer(_) | WorkerError::Stopped => Code::Unavailable,
             WorkerError::Internal(_) => Code::Internal,
-            WorkerError::Fenced(_) => Code::Aborted,
             WorkerError::Failed(f) => return failure_to_status(f),
         };
         Status::new(code, e.to_string())

@@ -1,8 +1,16 @@
 //! UCX transport. One actor thread per `Dkv` owns the UCP context and worker
 //! (UCP objects are single-threaded); callers talk to it over a channel and
 //! an eventfd. The actor sleeps on the worker's event fd when idle, so an idle
-//! node burns no CPU yet still wakes for incoming puts (over TCP, UCX emulates
-//! puts with active messages that the target must progress).
+//! node burns no CPU yet still wakes for incoming writes.
+//!
+//! Writes are active messages, not one-sided puts: the context enables no
+//! RMA at all. UCX's software puts (what tcp and shared memory do for puts)
+//! write wherever the sender says, unchecked, and an rkey limits nothing
+//! there; an active message instead carries its grant token and offset to
+//! our handler, which checks them against the grant table and only then
+//! copies the bytes (eager) or receives them straight into the granted
+//! memory (rendezvous: zero-copy where the transport can, RDMA reads into
+//! registered memory in production).
 //!
 //! Peers are connected by UCP worker address (`ucp_ep_create` with
 //! `REMOTE_ADDRESS`): it works over tcp and shared memory on UCX 1.13, needs
@@ -12,6 +20,9 @@
 //! no error handling, where a stuck transfer is abandoned instead.
 
 pub(crate) mod sys;
+
+#[cfg(test)]
+mod attack;
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -26,8 +37,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use self::sys::*;
-use crate::descriptor::{self, MAGIC_UCX_ADDRESS, MAGIC_UCX_RKEY};
+use crate::descriptor::{self, MAGIC_UCX_ADDRESS};
+use crate::grant::{GrantTable, Landing, TOKEN_LEN, Token};
 use crate::{DkvError, Owner, RegionShared, WriteOp};
+
+/// Our one active message: a KV write, header = grant token + offset.
+const AM_KV_WRITE: u32 = 1;
+const AM_HEADER_LEN: usize = TOKEN_LEN + 8;
 
 /// Largest single put: as fast as 4 and 16 MiB here (tcp and shm), and a
 /// cancelled transfer stops within a chunk or so.
@@ -52,22 +68,16 @@ const BUSY_SLEEP: Duration = Duration::from_millis(1);
 /// endpoint without peer error handling may never finish closing).
 const DRAIN_SLEEP: Duration = Duration::from_millis(10);
 /// How long a cancelled or timed-out transfer may drain before its endpoint
-/// is force-closed. Long: a slow but live peer (a throttled link drains an
-/// 8 MiB window at 10 Mbit/s in 7 s) must drain, so that a later
-/// `FlushPeer` can confirm its data landed; only a dead one is cut off.
-const GRACE: Duration = Duration::from_secs(30);
-/// After a force close, data the kernel still holds for the old socket
-/// (an orphaned TCP connection retransmits for minutes) may land at the
-/// peer: for this long a `FlushPeer` to that address cannot confirm
-/// anything and fails.
-const EVICTED_UNSAFE: Duration = Duration::from_secs(300);
+/// is force-closed: a slow but live peer (a throttled link drains an 8 MiB
+/// window at 10 Mbit/s in 7 s) keeps its connection; a dead one is cut off.
+/// (Whatever still arrives later is refused by the receiver's grants.)
+const GRACE: Duration = Duration::from_secs(10);
 /// At shutdown, how long closing endpoints may take.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(2);
 /// Zero bytes appended to addresses and keys handed to UCX, which parses
 /// them without a length.
 const PAD: usize = 1024;
 const MAX_PEERS: usize = 256;
-const MAX_RKEYS_PER_PEER: usize = 64;
 /// UCX settings dkv changes from UCX's defaults (see `Actor::init`), as
 /// (key for `ucp_config_modify`, environment variable that overrides it).
 /// The keys are the tcp transport's (no other transport has them); the
@@ -79,22 +89,17 @@ const TCP_DEFAULTS: [(&std::ffi::CStr, &std::ffi::CStr, &str); 2] = [
 
 pub(crate) enum Cmd {
     /// Maps `ptr` (or, if `None`, memory UCX allocates) and replies with
-    /// its address and sealed rkey.
+    /// its address.
     Register {
         id: u64,
         ptr: Option<usize>,
         len: usize,
         owner: Option<Owner>,
-        reply: mpsc::SyncSender<Result<(usize, Vec<u8>), DkvError>>,
+        reply: mpsc::SyncSender<Result<usize, DkvError>>,
     },
     Unregister(u64),
     Write(Box<WriteCmd>),
     Cancel(u64),
-    /// Remote completion of everything posted so far to this peer.
-    FlushPeer {
-        address: Vec<u8>,
-        reply: oneshot::Sender<Result<(), DkvError>>,
-    },
     Shutdown,
     #[cfg(test)]
     Stall(Duration),
@@ -109,6 +114,8 @@ pub(crate) struct Inspect {
     pub peers: usize,
     pub closing: usize,
     pub regions: usize,
+    /// Rendezvous receives into granted memory still in flight.
+    pub receives: usize,
 }
 
 pub(crate) struct WriteCmd {
@@ -116,10 +123,9 @@ pub(crate) struct WriteCmd {
     pub region: Arc<RegionShared>,
     /// Opened (validated) worker address payload.
     pub address: Vec<u8>,
-    /// Opened packed rkey (without our base/len prefix).
-    pub rkey: Vec<u8>,
-    pub remote_base: u64,
-    /// Validated against both regions, no empty ops.
+    /// The receiver's grant, sent with every message.
+    pub token: Token,
+    /// Validated against both lengths, no empty ops.
     pub ops: Vec<WriteOp>,
     pub deadline: Instant,
     pub reply: oneshot::Sender<Result<(), DkvError>>,
@@ -188,6 +194,7 @@ impl UcxHandle {
         tls: Option<&str>,
         net_devices: Option<&str>,
         live: Arc<AtomicUsize>,
+        grants: Arc<GrantTable>,
     ) -> Result<Self, DkvError> {
         let wake = Arc::new(Wake::new()?);
         let (tx, rx) = mpsc::channel();
@@ -198,7 +205,14 @@ impl UcxHandle {
         let thread = std::thread::Builder::new()
             .name("dkv-ucx".into())
             .spawn(move || {
-                match Actor::init(tls.as_deref(), net_devices.as_deref(), rx, actor_wake, live) {
+                match Actor::init(
+                    tls.as_deref(),
+                    net_devices.as_deref(),
+                    rx,
+                    actor_wake,
+                    live,
+                    grants,
+                ) {
                     Ok((actor, address)) => {
                         let _ = init_tx.send(Ok(address));
                         actor.run();
@@ -244,14 +258,14 @@ impl UcxHandle {
     }
 
     /// Maps `[ptr, ptr+len)`, or allocates `len` mapped bytes if `ptr` is
-    /// `None`; returns the address and the sealed rkey (base, len, key).
+    /// `None`; returns the address.
     pub(crate) fn register(
         &self,
         id: u64,
         ptr: Option<usize>,
         len: usize,
         owner: Option<Owner>,
-    ) -> Result<(usize, Vec<u8>), DkvError> {
+    ) -> Result<usize, DkvError> {
         let (reply, rx) = mpsc::sync_channel(1);
         self.send(Cmd::Register {
             id,
@@ -303,9 +317,99 @@ struct Mapped {
     _owner: Option<Owner>,
 }
 
-struct Rkey {
-    rkey: ucp_rkey_h,
-    users: usize,
+/// What the receive handler needs; boxed at a fixed address for the
+/// worker's lifetime (the handler's `arg`).
+struct AmCtx {
+    grants: Arc<GrantTable>,
+    worker: ucp_worker_h,
+    /// Rendezvous receives the handler started; the actor polls them.
+    started: RefCell<Vec<(*mut c_void, Landing)>>,
+}
+
+/// Receives one KV write: checks the header against the grant table, then
+/// copies the bytes in (eager) or starts receiving them straight into the
+/// granted memory (rendezvous). A refused write lands nowhere.
+///
+/// # Safety
+/// Called by UCX inside `ucp_worker_progress` on the actor thread, with
+/// `arg` the actor's live `AmCtx` and the header/data/param pointers UCX
+/// documents for `ucp_am_recv_callback_t`.
+unsafe extern "C" fn on_kv_write(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // Must not unwind: nothing below panics.
+    // SAFETY: `arg` is the AmCtx the actor registered, alive while the
+    // worker is (it is dropped only after ucp_worker_destroy).
+    let ctx = unsafe { &*arg.cast::<AmCtx>() };
+    // SAFETY: UCX passes a valid param for the duration of the call.
+    let rndv = !param.is_null()
+        && unsafe { (*param).recv_attr } & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    let landing = if header.is_null() || header_length != AM_HEADER_LEN {
+        ctx.grants.refuse_malformed();
+        None
+    } else {
+        // SAFETY: UCX gives `header_length` readable bytes at `header`.
+        let h = unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_length) };
+        let token = Token::from_bytes(&h[..TOKEN_LEN]);
+        let offset = h[TOKEN_LEN..]
+            .try_into()
+            .ok()
+            .map(u64::from_le_bytes)
+            .unwrap_or(u64::MAX);
+        match token {
+            Some(t) => ctx.grants.accept(&t, offset, length as u64).ok(),
+            None => {
+                ctx.grants.refuse_malformed();
+                None
+            }
+        }
+    };
+    match landing {
+        None => {
+            if rndv {
+                // SAFETY: a rendezvous descriptor we will not receive.
+                unsafe { ucp_am_data_release(ctx.worker, data) };
+            }
+        }
+        Some(l) if rndv => {
+            // SAFETY: all-zero is a valid ucp_request_param_t (contiguous
+            // bytes, no callback: the actor polls the request).
+            let p: ucp_request_param_t = unsafe { std::mem::zeroed() };
+            // SAFETY: `data` is UCX's rendezvous descriptor; the granted
+            // range [dst, dst+length) lies in live memory that the landing
+            // keeps alive until it is finished.
+            let r =
+                unsafe { ucp_am_recv_data_nbx(ctx.worker, data, l.dst as *mut c_void, length, &p) };
+            match posted(r) {
+                Posted::Done => l.done(),
+                Posted::Pending(req) => match ctx.started.try_borrow_mut() {
+                    Ok(mut started) => started.push((req, l)),
+                    // Cannot happen (only this thread borrows, never across
+                    // a progress call); if it did, keep the grant in flight
+                    // for good rather than let the memory go while UCX may
+                    // still write it.
+                    Err(_) => std::mem::forget(l),
+                },
+                Posted::Failed(_) => drop(l),
+            }
+        }
+        Some(l) => {
+            if !data.is_null() {
+                // SAFETY: eager data: `length` readable bytes at `data`; the
+                // landing's range (same length) is granted, live memory.
+                unsafe {
+                    ptr::copy_nonoverlapping(data.cast::<u8>(), l.dst as *mut u8, length);
+                }
+                l.done();
+            }
+        }
+    }
+    UCS_OK
 }
 
 struct Peer {
@@ -313,31 +417,28 @@ struct Peer {
     ep: ucp_ep_h,
     /// Endpoint created with peer error handling (can be force-closed).
     peer_errors: bool,
-    rkeys: HashMap<Vec<u8>, Rkey>,
 }
 
-/// An endpoint being closed; its rkeys are destroyed once no transfer on it
-/// has requests left and the close completed.
+/// An endpoint being closed; forgotten once no transfer on it has requests
+/// left and the close completed.
 struct Closing {
     peer: u64,
     req: *mut c_void,
-    rkeys: Vec<ucp_rkey_h>,
 }
 
 struct Transfer {
     id: u64,
     peer: u64,
     ep: ucp_ep_h,
-    rkey: ucp_rkey_h,
-    rkey_bytes: Vec<u8>,
+    token: Token,
     memh: ucp_mem_h,
     /// Keeps the source memory mapped and alive while UCX may read it.
     region: Arc<RegionShared>,
-    remote_base: u64,
     ops: Vec<WriteOp>,
     next: usize,
     next_off: u64,
-    pending: VecDeque<(*mut c_void, u64)>,
+    /// Posted messages: request, bytes, and the header UCX may still read.
+    pending: VecDeque<(*mut c_void, u64, Box<[u8; AM_HEADER_LEN]>)>,
     pending_bytes: u64,
     flush: Option<*mut c_void>,
     flushed: bool,
@@ -424,9 +525,6 @@ fn poll_request(req: *mut c_void) -> Option<ucs_status_t> {
     Some(s)
 }
 
-/// A `FlushPeer` in flight: the peer, the flush request, the caller.
-type PeerFlush = (u64, *mut c_void, oneshot::Sender<Result<(), DkvError>>);
-
 struct Actor {
     ctx: ucp_context_h,
     worker: ucp_worker_h,
@@ -443,10 +541,10 @@ struct Actor {
     no_peer_errors: bool,
     transfers: Vec<Transfer>,
     closing: Vec<Closing>,
-    /// `FlushPeer`s in flight: the peer, the flush request, the caller.
-    peer_flushes: Vec<PeerFlush>,
-    /// Addresses whose endpoint was force-closed, and when.
-    evicted: HashMap<Vec<u8>, Instant>,
+    /// The receive handler's context (its address is the handler's `arg`).
+    am: Box<AmCtx>,
+    /// Rendezvous receives in flight into granted memory.
+    receives: Vec<(*mut c_void, Landing)>,
     /// The first byte of our own worker address: UCX's address header
     /// (format version and flags).
     header: u8,
@@ -459,6 +557,7 @@ impl Actor {
         rx: mpsc::Receiver<Cmd>,
         wake: Arc<Wake>,
         live: Arc<AtomicUsize>,
+        grants: Arc<GrantTable>,
     ) -> Result<(Self, Vec<u8>), DkvError> {
         let unavailable = |op: &str, s: ucs_status_t| {
             DkvError::UcxUnavailable(format!("{op}: {}", status_string(s)))
@@ -503,8 +602,8 @@ impl Actor {
                 )));
             }
         }
-        // Software-emulated puts over TCP go out in TX segments; 64 KiB
-        // instead of 8 KiB gave 1.4-2x the bandwidth here (bench/dkv.sh).
+        // Messages over TCP go out in TX segments; 64 KiB instead of 8 KiB
+        // gave 1.4-2x the bandwidth here (bench/dkv.sh).
         // An explicit UCX_* environment variable still wins.
         // (Only where tcp may be used: UCX warns about options no transport
         // consumed.)
@@ -529,7 +628,8 @@ impl Actor {
         // SAFETY: all-zero is a valid ucp_params_t (masks select fields).
         let mut params: ucp_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = u64::from(UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME);
-        params.features = u64::from(UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP);
+        // No RMA: see the module comment.
+        params.features = u64::from(UCP_FEATURE_AM | UCP_FEATURE_WAKEUP);
         params.name = c"tandem-dkv".as_ptr();
         let mut ctx: ucp_context_h = ptr::null_mut();
         // SAFETY: ucp_init is a static inline wrapper around this call.
@@ -559,6 +659,31 @@ impl Actor {
                 ucp_cleanup(ctx);
             }
         };
+        let am = Box::new(AmCtx {
+            grants,
+            worker,
+            started: RefCell::new(Vec::new()),
+        });
+        // SAFETY: all-zero is a valid ucp_am_handler_param_t.
+        let mut hp: ucp_am_handler_param_t = unsafe { std::mem::zeroed() };
+        hp.field_mask = u64::from(
+            UCP_AM_HANDLER_PARAM_FIELD_ID
+                | UCP_AM_HANDLER_PARAM_FIELD_FLAGS
+                | UCP_AM_HANDLER_PARAM_FIELD_CB
+                | UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        );
+        hp.id = AM_KV_WRITE;
+        // Eager fragments arrive assembled: one call per message.
+        hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+        hp.cb = Some(on_kv_write);
+        hp.arg = (&raw const *am).cast_mut().cast();
+        // SAFETY: worker is live; the handler's arg outlives the worker
+        // (the actor drops `am` only after destroying it).
+        let s = unsafe { ucp_worker_set_am_recv_handler(worker, &hp) };
+        if s != UCS_OK {
+            cleanup();
+            return Err(unavailable("ucp_worker_set_am_recv_handler", s));
+        }
         let mut efd = -1;
         // SAFETY: worker is live; out-pointer to a local.
         let s = unsafe { ucp_worker_get_efd(worker, &mut efd) };
@@ -603,8 +728,8 @@ impl Actor {
             no_peer_errors,
             transfers: Vec::new(),
             closing: Vec::new(),
-            peer_flushes: Vec::new(),
-            evicted: HashMap::new(),
+            am,
+            receives: Vec::new(),
             header: address.first().copied().unwrap_or_default(),
         };
         Ok((actor, address))
@@ -654,8 +779,7 @@ impl Actor {
 
     /// Poll timeout in ms (-1: until an event).
     fn sleep_timeout(&self, now: Instant, arm_failed: bool) -> i32 {
-        let live =
-            self.transfers.iter().any(|t| t.stopped.is_none()) || !self.peer_flushes.is_empty();
+        let live = self.transfers.iter().any(|t| t.stopped.is_none()) || !self.receives.is_empty();
         let draining = !self.transfers.is_empty() || !self.closing.is_empty();
         let mut until = if live || arm_failed {
             Some(BUSY_SLEEP)
@@ -715,6 +839,25 @@ impl Actor {
             any = true;
             self.evict(peer, &format!("endpoint error: {}", status_string(s)));
         }
+        if let Ok(mut started) = self.am.started.try_borrow_mut() {
+            any |= !started.is_empty();
+            self.receives.append(&mut started);
+        }
+        // Finished receives: the bytes are in (or, failed, never will be).
+        let before = self.receives.len();
+        let mut kept = Vec::with_capacity(before);
+        for (req, landing) in self.receives.drain(..) {
+            match poll_request(req) {
+                None => kept.push((req, landing)),
+                Some(st) if st == UCS_OK => landing.done(),
+                Some(st) => {
+                    tracing::debug!("dkv: a granted receive failed: {}", status_string(st));
+                    drop(landing);
+                }
+            }
+        }
+        any |= kept.len() != before;
+        self.receives = kept;
         any
     }
 
@@ -745,41 +888,6 @@ impl Actor {
                     t.stopped.get_or_insert(now);
                 }
             }
-            Cmd::FlushPeer { address, reply } => {
-                if let Some(at) = self.evicted.get(&address)
-                    && at.elapsed() < EVICTED_UNSAFE
-                {
-                    let _ = reply.send(Err(DkvError::PeerUnreachable(format!(
-                        "the endpoint was force-closed {:?} ago; its socket may still deliver \
-                         data for up to {EVICTED_UNSAFE:?}",
-                        at.elapsed()
-                    ))));
-                    return;
-                }
-                let Some(peer_id) = self.by_address.get(&address).copied() else {
-                    // No endpoint (never connected, or closed): nothing of
-                    // ours is queued towards that peer.
-                    let _ = reply.send(Ok(()));
-                    return;
-                };
-                let Some(peer) = self.peers.get(&peer_id) else {
-                    let _ = reply.send(Ok(()));
-                    return;
-                };
-                // SAFETY: all-zero is a valid ucp_request_param_t.
-                let p: ucp_request_param_t = unsafe { std::mem::zeroed() };
-                // SAFETY: the endpoint is open (it is in `peers`).
-                let r = unsafe { ucp_ep_flush_nbx(peer.ep, &p) };
-                match posted(r) {
-                    Posted::Done => {
-                        let _ = reply.send(Ok(()));
-                    }
-                    Posted::Pending(req) => self.peer_flushes.push((peer_id, req, reply)),
-                    Posted::Failed(st) => {
-                        let _ = reply.send(Err(transfer_error("ucp_ep_flush_nbx", st)));
-                    }
-                }
-            }
             Cmd::Shutdown => {}
             #[cfg(test)]
             Cmd::Stall(d) => std::thread::sleep(d),
@@ -790,6 +898,7 @@ impl Actor {
                     peers: self.peers.len(),
                     closing: self.closing.len(),
                     regions: self.regions.len(),
+                    receives: self.receives.len(),
                 });
             }
         }
@@ -801,7 +910,7 @@ impl Actor {
         ptr: Option<usize>,
         len: usize,
         owner: Option<Owner>,
-    ) -> Result<(usize, Vec<u8>), DkvError> {
+    ) -> Result<usize, DkvError> {
         // SAFETY: all-zero is a valid ucp_mem_map_params_t.
         let mut p: ucp_mem_map_params_t = unsafe { std::mem::zeroed() };
         p.field_mask = u64::from(
@@ -841,22 +950,6 @@ impl Actor {
                 attr.address as usize
             }
         };
-        let mut buf: *mut c_void = ptr::null_mut();
-        let mut size = 0usize;
-        // SAFETY: memh is live; out-pointers to locals.
-        let s = unsafe { ucp_rkey_pack(self.ctx, memh, &mut buf, &mut size) };
-        if s != UCS_OK || buf.is_null() {
-            // SAFETY: undo the map above.
-            unsafe { ucp_mem_unmap(self.ctx, memh) };
-            return Err(ucx_err("ucp_rkey_pack", s));
-        }
-        let mut payload = Vec::with_capacity(16 + size);
-        payload.extend_from_slice(&(base as u64).to_le_bytes());
-        payload.extend_from_slice(&(len as u64).to_le_bytes());
-        // SAFETY: UCX returned `size` readable bytes at buf.
-        payload.extend_from_slice(unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) });
-        // SAFETY: releasing the buffer UCX gave us.
-        unsafe { ucp_rkey_buffer_release(buf) };
         self.regions.insert(
             id,
             Mapped {
@@ -865,7 +958,7 @@ impl Actor {
             },
         );
         self.live.fetch_add(1, Ordering::Relaxed);
-        Ok((base, descriptor::seal(MAGIC_UCX_RKEY, &payload)))
+        Ok(base)
     }
 
     fn connect(&mut self, address: &[u8]) -> Result<u64, DkvError> {
@@ -948,51 +1041,10 @@ impl Actor {
                 address: address.to_vec(),
                 ep,
                 peer_errors,
-                rkeys: HashMap::new(),
             },
         );
         self.by_address.insert(address.to_vec(), id);
         Ok(id)
-    }
-
-    fn rkey(&mut self, peer_id: u64, packed: &[u8]) -> Result<ucp_rkey_h, DkvError> {
-        let peer = self
-            .peers
-            .get_mut(&peer_id)
-            .ok_or_else(|| DkvError::PeerUnreachable("endpoint closed".into()))?;
-        if let Some(k) = peer.rkeys.get_mut(packed) {
-            k.users += 1;
-            return Ok(k.rkey);
-        }
-        if peer.rkeys.len() >= MAX_RKEYS_PER_PEER {
-            peer.rkeys.retain(|_, k| {
-                if k.users == 0 {
-                    // SAFETY: no transfer uses this key (users == 0) and the
-                    // endpoint is still open.
-                    unsafe { ucp_rkey_destroy(k.rkey) };
-                }
-                k.users > 0
-            });
-            if peer.rkeys.len() >= MAX_RKEYS_PER_PEER {
-                return Err(DkvError::InvalidDescriptor(format!(
-                    "more than {MAX_RKEYS_PER_PEER} remote keys in use for one peer"
-                )));
-            }
-        }
-        let mut padded = Vec::with_capacity(packed.len() + PAD);
-        padded.extend_from_slice(packed);
-        padded.resize(packed.len() + PAD, 0);
-        let mut rkey: ucp_rkey_h = ptr::null_mut();
-        // SAFETY: ep is open; the key was checksummed and is zero-padded.
-        let s = unsafe { ucp_ep_rkey_unpack(peer.ep, padded.as_ptr().cast(), &mut rkey) };
-        if s != UCS_OK || rkey.is_null() {
-            return Err(DkvError::InvalidDescriptor(format!(
-                "ucp_ep_rkey_unpack: {}",
-                status_string(s)
-            )));
-        }
-        peer.rkeys.insert(packed.to_vec(), Rkey { rkey, users: 1 });
-        Ok(rkey)
     }
 
     fn start(&mut self, w: WriteCmd) {
@@ -1017,13 +1069,6 @@ impl Actor {
                 return;
             }
         };
-        let rkey = match self.rkey(peer, &w.rkey) {
-            Ok(k) => k,
-            Err(e) => {
-                let _ = w.reply.send(Err(e));
-                return;
-            }
-        };
         let Some(ep) = self.peers.get(&peer).map(|p| p.ep) else {
             return;
         };
@@ -1031,11 +1076,9 @@ impl Actor {
             id: w.id,
             peer,
             ep,
-            rkey,
-            rkey_bytes: w.rkey,
+            token: w.token,
             memh,
             region: w.region,
-            remote_base: w.remote_base,
             ops: w.ops,
             next: 0,
             next_off: 0,
@@ -1054,21 +1097,6 @@ impl Actor {
     fn advance(&mut self, now: Instant) -> bool {
         let mut activity = false;
         let mut evict: Vec<(u64, String)> = Vec::new();
-        self.peer_flushes
-            .retain_mut(|(_, req, reply)| match poll_request(*req) {
-                None => true,
-                Some(st) => {
-                    activity = true;
-                    let r = if st == UCS_OK {
-                        Ok(())
-                    } else {
-                        Err(transfer_error("ucp_ep_flush_nbx", st))
-                    };
-                    let (tx, _) = oneshot::channel();
-                    let _ = std::mem::replace(reply, tx).send(r);
-                    false
-                }
-            });
         for t in &mut self.transfers {
             if t.reply.as_ref().is_some_and(|r| r.is_closed()) {
                 t.reply = None;
@@ -1078,8 +1106,8 @@ impl Actor {
                 t.fail(DkvError::DeadlineExceeded, now);
                 activity = true;
             }
-            // Reap locally completed puts (in order is the common case).
-            while let Some(&(req, len)) = t.pending.front() {
+            // Reap locally completed sends (in order is the common case).
+            while let Some(&(req, len, _)) = t.pending.front() {
                 match poll_request(req) {
                     None => break,
                     Some(s) => {
@@ -1087,8 +1115,8 @@ impl Actor {
                         t.pending_bytes -= len;
                         activity = true;
                         if s != UCS_OK && t.stopped.is_none() {
-                            t.fail(transfer_error("ucp_put_nbx", s), now);
-                            evict.push((t.peer, format!("put failed: {}", status_string(s))));
+                            t.fail(transfer_error("ucp_am_send_nbx", s), now);
+                            evict.push((t.peer, format!("send failed: {}", status_string(s))));
                         }
                     }
                 }
@@ -1159,13 +1187,6 @@ impl Actor {
                 Err(DkvError::Shutdown)
             });
         }
-        if let Some(k) = self
-            .peers
-            .get_mut(&t.peer)
-            .and_then(|p| p.rkeys.get_mut(&t.rkey_bytes))
-        {
-            k.users = k.users.saturating_sub(1);
-        }
         // Dropping t.region may queue an Unregister to ourselves.
     }
 
@@ -1177,31 +1198,16 @@ impl Actor {
         };
         self.by_address.remove(&peer.address);
         let now = Instant::now();
-        self.evicted
-            .retain(|_, at| now.duration_since(*at) < EVICTED_UNSAFE);
-        self.evicted.insert(peer.address.clone(), now);
         for t in self.transfers.iter_mut().filter(|t| t.peer == peer_id) {
             t.fail(DkvError::PeerUnreachable(why.to_owned()), now);
             t.ep_gone = true;
             // A flush on a closed endpoint completes (cancelled) by itself;
-            // we only wait for puts, which read the source memory.
+            // we only wait for sends, which read the source memory.
             if let Some(req) = t.flush.take() {
                 // SAFETY: releases our handle; UCX frees it on completion.
                 unsafe { ucp_request_free(req) };
             }
         }
-        self.peer_flushes.retain_mut(|(p, req, reply)| {
-            if *p != peer_id {
-                return true;
-            }
-            // SAFETY: releases our handle; UCX frees it on completion.
-            unsafe { ucp_request_free(*req) };
-            // The endpoint is closed: nothing more of ours reaches the peer
-            // through it.
-            let (tx, _) = oneshot::channel();
-            let _ = std::mem::replace(reply, tx).send(Ok(()));
-            false
-        });
         tracing::debug!(peer_id, why, "dkv: closing endpoint");
         // SAFETY: all-zero is a valid ucp_request_param_t.
         let mut p: ucp_request_param_t = unsafe { std::mem::zeroed() };
@@ -1215,11 +1221,7 @@ impl Actor {
             Posted::Pending(req) => req,
             Posted::Done | Posted::Failed(_) => ptr::null_mut(),
         };
-        self.closing.push(Closing {
-            peer: peer_id,
-            req,
-            rkeys: peer.rkeys.into_values().map(|k| k.rkey).collect(),
-        });
+        self.closing.push(Closing { peer: peer_id, req });
     }
 
     fn reap_closing(&mut self) {
@@ -1231,26 +1233,12 @@ impl Actor {
                     Some(_) => c.req = ptr::null_mut(),
                 }
             }
-            if transfers.iter().any(|t| t.peer == c.peer) {
-                return true;
-            }
-            for &k in &c.rkeys {
-                // SAFETY: no request uses the key any more: the close
-                // completed (a force close cancels outstanding operations)
-                // and no transfer on this peer has requests left.
-                unsafe { ucp_rkey_destroy(k) };
-            }
-            false
+            transfers.iter().any(|t| t.peer == c.peer)
         });
     }
 
     fn shutdown(mut self) {
         let now = Instant::now();
-        for (_, req, reply) in self.peer_flushes.drain(..) {
-            // SAFETY: releases our handle; the worker goes below.
-            unsafe { ucp_request_free(req) };
-            let _ = reply.send(Err(DkvError::Shutdown));
-        }
         for t in &mut self.transfers {
             t.fail(DkvError::Shutdown, now);
         }
@@ -1287,29 +1275,44 @@ impl Actor {
     }
 }
 
-/// Posts puts until the window is full or every op is out, then the flush.
+/// Posts messages until the window is full or every op is out, then the
+/// flush.
 fn post(t: &mut Transfer) -> Result<bool, (&'static str, ucs_status_t)> {
     let mut activity = false;
+    let token = t.token.to_bytes();
     while t.next < t.ops.len() && t.pending_bytes < WINDOW {
         let op = t.ops[t.next];
         let n = (op.len - t.next_off).min(CHUNK);
         // In bounds: write() validated local_offset + len <= region len.
         let src = t.region.ptr as usize + (op.local_offset + t.next_off) as usize;
-        let dst = t.remote_base + op.remote_offset + t.next_off;
+        let mut header = Box::new([0u8; AM_HEADER_LEN]);
+        header[..TOKEN_LEN].copy_from_slice(&token);
+        header[TOKEN_LEN..].copy_from_slice(&(op.remote_offset + t.next_off).to_le_bytes());
         // SAFETY: all-zero is a valid ucp_request_param_t.
         let mut p: ucp_request_param_t = unsafe { std::mem::zeroed() };
         p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
         p.memh = t.memh;
         // SAFETY: src..src+n lies in the mapped, live local region (held by
-        // t.region); ep and rkey are open (ep_gone is false).
-        let r = unsafe { ucp_put_nbx(t.ep, src as *const c_void, n as usize, dst, t.rkey, &p) };
+        // t.region); the header lives in `pending` until the request
+        // completes; ep is open (ep_gone is false).
+        let r = unsafe {
+            ucp_am_send_nbx(
+                t.ep,
+                AM_KV_WRITE,
+                header.as_ptr().cast(),
+                AM_HEADER_LEN,
+                src as *const c_void,
+                n as usize,
+                &p,
+            )
+        };
         match posted(r) {
             Posted::Done => {}
             Posted::Pending(req) => {
-                t.pending.push_back((req, n));
+                t.pending.push_back((req, n, header));
                 t.pending_bytes += n;
             }
-            Posted::Failed(s) => return Err(("ucp_put_nbx", s)),
+            Posted::Failed(s) => return Err(("ucp_am_send_nbx", s)),
         }
         activity = true;
         t.next_off += n;

@@ -310,7 +310,7 @@ impl ChaosCluster {
             ];
             if role == "decode" {
                 // Extra decode flags for experiments (e.g. a longer
-                // `--fence-limit-secs`), whitespace-separated.
+                // `--quarantine-limit-secs`), whitespace-separated.
                 if let Ok(extra) = std::env::var("TANDEM_CHAOS_DECODE_FLAGS") {
                     a.extend(extra.split_whitespace().map(String::from));
                 }
