@@ -3,7 +3,7 @@
 #
 # Usage: scripts/fuzz.sh [TARGET|all] [SECONDS]      (default: all, 60)
 #
-# Targets (fuzz/fuzz_targets): gguf_reader, openai_request, proto_messages,
+# Targets (fuzz/fuzz_targets): gguf_reader, openai_request, proto_messages, dkv_grants,
 # stop_strings (differential, against the definition), tokenizer (needs
 # TANDEM_TEST_GGUF). Needs cargo-fuzz (`cargo install cargo-fuzz`);
 # RUSTC_BOOTSTRAP=1 lets a stable toolchain take its nightly flags.
@@ -28,6 +28,9 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     exit 1
 fi
 export RUSTC_BOOTSTRAP=1
+# The fuzz targets use dkv's in-process transport only; UCX's memory
+# hooks and AddressSanitizer's interceptors crash each other at startup.
+export TANDEM_DKV_NO_UCX=1
 
 if [ "$target" = all ]; then
     targets=$(cargo fuzz list)

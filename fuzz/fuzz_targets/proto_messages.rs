@@ -25,9 +25,6 @@ fn fingerprint() -> ModelFingerprint {
 
 fuzz_target!(|data: &[u8]| {
     let fp = fingerprint();
-    if let Ok(req) = pb::FenceRequest::decode(data) {
-        let _ = tandem_proto::FenceJob::validate(req);
-    }
     if let Ok(req) = pb::PrefillRequest::decode(data) {
         if let Ok(job) = PrefillJob::validate(req, &fp, 1 << 20) {
             let again = PrefillJob::validate(job.to_pb(&fp), &fp, 1 << 20);
