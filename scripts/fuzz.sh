@@ -4,6 +4,7 @@
 # Usage: scripts/fuzz.sh [TARGET|all] [SECONDS]      (default: all, 60)
 #
 # Targets (fuzz/fuzz_targets): gguf_reader, openai_request, proto_messages, dkv_grants,
+# chat_template (needs TANDEM_TEST_GGUF),
 # stop_strings (differential, against the definition), tokenizer (needs
 # TANDEM_TEST_GGUF). Needs cargo-fuzz (`cargo install cargo-fuzz`);
 # RUSTC_BOOTSTRAP=1 lets a stable toolchain take its nightly flags.

@@ -11,7 +11,7 @@ pub mod error;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
-mod prompt;
+pub mod prompt;
 pub mod reasoning;
 pub mod server;
 pub mod tls;

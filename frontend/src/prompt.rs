@@ -11,10 +11,26 @@
 //! in one piece.
 
 use serde_json::Value;
-use tandem_modelfile::chat::ChatMessage;
+use tandem_modelfile::chat::{ChatMessage, ChatTemplate};
 use tandem_modelfile::tokenizer::Tokenizer;
 
 use crate::error::ApiError;
+
+/// Renders `messages` (client text) through `template` with every client
+/// string guarded, and tokenizes the result: the path of every chat request
+/// whose tools the template does not render itself. Returns the rendered
+/// text and its token ids.
+pub fn render_chat(
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    mut messages: Vec<ChatMessage>,
+) -> Result<(String, Vec<u32>), ApiError> {
+    let mut guard = Guard::new(tok);
+    guard.messages(&mut messages);
+    let rendered = template.render(&messages, true)?;
+    let ids = guard.encode(&rendered)?;
+    Ok((rendered, ids))
+}
 
 const OPEN: char = '\u{F8F0}';
 const CLOSE: char = '\u{F8F1}';

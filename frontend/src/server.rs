@@ -40,7 +40,7 @@ use crate::openai::{
     FunctionCall, FunctionDelta, GenParams, ModelCard, ModelList, Prompt, TokenLogprob,
     ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo, finish_str,
 };
-use crate::prompt::Guard;
+use crate::prompt::{Guard, render_chat};
 use crate::reasoning::ReasoningParser;
 use crate::tls::HttpTls;
 use crate::tools::{self, ToolChoice, ToolParser};
@@ -632,21 +632,23 @@ async fn start_chat(
         )
     })?;
     // Client text reaches the template guarded: only the template's own
-    // markup becomes control tokens.
-    let mut guard = Guard::new(&text.tokenizer);
-    let rendered = if calling && template.handles_tools() {
+    // markup becomes control tokens. (The template writes its own BOS where
+    // the model wants one.)
+    let (rendered, prompt) = if calling && template.handles_tools() {
+        let mut guard = Guard::new(&text.tokenizer);
         let mut tools = tools::tools_json(&tools);
         let mut messages = req.messages_json()?;
         guard.json(&mut tools);
         guard.json(&mut messages);
-        template.render_json(&messages, Some(&tools), true)?
+        let rendered = template.render_json(&messages, Some(&tools), true)?;
+        let prompt = guard.encode(&rendered)?;
+        (rendered, prompt)
     } else {
         // The template does not render tools: describe them in the system
         // prompt, in the parser's format.
         let system = calling.then(|| parser.system_prompt(&tools));
-        let mut messages = req.messages(parser, system.as_deref())?;
-        guard.messages(&mut messages);
-        template.render(&messages, true)?
+        let messages = req.messages(parser, system.as_deref())?;
+        render_chat(&text.tokenizer, template, messages)?
     };
     let reasoning = state.config().reasoning_parser;
     let output = OutputParser {
@@ -654,8 +656,6 @@ async fn start_chat(
         starts_inside: reasoning.starts_inside(&rendered),
         tools: calling.then_some(parser),
     };
-    // The template writes its own BOS where the model wants one.
-    let prompt = guard.encode(&rendered)?;
     let generations = state
         .submit_all(vec![prompt], &params, arrived, trace)
         .await?;

@@ -103,7 +103,8 @@ fuzz_target!(|data: &[u8]| {
         })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(5);
-    let _ = s.rt.block_on(s.writer.write(&s.src, &remote, &ops, deadline));
+    let _ =
+        s.rt.block_on(s.writer.write(&s.src, &remote, &ops, deadline));
     drop(grant);
     // SAFETY: the pool lives in `state()`; nothing writes it concurrently
     // (the in-process transport copies synchronously, and it is done).
