@@ -15,7 +15,7 @@ pub(crate) const MAGIC_LOCAL_ADDRESS: [u8; 4] = *b"DKla";
 pub(crate) const MAGIC_GRANT: [u8; 4] = *b"DKgr";
 
 const HEADER: usize = 4 + 4 + 8;
-/// Far above any UCX worker address or packed rkey, far below harm.
+/// Far above any UCX worker address or grant token, far below harm.
 const MAX_PAYLOAD: usize = 64 * 1024;
 
 pub(crate) fn seal(magic: [u8; 4], payload: &[u8]) -> Vec<u8> {

@@ -198,7 +198,6 @@ impl RangeSet {
 struct Progress {
     landed: u64,
     in_flight: usize,
-    closed: bool,
 }
 
 struct Entry {
@@ -221,7 +220,6 @@ impl Entry {
         let p = Progress {
             landed: self.landed,
             in_flight: self.in_flight,
-            closed: self.revoked || self.landed == self.total,
         };
         self.tx.send_replace(p);
     }
@@ -441,7 +439,6 @@ impl GrantTable {
             e.tx.send_replace(Progress {
                 landed: e.landed,
                 in_flight: 0,
-                closed: true,
             });
         }
         // Regions drop outside the lock.

@@ -274,11 +274,6 @@ impl Dkv {
         self.inner.grants.refused()
     }
 
-    /// The sealed address peers write to (every descriptor of ours carries it).
-    pub fn worker_address(&self) -> Vec<u8> {
-        self.inner.address.clone()
-    }
-
     /// Registers `[ptr, ptr+len)` so that peers may write the parts of it
     /// that a [`Grant`] names and local writes may read from it
     /// (`ucp_mem_map`).
@@ -540,11 +535,6 @@ impl Region {
             .issue(Arc::clone(&self.shared), ranges, expires)
     }
 
-    /// The sealed address of the transport this region belongs to.
-    pub fn worker_address(&self) -> &[u8] {
-        &self.shared.worker_address
-    }
-
     pub fn len(&self) -> usize {
         self.shared.len
     }
@@ -573,7 +563,7 @@ pub(crate) struct RegionShared {
 
 // SAFETY: the raw pointer is memory the registrant vouched for (see
 // `Dkv::register`); concurrent access to it is the transfer protocol's
-// business, as with any one-sided RDMA buffer.
+// business (grants decide what peers may write, and when).
 unsafe impl Send for RegionShared {}
 // SAFETY: as above; RegionShared has no interior mutability.
 unsafe impl Sync for RegionShared {}

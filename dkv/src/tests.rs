@@ -1166,7 +1166,7 @@ fn in_process_layout_end_to_end() {
     layout_end_to_end(DkvConfig::in_process());
 }
 
-/// The fence: a transfer cancelled mid-way may still have messages in
+/// Revocation fences: a transfer cancelled mid-way may still have messages in
 /// flight; once the receiver's `revoke` resolves, nothing more lands in the
 /// granted memory (it is its owner's again), and a new grant on the same
 /// range works.

@@ -70,8 +70,8 @@ impl KvCacheConfig {
 /// The memory of a KV pool: one zeroed, page-aligned allocation.
 ///
 /// It is a raw allocation rather than a `Vec` because a transfer engine
-/// registers it and writes into it from outside Rust's view (one-sided puts
-/// from a peer). The scheduler's block ownership is what keeps that sound:
+/// registers it and writes into it from outside Rust's view (a peer's KV,
+/// landing where the node granted it). The scheduler's block ownership is what keeps that sound:
 /// a peer writes only blocks that belong to a sequence waiting for its KV,
 /// and nothing reads those blocks until the transfer has completed.
 #[derive(Debug)]

@@ -1,7 +1,7 @@
 //! Prefill role: a gRPC `Prefill` service that computes a prompt's KV
 //! (reusing this node's prefix cache), samples the first token, and writes
-//! the blocks the decode node lacks straight into the decode node's
-//! registered memory with one-sided puts.
+//! the blocks the decode node lacks into the decode node's registered
+//! memory, under the grant the decode node sent for them.
 
 use std::sync::Arc;
 use std::time::Instant;

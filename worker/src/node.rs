@@ -59,8 +59,8 @@ pub struct NodeCore {
     pub scheduler: SchedulerHandle,
     pub fingerprint: ModelFingerprint,
     pub dkv: Dkv,
-    /// The whole KV pool, registered for one-sided transfers (tensor-parallel
-    /// rank 0's).
+    /// The whole KV pool, registered for KV transfers (tensor-parallel rank
+    /// 0's); peers write only what a grant on it allows.
     pub region: Arc<Region>,
     /// Shape of this node's blocks (a rank's share of the KV heads).
     pub layout: KvLayout,
@@ -92,9 +92,8 @@ impl NodeCore {
             ucx_tls: opts.ucx_tls.clone(),
             ucx_net_devices: opts.ucx_net_devices.clone(),
         })?;
-        // The pool lives in memory the transfer engine allocates, so that
-        // same-host peers write it with direct copies (UCX only does direct
-        // puts into memory it allocated); failing that, in our own memory,
+        // The pool lives in memory the transfer engine allocates (suited to
+        // its zero-copy receives); failing that, in our own memory,
         // registered.
         let kv = model
             .model

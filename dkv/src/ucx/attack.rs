@@ -168,14 +168,15 @@ fn raw_puts_from_a_stranger_land_nowhere() {
     // writes it during these reads but the transports under test.
     let bytes = || unsafe { std::slice::from_raw_parts(pool.as_ptr(), LEN) }.to_vec();
     assert!(bytes().iter().all(|&b| b == 0));
-    // A live grant on part of the pool: the attacker does not have it.
+    // A live grant on part of the pool: the attacker does not have it,
+    // only the node's address (which every descriptor carries).
     let grant = pool
         .grant(
             std::slice::from_ref(&(0..LEN as u64 / 2)),
             Instant::now() + Duration::from_secs(60),
         )
         .unwrap();
-    let address = descriptor::open("a", MAGIC_UCX_ADDRESS, &node.worker_address())
+    let address = descriptor::open("a", MAGIC_UCX_ADDRESS, &grant.descriptor().worker_address)
         .unwrap()
         .to_vec();
 
