@@ -39,14 +39,10 @@ use tower::ServiceExt;
 // ------------------------------------------------------------------ model
 
 fn model_path() -> PathBuf {
-    std::env::var_os("TANDEM_TEST_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_default();
-            home.join(".cache/tandem/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
+    tandem_testkit::cached_path(
+        "TANDEM_TEST_GGUF",
+        "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf",
+    )
 }
 
 /// The model's tokenizer and chat template, loaded once per test binary.

@@ -10,11 +10,24 @@ pub mod tls;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Deref;
+use std::path::PathBuf;
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, Metric, MetricData};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+
+/// Something the test command caches for the tests (a model, a venv, a
+/// tool): the path in the environment variable `var`, else
+/// `~/.cache/tandem/<rel>`, where `scripts/test.sh` puts it.
+pub fn cached_path(var: &str, rel: &str) -> PathBuf {
+    std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        home.join(".cache/tandem").join(rel)
+    })
+}
 
 /// A meter provider whose recordings a test reads back in memory.
 #[derive(Clone)]

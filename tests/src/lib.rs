@@ -467,14 +467,7 @@ pub fn repo_root() -> PathBuf {
 /// The client venv's python (the pinned client libraries and schemathesis):
 /// `TANDEM_CLIENTS_PYTHON`, else the default cache location.
 pub fn clients_python() -> PathBuf {
-    let path = std::env::var_os("TANDEM_CLIENTS_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_default();
-            home.join(".cache/tandem/clients-venv/bin/python")
-        });
+    let path = tandem_testkit::cached_path("TANDEM_CLIENTS_PYTHON", "clients-venv/bin/python");
     assert!(
         path.exists(),
         "{} is missing: run scripts/clients-venv.sh (scripts/test.sh does) or set \

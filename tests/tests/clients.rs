@@ -21,14 +21,7 @@ use tandem_tests::{http, start_serve};
 
 /// The model's HF tokenizer directory, for aiperf's token counts.
 fn tokenizer_dir() -> PathBuf {
-    std::env::var_os("TANDEM_TEST_HF_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_default();
-            home.join(".cache/tandem/test-fixtures/smollm2-135m-hf-f32")
-        })
+    tandem_testkit::cached_path("TANDEM_TEST_HF_DIR", "test-fixtures/smollm2-135m-hf-f32")
 }
 
 /// Runs `cmd` to the end (killed after `limit`); its exit success and its

@@ -32,20 +32,12 @@ const NON_FLAG_ENV: &[&str] = &["TANDEM_LOG"];
 
 // ---------------------------------------------------------------- rendering
 
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 /// helm as scripts/deploy-tools.sh installs it (or `TANDEM_HELM`).
 fn helm() -> PathBuf {
-    if let Some(p) = std::env::var_os("TANDEM_HELM") {
-        return PathBuf::from(p);
-    }
-    let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_default());
-    let p = home.join(".cache/tandem/tools/bin/helm");
+    let p = tandem_testkit::cached_path("TANDEM_HELM", "tools/bin/helm");
     assert!(
         p.is_file(),
-        "helm is missing (looked at $TANDEM_HELM and {}): run scripts/deploy-tools.sh, which installs it",
+        "helm is missing at {} ($TANDEM_HELM, else the cache): run scripts/deploy-tools.sh, which installs it",
         p.display()
     );
     p
@@ -54,8 +46,8 @@ fn helm() -> PathBuf {
 /// `helm template` of the chart with one example values file and `extra`
 /// helm arguments.
 fn render(values: &str, extra: &[String], scratch: &Path) -> Vec<Value> {
-    let chart = repo_root().join("deploy/helm/tandem");
-    let file = repo_root()
+    let chart = tandem_tests::repo_root().join("deploy/helm/tandem");
+    let file = tandem_tests::repo_root()
         .join("deploy/helm/values")
         .join(format!("{values}.yaml"));
     assert!(file.is_file(), "no values file {}", file.display());

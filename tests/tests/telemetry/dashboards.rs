@@ -88,7 +88,7 @@ fn dashboards_and_alerts_match_a_real_scrape() {
             ("tandem-prefill", prefill.metrics),
             ("tandem-decode", decode.metrics),
         ],
-        &repo().join("deploy/prometheus/alerts.yaml"),
+        &tandem_tests::repo_root().join("deploy/prometheus/alerts.yaml"),
     );
 
     // Target discovery delays the first scrape by a few seconds.
@@ -278,7 +278,7 @@ fn dashboards_are_well_formed() {
 #[test]
 fn promtool_checks_and_unit_tests_the_alert_rules() {
     let promtool = tool("promtool");
-    let rules = repo().join("deploy/prometheus/alerts.yaml");
+    let rules = tandem_tests::repo_root().join("deploy/prometheus/alerts.yaml");
     let out = Command::new(&promtool)
         .arg("check")
         .arg("rules")
@@ -495,12 +495,8 @@ struct Variable {
     label: String,
 }
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 fn dashboard_files() -> Vec<PathBuf> {
-    let dir = repo().join("deploy/grafana");
+    let dir = tandem_tests::repo_root().join("deploy/grafana");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
@@ -670,7 +666,7 @@ fn parse_label_values(q: &str) -> Option<(Option<String>, String)> {
 
 /// Every alerting and recording rule's `expr` in alerts.yaml.
 fn alert_queries() -> Vec<Query> {
-    let path = repo().join("deploy/prometheus/alerts.yaml");
+    let path = tandem_tests::repo_root().join("deploy/prometheus/alerts.yaml");
     let text = std::fs::read_to_string(&path).unwrap();
     let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).unwrap();
     let mut out = Vec::new();
