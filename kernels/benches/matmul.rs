@@ -1,4 +1,5 @@
 //! Matmul throughput: Q4_1 576x1536 and Q8_0 49152x576 at m = 1 and m = 32,
+//! Q5_0 4864x896 and Q6_K 896x4864 (rows x cols) at m = 1, 8, 32, 512,
 //! single thread (set TANDEM_BENCH_THREADS to change), reported as weight
 //! bytes per second: the ggml-order kernels (`generic`) and the packed ones
 //! (`packed`), for every ISA this CPU has.
@@ -22,10 +23,11 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
             state as u8
         })
         .collect();
-    // Sane f16 scales (0.01) at the start of each block.
+    // Sane f16 scales (0.01) where each block keeps them.
     for blk in data.chunks_exact_mut(ty.block_bytes()) {
-        blk[0..2].copy_from_slice(&0x211Eu16.to_le_bytes());
-        if ty == GgmlType::Q4_1 {
+        let d = if ty == GgmlType::Q6_K { 208 } else { 0 };
+        blk[d..d + 2].copy_from_slice(&0x211Eu16.to_le_bytes());
+        if matches!(ty, GgmlType::Q4_1 | GgmlType::Q4_K) {
             blk[2..4].copy_from_slice(&0xA11Eu16.to_le_bytes());
         }
     }
@@ -41,16 +43,18 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("matmul");
     g.measurement_time(Duration::from_secs(3));
     g.warm_up_time(Duration::from_millis(500));
-    let cases = [
-        (GgmlType::Q4_1, 1536, 576),
-        (GgmlType::Q4_1, 576, 1536),
-        (GgmlType::Q8_0, 49152, 576),
+    let cases: [(GgmlType, usize, usize, &[usize]); 5] = [
+        (GgmlType::Q4_1, 1536, 576, &[1, 32]),
+        (GgmlType::Q4_1, 576, 1536, &[1, 32]),
+        (GgmlType::Q8_0, 49152, 576, &[1, 32]),
+        (GgmlType::Q5_0, 4864, 896, &[1, 8, 32, 512]),
+        (GgmlType::Q6_K, 896, 4864, &[1, 8, 32, 512]),
     ];
-    for (ty, rows, cols) in cases {
+    for (ty, rows, cols, ms) in cases {
         let data = weights(ty, rows, cols);
         let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
-        let packed = PackedMatrix::pack_any_cpu(&w).expect("Q4_1 and Q8_0 pack");
-        for m in [1usize, 32] {
+        let packed = PackedMatrix::pack_any_cpu(&w).expect("a packed type");
+        for &m in ms {
             let x: Vec<f32> = (0..m * cols)
                 .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                 .collect();

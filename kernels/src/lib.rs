@@ -3,9 +3,10 @@
 //! Activations are quantised as ggml-cpu does (to the weight type's
 //! `vec_dot_type`). [`matmul`] (scalar, AVX2 and AVX-512 VNNI kernels) then
 //! accumulates in ggml's AVX2 order, with bitwise identical results on every
-//! ISA. [`matmul_packed`] takes Q4_1 and Q8_0 weights that
-//! [`PackedMatrix::pack`] repacked (it does so where the kernels may use
-//! AVX2 or AVX-512 VNNI, and returns `None` on scalar-only CPUs) and
+//! ISA. [`matmul_packed`] takes Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K
+//! weights that [`PackedMatrix::pack`] repacked (it does so where the
+//! kernels may use AVX2 or AVX-512 VNNI, and returns `None` on scalar-only
+//! CPUs) and
 //! accumulates block by block: 512-bit `vpdpbusd` on AVX-512 VNNI, the same
 //! layout in 256-bit halves with `vpmaddubsw`/`vpmaddwd` on AVX2, both
 //! bitwise equal to the scalar reference ([`matmul_packed_with_isa`] with

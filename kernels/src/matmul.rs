@@ -280,12 +280,13 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    const TYPES: [GgmlType; 8] = [
+    const TYPES: [GgmlType; 9] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::BF16,
         GgmlType::Q4_0,
         GgmlType::Q4_1,
+        GgmlType::Q5_0,
         GgmlType::Q8_0,
         GgmlType::Q4_K,
         GgmlType::Q6_K,
@@ -309,7 +310,7 @@ mod tests {
                 rng.fill(&mut data[..]);
                 for blk in data.chunks_exact_mut(ty.block_bytes()) {
                     match ty {
-                        GgmlType::Q4_0 | GgmlType::Q8_0 => {
+                        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
                             blk[0..2].copy_from_slice(&h(rng, -0.05, 0.05))
                         }
                         GgmlType::Q4_1 => {

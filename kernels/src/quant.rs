@@ -7,6 +7,7 @@
 //! |------|-------|-------|--------|
 //! | Q4_0 | 32  | 18  | `f16 d; u8 qs[16]` — x = (nib - 8) * d, low nibbles are elements 0..16 |
 //! | Q4_1 | 32  | 20  | `f16 d; f16 m; u8 qs[16]` — x = nib * d + m |
+//! | Q5_0 | 32  | 22  | `f16 d; u8 qh[4]; u8 qs[16]` — x = ((nib \| bit << 4) - 16) * d, bit j of qh (LE u32) is element j's |
 //! | Q8_0 | 32  | 34  | `f16 d; i8 qs[32]` |
 //! | Q8_1 | 32  | 36  | `f16 d; f16 s; i8 qs[32]` — s = d * sum(qs) |
 //! | Q4_K | 256 | 144 | `f16 d; f16 dmin; u8 scales[12]; u8 qs[128]` |
@@ -118,6 +119,17 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), K
                     let q = b[2 + j];
                     y[j] = ((q & 0xF) as i32 - 8) as f32 * d;
                     y[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
+                }
+            }
+            GgmlType::Q5_0 => {
+                let d = f16_le(b, 0);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                for j in 0..16 {
+                    let q = b[6 + j];
+                    let h0 = ((qh >> j) & 1) as u8;
+                    let h1 = ((qh >> (j + 16)) & 1) as u8;
+                    y[j] = (((q & 0xF) | (h0 << 4)) as i32 - 16) as f32 * d;
+                    y[j + 16] = (((q >> 4) | (h1 << 4)) as i32 - 16) as f32 * d;
                 }
             }
             GgmlType::Q4_1 => {
@@ -260,7 +272,8 @@ pub(crate) fn quantize_block_q8_k(x: &[f32], qs: &mut [i8], bsums: &mut [i16]) -
 /// Quantise a row of f32 into `ty`, writing exactly `ty.row_bytes(src.len())`
 /// bytes. Supported: F32, F16, BF16 (round to nearest even), Q8_0 / Q8_1 (as
 /// ggml-cpu quantises activations on x86), Q8_K (`quantize_row_q8_K_ref`),
-/// Q4_0 / Q4_1 (`quantize_row_q4_0_ref` / `quantize_row_q4_1_ref`).
+/// Q4_0 / Q4_1 / Q5_0 (`quantize_row_q4_0_ref` / `quantize_row_q4_1_ref` /
+/// `quantize_row_q5_0_ref`).
 pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
     let expected = row_bytes_checked(ty, src.len())?;
     if dst.len() != expected {
@@ -326,6 +339,31 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Ker
                     b[2 + j] = q0 | (q1 << 4);
                 }
             }
+            GgmlType::Q5_0 => {
+                let mut amax = 0.0f32;
+                let mut max = 0.0f32;
+                for &v in x {
+                    if amax < v.abs() {
+                        amax = v.abs();
+                        max = v;
+                    }
+                }
+                let d = max / -16.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                b[0..2].copy_from_slice(&f32_to_f16_bits(d).to_le_bytes());
+                let mut qh = 0u32;
+                for j in 0..16 {
+                    let x0 = x[j] * id;
+                    let x1 = x[16 + j] * id;
+                    // C's (int8_t) cast truncates; in range here, as in ggml.
+                    let q0 = ((x0 + 16.5) as i8).min(31) as u8;
+                    let q1 = ((x1 + 16.5) as i8).min(31) as u8;
+                    b[6 + j] = (q0 & 0xF) | ((q1 & 0xF) << 4);
+                    qh |= u32::from(q0 >> 4) << j;
+                    qh |= u32::from(q1 >> 4) << (j + 16);
+                }
+                b[2..6].copy_from_slice(&qh.to_le_bytes());
+            }
             GgmlType::Q4_1 => {
                 let mut min = f32::MAX;
                 let mut max = f32::MIN;
@@ -376,9 +414,14 @@ mod tests {
         assert_eq!(GgmlType::F32.row_bytes(usize::MAX / 2), None);
         assert_eq!(GgmlType::Q4_K.row_bytes(100), None);
         assert_eq!(GgmlType::Q4_1.name(), "Q4_1");
+        assert_eq!(GgmlType::from_ggml_id(6), Some(GgmlType::Q5_0));
+        assert_eq!(GgmlType::Q5_0.name(), "Q5_0");
+        assert_eq!(GgmlType::Q5_0.vec_dot_type(), GgmlType::Q8_0);
+        assert_eq!(GgmlType::Q5_0.row_bytes(896), Some(28 * 22));
         let sizes = [
             (GgmlType::Q4_0, 18),
             (GgmlType::Q4_1, 20),
+            (GgmlType::Q5_0, 22),
             (GgmlType::Q8_0, 34),
             (GgmlType::Q8_1, 36),
             (GgmlType::Q4_K, 144),
@@ -461,6 +504,54 @@ mod tests {
         for (j, v) in y.iter().enumerate() {
             assert_eq!(*v, ((j as u8).wrapping_sub(128) as i8) as f32 * 0.5);
         }
+    }
+
+    #[test]
+    fn dequant_q5_0_known() {
+        // d = 0.5; qs[j] = lo j, hi 15-j; qh = 0xA5C3_0F81: bit e is the
+        // fifth bit of element e.
+        let qh: u32 = 0xA5C3_0F81;
+        let mut b = h(0.5).to_vec();
+        b.extend_from_slice(&qh.to_le_bytes());
+        for j in 0..16u8 {
+            b.push(j | ((15 - j) << 4));
+        }
+        let y = deq(GgmlType::Q5_0, &b, 32);
+        for j in 0..16 {
+            let bit = |e: usize| ((qh >> e) & 1) as f32 * 16.0;
+            assert_eq!(y[j], (j as f32 + bit(j) - 16.0) * 0.5, "element {j}");
+            let hi = (15 - j) as f32 + bit(j + 16) - 16.0;
+            assert_eq!(y[j + 16], hi * 0.5, "element {}", j + 16);
+        }
+        // The extremes: all bits clear is -16 d, all set with nibble 15 is 15 d.
+        let mut b = h(2.0).to_vec();
+        b.extend_from_slice(&0xFFFF_0000u32.to_le_bytes());
+        b.extend_from_slice(&[0xF0; 16]);
+        let y = deq(GgmlType::Q5_0, &b, 32);
+        assert!(y[..16].iter().all(|&v| v == -32.0));
+        assert!(y[16..].iter().all(|&v| v == 30.0));
+    }
+
+    #[test]
+    fn quantize_q5_0_known_block() {
+        // max = -16 (the largest magnitude) gives d = 1: every integer in
+        // -16..=15 quantises to itself, and x = 15.6 rounds to 16 and clamps
+        // to 15.
+        let mut x: Vec<f32> = (0..32).map(|e| (e as f32) - 16.0).collect();
+        x[31] = 15.6;
+        let mut b = [0u8; 22];
+        quantize_row(GgmlType::Q5_0, &x, &mut b).expect("quantize");
+        assert_eq!(f16_le(&b, 0), 1.0);
+        let y = deq(GgmlType::Q5_0, &b, 32);
+        for e in 0..31 {
+            assert_eq!(y[e], x[e], "element {e}");
+        }
+        assert_eq!(y[31], 15.0);
+        // All zero: d = 0 and every quant 16 (the zero point).
+        quantize_row(GgmlType::Q5_0, &[0.0; 32], &mut b).expect("quantize");
+        assert_eq!(f16_le(&b, 0), 0.0);
+        assert_eq!(u32::from_le_bytes([b[2], b[3], b[4], b[5]]), u32::MAX);
+        assert!(b[6..].iter().all(|&q| q == 0));
     }
 
     #[test]
@@ -599,32 +690,34 @@ mod tests {
 
     #[test]
     fn q4_roundtrip_error_bounds() {
-        // Both quantisers round to the nearest point of the block's grid,
-        // (q - 8) d for Q4_0 and q d + m for Q4_1 (q in 0..16): an error of
-        // at most d/2, plus the distance beyond the grid's ends for values
-        // that clamp (Q4_0's grid stops at 7d on the side opposite its
-        // largest value). Truncating instead would cost up to d. The only
-        // slack: d and m are stored as f16 (relative error 2^-11) after the
+        // The quantisers round to the nearest point of the block's grid,
+        // (q - 8) d for Q4_0, q d + m for Q4_1 (q in 0..16) and (q - 16) d
+        // for Q5_0 (q in 0..32): an error of at most d/2, plus the distance
+        // beyond the grid's ends for values that clamp (Q4_0's and Q5_0's
+        // grids stop one step short on the side opposite the largest
+        // value). Truncating instead would cost up to d. The only slack: d
+        // and m are stored as f16 (relative error 2^-11) after the
         // quantiser used their f32 values, which moves the chosen point by
-        // at most 16 |Δd| + |Δm|, and the nearest one as much.
+        // at most levels |Δd| + |Δm|, and the nearest one as much.
         let n = 32 * 16;
         let x = rand_row(n, 3);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0] {
             let mut b = vec![0u8; ty.row_bytes(n).expect("aligned")];
             quantize_row(ty, &x, &mut b).expect("quantize");
             let y = deq(ty, &b, n);
             for (blk, (xs, ys)) in x.chunks(32).zip(y.chunks(32)).enumerate() {
                 let off = blk * ty.block_bytes();
                 let d = f16_le(&b, off);
-                let (first, last) = match ty {
-                    GgmlType::Q4_0 => (-8.0 * d, 7.0 * d),
+                let (first, last, levels) = match ty {
+                    GgmlType::Q4_0 => (-8.0 * d, 7.0 * d, 16.0),
+                    GgmlType::Q5_0 => (-16.0 * d, 15.0 * d, 32.0),
                     _ => {
                         let m = f16_le(&b, off + 2);
-                        (m, m + 15.0 * d)
+                        (m, m + 15.0 * d, 16.0)
                     }
                 };
                 let (lo, hi) = (first.min(last), first.max(last));
-                let slack = 2.0 * (16.0 * d.abs() + lo.abs().max(hi.abs())) / 2048.0 + 1e-6;
+                let slack = 2.0 * (levels * d.abs() + lo.abs().max(hi.abs())) / 2048.0 + 1e-6;
                 for (a, c) in xs.iter().zip(ys) {
                     let beyond = (lo - a).max(a - hi).max(0.0);
                     let bound = d.abs() / 2.0 + beyond + slack;

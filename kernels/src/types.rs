@@ -54,6 +54,7 @@ pub enum GgmlType {
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
     Q8_0,
     Q8_1,
     Q4_K,
@@ -64,11 +65,12 @@ pub enum GgmlType {
 
 impl GgmlType {
     /// All supported types.
-    pub const ALL: [GgmlType; 10] = [
+    pub const ALL: [GgmlType; 11] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
         GgmlType::Q4_1,
+        GgmlType::Q5_0,
         GgmlType::Q8_0,
         GgmlType::Q8_1,
         GgmlType::Q4_K,
@@ -84,6 +86,7 @@ impl GgmlType {
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
             8 => GgmlType::Q8_0,
             9 => GgmlType::Q8_1,
             12 => GgmlType::Q4_K,
@@ -101,6 +104,7 @@ impl GgmlType {
             GgmlType::F16 => 1,
             GgmlType::Q4_0 => 2,
             GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
             GgmlType::Q8_0 => 8,
             GgmlType::Q8_1 => 9,
             GgmlType::Q4_K => 12,
@@ -117,6 +121,7 @@ impl GgmlType {
             GgmlType::F16 => "F16",
             GgmlType::Q4_0 => "Q4_0",
             GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q8_1 => "Q8_1",
             GgmlType::Q4_K => "Q4_K",
@@ -130,7 +135,9 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q8_1 => QK,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q8_1 => {
+                QK
+            }
             GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_K => QK_K,
         }
     }
@@ -142,6 +149,7 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::BF16 => 2,
             GgmlType::Q4_0 => 18,
             GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
             GgmlType::Q8_0 => 34,
             GgmlType::Q8_1 => 36,
             GgmlType::Q4_K => 144,
@@ -165,7 +173,7 @@ impl GgmlType {
             GgmlType::F32 => GgmlType::F32,
             GgmlType::F16 => GgmlType::F16,
             GgmlType::BF16 => GgmlType::BF16,
-            GgmlType::Q4_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
             GgmlType::Q4_1 | GgmlType::Q8_1 => GgmlType::Q8_1,
             GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_K => GgmlType::Q8_K,
         }

@@ -70,6 +70,9 @@ pub(crate) unsafe fn compute_block(
             (GgmlType::Q4_1, Acts::Q8(a)) => {
                 drive::<Q4_1K>(w, row_bytes, nrows, cols, a, i0, n, out, ldo)
             }
+            (GgmlType::Q5_0, Acts::Q8(a)) => {
+                drive::<Q5_0K>(w, row_bytes, nrows, cols, a, i0, n, out, ldo)
+            }
             (GgmlType::Q8_0, Acts::Q8(a)) => {
                 drive::<Q8_0K>(w, row_bytes, nrows, cols, a, i0, n, out, ldo)
             }
@@ -313,6 +316,67 @@ impl QKernel for Q4_0K {
                     let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(2).cast()));
                     let wq =
                         _mm256_sub_epi8(_mm256_and_si256(_mm256_srlv_epi64(q, shift), m4), off);
+                    for j in 0..N {
+                        let dd = _mm256_mul_ps(wdv, _mm256_broadcast_ss(&*x[j].d.add(b)));
+                        let p = _mm256_cvtepi32_ps(mul_sum_i8(wq, xv[j]));
+                        acc[r][j] = _mm256_fmadd_ps(dd, p, acc[r][j]);
+                    }
+                }
+            }
+        }
+        std::array::from_fn(|r| std::array::from_fn(|j| hsum8(acc[r][j])))
+    }
+}
+
+/// ggml's `bytes_from_bits_32`: byte `i` is 0xFF where bit `i` of the
+/// little-endian u32 at `p` is set, else 0.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `p` must be valid for reading
+/// 4 bytes (any alignment).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
+    // SAFETY: caller guarantees 4 readable bytes.
+    let x32 = unsafe { p.cast::<i32>().read_unaligned() };
+    let shuf = _mm256_set_epi64x(
+        0x0303030303030303,
+        0x0202020202020202,
+        0x0101010101010101,
+        0,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x32), shuf);
+    let bits = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    _mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1))
+}
+
+pub(crate) struct Q5_0K;
+impl QKernel for Q5_0K {
+    /// # Safety
+    /// As [`QKernel::run`], with AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn run<const R: usize, const N: usize>(
+        w: [*const u8; R],
+        x: [ActPtr; N],
+        nb: usize,
+    ) -> [[f32; N]; R] {
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
+        let m4 = _mm256_set1_epi8(0x0F);
+        let f0 = _mm256_set1_epi8(0xF0u8 as i8);
+        let shift = _mm256_set_epi64x(4, 4, 0, 0);
+        // SAFETY: pointers cover nb blocks (caller).
+        unsafe {
+            for b in 0..nb {
+                let xv: [__m256i; N] =
+                    std::array::from_fn(|j| _mm256_loadu_si256(x[j].qs.add(32 * b).cast()));
+                for r in 0..R {
+                    let p = w[r].add(22 * b);
+                    let wdv = _mm256_set1_ps(f16_at(p));
+                    let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(6).cast()));
+                    let lo = _mm256_and_si256(_mm256_srlv_epi64(q, shift), m4);
+                    // (nib | bit << 4) - 16 == nib | (bit clear ? 0xF0 : 0) as i8.
+                    let hi = _mm256_andnot_si256(bytes_from_bits_32(p.add(2)), f0);
+                    let wq = _mm256_or_si256(lo, hi);
                     for j in 0..N {
                         let dd = _mm256_mul_ps(wdv, _mm256_broadcast_ss(&*x[j].d.add(b)));
                         let p = _mm256_cvtepi32_ps(mul_sum_i8(wq, xv[j]));

@@ -37,6 +37,9 @@ pub(crate) unsafe fn compute_block(
             (GgmlType::Q4_1, Acts::Q8(a)) => {
                 drive::<Q4_1K>(w, row_bytes, nrows, cols, a, i0, n, out, ldo)
             }
+            (GgmlType::Q5_0, Acts::Q8(a)) => {
+                drive::<Q5_0K>(w, row_bytes, nrows, cols, a, i0, n, out, ldo)
+            }
             (GgmlType::Q8_0, Acts::Q8(a)) => {
                 drive::<Q8_0K>(w, row_bytes, nrows, cols, a, i0, n, out, ldo)
             }
@@ -216,7 +219,7 @@ impl QKernel for Q4_1K {
     }
 }
 
-/// Shared body of the Q8_0 and Q4_0 kernels: `$bs` block bytes, signed quants
+/// Shared body of the Q8_0, Q4_0 and Q5_0 kernels: `$bs` block bytes, signed quants
 /// of a block produced by `$wq`. Products use ggml's sign trick
 /// (|w| × ±x, same wrapping for -128) so they match `maddubs` exactly.
 macro_rules! q8_like_kernel {
@@ -285,5 +288,23 @@ unsafe fn q4_0_w(p: *const u8) -> __m256i {
     _mm256_sub_epi8(unsafe { nibbles1(p) }, _mm256_set1_epi8(8))
 }
 
+/// A Q5_0 block's 32 quants (`qh` at `p`, nibbles at `p + 4`) as signed
+/// `(nib | bit << 4) - 16`: the nibble with 0xF0 ORed in where the bit is
+/// clear, as ggml's AVX2 kernel builds them.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C;
+/// `p` must be valid for reading 20 bytes (any alignment).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q5_0_w(p: *const u8) -> __m256i {
+    // SAFETY: 20 readable bytes (caller).
+    let (qh, lo) = unsafe { (p.cast::<u32>().read_unaligned(), nibbles1(p.add(4))) };
+    // Byte i keeps 0 where bit i of qh is set, else takes 0xF0.
+    let hi = _mm256_mask_mov_epi8(_mm256_set1_epi8(0xF0u8 as i8), qh, _mm256_setzero_si256());
+    _mm256_or_si256(lo, hi)
+}
+
 q8_like_kernel!(Q8_0K, 34, q8_w);
+q8_like_kernel!(Q5_0K, 22, q5_0_w);
 q8_like_kernel!(Q4_0K, 18, q4_0_w);

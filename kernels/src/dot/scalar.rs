@@ -58,6 +58,7 @@ pub(crate) fn dot(ty: GgmlType, w: &[u8], cols: usize, acts: &Acts<'_>, j: usize
         }
         (GgmlType::Q4_0, Acts::Q8(a)) => dot_q4_0(w, a, cols, j),
         (GgmlType::Q4_1, Acts::Q8(a)) => dot_q4_1(w, a, cols, j),
+        (GgmlType::Q5_0, Acts::Q8(a)) => dot_q5_0(w, a, cols, j),
         (GgmlType::Q8_0, Acts::Q8(a)) => dot_q8_0(w, a, cols, j),
         (GgmlType::Q4_K, Acts::Q8(a)) => dot_q4_k(w, a, cols, j),
         (GgmlType::Q6_K, Acts::Q8(a)) => dot_q6_k(w, a, cols, j),
@@ -111,6 +112,31 @@ fn dot_q4_0(w: &[u8], a: &ActQ8, cols: usize, j: usize) -> f32 {
             let q = blk[2 + e];
             let lo = (q & 0xF) as i8 - 8;
             let hi = (q >> 4) as i8 - 8;
+            isum[lane(e)] += signed_prod(lo, xq[QK * b + e]);
+            isum[lane(e + 16)] += signed_prod(hi, xq[QK * b + e + 16]);
+        }
+        for l in 0..8 {
+            acc[l] = d.mul_add(isum[l] as f32, acc[l]);
+        }
+    }
+    hsum8(acc)
+}
+
+/// ggml's AVX2 `ggml_vec_dot_q5_0_q8_0`: as Q4_0, with quants
+/// `(nib | bit << 4) - 16` (the kernel ORs 0xF0 into bytes whose bit is clear).
+fn dot_q5_0(w: &[u8], a: &ActQ8, cols: usize, j: usize) -> f32 {
+    let xq = &a.qs[j * cols..];
+    let xd = &a.d[j * a.nb..];
+    let mut acc = [0.0f32; 8];
+    for b in 0..a.nb {
+        let blk = &w[22 * b..22 * b + 22];
+        let d = f16_le(blk, 0) * xd[b];
+        let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+        let mut isum = [0i32; 8];
+        for e in 0..16 {
+            let q = blk[6 + e];
+            let lo = ((q & 0xF) | (((qh >> e) & 1) as u8) << 4) as i8 - 16;
+            let hi = ((q >> 4) | (((qh >> (e + 16)) & 1) as u8) << 4) as i8 - 16;
             isum[lane(e)] += signed_prod(lo, xq[QK * b + e]);
             isum[lane(e + 16)] += signed_prod(hi, xq[QK * b + e + 16]);
         }
