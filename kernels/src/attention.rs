@@ -156,7 +156,74 @@ pub fn attend_tile_with_isa(
     scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_window_with_isa(
+        isa,
+        qs,
+        &[],
+        n_ctx,
+        k_blocks,
+        v_blocks,
+        block_size,
+        scale,
+        scratch,
+        out,
+    );
+}
+
+/// [`attend_tile`] for sliding-window attention: query `i` sees positions
+/// `first[i]..n_ctx[i]` of the context (`first` empty: all from 0).
+/// Positions before `first[i]` get a score of `-inf`, so they weigh
+/// exactly 0 and the result is the same for every batch the query is in.
+///
+/// # Panics
+/// As [`attend_tile`], or if `first` is neither empty nor one per query,
+/// or some `first[i] >= n_ctx[i]` (a query always sees itself).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_window(
+    qs: &[f32],
+    first: &[usize],
+    n_ctx: &[usize],
+    k_blocks: &[&[f16]],
+    v_blocks: &[&[f16]],
+    block_size: usize,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    attend_window_with_isa(
+        cpu::isa(),
+        qs,
+        first,
+        n_ctx,
+        k_blocks,
+        v_blocks,
+        block_size,
+        scale,
+        scratch,
+        out,
+    );
+}
+
+/// [`attend_window`] with an explicit instruction set.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_window_with_isa(
+    isa: Isa,
+    qs: &[f32],
+    first: &[usize],
+    n_ctx: &[usize],
+    k_blocks: &[&[f16]],
+    v_blocks: &[&[f16]],
+    block_size: usize,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let nq = n_ctx.len();
+    assert!(
+        first.is_empty() || (first.len() == nq && first.iter().zip(n_ctx).all(|(&f, &n)| f < n)),
+        "each query's window must start before its own position"
+    );
+    let first_of = |i: usize| first.get(i).copied().unwrap_or(0);
     if nq == 0 {
         assert!(qs.is_empty() && out.is_empty(), "queries without lengths");
         return;
@@ -191,9 +258,22 @@ pub fn attend_tile_with_isa(
     // Converting rows once pays off only when enough queries share them: a
     // decode step's few heads of a group read the f16 rows directly.
     if !(simd && hd == 64 && nq >= MIN_TILE_QUERIES && max_ctx >= MIN_TILE_CONTEXT) {
-        for ((q, o), &n) in qs.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(n_ctx) {
+        for (i, ((q, o), &n)) in qs
+            .chunks_exact(hd)
+            .zip(out.chunks_exact_mut(hd))
+            .zip(n_ctx)
+            .enumerate()
+        {
             attend_one(
-                simd, q, k_blocks, v_blocks, block_size, n, scale, scratch, o,
+                simd,
+                q,
+                k_blocks,
+                v_blocks,
+                block_size,
+                first_of(i)..n,
+                scale,
+                scratch,
+                o,
             );
         }
         return;
@@ -230,7 +310,8 @@ pub fn attend_tile_with_isa(
         }
         p0 += batch.len;
     }
-    for (sc, &n) in scores.chunks_exact_mut(max_ctx).zip(n_ctx) {
+    for (i, (sc, &n)) in scores.chunks_exact_mut(max_ctx).zip(n_ctx).enumerate() {
+        sc[..first_of(i)].fill(f32::NEG_INFINITY);
         crate::ops::softmax(&mut sc[..n]);
         crate::ops::round_through_f16(&mut sc[..n]);
     }
@@ -269,11 +350,12 @@ fn attend_one(
     k_blocks: &[&[f16]],
     v_blocks: &[&[f16]],
     block_size: usize,
-    n_ctx: usize,
+    window: std::ops::Range<usize>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    let n_ctx = window.end;
     let hd = q.len();
     let mut qbuf = [0.0f32; 512];
     for (d, &s) in qbuf.iter_mut().zip(q) {
@@ -306,6 +388,7 @@ fn attend_one(
             scores.push(dot * scale);
         }
     }
+    scores[..window.start].fill(f32::NEG_INFINITY);
     crate::ops::softmax(scores);
     crate::ops::round_through_f16(scores);
     if simd && hd == 64 {
@@ -791,6 +874,96 @@ mod tests {
         for (g, w) in got.iter().zip(&want) {
             // f16 rounding of the query and the probabilities bounds the error.
             assert!((f64::from(*g) - w).abs() < 5e-3, "{g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn a_window_hides_earlier_positions_on_every_path() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let (hd, bs, nq) = (64, 16, 8);
+        let kb = blocks(&mut rng, 10, bs * hd);
+        let vb = blocks(&mut rng, 10, bs * hd);
+        let ks: Vec<&[f16]> = kb.iter().map(Vec::as_slice).collect();
+        let vs: Vec<&[f16]> = vb.iter().map(Vec::as_slice).collect();
+        let qs: Vec<f32> = (0..nq * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+        // Long enough contexts for the tiled path, windows of 20 positions.
+        let n_ctx: Vec<usize> = (0..nq).map(|i| 140 + i).collect();
+        let first: Vec<usize> = n_ctx.iter().map(|n| n - 20).collect();
+        let row = |b: &[Vec<f16>], j: usize| -> Vec<f64> {
+            b[j / bs][(j % bs) * hd..(j % bs + 1) * hd]
+                .iter()
+                .map(|x| f64::from(x.to_f32()))
+                .collect()
+        };
+        let mut reference = vec![0.0; nq * hd];
+        attend_window_with_isa(
+            Isa::Scalar,
+            &qs,
+            &first,
+            &n_ctx,
+            &ks,
+            &vs,
+            bs,
+            0.125,
+            &mut Vec::new(),
+            &mut reference,
+        );
+        for isa in Isa::ALL.iter().copied().filter(|i| i.is_supported()) {
+            let mut got = vec![0.0; nq * hd];
+            attend_window_with_isa(
+                isa,
+                &qs,
+                &first,
+                &n_ctx,
+                &ks,
+                &vs,
+                bs,
+                0.125,
+                &mut Vec::new(),
+                &mut got,
+            );
+            assert_eq!(got, reference, "{isa:?}");
+            // One query alone is bitwise the same as in the tile.
+            let mut one = vec![0.0; hd];
+            attend_window_with_isa(
+                isa,
+                &qs[3 * hd..4 * hd],
+                &first[3..4],
+                &n_ctx[3..4],
+                &ks,
+                &vs,
+                bs,
+                0.125,
+                &mut Vec::new(),
+                &mut one,
+            );
+            assert_eq!(one, reference[3 * hd..4 * hd], "{isa:?} alone");
+        }
+        for (i, got) in reference.chunks_exact(hd).enumerate() {
+            let q = &qs[i * hd..(i + 1) * hd];
+            let window = first[i]..n_ctx[i];
+            let s: Vec<f64> = window
+                .clone()
+                .map(|j| {
+                    row(&kb, j)
+                        .iter()
+                        .zip(q)
+                        .map(|(k, &q)| k * f64::from(q))
+                        .sum::<f64>()
+                        * 0.125
+                })
+                .collect();
+            let max = s.iter().copied().fold(f64::MIN, f64::max);
+            let z: f64 = s.iter().map(|x| (x - max).exp()).sum();
+            let mut want = vec![0.0f64; hd];
+            for (j, sj) in window.zip(&s) {
+                for (w, v) in want.iter_mut().zip(row(&vb, j)) {
+                    *w += (sj - max).exp() / z * v;
+                }
+            }
+            for (g, w) in got.iter().zip(&want) {
+                assert!((f64::from(*g) - w).abs() < 5e-3, "query {i}: {g} vs {w}");
+            }
         }
     }
 

@@ -21,6 +21,42 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// [`rms_norm`] of `x` into itself (the same operations).
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    debug_assert_eq!(x.len(), weight.len());
+    let sum: f64 = x.iter().map(|&v| f64::from(v * v)).sum();
+    let mean = (sum / x.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for (v, &w) in x.iter_mut().zip(weight) {
+        *v = (*v * scale) * w;
+    }
+}
+
+/// GeGLU: `gate[i] = gelu(gate[i]) * up[i]` with the tanh approximation of
+/// GELU (Gemma's `gelu_pytorch_tanh`), in f32. ggml looks GELU up in an
+/// f16 table instead; the exact form is what the model was trained with.
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(
+        gate.len(),
+        up.len(),
+        "gelu_tanh_mul: gate and up lengths differ"
+    );
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF: f32 = 0.044_715;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        let inner = SQRT_2_OVER_PI * x * (1.0 + COEF * x * x);
+        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
+    }
+}
+
+/// Soft-caps logits: `x = cap * tanh(x / cap)`.
+pub fn softcap(x: &mut [f32], cap: f32) {
+    for v in x {
+        *v = cap * (*v / cap).tanh();
+    }
+}
+
 /// How rotary embeddings pair up the dimensions of a head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RopeStyle {
@@ -129,6 +165,30 @@ mod tests {
         let rms = (out.iter().map(|v| v * v).sum::<f32>() / 4.0).sqrt();
         assert!((rms - 1.0).abs() < 1e-6, "rms {rms}");
         assert!((out[0] - 1.0 / 7.5f32.sqrt()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn in_place_norm_gelu_and_softcap() {
+        let x: Vec<f32> = (0..24).map(|i| i as f32 * 0.31 - 3.0).collect();
+        let w: Vec<f32> = (0..24).map(|i| 1.0 + i as f32 * 0.01).collect();
+        let mut out = vec![0.0; 24];
+        rms_norm(&x, &w, 1e-6, &mut out);
+        let mut y = x.clone();
+        rms_norm_in_place(&mut y, &w, 1e-6);
+        assert_eq!(y, out);
+        // gelu(0) = 0, gelu(x) ~ x for large x, ~ 0 for very negative x,
+        // and gelu(1) = 0.8412 (tanh form).
+        let mut g = vec![0.0, 8.0, -8.0, 1.0];
+        gelu_tanh_mul(&mut g, &[1.0, 1.0, 1.0, 2.0]);
+        assert_eq!(g[0], 0.0);
+        assert!((g[1] - 8.0).abs() < 1e-5 && g[2].abs() < 1e-5, "{g:?}");
+        assert!((g[3] - 2.0 * 0.841_192).abs() < 1e-4, "{g:?}");
+        let mut l = vec![0.0, 1.0, 1000.0, -1000.0];
+        softcap(&mut l, 30.0);
+        assert_eq!(l[0], 0.0);
+        assert!(
+            (l[1] - 1.0).abs() < 1e-3 && (l[2] - 30.0).abs() < 1e-4 && (l[3] + 30.0).abs() < 1e-4
+        );
     }
 
     #[test]
