@@ -1,25 +1,25 @@
 //! Loads a model from a GGUF file or an HF-style directory into a
-//! [`LlamaModel`] plus its tokenizer and chat template.
+//! [`DecoderModel`] plus its tokenizer and chat template.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_modelfile::ModelText;
-use tandem_modelfile::config::LlamaConfig;
+use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::gguf::GgufFile;
 use tandem_modelfile::meta;
 use tandem_types::ModelFingerprint;
 
 use crate::error::ModelError;
-use crate::model::{FfnWeights, LayerWeights, LlamaModel, LlamaWeights};
+use crate::model::{DecoderModel, FfnWeights, LayerWeights, ModelWeights};
 use crate::safetensors_loader;
 use crate::weight::{Weight, to_f32};
 
 /// A model with everything needed to turn text into tokens and back.
 #[derive(Debug)]
 pub struct LoadedModel {
-    pub model: LlamaModel,
+    pub model: DecoderModel,
     /// Name, tokenizer and chat template: shared with the HTTP front end.
     pub text: Arc<ModelText>,
     pub path: PathBuf,
@@ -69,7 +69,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let t0 = Instant::now();
     let g = GgufFile::open(path)?;
     let weights_hash = xxhash_rust::xxh3::xxh3_64(g.backing());
-    let config = LlamaConfig::from_gguf(&g)?;
+    let config = ModelConfig::from_gguf(&g)?;
     let read = t0.elapsed();
 
     let t1 = Instant::now();
@@ -78,7 +78,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
 
     let t2 = Instant::now();
     let (tokenizer, chat_template) = meta::gguf_text(&g, &config)?;
-    let model = LlamaModel::new(config, weights)?;
+    let model = DecoderModel::new(config, weights)?;
     let init = t2.elapsed();
     let name = meta::gguf_name(&g, path);
     Ok(LoadedModel {
@@ -109,7 +109,7 @@ pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
 
     let t2 = Instant::now();
     let (tokenizer, chat_template) = meta::hf_text(dir, &config)?;
-    let model = LlamaModel::new(config, weights)?;
+    let model = DecoderModel::new(config, weights)?;
     let init = t2.elapsed();
     Ok(LoadedModel {
         model,
@@ -129,7 +129,7 @@ pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
     })
 }
 
-fn gguf_weights(g: &GgufFile, c: &LlamaConfig) -> Result<LlamaWeights, ModelError> {
+fn gguf_weights(g: &GgufFile, c: &ModelConfig) -> Result<ModelWeights, ModelError> {
     let backing = g.backing().clone();
     let matrix = |name: &str| -> Result<Weight, ModelError> {
         let info = g
@@ -166,10 +166,32 @@ fn gguf_weights(g: &GgufFile, c: &LlamaConfig) -> Result<LlamaWeights, ModelErro
         }
         to_f32(name, info.ty, g.tensor_data(name)?, n)
     };
+    let fam = c.family;
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
         let n = |s: &str| format!("blk.{i}.{s}");
+        let vectors = |names: [&str; 2]| -> Result<[Vec<f32>; 2], ModelError> {
+            Ok([vector(&n(names[0]))?, vector(&n(names[1]))?])
+        };
         layers.push(LayerWeights {
+            qkv_bias: fam
+                .qkv_bias
+                .then(|| -> Result<_, ModelError> {
+                    Ok([
+                        vector(&n("attn_q.bias"))?,
+                        vector(&n("attn_k.bias"))?,
+                        vector(&n("attn_v.bias"))?,
+                    ])
+                })
+                .transpose()?,
+            qk_norm: fam
+                .qk_norm
+                .then(|| vectors(["attn_q_norm.weight", "attn_k_norm.weight"]))
+                .transpose()?,
+            post_norms: fam
+                .post_norms
+                .then(|| vectors(["post_attention_norm.weight", "post_ffw_norm.weight"]))
+                .transpose()?,
             attn_norm: vector(&n("attn_norm.weight"))?,
             wq: matrix(&n("attn_q.weight"))?,
             wk: matrix(&n("attn_k.weight"))?,
@@ -188,7 +210,7 @@ fn gguf_weights(g: &GgufFile, c: &LlamaConfig) -> Result<LlamaWeights, ModelErro
     } else {
         None
     };
-    Ok(LlamaWeights {
+    Ok(ModelWeights {
         token_embd: matrix("token_embd.weight")?,
         layers,
         output_norm: vector("output_norm.weight")?,

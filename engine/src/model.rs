@@ -18,7 +18,8 @@ use crate::error::{ModelError, RequestError};
 use crate::kv_cache::{KvCache, KvCacheConfig};
 use crate::moe::{Combine, MoeBlock, MoeWeights};
 use crate::weight::{Weight, fuse};
-use tandem_modelfile::config::LlamaConfig;
+use tandem_modelfile::arch::Activation;
+use tandem_modelfile::config::ModelConfig;
 
 /// Weights of one decoder layer.
 #[derive(Debug)]
@@ -30,6 +31,13 @@ pub struct LayerWeights {
     pub wo: Weight,
     pub ffn_norm: Vec<f32>,
     pub ffn: FfnWeights,
+    /// Biases of Q, K and V (Qwen2).
+    pub qkv_bias: Option<[Vec<f32>; 3]>,
+    /// Per-head RMS norm weights of Q and K, applied before RoPE (Gemma 3).
+    pub qk_norm: Option<[Vec<f32>; 2]>,
+    /// Norms of the attention and FFN outputs, applied before each
+    /// residual add (Gemma 3).
+    pub post_norms: Option<[Vec<f32>; 2]>,
 }
 
 /// A layer's feed-forward weights.
@@ -47,7 +55,7 @@ pub enum FfnWeights {
 
 /// All weights, as found by a loader (GGUF or safetensors).
 #[derive(Debug)]
-pub struct LlamaWeights {
+pub struct ModelWeights {
     pub token_embd: Weight,
     pub layers: Vec<LayerWeights>,
     pub output_norm: Vec<f32>,
@@ -57,16 +65,15 @@ pub struct LlamaWeights {
 
 /// A loaded Llama-family model, ready to run.
 #[derive(Debug)]
-pub struct LlamaModel {
+pub struct DecoderModel {
     /// For a tensor-parallel shard: this rank's heads and FFN width (the
     /// vocabulary stays the model's).
-    config: LlamaConfig,
+    config: ModelConfig,
     token_embd: Weight,
     layers: Vec<Layer>,
     output_norm: Vec<f32>,
     /// `None` when tied to the embedding.
     output: Option<Weight>,
-    rope: Rope,
     tp: Option<TpShard>,
     /// Segments every row-parallel projection is summed over, in order (see
     /// [`RowParallel`]); the same for the whole model and for every shard.
@@ -89,6 +96,16 @@ struct Layer {
     wo: RowParallel,
     ffn_norm: Vec<f32>,
     ffn: Ffn,
+    /// Q | K | V biases, as one row added to each token's fused projection.
+    qkv_bias: Option<Vec<f32>>,
+    /// Q and K per-head norm weights (`head_dim` each).
+    qk_norm: Option<[Vec<f32>; 2]>,
+    /// Attention-output and FFN-output norm weights.
+    post_norms: Option<[Vec<f32>; 2]>,
+    /// This layer's RoPE (sliding layers may use another base).
+    rope: Rope,
+    /// Positions a query sees, itself included, on a sliding layer.
+    window: Option<usize>,
 }
 
 /// A layer's feed-forward block as the forward pass runs it.
@@ -128,26 +145,47 @@ struct RowParallel {
     count: usize,
     /// Output features (rows).
     rows: usize,
-    /// Input features per segment.
-    seg_cols: usize,
+    /// Where each local segment's input features start, plus the end
+    /// (`count + 1` offsets into `local`'s columns).
+    bounds: Vec<usize>,
 }
 
 impl RowParallel {
-    /// Segments `first..first + count` of `w` cut into `groups` equal column
-    /// segments.
-    fn new(w: &Weight, groups: usize, first: usize, count: usize) -> Result<Self, ModelError> {
+    /// Segments `first..first + count` of `w`, whose columns are cut into
+    /// segments at `bounds` (segment `s` is `bounds[s]..bounds[s + 1]`).
+    fn new(w: &Weight, bounds: &[usize], first: usize, count: usize) -> Result<Self, ModelError> {
         let (rows, cols) = w.shape();
-        let seg_cols = cols / groups;
-        let local = if first == 0 && count == groups {
+        let groups = bounds.len().saturating_sub(1);
+        if count == 0
+            || first + count > groups
+            || bounds.first() != Some(&0)
+            || bounds.last() != Some(&cols)
+            || bounds.windows(2).any(|b| b[0] >= b[1])
+        {
+            return Err(ModelError::InvalidConfig(format!(
+                "row-parallel segments {first}..{} of {bounds:?} over {cols} columns",
+                first + count
+            )));
+        }
+        let cols = bounds[first]..bounds[first + count];
+        let local = if cols.len() == w.shape().1 {
             w.clone()
         } else {
-            w.slice_cols(first * seg_cols..(first + count) * seg_cols)?
+            w.slice_cols(cols.clone())?
         };
-        let segments = if local.packed().is_some() || count == 1 {
+        let bounds: Vec<usize> = bounds[first..=first + count]
+            .iter()
+            .map(|b| b - cols.start)
+            .collect();
+        let equal = bounds.windows(2).all(|b| b[1] - b[0] == bounds[1]);
+        // The packed kernel computes equal segments in one call; anything
+        // else goes segment by segment.
+        let segments = if (local.packed().is_some() && equal) || count == 1 {
             Vec::new()
         } else {
-            (0..count)
-                .map(|s| local.slice_cols(s * seg_cols..(s + 1) * seg_cols))
+            bounds
+                .windows(2)
+                .map(|b| local.slice_cols(b[0]..b[1]))
                 .collect::<Result<_, _>>()?
         };
         Ok(Self {
@@ -155,8 +193,14 @@ impl RowParallel {
             segments,
             count,
             rows,
-            seg_cols,
+            bounds,
         })
+    }
+
+    /// This projection's segment bounds as a whole-model list, for a
+    /// projection that has not been sharded.
+    fn all_bounds(&self) -> &[usize] {
+        &self.bounds
     }
 
     /// `n_tok` rows of this rank's input features (`count * seg_cols`
@@ -169,27 +213,29 @@ impl RowParallel {
         gathered: &mut Vec<f32>,
         partials: &mut [f32],
     ) -> Result<(), RequestError> {
-        if let Some(p) = self.local.packed() {
-            tandem_kernels::matmul_packed_segments(p, x, n_tok, self.count, partials)?;
-            return Ok(());
-        }
         if self.count == 1 {
             return self.local.matmul(x, n_tok, partials);
         }
-        let (nseg, sc) = (self.count, self.seg_cols);
+        if let Some(p) = self.local.packed()
+            && self.segments.is_empty()
+        {
+            tandem_kernels::matmul_packed_segments(p, x, n_tok, self.count, partials)?;
+            return Ok(());
+        }
+        let width = self.bounds[self.count];
         let out_len = n_tok * self.rows;
-        for (s, (w, out)) in self
+        for ((w, b), out) in self
             .segments
             .iter()
+            .zip(self.bounds.windows(2))
             .zip(partials.chunks_exact_mut(out_len.max(1)))
-            .enumerate()
         {
             let xs: &[f32] = if n_tok == 1 {
-                &x[s * sc..(s + 1) * sc]
+                &x[b[0]..b[1]]
             } else {
                 gathered.clear();
-                for row in x.chunks_exact(nseg * sc) {
-                    gathered.extend_from_slice(&row[s * sc..(s + 1) * sc]);
+                for row in x.chunks_exact(width) {
+                    gathered.extend_from_slice(&row[b[0]..b[1]]);
                 }
                 gathered
             };
@@ -234,9 +280,9 @@ pub struct SeqChunk<'a> {
     pub want_logits: bool,
 }
 
-impl LlamaModel {
+impl DecoderModel {
     /// Checks every weight's shape against the config.
-    pub fn new(config: LlamaConfig, weights: LlamaWeights) -> Result<Self, ModelError> {
+    pub fn new(config: ModelConfig, weights: ModelWeights) -> Result<Self, ModelError> {
         config.validate()?;
         let c = &config;
         let check_norm = |name: &str, v: &[f32], n: usize| {
@@ -256,7 +302,7 @@ impl LlamaModel {
                 c.n_layers
             )));
         }
-        let LlamaWeights {
+        let ModelWeights {
             token_embd,
             layers,
             output_norm,
@@ -268,11 +314,51 @@ impl LlamaModel {
             .map(|w| w.expect_shape("output", c.vocab_size, c.d_model))
             .transpose()?;
         let reduce_groups = reduce_groups(c, &layers);
+        // One cut of the FFN width for every layer, on the coarsest block
+        // any layer's down projection has (block sizes divide each other).
+        let ffn_block = layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                FfnWeights::Dense { down, .. } => Some(down.ty().block_len()),
+                FfnWeights::Moe(_) => None,
+            })
+            .max()
+            .unwrap_or(1);
+        let ffn_bounds = block_bounds(c.ffn_dim, reduce_groups, ffn_block);
         let mut checked = Vec::with_capacity(layers.len());
+        let fam = c.family;
         for (i, l) in layers.into_iter().enumerate() {
             let n = |s: &str| format!("blk.{i}.{s}");
             check_norm(&n("attn_norm"), &l.attn_norm, c.d_model)?;
             check_norm(&n("ffn_norm"), &l.ffn_norm, c.d_model)?;
+            let family_mismatch = |what: &str| {
+                ModelError::InvalidConfig(format!(
+                    "layer {i}: {what} do not match the {} family",
+                    fam.name()
+                ))
+            };
+            if l.qkv_bias.is_some() != fam.qkv_bias {
+                return Err(family_mismatch("Q/K/V biases"));
+            }
+            if l.qk_norm.is_some() != fam.qk_norm {
+                return Err(family_mismatch("Q/K norms"));
+            }
+            if l.post_norms.is_some() != fam.post_norms {
+                return Err(family_mismatch("post-attention / post-FFN norms"));
+            }
+            if let Some([bq, bk, bv]) = &l.qkv_bias {
+                check_norm(&n("attn_q.bias"), bq, c.q_dim())?;
+                check_norm(&n("attn_k.bias"), bk, c.kv_dim())?;
+                check_norm(&n("attn_v.bias"), bv, c.kv_dim())?;
+            }
+            if let Some([q, k]) = &l.qk_norm {
+                check_norm(&n("attn_q_norm"), q, c.head_dim)?;
+                check_norm(&n("attn_k_norm"), k, c.head_dim)?;
+            }
+            if let Some([a, f]) = &l.post_norms {
+                check_norm(&n("post_attention_norm"), a, c.d_model)?;
+                check_norm(&n("post_ffw_norm"), f, c.d_model)?;
+            }
             let wo = l.wo.expect_shape(&n("attn_output"), c.d_model, c.q_dim())?;
             let ffn = match (l.ffn, &c.moe) {
                 (FfnWeights::Dense { gate, up, down }, None) => Ffn::Dense {
@@ -281,7 +367,7 @@ impl LlamaModel {
                     up: up.expect_shape(&n("ffn_up"), c.ffn_dim, c.d_model)?,
                     down: RowParallel::new(
                         &down.expect_shape(&n("ffn_down"), c.d_model, c.ffn_dim)?,
-                        reduce_groups,
+                        &ffn_bounds,
                         0,
                         reduce_groups,
                     )?,
@@ -301,19 +387,27 @@ impl LlamaModel {
                 wq: l.wq.expect_shape(&n("attn_q"), c.q_dim(), c.d_model)?,
                 wk: l.wk.expect_shape(&n("attn_k"), c.kv_dim(), c.d_model)?,
                 wv: l.wv.expect_shape(&n("attn_v"), c.kv_dim(), c.d_model)?,
-                wo: RowParallel::new(&wo, reduce_groups, 0, reduce_groups)?,
+                wo: RowParallel::new(
+                    &wo,
+                    &equal_bounds(c.q_dim(), reduce_groups),
+                    0,
+                    reduce_groups,
+                )?,
                 ffn_norm: l.ffn_norm,
                 ffn,
+                qkv_bias: l.qkv_bias.map(|b| b.concat()),
+                qk_norm: l.qk_norm,
+                post_norms: l.post_norms,
+                rope: Rope::new(c.rope_style, c.rope_dims, c.layer_rope_theta(i)),
+                window: c.layer_window(i),
             }));
         }
-        let rope = Rope::new(c.rope_style, c.rope_dims, c.rope_theta);
         Ok(Self {
             config,
             token_embd,
             layers: checked,
             output_norm,
             output,
-            rope,
             tp: None,
             reduce_groups,
             moe_combine: Combine::AllReduce,
@@ -324,11 +418,11 @@ impl LlamaModel {
     /// of `comm.world_size()` ranks. Every rank must run the same forward
     /// calls (collectives inside pair them up); each gets the full logits,
     /// bitwise equal to the whole model's.
-    pub fn shard(&self, comm: Arc<dyn Communicator>) -> Result<LlamaModel, ModelError> {
+    pub fn shard(&self, comm: Arc<dyn Communicator>) -> Result<DecoderModel, ModelError> {
         self.shard_with(comm, Combine::AllReduce)
     }
 
-    /// [`LlamaModel::shard`], choosing how MoE layers combine: `AllReduce`
+    /// [`DecoderModel::shard`], choosing how MoE layers combine: `AllReduce`
     /// (every rank routes every token, computes its own experts, then an
     /// allreduce) or `Dispatch` (the attention output is reduce-scattered
     /// by tokens, each rank sends its tokens to their experts' ranks with
@@ -338,17 +432,15 @@ impl LlamaModel {
         &self,
         comm: Arc<dyn Communicator>,
         moe_combine: Combine,
-    ) -> Result<LlamaModel, ModelError> {
+    ) -> Result<DecoderModel, ModelError> {
         let (rank, world) = (comm.rank(), comm.world_size());
         let c = &self.config;
         if self.tp.is_some() {
             return Err(ModelError::InvalidConfig("cannot shard a shard".into()));
         }
-        let ffn_split = if c.moe.is_some() { world } else { c.ffn_dim };
         for (what, n) in [
             ("attention heads", c.n_heads),
             ("KV heads", c.n_kv_heads),
-            ("FFN width", ffn_split),
             ("vocabulary", c.vocab_size),
             ("row-parallel reduction segments", self.reduce_groups),
         ] {
@@ -359,11 +451,20 @@ impl LlamaModel {
             }
         }
         let part = |n: usize| (n / world * rank)..(n / world * (rank + 1));
-        let (q, kv, ffn) = (part(c.q_dim()), part(c.kv_dim()), part(c.ffn_dim));
+        let (q, kv) = (part(c.q_dim()), part(c.kv_dim()));
         let vocab = part(c.vocab_size);
         let segs = part(self.reduce_groups);
         let row_parallel =
-            |w: &RowParallel| RowParallel::new(&w.local, w.count, segs.start, segs.len());
+            |w: &RowParallel| RowParallel::new(&w.local, w.all_bounds(), segs.start, segs.len());
+        // The FFN width this rank holds: the columns of its down-projection
+        // segments (which follow the weights' blocks, so ranks may differ).
+        let ffn = match self.layers.first().map(|l| &l.ffn) {
+            Some(Ffn::Dense { down, .. }) => {
+                down.all_bounds()[segs.start]..down.all_bounds()[segs.end]
+            }
+            _ => part(c.ffn_dim),
+        };
+
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             let ffn = match &l.ffn {
@@ -384,20 +485,34 @@ impl LlamaModel {
                 wo: row_parallel(&l.wo)?,
                 ffn_norm: l.ffn_norm.clone(),
                 ffn,
+                // This rank's rows of each of Q, K and V.
+                qkv_bias: l.qkv_bias.as_ref().map(|b| {
+                    let (qd, kvd) = (c.q_dim(), c.kv_dim());
+                    [
+                        &b[q.clone()],
+                        &b[qd + kv.start..qd + kv.end],
+                        &b[qd + kvd + kv.start..qd + kvd + kv.end],
+                    ]
+                    .concat()
+                }),
+                qk_norm: l.qk_norm.clone(),
+                post_norms: l.post_norms.clone(),
+                rope: l.rope.clone(),
+                window: l.window,
             }));
         }
-        let config = LlamaConfig {
+        let config = ModelConfig {
             n_heads: c.n_heads / world,
             n_kv_heads: c.n_kv_heads / world,
             // Experts stay whole; each rank holds a share of them.
             ffn_dim: if c.moe.is_some() {
                 c.ffn_dim
             } else {
-                c.ffn_dim / world
+                ffn.len()
             },
             ..c.clone()
         };
-        Ok(LlamaModel {
+        Ok(DecoderModel {
             config,
             token_embd: self.token_embd.slice_rows(vocab.clone())?,
             layers,
@@ -407,7 +522,6 @@ impl LlamaModel {
                 .as_ref()
                 .map(|w| w.slice_rows(vocab.clone()))
                 .transpose()?,
-            rope: Rope::new(c.rope_style, c.rope_dims, c.rope_theta),
             tp: Some(TpShard {
                 comm,
                 vocab_start: vocab.start,
@@ -450,7 +564,7 @@ impl LlamaModel {
         }
     }
 
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
@@ -495,7 +609,7 @@ impl LlamaModel {
         self.forward_with_hook(chunks, cache, &mut |_| {})
     }
 
-    /// [`LlamaModel::forward`], calling `layer_done(l)` once layer `l`'s K/V
+    /// [`DecoderModel::forward`], calling `layer_done(l)` once layer `l`'s K/V
     /// for every token of the batch are in `cache` (so a transfer engine can
     /// start moving that layer while later layers compute).
     pub fn forward_with_hook(
@@ -509,7 +623,7 @@ impl LlamaModel {
         Ok(logits)
     }
 
-    /// [`LlamaModel::forward_with_hook`] writing the logits into `logits`
+    /// [`DecoderModel::forward_with_hook`] writing the logits into `logits`
     /// (resized; every value overwritten), so a caller that keeps the
     /// buffer across steps does not zero and fault in megabytes of fresh
     /// memory per step (32 rows of a 49k vocabulary are 6 MB).
@@ -583,6 +697,11 @@ impl LlamaModel {
                 self.all_reduce(&mut x)?;
             }
         }
+        if let Some(scale) = c.embedding_scale() {
+            for v in &mut x {
+                *v *= scale;
+            }
+        }
 
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let qkv_w = qd + 2 * kvd;
@@ -630,9 +749,20 @@ impl LlamaModel {
             }
             tandem_kernels::parallel_chunks_mut(&mut qkv, qkv_w, &|t, row| {
                 let pos = placement[t].1;
+                if let Some(b) = &layer.qkv_bias {
+                    ops::add_assign(row, b);
+                }
                 let (q_row, kv_row) = row.split_at_mut(qd);
-                self.rope.apply(q_row, c.head_dim, pos);
-                self.rope.apply(&mut kv_row[..kvd], c.head_dim, pos);
+                if let Some([qn, kn]) = &layer.qk_norm {
+                    for h in q_row.chunks_exact_mut(c.head_dim) {
+                        ops::rms_norm_in_place(h, qn, c.rms_eps);
+                    }
+                    for h in kv_row[..kvd].chunks_exact_mut(c.head_dim) {
+                        ops::rms_norm_in_place(h, kn, c.rms_eps);
+                    }
+                }
+                layer.rope.apply(q_row, c.head_dim, pos);
+                layer.rope.apply(&mut kv_row[..kvd], c.head_dim, pos);
             });
             for (row, &(ci, pos)) in qkv.chunks_exact(qkv_w).zip(&placement) {
                 let table = chunks[ci].block_table;
@@ -655,7 +785,19 @@ impl LlamaModel {
                 continue;
             }
             let all = self.gather_segments(&partials, &mut gathered)?;
-            residual_norm(all, d, &mut x, &mut xn, Some(&layer.ffn_norm), c.rms_eps);
+            let [post_attn, post_ffn] = match &layer.post_norms {
+                Some([a, f]) => [Some(&a[..]), Some(&f[..])],
+                None => [None, None],
+            };
+            residual_norm(
+                all,
+                d,
+                &mut x,
+                &mut xn,
+                post_attn,
+                Some(&layer.ffn_norm),
+                c.rms_eps,
+            );
 
             match &layer.ffn {
                 Ffn::Dense {
@@ -665,6 +807,7 @@ impl LlamaModel {
                     down,
                 } => {
                     let f = c.ffn_dim;
+                    let act_fn = c.family.activation;
                     act.resize(n_tok * f, 0.0);
                     match w_gate_up {
                         Some(p) => {
@@ -674,7 +817,7 @@ impl LlamaModel {
                             tandem_kernels::parallel_chunks_mut(&mut act, f, &|t, a| {
                                 let row = &gu[t * 2 * f..(t + 1) * 2 * f];
                                 a.copy_from_slice(&row[..f]);
-                                ops::silu_mul(a, &row[f..]);
+                                activate(act_fn, a, &row[f..]);
                             });
                         }
                         None => {
@@ -685,7 +828,7 @@ impl LlamaModel {
                             let (g, u) = (&gate, &up);
                             tandem_kernels::parallel_chunks_mut(&mut act, f, &|t, a| {
                                 a.copy_from_slice(&g[t * f..(t + 1) * f]);
-                                ops::silu_mul(a, &u[t * f..(t + 1) * f]);
+                                activate(act_fn, a, &u[t * f..(t + 1) * f]);
                             });
                         }
                     }
@@ -693,7 +836,7 @@ impl LlamaModel {
                     let all = self.gather_segments(&partials, &mut gathered)?;
                     // The next layer's attention norm rides along.
                     let next = self.layers.get(li + 1).map(|l| &l.attn_norm[..]);
-                    residual_norm(all, d, &mut x, &mut xn, next, c.rms_eps);
+                    residual_norm(all, d, &mut x, &mut xn, post_ffn, next, c.rms_eps);
                     xn_ready = next.is_some();
                 }
                 Ffn::Moe(moe) => {
@@ -720,6 +863,7 @@ impl LlamaModel {
         logits.resize(rows.len() * c.vocab_size, 0.0);
         let Some(tp) = &self.tp else {
             self.output_head().matmul(&last, rows.len(), logits)?;
+            self.softcap(logits);
             return Ok(());
         };
         // Each rank's vocabulary slice, gathered rank-major, then laid out
@@ -738,7 +882,14 @@ impl LlamaModel {
                     .copy_from_slice(src);
             }
         }
+        self.softcap(logits);
         Ok(())
+    }
+
+    fn softcap(&self, logits: &mut [f32]) {
+        if let Some(cap) = self.config.final_logit_softcap {
+            ops::softcap(logits, cap);
+        }
     }
 
     /// The rest of an MoE layer under [`Combine::Dispatch`], from this
@@ -833,37 +984,62 @@ impl LlamaModel {
         let tiles = attention_tiles(placement);
         let (n_kv, width) = (c.n_kv_heads, group * hd);
         let qkv_w = c.q_dim() + 2 * c.kv_dim();
+        let window = self.layers[layer].window;
+        // Whole blocks before a query's window are skipped (the rest of the
+        // window's first block is masked by the kernel). The skip depends
+        // only on the query's own position, so its result does not depend
+        // on which other tokens share its batch or tile.
+        let skip_of = |pos: usize| window.map_or(0, |w| (pos + 1).saturating_sub(w) / bs);
         let run = |(t0, nt): (usize, usize), g: usize, dst: &mut [f32]| {
             let ci = placement[t0].0;
+            let (ks, vs) = (&k_slices[ci][g], &v_slices[ci][g]);
             // A decode step's context is cold (the previous step touched
             // other sequences): fetch it in parallel before reading it.
             if chunks[ci].tokens.len() == 1 {
+                let pos = placement[t0].1;
+                let skip = skip_of(pos);
                 tandem_kernels::attention::prefetch_context(
-                    &k_slices[ci][g],
-                    &v_slices[ci][g],
+                    &ks[skip..],
+                    &vs[skip..],
                     bs,
                     hd,
-                    placement[t0].1 + 1,
+                    pos + 1 - skip * bs,
                 );
             }
-            ATTN_SCRATCH.with_borrow_mut(|(qs, n_ctx, scratch)| {
-                qs.clear();
-                n_ctx.clear();
-                for (t, &(_, pos)) in placement.iter().enumerate().skip(t0).take(nt) {
-                    let q = t * qkv_w + g * width;
-                    qs.extend_from_slice(&qkv[q..q + width]);
-                    n_ctx.extend(std::iter::repeat_n(pos + 1, group));
+            ATTN_SCRATCH.with_borrow_mut(|(qs, n_ctx, first, scratch)| {
+                // Runs of the tile's tokens that skip the same blocks.
+                let mut j = 0;
+                while j < nt {
+                    let skip = skip_of(placement[t0 + j].1);
+                    let mut end = j + 1;
+                    while end < nt && skip_of(placement[t0 + end].1) == skip {
+                        end += 1;
+                    }
+                    qs.clear();
+                    n_ctx.clear();
+                    first.clear();
+                    for (t, &(_, pos)) in placement.iter().enumerate().take(t0 + end).skip(t0 + j) {
+                        let q = t * qkv_w + g * width;
+                        qs.extend_from_slice(&qkv[q..q + width]);
+                        n_ctx.extend(std::iter::repeat_n(pos + 1 - skip * bs, group));
+                        if let Some(w) = window {
+                            let lo = (pos + 1).saturating_sub(w) - skip * bs;
+                            first.extend(std::iter::repeat_n(lo, group));
+                        }
+                    }
+                    tandem_kernels::attention::attend_window(
+                        qs,
+                        first,
+                        n_ctx,
+                        &ks[skip..],
+                        &vs[skip..],
+                        bs,
+                        scale,
+                        scratch,
+                        &mut dst[j * width..end * width],
+                    );
+                    j = end;
                 }
-                tandem_kernels::attention::attend_tile(
-                    qs,
-                    n_ctx,
-                    &k_slices[ci][g],
-                    &v_slices[ci][g],
-                    bs,
-                    scale,
-                    scratch,
-                    dst,
-                );
             });
         };
         if tiles.iter().all(|&(_, nt)| nt == 1) {
@@ -935,10 +1111,11 @@ fn attention_tiles(placement: &[(usize, usize)]) -> Vec<(usize, usize)> {
 
 thread_local! {
     /// Attention scratch reused across calls on each pool thread: a work
-    /// item's queries, their context lengths, the kernel's scratch.
+    /// item's queries, their context lengths and window starts, the
+    /// kernel's scratch.
     #[allow(clippy::type_complexity)]
-    static ATTN_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>, Vec<f32>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    static ATTN_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>, Vec<usize>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
     /// A prompt's attention outputs by work item, on the calling thread.
     static ATTN_RESULTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -956,34 +1133,63 @@ fn fused_layer(mut l: Layer) -> Layer {
 }
 
 /// How many column segments row-parallel projections are summed over: one
-/// per KV head (the finest split tensor parallelism allows), when every
-/// segment boundary falls on a block of the weights' types; otherwise 1
+/// per KV head (the finest split tensor parallelism allows), when the
+/// attention output's per-head segments fall on blocks of its type and the
+/// FFN width has at least that many blocks of every down projection's type
+/// (its segments are cut on blocks, as evenly as they allow); otherwise 1
 /// (and no tensor parallelism).
-fn reduce_groups(c: &LlamaConfig, layers: &[LayerWeights]) -> usize {
+fn reduce_groups(c: &ModelConfig, layers: &[LayerWeights]) -> usize {
     let g = c.n_kv_heads;
-    let aligned =
+    let per_head =
         |w: &Weight, cols: usize| cols.is_multiple_of(g) && w.ty().row_bytes(cols / g).is_some();
+    let enough_blocks = |w: &Weight, cols: usize| {
+        let b = w.ty().block_len();
+        cols.is_multiple_of(b) && cols / b >= g
+    };
     let ok = g > 1
         && layers.iter().all(|l| {
-            aligned(&l.wo, c.q_dim())
+            per_head(&l.wo, c.q_dim())
                 && match &l.ffn {
-                    FfnWeights::Dense { down, .. } => aligned(down, c.ffn_dim),
+                    FfnWeights::Dense { down, .. } => enough_blocks(down, c.ffn_dim),
                     FfnWeights::Moe(_) => true,
                 }
         });
     if ok { g } else { 1 }
 }
 
+/// `groups + 1` offsets cutting `cols` columns into `groups` equal segments.
+fn equal_bounds(cols: usize, groups: usize) -> Vec<usize> {
+    (0..=groups).map(|k| k * cols / groups).collect()
+}
+
+/// `groups + 1` offsets cutting `cols` columns into `groups` segments of
+/// whole `block`-column blocks, as even as the blocks allow (Qwen2.5-0.5B's
+/// FFN is 19 blocks of 256: 9 + 10 for two segments).
+fn block_bounds(cols: usize, groups: usize, block: usize) -> Vec<usize> {
+    let blocks = cols / block.max(1);
+    (0..=groups)
+        .map(|k| {
+            if k == groups {
+                cols
+            } else {
+                k * blocks / groups * block
+            }
+        })
+        .collect()
+}
+
 /// The residual add of a row-parallel projection, then optionally the next
-/// norm, token by token across the pool: `x[t] += p_0[t] + p_1[t] + ...`
-/// over the segment partials of `all` (segment-major, summed in segment
-/// order before the add), and with `norm`, `xn[t] = rms_norm(x[t])`
-/// (without, `xn` is left holding scratch).
+/// norm, token by token across the pool: `x[t] += post(p_0[t] + p_1[t] +
+/// ...)` over the segment partials of `all` (segment-major, summed in
+/// segment order before the add; `post` is `post_norm`'s RMS norm, or
+/// nothing), and with `norm`, `xn[t] = rms_norm(x[t])` (without, `xn` is
+/// left holding scratch).
 fn residual_norm(
     all: &[f32],
     d: usize,
     x: &mut [f32],
     xn: &mut [f32],
+    post_norm: Option<&[f32]>,
     norm: Option<&[f32]>,
     eps: f32,
 ) {
@@ -998,6 +1204,9 @@ fn residual_norm(
         for seg in all[n..].chunks_exact(n) {
             ops::add_assign(on, &seg[row.clone()]);
         }
+        if let Some(w) = post_norm {
+            ops::rms_norm_in_place(on, w, eps);
+        }
         ops::add_assign(xr, on);
         if let Some(w) = norm {
             ops::rms_norm(xr, w, eps, on);
@@ -1008,4 +1217,12 @@ fn residual_norm(
 /// Blocks holding the chunk's context after this step.
 fn kvc_blocks(ch: &SeqChunk<'_>, block_size: usize) -> usize {
     (ch.start_pos + ch.tokens.len()).div_ceil(block_size)
+}
+
+/// The gated FFN's activation, in place: `gate = act(gate) * up`.
+fn activate(act: Activation, gate: &mut [f32], up: &[f32]) {
+    match act {
+        Activation::Silu => ops::silu_mul(gate, up),
+        Activation::GeluTanh => ops::gelu_tanh_mul(gate, up),
+    }
 }

@@ -10,12 +10,12 @@ use std::sync::Arc;
 use safetensors::{Dtype, SafeTensors};
 use tandem_kernels::GgmlType;
 
-use tandem_modelfile::config::LlamaConfig;
+use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::meta;
 use tandem_modelfile::storage::Backing;
 
 use crate::error::ModelError;
-use crate::model::{FfnWeights, LayerWeights, LlamaModel, LlamaWeights};
+use crate::model::{DecoderModel, FfnWeights, LayerWeights, ModelWeights};
 use crate::moe::{Expert, MoeWeights};
 use crate::weight::{Weight, to_f32};
 
@@ -30,14 +30,14 @@ struct Located {
 /// The model alone (no tokenizer), from `config.json` and the
 /// `*.safetensors` files: for checkpoints fed token ids directly, such as
 /// the tiny mixture-of-experts test models.
-pub fn load_model_dir(dir: &Path) -> Result<LlamaModel, ModelError> {
+pub fn load_model_dir(dir: &Path) -> Result<DecoderModel, ModelError> {
     let (config, weights, _) = read_weights(dir)?;
-    LlamaModel::new(config, weights)
+    DecoderModel::new(config, weights)
 }
 
 /// Parses `config.json` and maps every `*.safetensors` file; returns the
 /// config, the weights and a hash of the files' bytes.
-pub(crate) fn read_weights(dir: &Path) -> Result<(LlamaConfig, LlamaWeights, u64), ModelError> {
+pub(crate) fn read_weights(dir: &Path) -> Result<(ModelConfig, ModelWeights, u64), ModelError> {
     let (config, tie) = meta::hf_config(dir)?;
     let files = meta::hf_weight_files(dir)?;
     let mut tensors: HashMap<String, Located> = HashMap::new();
@@ -92,9 +92,9 @@ fn index_file(path: &Path, out: &mut HashMap<String, Located>) -> Result<u64, Mo
 
 fn hf_weights(
     t: &HashMap<String, Located>,
-    c: &LlamaConfig,
+    c: &ModelConfig,
     tie: bool,
-) -> Result<LlamaWeights, ModelError> {
+) -> Result<ModelWeights, ModelError> {
     let get = |name: &str| {
         t.get(name)
             .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
@@ -166,6 +166,20 @@ fn hf_weights(
             wo: matrix(&n("self_attn.o_proj"))?,
             ffn_norm: vector(&n("post_attention_layernorm"))?,
             ffn,
+            // Qwen2's Q/K/V biases; Gemma-only parts have no HF family yet.
+            qkv_bias: c
+                .family
+                .qkv_bias
+                .then(|| -> Result<_, ModelError> {
+                    Ok([
+                        vector(&format!("model.layers.{i}.self_attn.q_proj.bias"))?,
+                        vector(&format!("model.layers.{i}.self_attn.k_proj.bias"))?,
+                        vector(&format!("model.layers.{i}.self_attn.v_proj.bias"))?,
+                    ])
+                })
+                .transpose()?,
+            qk_norm: None,
+            post_norms: None,
         });
     }
     let output = if !tie && t.contains_key("lm_head.weight") {
@@ -173,7 +187,7 @@ fn hf_weights(
     } else {
         None
     };
-    Ok(LlamaWeights {
+    Ok(ModelWeights {
         token_embd: matrix("model.embed_tokens.weight")?,
         layers,
         output_norm: vector("model.norm.weight")?,

@@ -39,7 +39,7 @@ use crate::loader::LoadedModel;
 use crate::metrics::{BatchType, metrics};
 use tandem_types::egress;
 
-use crate::model::{LlamaModel, SeqChunk};
+use crate::model::{DecoderModel, SeqChunk};
 use crate::moe::Combine;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 pub use tandem_types::Usage;
@@ -1127,7 +1127,7 @@ fn release(cache: &mut KvCache, seq: &mut Seq) {
 /// with its own KV pool holding its KV heads, at the same block ids).
 struct Executor {
     /// The tensor-parallel shard of rank 0, or `None` for the whole model.
-    shard: Option<LlamaModel>,
+    shard: Option<DecoderModel>,
     model: Arc<LoadedModel>,
     peers: Vec<Peer>,
     peer_pools: Vec<Arc<KvPool>>,
@@ -1193,7 +1193,7 @@ impl Executor {
         })
     }
 
-    fn rank0(&self) -> &LlamaModel {
+    fn rank0(&self) -> &DecoderModel {
         self.shard.as_ref().unwrap_or(&self.model.model)
     }
 
@@ -1258,7 +1258,7 @@ impl Drop for Executor {
 
 /// A peer rank: runs every step it is sent on its shard and KV pool.
 fn peer_loop(
-    shard: LlamaModel,
+    shard: DecoderModel,
     mut cache: KvCache,
     rx: mpsc::Receiver<Arc<StepInput>>,
     done: mpsc::Sender<Result<(), RequestError>>,

@@ -479,7 +479,10 @@ fn wrong_architecture_is_rejected() {
     )
     .unwrap();
     let e = load_err(dir.path(), &["GPT2LMHeadModel"]);
-    assert!(matches!(e, ModelError::UnsupportedArchitecture(_)), "{e:?}");
+    assert!(
+        matches!(e, ModelError::UnsupportedArchitecture { .. }),
+        "{e:?}"
+    );
 }
 
 #[test]

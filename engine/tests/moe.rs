@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use tandem_engine::comm::{Communicator, CpuGroup};
 use tandem_engine::kv_cache::KvCache;
-use tandem_engine::model::{LlamaModel, SeqChunk};
+use tandem_engine::model::{DecoderModel, SeqChunk};
 use tandem_engine::moe::Combine;
 use tandem_engine::safetensors_loader::load_model_dir;
 
@@ -50,7 +50,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Logits of every position, feeding each prompt one token per step.
-fn stepwise(m: &LlamaModel, prompt: &[u32]) -> Vec<Vec<f32>> {
+fn stepwise(m: &DecoderModel, prompt: &[u32]) -> Vec<Vec<f32>> {
     let mut cache = KvCache::new(m.kv_cache_config(4, 8)).unwrap();
     let mut table = Vec::new();
     cache.reserve(&mut table, prompt.len()).unwrap();
@@ -68,7 +68,7 @@ fn stepwise(m: &LlamaModel, prompt: &[u32]) -> Vec<Vec<f32>> {
 }
 
 /// Last-position logits of every prompt, all prompts in one batch.
-fn batched(m: &LlamaModel, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
+fn batched(m: &DecoderModel, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
     let mut cache = KvCache::new(m.kv_cache_config(4, 32)).unwrap();
     let tables: Vec<Vec<u32>> = prompts
         .iter()
@@ -96,7 +96,7 @@ fn batched(m: &LlamaModel, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
 /// Checks one model (a whole model or one rank of a split) against the
 /// reference: every position step by step, and all prompts batched
 /// (35 tokens, and the 5-token prompt alone). Returns the largest diff.
-fn check(m: &LlamaModel, r: &Reference, what: &str) -> f32 {
+fn check(m: &DecoderModel, r: &Reference, what: &str) -> f32 {
     let mut worst = 0.0f32;
     for (p, want) in r.prompts.iter().zip(&r.logits) {
         for (pos, got) in stepwise(m, p).iter().enumerate() {
@@ -132,7 +132,7 @@ fn expert_parallel_ranks_match_transformers() {
         let r = reference(name);
         for world in [2, 4] {
             for combine in [Combine::AllReduce, Combine::Dispatch] {
-                let shards: Vec<LlamaModel> = CpuGroup::new(world)
+                let shards: Vec<DecoderModel> = CpuGroup::new(world)
                     .into_iter()
                     .map(|c| {
                         let comm: Arc<dyn Communicator> = Arc::new(c);

@@ -1,7 +1,10 @@
 //! Tensor parallelism on CPU ranks (threads over shared memory): SmolLM2
 //! split three ways (9 query heads, 3 KV heads, FFN and vocabulary in
-//! thirds) produces the same greedy tokens as the whole model.
-//! Needs `TANDEM_TEST_GGUF`.
+//! thirds) and Qwen2.5-Coder-0.5B split two ways (its FFN of 19 K-quant
+//! blocks cut 9 + 10) compute bitwise what the whole model computes; Gemma
+//! 3 270M (one KV head) is refused. Needs `TANDEM_TEST_GGUF`,
+//! `TANDEM_TEST_QWEN2_GGUF` and `TANDEM_TEST_GEMMA3_GGUF` (scripts/test.sh
+//! sets them).
 
 #![allow(clippy::unwrap_used)]
 
@@ -11,7 +14,7 @@ use std::sync::{Arc, OnceLock};
 use tandem_engine::comm::{Communicator, CpuGroup};
 use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::kv_cache::KvCache;
-use tandem_engine::model::{LlamaModel, SeqChunk};
+use tandem_engine::model::{DecoderModel, SeqChunk};
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{SamplingParams, argmax};
 use tandem_engine::scheduler::{Event, KvHandoff, Request, Scheduler, SchedulerConfig};
@@ -28,7 +31,7 @@ fn model() -> &'static LoadedModel {
 /// Greedy tokens of `m` (one rank or the whole model) and the bits of
 /// every step's logits: the prompt as one chunk, then one token per step,
 /// over the rank's own KV cache.
-fn greedy(m: &LlamaModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<u32>>) {
+fn greedy(m: &DecoderModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<u32>>) {
     let mut cache = KvCache::new(m.kv_cache_config(16, 64)).unwrap();
     let mut table = Vec::new();
     cache.reserve(&mut table, prompt.len() + n).unwrap();
@@ -54,12 +57,17 @@ fn greedy(m: &LlamaModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<u32>>)
 
 /// Runs every rank of a `world`-way split on its own thread; returns each
 /// rank's tokens and logits.
-fn greedy_tp(world: usize, prompt: &[u32], n: usize) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
-    let shards: Vec<LlamaModel> = CpuGroup::new(world)
+fn greedy_tp(
+    m: &LoadedModel,
+    world: usize,
+    prompt: &[u32],
+    n: usize,
+) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
+    let shards: Vec<DecoderModel> = CpuGroup::new(world)
         .into_iter()
         .map(|c| {
             let comm: Arc<dyn Communicator> = Arc::new(c);
-            model().model.shard(comm).unwrap()
+            m.model.shard(comm).unwrap()
         })
         .collect();
     std::thread::scope(|s| {
@@ -89,13 +97,52 @@ fn tp3_matches_tp1_bitwise() {
     for text in prompts {
         let prompt = m.text.tokenizer.encode(text, true).unwrap();
         let (want, want_bits) = greedy(&m.model, &prompt, 40);
-        for (r, (got, got_bits)) in greedy_tp(3, &prompt, 40).iter().enumerate() {
+        for (r, (got, got_bits)) in greedy_tp(m, 3, &prompt, 40).iter().enumerate() {
             assert_eq!(got, &want, "rank {r} of TP=3 on {text:?}");
             for (step, (g, w)) in got_bits.iter().zip(&want_bits).enumerate() {
                 assert!(g == w, "rank {r} logits differ at step {step} on {text:?}");
             }
         }
     }
+}
+
+fn family_model(var: &str) -> LoadedModel {
+    let p = std::env::var_os(var).unwrap_or_else(|| {
+        panic!("{var} is not set (scripts/test.sh fetches the model and sets it)")
+    });
+    load(&PathBuf::from(p)).expect("loads")
+}
+
+/// Qwen2.5-Coder-0.5B: 14 query heads and 2 KV heads split in two, the
+/// Q/K/V biases with them, and an FFN whose 4864 columns are 19 blocks of
+/// 256 in ffn_down (Q4_K / Q6_K), so the ranks hold 2304 and 2560 of them.
+#[test]
+fn qwen2_tp2_matches_tp1_bitwise() {
+    let m = family_model("TANDEM_TEST_QWEN2_GGUF");
+    assert_eq!(m.model.reduce_groups(), 2);
+    for text in [
+        "def quicksort(arr):",
+        "The three laws of thermodynamics are",
+    ] {
+        let prompt = m.text.tokenizer.encode(text, true).unwrap();
+        let (want, want_bits) = greedy(&m.model, &prompt, 24);
+        for (r, (got, got_bits)) in greedy_tp(&m, 2, &prompt, 24).iter().enumerate() {
+            assert_eq!(got, &want, "rank {r} of TP=2 on {text:?}");
+            for (step, (g, w)) in got_bits.iter().zip(&want_bits).enumerate() {
+                assert!(g == w, "rank {r} logits differ at step {step} on {text:?}");
+            }
+        }
+    }
+}
+
+/// Gemma 3 270M has one KV head: tensor parallelism would have to copy it
+/// to every rank, which Tandem does not do; the split is refused by name.
+#[test]
+fn gemma3_with_one_kv_head_refuses_tensor_parallelism() {
+    let m = family_model("TANDEM_TEST_GEMMA3_GGUF");
+    let comm: Arc<dyn Communicator> = Arc::new(CpuGroup::new(2).remove(0));
+    let e = m.model.shard(comm).unwrap_err().to_string();
+    assert!(e.contains("does not divide the KV heads (1)"), "{e}");
 }
 
 #[test]

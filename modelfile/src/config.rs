@@ -4,12 +4,15 @@
 use serde::Deserialize;
 use tandem_kernels::ops::RopeStyle;
 
+use crate::arch::{Family, SlidingLayers};
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
 
-/// Hyper-parameters of a Llama-family decoder.
+/// Hyper-parameters of a decoder: its [`Family`] plus the sizes and
+/// constants its files give.
 #[derive(Clone, Debug, PartialEq)]
-pub struct LlamaConfig {
+pub struct ModelConfig {
+    pub family: &'static Family,
     pub n_layers: usize,
     pub d_model: usize,
     pub n_heads: usize,
@@ -26,24 +29,79 @@ pub struct LlamaConfig {
     /// Sparse mixture-of-experts FFN in every layer (`ffn_dim` is then each
     /// expert's width); `None` for a dense model.
     pub moe: Option<MoeConfig>,
+    /// Sliding-window attention on some layers; `None` when every layer
+    /// sees its whole context.
+    pub sliding: Option<SlidingWindow>,
+    /// `logits = cap * tanh(logits / cap)` on the output (Gemma 2).
+    pub final_logit_softcap: Option<f32>,
 }
 
-impl LlamaConfig {
-    /// Reads `llama.*` metadata from a GGUF file.
+/// Which layers see only their last `size` positions, and their RoPE base.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SlidingWindow {
+    /// A query at position `p` sees keys at `p - size + 1 ..= p`.
+    pub size: usize,
+    /// Layer `i` is global when `(i + 1) % period == 0`; 0: every layer slides.
+    pub period: usize,
+    pub rope_theta: f32,
+}
+
+impl ModelConfig {
+    /// Reads a GGUF file's `general.architecture` and its `<arch>.*`
+    /// hyper-parameters.
     pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
         let arch = g.get_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(ModelError::UnsupportedArchitecture(arch.to_string()));
-        }
-        let u = |k: &str| g.get_u32(&format!("llama.{k}")).map(|v| v as usize);
+        let family = Family::from_gguf(arch)?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let u = |k: &str| g.get_u32(&key(k)).map(|v| v as usize);
         let n_heads = u("attention.head_count")?;
         let d_model = u("embedding_length")?;
-        let head_dim = d_model.checked_div(n_heads).unwrap_or(0);
+        // Gemma 3's heads are wider than d_model / n_heads.
+        let head_dim = match u("attention.key_length") {
+            Ok(k) => k,
+            Err(_) => d_model.checked_div(n_heads).unwrap_or(0),
+        };
+        if u("attention.value_length").is_ok_and(|v| v != head_dim) {
+            return Err(ModelError::InvalidConfig(
+                "attention key and value head sizes differ".into(),
+            ));
+        }
         let vocab_size = match u("vocab_size") {
             Ok(v) => v,
             Err(_) => g.get_str_array("tokenizer.ggml.tokens")?.len(),
         };
+        if g.get(&key("attn_logit_softcapping")).is_some() {
+            return Err(ModelError::InvalidConfig(
+                "attention logit soft-capping (Gemma 2) is not supported".into(),
+            ));
+        }
+        if let Some(t) = g.get(&key("rope.scaling.type"))
+            && !matches!(t, crate::gguf::GgufValue::String(s) if s == "none")
+        {
+            return Err(ModelError::InvalidConfig(
+                "RoPE scaling is not supported yet".into(),
+            ));
+        }
+        let rope_theta = g.get_f32(&key("rope.freq_base")).unwrap_or(10_000.0);
+        let sliding = match (family.sliding, u("attention.sliding_window")) {
+            (SlidingLayers::Periodic { default_period }, Ok(size)) if size > 0 => {
+                Some(SlidingWindow {
+                    size,
+                    period: u("attention.sliding_window_pattern").unwrap_or(default_period),
+                    rope_theta: g
+                        .get_f32(&key("rope.freq_base_swa"))
+                        .unwrap_or(family.sliding_rope_theta),
+                })
+            }
+            (SlidingLayers::None, Ok(size)) if size > 0 => {
+                return Err(ModelError::InvalidConfig(format!(
+                    "{arch}: sliding-window attention is not supported for this family"
+                )));
+            }
+            _ => None,
+        };
         let config = Self {
+            family,
             n_layers: u("block_count")?,
             d_model,
             n_heads,
@@ -51,15 +109,41 @@ impl LlamaConfig {
             head_dim,
             ffn_dim: u("feed_forward_length")?,
             vocab_size,
-            rope_theta: g.get_f32("llama.rope.freq_base").unwrap_or(10_000.0),
+            rope_theta,
             rope_dims: u("rope.dimension_count").unwrap_or(head_dim),
-            rope_style: RopeStyle::Interleaved,
-            rms_eps: g.get_f32("llama.attention.layer_norm_rms_epsilon")?,
+            rope_style: family.gguf_rope,
+            rms_eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
             context_length: u("context_length")?,
             moe: None,
+            sliding,
+            final_logit_softcap: g
+                .get_f32(&key("final_logit_softcapping"))
+                .ok()
+                .filter(|&c| c != 0.0),
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// The window of layer `layer`, if it slides.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        let s = self.sliding?;
+        (s.period == 0 || !(layer + 1).is_multiple_of(s.period)).then_some(s.size)
+    }
+
+    /// The RoPE base of layer `layer`.
+    pub fn layer_rope_theta(&self, layer: usize) -> f32 {
+        match (self.layer_window(layer), self.sliding) {
+            (Some(_), Some(s)) => s.rope_theta,
+            _ => self.rope_theta,
+        }
+    }
+
+    /// What token embeddings are multiplied by.
+    pub fn embedding_scale(&self) -> Option<f32> {
+        self.family
+            .scale_embeddings
+            .then(|| (self.d_model as f32).sqrt())
     }
 
     /// Reads an HF `config.json` of a `LlamaForCausalLM` or a
@@ -81,6 +165,7 @@ impl LlamaConfig {
             max_position_embeddings: usize,
             rope_scaling: Option<serde_json::Value>,
             sliding_window: Option<usize>,
+            use_sliding_window: Option<bool>,
             num_local_experts: Option<usize>,
             num_experts_per_tok: Option<usize>,
             scoring_func: Option<String>,
@@ -90,13 +175,12 @@ impl LlamaConfig {
         let hf: Hf = serde_json::from_str(json)
             .map_err(|e| ModelError::InvalidConfig(format!("config.json: {e}")))?;
         let archs = hf.architectures.unwrap_or_default();
-        let mixtral = archs.iter().any(|a| a == "MixtralForCausalLM");
-        if !mixtral && !archs.iter().any(|a| a == "LlamaForCausalLM") {
-            return Err(ModelError::UnsupportedArchitecture(archs.join(",")));
-        }
-        if hf
-            .sliding_window
-            .is_some_and(|w| w < hf.max_position_embeddings)
+        let family = Family::from_hf(&archs)?;
+        let mixtral = family.moe;
+        if hf.use_sliding_window != Some(false)
+            && hf
+                .sliding_window
+                .is_some_and(|w| w < hf.max_position_embeddings)
         {
             return Err(ModelError::InvalidConfig(
                 "config.json: sliding-window attention is not supported yet".into(),
@@ -137,6 +221,7 @@ impl LlamaConfig {
                 .unwrap_or(0),
         );
         let config = Self {
+            family,
             n_layers: hf.num_hidden_layers,
             d_model: hf.hidden_size,
             n_heads: hf.num_attention_heads,
@@ -150,6 +235,8 @@ impl LlamaConfig {
             rms_eps: hf.rms_norm_eps,
             context_length: hf.max_position_embeddings,
             moe,
+            sliding: None,
+            final_logit_softcap: None,
         };
         config.validate()?;
         Ok(config)
@@ -196,6 +283,24 @@ impl LlamaConfig {
         }
         if self.vocab_size > u32::MAX as usize {
             return bad(format!("vocab size {} too large", self.vocab_size));
+        }
+        if let Some(s) = &self.sliding
+            && s.size == 0
+        {
+            return bad("sliding window of 0 positions".into());
+        }
+        if let Some(s) = &self.sliding
+            && !(s.rope_theta.is_finite() && s.rope_theta > 0.0)
+        {
+            return bad(format!(
+                "sliding-layer rope theta {} must be positive",
+                s.rope_theta
+            ));
+        }
+        if let Some(cap) = self.final_logit_softcap
+            && !(cap.is_finite() && cap > 0.0)
+        {
+            return bad(format!("final logit soft-cap {cap} must be positive"));
         }
         if let Some(moe) = &self.moe {
             moe.validate()?;
@@ -263,7 +368,7 @@ mod tests {
 
     #[test]
     fn hf_config_parses() {
-        let c = LlamaConfig::from_hf_json(SMOL).expect("valid");
+        let c = ModelConfig::from_hf_json(SMOL).expect("valid");
         assert_eq!(c.head_dim, 64);
         assert_eq!(c.kv_dim(), 192);
         assert_eq!(c.rope_style, RopeStyle::Neox);
@@ -271,15 +376,15 @@ mod tests {
 
     #[test]
     fn bad_configs_name_the_problem() {
-        let e = LlamaConfig::from_hf_json(
+        let e = ModelConfig::from_hf_json(
             &SMOL.replace("\"num_key_value_heads\":3", "\"num_key_value_heads\":4"),
         )
         .expect_err("9 heads / 4 kv heads");
         assert!(e.to_string().contains("head_count 9"), "{e}");
-        let e = LlamaConfig::from_hf_json(&SMOL.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
+        let e = ModelConfig::from_hf_json(&SMOL.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
             .expect_err("arch");
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
-        assert!(LlamaConfig::from_hf_json("{").is_err());
-        assert!(LlamaConfig::from_hf_json(&SMOL.replace("8192", "0")).is_err());
+        assert!(ModelConfig::from_hf_json("{").is_err());
+        assert!(ModelConfig::from_hf_json(&SMOL.replace("8192", "0")).is_err());
     }
 }

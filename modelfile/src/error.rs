@@ -10,8 +10,8 @@ use crate::tokenizer::TokenizerError;
 pub enum ModelError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("unsupported model architecture {0:?} (supported: llama / LlamaForCausalLM)")]
-    UnsupportedArchitecture(String),
+    #[error("unsupported model architecture {found:?} (supported: {supported})")]
+    UnsupportedArchitecture { found: String, supported: String },
     #[error("invalid model config: {0}")]
     InvalidConfig(String),
     #[error("tensor {name}: {problem}")]

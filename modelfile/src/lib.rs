@@ -5,6 +5,7 @@
 //! that never runs the model (the router) needs, read without touching the
 //! weights.
 
+pub mod arch;
 pub mod chat;
 pub mod config;
 pub mod error;

@@ -12,7 +12,7 @@ use tandem_types::ModelFingerprint;
 use tandem_types::fingerprint::{KV_DTYPE, KV_LAYOUT};
 
 use crate::chat::ChatTemplate;
-use crate::config::LlamaConfig;
+use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
 use crate::tokenizer::{self, Tokenizer};
@@ -31,7 +31,7 @@ pub struct ModelText {
 #[derive(Debug)]
 pub struct ModelMeta {
     pub path: PathBuf,
-    pub config: LlamaConfig,
+    pub config: ModelConfig,
     pub text: ModelText,
     /// The same hash the engine computes over the weight files' bytes.
     pub weights_hash: u64,
@@ -62,7 +62,7 @@ impl ModelMeta {
         } else if path.is_file() {
             let (config, tokenizer, chat_template, name) = {
                 let g = GgufFile::open(path)?;
-                let config = LlamaConfig::from_gguf(&g)?;
+                let config = ModelConfig::from_gguf(&g)?;
                 let (tokenizer, template) = gguf_text(&g, &config)?;
                 (config, tokenizer, template, gguf_name(&g, path))
             };
@@ -91,7 +91,7 @@ impl ModelMeta {
 pub fn fingerprint(
     name: &str,
     weights_hash: u64,
-    config: &LlamaConfig,
+    config: &ModelConfig,
     block_size: usize,
 ) -> ModelFingerprint {
     ModelFingerprint {
@@ -109,7 +109,7 @@ pub fn fingerprint(
 /// The tokenizer and chat template from GGUF metadata.
 pub fn gguf_text(
     g: &GgufFile,
-    config: &LlamaConfig,
+    config: &ModelConfig,
 ) -> Result<(Tokenizer, Option<ChatTemplate>), ModelError> {
     let spec = tokenizer::spec_from_gguf(g)?;
     let tokenizer = Tokenizer::from_spec(spec)?;
@@ -161,9 +161,9 @@ fn read_text(dir: &Path, name: &str) -> Result<String, ModelError> {
 
 /// An HF directory's `config.json`: the description, and whether the
 /// output head is tied to the embeddings.
-pub fn hf_config(dir: &Path) -> Result<(LlamaConfig, bool), ModelError> {
+pub fn hf_config(dir: &Path) -> Result<(ModelConfig, bool), ModelError> {
     let json = read_text(dir, "config.json")?;
-    let config = LlamaConfig::from_hf_json(&json)?;
+    let config = ModelConfig::from_hf_json(&json)?;
     let tie = serde_json::from_str::<serde_json::Value>(&json)
         .ok()
         .and_then(|v| v.get("tie_word_embeddings").and_then(|t| t.as_bool()))
@@ -219,7 +219,7 @@ pub fn hash_file(path: &Path) -> Result<u64, ModelError> {
 /// `tokenizer_config.json`).
 pub fn hf_text(
     dir: &Path,
-    config: &LlamaConfig,
+    config: &ModelConfig,
 ) -> Result<(Tokenizer, Option<ChatTemplate>), ModelError> {
     #[derive(Deserialize, Default)]
     struct TokCfg {
