@@ -11,10 +11,17 @@ set -euo pipefail
 version=0.3.36
 sha256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 dest=${1:-${TANDEM_LLAMA_VOCAB_DIR:-$HOME/.cache/tandem/llama-vocab}}
-# Byte-level BPE vocabularies whose pre-tokenizer Tandem implements.
-vocabs=(command-r falcon gpt-2 llama-bpe mpt qwen2 refact starcoder)
+# Vocabularies of the tokenizer types Tandem implements, with their test
+# cases (.inp inputs, .out expected ids): byte-level BPE ("gpt2") whose
+# pre-tokenizer we have, and SentencePiece ("llama").
+vocabs=(command-r deepseek-coder deepseek-llm falcon gpt-2 llama-bpe mpt qwen2 qwen35
+  refact starcoder llama-spm phi-3)
+# SentencePiece vocabularies the sdist ships without test cases.
+vocabs_bare=(baichuan)
 
-stamp=$dest/.llama-cpp-python-$version
+# The stamp names what was extracted: a changed list re-extracts.
+list_sum=$(echo "${vocabs[*]} / ${vocabs_bare[*]}" | sha256sum | cut -c1-12)
+stamp=$dest/.llama-cpp-python-$version-$list_sum
 if [[ -f $stamp ]]; then echo "$dest"; exit 0; fi
 
 mkdir -p "$dest"
@@ -39,6 +46,9 @@ for v in "${vocabs[@]}"; do
   for ext in "" .inp .out; do
     members+=("llama_cpp_python-$version/vendor/llama.cpp/models/ggml-vocab-$v.gguf$ext")
   done
+done
+for v in "${vocabs_bare[@]}"; do
+  members+=("llama_cpp_python-$version/vendor/llama.cpp/models/ggml-vocab-$v.gguf")
 done
 tar xzf "$work/$sdist" -C "$work" "${members[@]}"
 mv "$work/llama_cpp_python-$version/vendor/llama.cpp/models/"ggml-vocab-* "$dest/"

@@ -13,6 +13,7 @@ pub mod fetch;
 pub mod gguf;
 pub mod hub;
 pub mod meta;
+mod spm;
 pub mod stop;
 pub mod storage;
 pub mod tokenizer;

@@ -1,9 +1,10 @@
-//! Byte-level BPE tokenizer built from GGUF `tokenizer.ggml.*` metadata (or an
-//! HF `tokenizer.json`), reproducing llama.cpp's tokenization: the same
-//! pre-tokenizer regexes (applied in sequence, as llama.cpp's
-//! `unicode_regex_split` does), the same BPE merges, control / user-defined
-//! tokens matched atomically in the input text, and llama.cpp's
-//! `token_to_piece` rules for decoding.
+//! Tokenizer built from GGUF `tokenizer.ggml.*` metadata (or an HF
+//! `tokenizer.json`), reproducing llama.cpp's tokenization. Byte-level BPE
+//! ("gpt2"): the same pre-tokenizer regexes (applied in sequence, as
+//! llama.cpp's `unicode_regex_split` does), the same BPE merges, control /
+//! user-defined tokens matched atomically in the input text. SentencePiece
+//! ("llama"): llama.cpp's score-driven merging with byte fallback (see
+//! `spm.rs`). Both decode by llama.cpp's `token_to_piece` rules.
 //!
 //! Decoding deliberately does not apply llama.cpp's `clean_spaces`
 //! post-processing (HF's `clean_up_tokenization_spaces`): it is lossy, and a
@@ -22,6 +23,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::gguf::{GgufError, GgufFile};
+use crate::spm::{self, Spm, attr};
 
 /// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
 pub mod token_type {
@@ -36,8 +38,14 @@ pub mod token_type {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("unsupported tokenizer model {model:?}: only byte-level BPE (\"gpt2\") is supported")]
+    #[error(
+        "unsupported tokenizer model {model:?}: only byte-level BPE (\"gpt2\") and SentencePiece (\"llama\") are supported"
+    )]
     Unsupported { model: String },
+    #[error(
+        "a {model:?} tokenizer has no exact tokenizer.json equivalent (llama.cpp's SentencePiece merging is not an HF model)"
+    )]
+    NoHfEquivalent { model: String },
     #[error("invalid tokenizer spec: {0}")]
     InvalidSpec(String),
     #[error("malformed merge #{index} {merge:?}: expected two tokens separated by a space")]
@@ -69,15 +77,24 @@ pub enum TokenizerError {
 /// What GGUF's tokenizer.ggml.* metadata (or an HF tokenizer.json) describes.
 #[derive(Debug, Clone, Default)]
 pub struct TokenizerSpec {
-    /// `tokenizer.ggml.model`: "gpt2" (byte-level BPE) is supported.
+    /// `tokenizer.ggml.model`: "gpt2" (byte-level BPE) and "llama"
+    /// (SentencePiece) are supported.
     pub model: String,
     /// `tokenizer.ggml.pre`: pre-tokenizer name ("smollm", "llama-bpe", ...).
     pub pre: Option<String>,
     pub tokens: Vec<String>,
     /// Per-token type (see [`token_type`]); may be empty (all normal).
     pub token_types: Vec<i32>,
-    /// "a b" merge rules, highest priority first.
+    /// "a b" merge rules, highest priority first (BPE).
     pub merges: Vec<String>,
+    /// Per-token score (SentencePiece: higher merges first); may be empty.
+    pub scores: Vec<f32>,
+    /// `tokenizer.ggml.add_space_prefix` (SentencePiece; llama.cpp's
+    /// default is true).
+    pub add_space_prefix: Option<bool>,
+    /// `general.name`: llama.cpp sets some token attributes by model name
+    /// (phi-3's special tokens eat the whitespace after them).
+    pub model_name: Option<String>,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
     pub unk_id: Option<u32>,
@@ -132,6 +149,24 @@ const EOG_NAMES: &[&str] = &[
 const GPT2_RE: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
 const LLAMA3_RE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_RE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// DeepSeek's splits: newlines, then letter runs (Latin, Greek, Cyrillic,
+/// ... spelled out), punctuation runs, trailing whitespace, CJK runs, digits.
+const DEEPSEEK_LLM_RES: &[&str] = &[
+    "[\r\n]",
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ\u{10400}-\u{1044f}\u{104b0}-\u{104d3}\u{104d8}-\u{104fb}\u{10c80}-\u{10cb2}\u{10cc0}-\u{10cf2}\u{118a0}-\u{118df}\u{1e900}-\u{1e943}]+",
+    "\\s?[!-/:-~！-／：-～‘-‟\u{3000}-。]+",
+    "\\s+$",
+    "[一-龥ࠀ-一가-\u{d7ff}]+",
+    "\\p{N}+",
+];
+const DEEPSEEK_CODER_RES: &[&str] = &[
+    "[\r\n]",
+    "\\s?\\p{L}+",
+    "\\s?\\p{P}+",
+    "[一-龥ࠀ-一가-\u{d7ff}]+",
+    "\\p{N}",
+];
+const QWEN35_RE: &str = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
 /// A llama.cpp pre-tokenizer preset: its regexes (applied one after another,
 /// each splitting the pieces of the previous one) and flags.
@@ -172,6 +207,9 @@ fn pre_preset(name: Option<&str>) -> (PrePreset, bool) {
         }
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b"
         | "mellum2" => Some(preset("smollm", &[r"\p{N}", GPT2_RE], false, false)),
+        "qwen35" => Some(preset("qwen35", &[QWEN35_RE], false, false)),
+        "deepseek-llm" => Some(preset("deepseek-llm", DEEPSEEK_LLM_RES, false, false)),
+        "deepseek-coder" => Some(preset("deepseek-coder", DEEPSEEK_CODER_RES, false, false)),
         "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2" | "hunyuan"
         | "solar-open" => Some(preset("qwen2", &[QWEN2_RE], false, false)),
         "falcon" => Some(preset(
@@ -234,7 +272,7 @@ fn spm_bytes(text: &str) -> Vec<u8> {
 }
 
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    backend: Backend,
     tokens: Vec<String>,
     /// Raw bytes each token decodes to (llama.cpp's token_to_piece, special=true).
     pieces: Vec<Vec<u8>>,
@@ -250,38 +288,44 @@ pub struct Tokenizer {
     pre_name: &'static str,
     /// The control tokens' texts (`<|im_start|>`, ...): client text that
     /// spells one must not become the control token.
-    controls: Controls,
+    controls: aho_corasick::AhoCorasick,
 }
 
-/// `inner` without its added tokens, and a search for their texts.
-#[derive(Clone)]
-struct Controls {
-    plain: tokenizers::Tokenizer,
-    texts: aho_corasick::AhoCorasick,
+enum Backend {
+    /// Byte-level BPE: the HF tokenizer, and the same without its added
+    /// tokens (for plain text).
+    Bpe {
+        inner: tokenizers::Tokenizer,
+        plain: tokenizers::Tokenizer,
+    },
+    /// SentencePiece, over `Tokenizer::token_to_id`.
+    Spm(Spm),
 }
 
-impl Controls {
-    fn new(
-        inner: &tokenizers::Tokenizer,
-        tokens: &[String],
-        hidden: &[bool],
-    ) -> Result<Self, TokenizerError> {
-        let mut plain = tokenizers::Tokenizer::new(inner.get_model().clone());
-        plain.with_normalizer(inner.get_normalizer().cloned());
-        plain.with_pre_tokenizer(inner.get_pre_tokenizer().cloned());
-        plain.with_decoder(inner.get_decoder().cloned());
-        let texts: Vec<&str> = tokens
-            .iter()
-            .zip(hidden)
-            .filter(|&(t, &h)| h && !t.is_empty())
-            .map(|(t, _)| t.as_str())
-            .collect();
-        let texts = aho_corasick::AhoCorasick::builder()
-            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
-            .build(texts)
-            .map_err(|e| TokenizerError::Encode(format!("control token search: {e}")))?;
-        Ok(Self { plain, texts })
-    }
+/// `inner` without its added tokens.
+fn without_added_tokens(inner: &tokenizers::Tokenizer) -> tokenizers::Tokenizer {
+    let mut plain = tokenizers::Tokenizer::new(inner.get_model().clone());
+    plain.with_normalizer(inner.get_normalizer().cloned());
+    plain.with_pre_tokenizer(inner.get_pre_tokenizer().cloned());
+    plain.with_decoder(inner.get_decoder().cloned());
+    plain
+}
+
+/// A search for the texts of the hidden (control / unknown) tokens.
+fn control_search(
+    tokens: &[String],
+    hidden: &[bool],
+) -> Result<aho_corasick::AhoCorasick, TokenizerError> {
+    let texts: Vec<&str> = tokens
+        .iter()
+        .zip(hidden)
+        .filter(|&(t, &h)| h && !t.is_empty())
+        .map(|(t, _)| t.as_str())
+        .collect();
+    aho_corasick::AhoCorasick::builder()
+        .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+        .build(texts)
+        .map_err(|e| TokenizerError::Build(format!("control token search: {e}")))
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -325,44 +369,62 @@ fn compute_stop_ids(tokens: &[String], eos: Option<u32>, eot: Option<u32>) -> Ve
     ids
 }
 
+/// Checks what both tokenizer models need of a spec.
+fn validate(spec: &TokenizerSpec) -> Result<(), TokenizerError> {
+    let n = spec.tokens.len();
+    if n == 0 {
+        return Err(TokenizerError::InvalidSpec("empty vocabulary".into()));
+    }
+    if u32::try_from(n).is_err() {
+        return Err(TokenizerError::InvalidSpec(format!(
+            "vocabulary too large: {n}"
+        )));
+    }
+    if !spec.token_types.is_empty() && spec.token_types.len() != n {
+        return Err(TokenizerError::InvalidSpec(format!(
+            "{} token types for {n} tokens",
+            spec.token_types.len()
+        )));
+    }
+    if !spec.scores.is_empty() && spec.scores.len() != n {
+        return Err(TokenizerError::InvalidSpec(format!(
+            "{} scores for {n} tokens",
+            spec.scores.len()
+        )));
+    }
+    for (what, id) in [
+        ("BOS", spec.bos_id),
+        ("EOS", spec.eos_id),
+        ("UNK", spec.unk_id),
+        ("PAD", spec.pad_id),
+        ("EOT", spec.eot_id),
+    ] {
+        if let Some(id) = id
+            && id as usize >= n
+        {
+            return Err(TokenizerError::IdOutOfRange {
+                what,
+                id,
+                vocab_size: n,
+            });
+        }
+    }
+    Ok(())
+}
+
 impl Tokenizer {
     /// Builds the tokenizer llama.cpp would build from this GGUF metadata.
     pub fn from_spec(spec: TokenizerSpec) -> Result<Tokenizer, TokenizerError> {
-        if spec.model != "gpt2" {
-            return Err(TokenizerError::Unsupported { model: spec.model });
+        match spec.model.as_str() {
+            "gpt2" => Self::from_bpe_spec(spec),
+            "llama" => Self::from_spm_spec(spec),
+            _ => Err(TokenizerError::Unsupported { model: spec.model }),
         }
+    }
+
+    fn from_bpe_spec(spec: TokenizerSpec) -> Result<Tokenizer, TokenizerError> {
+        validate(&spec)?;
         let n = spec.tokens.len();
-        if n == 0 {
-            return Err(TokenizerError::InvalidSpec("empty vocabulary".into()));
-        }
-        if u32::try_from(n).is_err() {
-            return Err(TokenizerError::InvalidSpec(format!(
-                "vocabulary too large: {n}"
-            )));
-        }
-        if !spec.token_types.is_empty() && spec.token_types.len() != n {
-            return Err(TokenizerError::InvalidSpec(format!(
-                "{} token types for {n} tokens",
-                spec.token_types.len()
-            )));
-        }
-        for (what, id) in [
-            ("BOS", spec.bos_id),
-            ("EOS", spec.eos_id),
-            ("UNK", spec.unk_id),
-            ("PAD", spec.pad_id),
-            ("EOT", spec.eot_id),
-        ] {
-            if let Some(id) = id
-                && id as usize >= n
-            {
-                return Err(TokenizerError::IdOutOfRange {
-                    what,
-                    id,
-                    vocab_size: n,
-                });
-            }
-        }
         let (preset, fell_back) = pre_preset(spec.pre.as_deref());
         if fell_back {
             tracing::warn!(
@@ -475,10 +537,13 @@ impl Tokenizer {
 
         let eot_id = spec.eot_id.or_else(|| find_named(&spec.tokens, EOT_NAMES));
         let stop_ids = compute_stop_ids(&spec.tokens, spec.eos_id, eot_id);
-        let controls = Controls::new(&inner, &spec.tokens, &hidden)?;
+        let controls = control_search(&spec.tokens, &hidden)?;
         Ok(Tokenizer {
             controls,
-            inner,
+            backend: Backend::Bpe {
+                plain: without_added_tokens(&inner),
+                inner,
+            },
             tokens: spec.tokens,
             pieces,
             hidden,
@@ -490,6 +555,101 @@ impl Tokenizer {
             add_eos: spec.add_eos,
             stop_ids,
             pre_name: if fell_back { "gpt2" } else { preset.name },
+        })
+    }
+
+    /// SentencePiece ("llama"), as llama.cpp's `llm_tokenizer_spm`.
+    fn from_spm_spec(spec: TokenizerSpec) -> Result<Tokenizer, TokenizerError> {
+        validate(&spec)?;
+        let n = spec.tokens.len();
+        // llama.cpp renames empty tokens (so they cannot match text).
+        let tokens: Vec<String> = spec
+            .tokens
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if t.is_empty() {
+                    format!("[EMPTY_{i}]")
+                } else {
+                    t
+                }
+            })
+            .collect();
+        let mut attrs: Vec<u16> = if spec.token_types.is_empty() {
+            vec![attr::NORMAL; n]
+        } else {
+            spec.token_types
+                .iter()
+                .map(|&t| spm::attr_of_type(t))
+                .collect()
+        };
+        // llama.cpp makes end-of-generation tokens control tokens.
+        for (a, t) in attrs.iter_mut().zip(&tokens) {
+            if EOG_NAMES.contains(&t.as_str()) {
+                *a |= attr::CONTROL;
+            }
+        }
+        // Like llama.cpp's token_to_id, a later duplicate wins.
+        let mut token_to_id: HashMap<String, u32> = HashMap::with_capacity(n);
+        for (i, t) in tokens.iter().enumerate() {
+            token_to_id.insert(t.clone(), i as u32);
+        }
+        // llama.cpp's per-model attributes: phi-3's special tokens eat the
+        // whitespace after them, except <unk>, <s> and <|endoftext|>.
+        let name = spec.model_name.as_deref().unwrap_or("").to_lowercase();
+        if name.contains("phi-3") || name.contains("phi3") {
+            for a in attrs.iter_mut().filter(|a| **a & attr::SPECIAL != 0) {
+                *a |= attr::RSTRIP;
+            }
+            let mut set = |t: &str, on: bool| {
+                if let Some(a) = token_to_id
+                    .get(t)
+                    .and_then(|&id| attrs.get_mut(id as usize))
+                {
+                    *a = if on {
+                        *a | attr::RSTRIP
+                    } else {
+                        *a & !attr::RSTRIP
+                    };
+                }
+            };
+            set("</s>", true);
+            for t in ["<unk>", "<s>", "<|endoftext|>"] {
+                set(t, false);
+            }
+        }
+
+        let pieces: Vec<Vec<u8>> = tokens
+            .iter()
+            .zip(&attrs)
+            .map(|(t, &a)| spm::piece_bytes(t, a))
+            .collect();
+        let hidden: Vec<bool> = attrs.iter().map(|&a| a & attr::HIDDEN != 0).collect();
+        let eot_id = spec.eot_id.or_else(|| find_named(&tokens, EOT_NAMES));
+        let stop_ids = compute_stop_ids(&tokens, spec.eos_id, eot_id);
+        let controls = control_search(&tokens, &hidden)?;
+        let model = Spm::new(
+            &tokens,
+            attrs,
+            spec.scores,
+            &token_to_id,
+            spec.unk_id,
+            spec.add_space_prefix.unwrap_or(true),
+        )?;
+        Ok(Tokenizer {
+            backend: Backend::Spm(model),
+            tokens,
+            pieces,
+            hidden,
+            token_to_id,
+            bos_id: spec.bos_id,
+            eos_id: spec.eos_id,
+            eot_id,
+            add_bos: spec.add_bos,
+            add_eos: spec.add_eos,
+            stop_ids,
+            pre_name: "spm",
+            controls,
         })
     }
 
@@ -570,10 +730,13 @@ impl Tokenizer {
 
         let eot_id = find_named(&tokens, EOT_NAMES);
         let stop_ids = compute_stop_ids(&tokens, eos_id, eot_id);
-        let controls = Controls::new(&inner, &tokens, &hidden)?;
+        let controls = control_search(&tokens, &hidden)?;
         Ok(Tokenizer {
             controls,
-            inner,
+            backend: Backend::Bpe {
+                plain: without_added_tokens(&inner),
+                inner,
+            },
             tokens,
             pieces,
             hidden,
@@ -591,19 +754,83 @@ impl Tokenizer {
     /// Tokenizes `text`; special tokens written in it are matched atomically.
     /// `add_special` adds BOS/EOS as `add_bos`/`add_eos` say.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self
-            .inner
-            .encode_fast(text, false)
-            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
-        let ids = enc.get_ids();
-        let mut out = Vec::with_capacity(ids.len() + 2);
+        self.encode_protected(text, add_special, &[])
+    }
+
+    /// [`Tokenizer::encode`] of the whole `text`, except that control and
+    /// unknown token texts overlapping a `protected` byte range (client
+    /// text in a rendered prompt) are not matched as those tokens: they
+    /// are tokenized as plain text. With no protected range this is
+    /// `encode`.
+    ///
+    /// SentencePiece: one pass over the whole text, as llama.cpp would
+    /// tokenize it, so the space prefix goes only at the start and after
+    /// special tokens, never at a protected range's edges. Byte-level BPE:
+    /// each protected range is pre-tokenized on its own, like the text
+    /// between two special tokens (what `encode` of the text around it plus
+    /// [`Tokenizer::encode_plain`] of it gives).
+    ///
+    /// Ranges must lie on character boundaries of `text`; they may come in
+    /// any order and overlap.
+    pub fn encode_protected(
+        &self,
+        text: &str,
+        add_special: bool,
+        protected: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let mut ranges: Vec<std::ops::Range<usize>> = Vec::with_capacity(protected.len());
+        let mut sorted: Vec<&std::ops::Range<usize>> =
+            protected.iter().filter(|r| !r.is_empty()).collect();
+        sorted.sort_by_key(|r| r.start);
+        for r in sorted {
+            if r.end > text.len()
+                || !text.is_char_boundary(r.start)
+                || !text.is_char_boundary(r.end)
+            {
+                return Err(TokenizerError::Encode(format!(
+                    "protected range {r:?} is not on character boundaries of a {}-byte text",
+                    text.len()
+                )));
+            }
+            match ranges.last_mut() {
+                // Only overlaps merge: adjacent BPE ranges stay separate
+                // pieces, as separate `encode_plain` calls made them.
+                Some(last) if r.start < last.end => last.end = last.end.max(r.end),
+                _ => ranges.push(r.clone()),
+            }
+        }
+
+        let mut out = Vec::new();
         if add_special
             && self.add_bos
             && let Some(bos) = self.bos_id
         {
             out.push(bos);
         }
-        out.extend_from_slice(ids);
+        match &self.backend {
+            Backend::Bpe { inner, plain } => {
+                let mut piece = |t: &tokenizers::Tokenizer, s: &str| {
+                    if s.is_empty() {
+                        return Ok(());
+                    }
+                    let enc = t
+                        .encode_fast(s, false)
+                        .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+                    out.extend_from_slice(enc.get_ids());
+                    Ok::<(), TokenizerError>(())
+                };
+                let mut at = 0;
+                for r in &ranges {
+                    piece(inner, &text[at..r.start])?;
+                    piece(plain, &text[r.clone()])?;
+                    at = r.end;
+                }
+                piece(inner, &text[at..])?;
+            }
+            Backend::Spm(m) => {
+                m.encode_protected(&self.token_to_id, text, true, &ranges, &mut out)?;
+            }
+        }
         if add_special
             && self.add_eos
             && let Some(eos) = self.eos_id
@@ -615,22 +842,27 @@ impl Tokenizer {
 
     /// Byte ranges of `text` that spell a control token.
     pub fn control_texts(&self, text: &str) -> Vec<std::ops::Range<usize>> {
-        self.controls
-            .texts
-            .find_iter(text)
-            .map(|m| m.range())
-            .collect()
+        self.controls.find_iter(text).map(|m| m.range()).collect()
     }
 
     /// Tokenizes `text` as plain text: a control token's text written in
-    /// it is split like any other text (no BOS/EOS).
+    /// it is split like any other text (no BOS/EOS). SentencePiece: like
+    /// llama.cpp without `parse_special`, user-defined tokens still match,
+    /// and the text gets the space prefix as `encode`'s does.
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self
-            .controls
-            .plain
-            .encode_fast(text, false)
-            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        match &self.backend {
+            Backend::Bpe { plain, .. } => {
+                let enc = plain
+                    .encode_fast(text, false)
+                    .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+                Ok(enc.get_ids().to_vec())
+            }
+            Backend::Spm(m) => {
+                let mut out = Vec::new();
+                m.encode(&self.token_to_id, text, false, &mut out)?;
+                Ok(out)
+            }
+        }
     }
 
     fn piece(&self, id: u32, skip_special: bool) -> Result<&[u8], TokenizerError> {
@@ -647,10 +879,39 @@ impl Tokenizer {
     }
 
     /// Text of `ids`; bytes that are not valid UTF-8 become U+FFFD.
+    /// SentencePiece with `add_space_prefix`: as llama.cpp's detokenizer,
+    /// the first token loses one leading space (the one encoding added),
+    /// unless `skip_special` drops a leading BOS (then nothing is stripped),
+    /// and `skip_special` also drops a trailing EOS when `add_eos`.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        let mut ids = ids;
+        let mut strip_space = false;
+        if let Backend::Spm(m) = &self.backend {
+            strip_space = m.add_space_prefix();
+            if skip_special
+                && self.add_bos
+                && let Some((&first, rest)) = ids.split_first()
+                && Some(first) == self.bos_id
+            {
+                strip_space = false;
+                ids = rest;
+            }
+            if skip_special
+                && self.add_eos
+                && let Some((&last, rest)) = ids.split_last()
+                && Some(last) == self.eos_id
+            {
+                ids = rest;
+            }
+        }
         let mut bytes = Vec::new();
         for &id in ids {
-            bytes.extend_from_slice(self.piece(id, skip_special)?);
+            let mut piece = self.piece(id, skip_special)?;
+            if strip_space {
+                piece = piece.strip_prefix(b" ").unwrap_or(piece);
+                strip_space = false;
+            }
+            bytes.extend_from_slice(piece);
         }
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
@@ -703,15 +964,22 @@ impl Tokenizer {
     }
 
     /// Name of the pre-tokenizer preset in use ("smollm", "gpt2", "llama3",
-    /// "qwen2", "default", "falcon"; "hf" for a tokenizer.json). An unknown
-    /// GGUF pre-tokenizer name falls back to "gpt2".
+    /// "qwen2", "default", "falcon", ...; "hf" for a tokenizer.json, "spm"
+    /// for SentencePiece). An unknown GGUF pre-tokenizer name falls back to
+    /// "gpt2".
     pub fn pre_tokenizer(&self) -> &'static str {
         self.pre_name
     }
 
-    /// The underlying HF tokenizer, serialized as tokenizer.json.
+    /// The underlying HF tokenizer, serialized as tokenizer.json. A
+    /// SentencePiece tokenizer has none: an error.
     pub fn to_hf_json(&self) -> Result<String, TokenizerError> {
-        self.inner.to_string(false).map_err(build_err)
+        match &self.backend {
+            Backend::Bpe { inner, .. } => inner.to_string(false).map_err(build_err),
+            Backend::Spm(_) => Err(TokenizerError::NoHfEquivalent {
+                model: "llama".into(),
+            }),
+        }
     }
 
     pub fn stream_decoder(&self, skip_special: bool) -> StreamDecoder<'_> {
@@ -750,10 +1018,27 @@ pub fn spec_from_gguf(g: &GgufFile) -> Result<TokenizerSpec, TokenizerError> {
         .into_iter()
         .map(str::to_string)
         .collect();
-    let id = |key: &str| opt(g, key, GgufFile::get_u32);
+    // Scores are f32, or i32 in some older conversions.
+    let scores = match g.get("tokenizer.ggml.scores") {
+        None => Vec::new(),
+        Some(_) => match g.get_f32_array("tokenizer.ggml.scores") {
+            Ok(v) => v,
+            Err(_) => g
+                .get_i32_array("tokenizer.ggml.scores")?
+                .into_iter()
+                .map(|v| v as f32)
+                .collect(),
+        },
+    };
+    let spm = model == "llama";
+    let n = tokens.len();
+    // llama.cpp's SentencePiece defaults: <unk>=0, <s>=1, </s>=2, BOS on.
+    let default_id = |id: u32| (spm && (id as usize) < n).then_some(id);
+    let id =
+        |key: &str, default: Option<u32>| opt(g, key, GgufFile::get_u32).map(|v| v.or(default));
     let (preset, _) = pre_preset(pre.as_deref());
     let add_bos = opt(g, "tokenizer.ggml.add_bos_token", GgufFile::get_bool)?
-        .unwrap_or(preset.default_add_bos);
+        .unwrap_or(spm || preset.default_add_bos);
     let add_eos = opt(g, "tokenizer.ggml.add_eos_token", GgufFile::get_bool)?.unwrap_or(false);
     Ok(TokenizerSpec {
         model,
@@ -761,11 +1046,14 @@ pub fn spec_from_gguf(g: &GgufFile) -> Result<TokenizerSpec, TokenizerError> {
         tokens,
         token_types,
         merges,
-        bos_id: id("tokenizer.ggml.bos_token_id")?,
-        eos_id: id("tokenizer.ggml.eos_token_id")?,
-        unk_id: id("tokenizer.ggml.unknown_token_id")?,
-        pad_id: id("tokenizer.ggml.padding_token_id")?,
-        eot_id: id("tokenizer.ggml.eot_token_id")?,
+        scores,
+        add_space_prefix: opt(g, "tokenizer.ggml.add_space_prefix", GgufFile::get_bool)?,
+        model_name: opt(g, "general.name", GgufFile::get_str)?.map(str::to_string),
+        bos_id: id("tokenizer.ggml.bos_token_id", default_id(1))?,
+        eos_id: id("tokenizer.ggml.eos_token_id", default_id(2))?,
+        unk_id: id("tokenizer.ggml.unknown_token_id", default_id(0))?,
+        pad_id: id("tokenizer.ggml.padding_token_id", None)?,
+        eot_id: id("tokenizer.ggml.eot_token_id", None)?,
         add_bos,
         add_eos,
     })
@@ -775,7 +1063,9 @@ pub fn spec_from_gguf(g: &GgufFile) -> Result<TokenizerSpec, TokenizerError> {
 /// back the text that is now complete. Never splits a UTF-8 character: an
 /// incomplete trailing byte sequence is held back until the bytes completing
 /// it arrive; invalid bytes become U+FFFD exactly as in [`Tokenizer::decode`],
-/// so the concatenated output equals `decode` of the whole sequence.
+/// so the concatenated output equals `decode` of the whole sequence, except
+/// that it decodes a continuation: it never strips the leading space that
+/// `decode` strips for SentencePiece with `add_space_prefix`.
 #[derive(Debug)]
 pub struct StreamDecoder<'a> {
     tokenizer: &'a Tokenizer,
