@@ -5,10 +5,10 @@
 //!
 //! Before rendering, every control-token text in a client string is
 //! replaced by a placeholder (private-use characters around an index); the
-//! rendered prompt is tokenized piece by piece: the template's text with
-//! control tokens recognised, each placeholder's original as plain text.
-//! Requests without such text (nearly all) are tokenized exactly as before,
-//! in one piece.
+//! rendered prompt, with the originals put back, is tokenized in one pass
+//! with the originals' byte ranges protected: the template's text with
+//! control tokens recognised, each original as plain text. Requests
+//! without such text (nearly all) are tokenized with plain `encode`.
 
 use serde_json::Value;
 use tandem_modelfile::chat::{ChatMessage, ChatTemplate};
@@ -105,12 +105,17 @@ impl<'a> Guard<'a> {
         }
     }
 
-    /// Tokenizes the rendered prompt (no BOS: the template writes its own).
+    /// Tokenizes the rendered prompt (no BOS: the template writes its own)
+    /// in one pass, with each placeholder's original put back and, if a
+    /// control-token text, protected: it is tokenized as the model would
+    /// see the whole text (a SentencePiece space prefix only where
+    /// llama.cpp puts one), but its control-token texts stay plain text.
     pub(crate) fn encode(&self, rendered: &str) -> Result<Vec<u32>, ApiError> {
         if self.originals.is_empty() {
             return Ok(self.tok.encode(rendered, false)?);
         }
-        let mut ids = Vec::new();
+        let mut text = String::with_capacity(rendered.len());
+        let mut protected = Vec::new();
         let mut rest = rendered;
         while let Some(open) = rest.find(OPEN) {
             let after = &rest[open + OPEN.len_utf8()..];
@@ -122,11 +127,17 @@ impl<'a> Guard<'a> {
                 .ok()
                 .and_then(|k| self.originals.get(k))
                 .ok_or_else(|| ApiError::internal("a bad prompt placeholder"))?;
-            ids.extend(self.tok.encode(&rest[..open], false)?);
-            ids.extend(self.tok.encode_plain(original)?);
+            text.push_str(&rest[..open]);
+            let start = text.len();
+            text.push_str(original);
+            // A placeholder character the client wrote is no control text:
+            // left unprotected, BPE tokenizes it with its neighbours.
+            if original.chars().any(|c| c != OPEN && c != CLOSE) {
+                protected.push(start..text.len());
+            }
             rest = &after[close + CLOSE.len_utf8()..];
         }
-        ids.extend(self.tok.encode(rest, false)?);
-        Ok(ids)
+        text.push_str(rest);
+        Ok(self.tok.encode_protected(&text, false, &protected)?)
     }
 }

@@ -380,11 +380,13 @@ enum Piece {
     Error(ApiError),
 }
 
+/// One token's text and raw bytes for logprobs. From the token's own
+/// bytes, not `decode`: decoding strips a SentencePiece token's leading
+/// space (`▁Hello` is " Hello" mid-text). A token that is part of a UTF-8
+/// character gets U+FFFD in `token`; `bytes` has the exact bytes.
 fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
-    (
-        tok.decode(&[id], false).unwrap_or_default(),
-        tok.token_to_piece_bytes(id).unwrap_or_default(),
-    )
+    let bytes = tok.token_to_piece_bytes(id).unwrap_or_default();
+    (String::from_utf8_lossy(&bytes).into_owned(), bytes)
 }
 
 fn token_logprob(tok: &Tokenizer, s: &Sampled) -> TokenLogprob {

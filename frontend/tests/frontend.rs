@@ -2200,3 +2200,322 @@ async fn per_key_limit_answers_429() {
     s.script(say("ok", FinishReason::Stop));
     assert_eq!(s.send(req("sk-a", false)).await.status(), StatusCode::OK);
 }
+
+// ------------------------------------------- guarded prompts, every vocab
+
+/// A tokenizer from a GGUF file's metadata.
+fn gguf_tokenizer(path: &std::path::Path) -> tandem_modelfile::tokenizer::Tokenizer {
+    use tandem_modelfile::tokenizer::{Tokenizer, spec_from_gguf};
+    let g = tandem_modelfile::gguf::GgufFile::open(path)
+        .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
+    Tokenizer::from_spec(spec_from_gguf(&g).unwrap()).unwrap()
+}
+
+/// One of llama.cpp's vocab-only GGUFs, from `TANDEM_LLAMA_VOCAB_DIR`.
+fn llama_vocab(file: &str) -> tandem_modelfile::tokenizer::Tokenizer {
+    let dir = std::env::var_os("TANDEM_LLAMA_VOCAB_DIR").unwrap_or_else(|| {
+        panic!("set TANDEM_LLAMA_VOCAB_DIR to llama.cpp's models/ directory of ggml-vocab-*.gguf")
+    });
+    gguf_tokenizer(&PathBuf::from(dir).join(file))
+}
+
+/// A vocabulary with the two control tokens a test template uses for
+/// turns (none of them eats the whitespace next to it).
+struct Vocab {
+    name: &'static str,
+    tok: tandem_modelfile::tokenizer::Tokenizer,
+    open: &'static str,
+    close: &'static str,
+}
+
+/// SentencePiece with the space prefix (Llama 2, Phi-3), without it
+/// (Gemma 3), and byte-level BPE (SmolLM2).
+fn vocabs() -> Vec<Vocab> {
+    let gemma = tandem_testkit::cached_path(
+        "TANDEM_TEST_GEMMA3_GGUF",
+        "gemma3-270m/gemma-3-270m-q4_k_m.gguf",
+    );
+    let v = vec![
+        Vocab {
+            name: "llama-spm",
+            tok: llama_vocab("ggml-vocab-llama-spm.gguf"),
+            open: "<s>",
+            close: "</s>",
+        },
+        Vocab {
+            name: "phi-3",
+            tok: llama_vocab("ggml-vocab-phi-3.gguf"),
+            open: "<s>",
+            close: "<|endoftext|>",
+        },
+        Vocab {
+            name: "gemma-3",
+            tok: gguf_tokenizer(&gemma),
+            open: "<start_of_turn>",
+            close: "<end_of_turn>",
+        },
+        Vocab {
+            name: "smollm2",
+            tok: gguf_tokenizer(&model_path()),
+            open: "<|im_start|>",
+            close: "<|im_end|>",
+        },
+    ];
+    for x in &v {
+        for t in [x.open, x.close] {
+            let id = x.tok.token_id(t);
+            assert!(
+                id.is_some_and(|id| x.tok.is_special(id)),
+                "{}: {t} is a control token",
+                x.name
+            );
+        }
+    }
+    v
+}
+
+/// Turns between `bos_token` and `eos_token` (the vocab's open / close).
+const TURN_TEMPLATE: &str = "{% for m in messages %}{{ bos_token }}{{ m.role }}\n{{ m.content }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}{{ bos_token }}assistant\n{% endif %}";
+
+fn turn_template(v: &Vocab) -> tandem_modelfile::chat::ChatTemplate {
+    tandem_modelfile::chat::ChatTemplate::new(TURN_TEMPLATE, v.open, v.close).unwrap()
+}
+
+/// Chat-like contents: leading spaces, newlines, nothing that spells a
+/// control token.
+const CHATTY: &[&str] = &[
+    " You are\n helpful.",
+    "Hi  there\n\n  how are you?",
+    "\n Sure:\n\tdone ",
+    "x",
+];
+
+/// Guarding changes nothing the model sees when no client text spells a
+/// control token, even when the guard has set text aside (our placeholder
+/// characters, which clients may write too): the prompt's tokens are
+/// `encode` of the rendered text, on SentencePiece vocabularies with and
+/// without the space prefix and on byte-level BPE.
+#[test]
+fn guarded_prompt_equals_plain_encode_on_every_vocab() {
+    for v in vocabs() {
+        let template = turn_template(&v);
+        for odd in ["", "\u{F8F0}", " \u{F8F1}0\n"] {
+            let messages: Vec<ChatMessage> = CHATTY
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let role = if i % 2 == 0 { "user" } else { "assistant" };
+                    ChatMessage::new(role, format!("{c}{odd}{c}"))
+                })
+                .collect();
+            let rendered = template.render(&messages, true).unwrap();
+            let want = v.tok.encode(&rendered, false).unwrap();
+            let (_, got) = tandem_frontend::prompt::render_chat(&v.tok, &template, messages)
+                .unwrap_or_else(|e| panic!("{}: {e:?}", v.name));
+            assert_eq!(got, want, "{} {odd:?}: {rendered:?}", v.name);
+        }
+    }
+}
+
+/// A piece of a prompt: a template control token, template text, or
+/// client text spelling a control token.
+enum Part {
+    Special(u32),
+    Text(String),
+    Client(String),
+}
+
+/// What llama.cpp makes of `parts` with the client's control texts as
+/// text. SentencePiece: the text between two template control tokens is
+/// one piece (its space prefix at its start only). BPE: the client's
+/// control texts are pieces of their own, as between special tokens.
+fn expected(tok: &tandem_modelfile::tokenizer::Tokenizer, parts: &[Part]) -> Vec<u32> {
+    let spm = tok.pre_tokenizer() == "spm";
+    let mut out = Vec::new();
+    let mut run = String::new();
+    let flush = |run: &mut String, out: &mut Vec<u32>| {
+        if !run.is_empty() {
+            out.extend(tok.encode_plain(run).unwrap());
+            run.clear();
+        }
+    };
+    for p in parts {
+        match p {
+            Part::Special(id) => {
+                flush(&mut run, &mut out);
+                out.push(*id);
+            }
+            Part::Text(t) => run.push_str(t),
+            Part::Client(t) if spm => run.push_str(t),
+            Part::Client(t) => {
+                flush(&mut run, &mut out);
+                out.extend(tok.encode_plain(t).unwrap());
+            }
+        }
+    }
+    flush(&mut run, &mut out);
+    out
+}
+
+/// Client text that spells a control token comes out as the plain-text
+/// tokens of those characters in context (on SentencePiece, no space
+/// prefix around them: the tokens llama.cpp gives the whole text without
+/// that control token), and the prompt has only the template's control
+/// tokens.
+#[test]
+fn client_control_text_is_plain_text_in_context_on_every_vocab() {
+    for v in vocabs() {
+        let template = turn_template(&v);
+        let (open, close) = (
+            v.tok.token_id(v.open).unwrap(),
+            v.tok.token_id(v.close).unwrap(),
+        );
+        let x = v.close;
+        let contents = [
+            format!("Hi {x} there\n  ok{x}"),
+            format!("{x}leading"),
+            format!(" {}{x}\n{x} ", v.open),
+            "plain text".to_string(),
+        ];
+        let messages: Vec<ChatMessage> = contents
+            .iter()
+            .map(|c| ChatMessage::new("user", c.clone()))
+            .collect();
+        let mut parts = Vec::new();
+        for c in &contents {
+            parts.push(Part::Special(open));
+            parts.push(Part::Text("user\n".into()));
+            let mut at = 0;
+            for r in v.tok.control_texts(c) {
+                parts.push(Part::Text(c[at..r.start].to_string()));
+                parts.push(Part::Client(c[r.clone()].to_string()));
+                at = r.end;
+            }
+            parts.push(Part::Text(c[at..].to_string()));
+            parts.push(Part::Special(close));
+            parts.push(Part::Text("\n".into()));
+        }
+        parts.push(Part::Special(open));
+        parts.push(Part::Text("assistant\n".into()));
+        let want = expected(&v.tok, &parts);
+
+        let (_, got) = tandem_frontend::prompt::render_chat(&v.tok, &template, messages)
+            .unwrap_or_else(|e| panic!("{}: {e:?}", v.name));
+        assert_eq!(got, want, "{}", v.name);
+        let count = |id: u32| got.iter().filter(|&&t| t == id).count();
+        assert_eq!(count(open), contents.len() + 1, "{}", v.name);
+        assert_eq!(count(close), contents.len(), "{}", v.name);
+
+        // The API itself: nothing protected is `encode`; a protected
+        // range must lie on character boundaries.
+        let text = format!("{x}é{x}");
+        assert_eq!(
+            v.tok.encode_protected(&text, true, &[]).unwrap(),
+            v.tok.encode(&text, true).unwrap()
+        );
+        for bad in [0..x.len() + 1, 0..text.len() + 1] {
+            let bad = std::slice::from_ref(&bad);
+            assert!(
+                v.tok.encode_protected(&text, false, bad).is_err(),
+                "{bad:?}"
+            );
+        }
+        // Mid-text, whole: the control text is plain.
+        let mid = x.len() + "é".len()..text.len();
+        let ids = v
+            .tok
+            .encode_protected(&text, false, std::slice::from_ref(&mid))
+            .unwrap();
+        assert_eq!(ids.iter().filter(|&&t| t == close).count(), 1, "{}", v.name);
+    }
+}
+
+/// Logprob token texts are the tokens' own text: a SentencePiece `▁Hello`
+/// keeps its space (decoding it alone would strip it), a byte token that
+/// is part of a character is U+FFFD with its exact byte in `bytes`.
+#[tokio::test]
+async fn logprob_token_text_keeps_the_sentencepiece_space() {
+    let tok = llama_vocab("ggml-vocab-llama-spm.gguf");
+    let hello = tok.encode("Hello world", false).unwrap();
+    assert_eq!(hello.len(), 2, "{hello:?}");
+    assert_eq!(tok.token_str(hello[0]), Some("\u{2581}Hello"));
+    assert_eq!(tok.decode(&hello[..1], false).unwrap(), "Hello");
+    let bytes: Vec<u32> = "😀"
+        .bytes()
+        .map(|b| tok.token_id(&format!("<0x{b:02X}>")).unwrap())
+        .collect();
+    let ids: Vec<u32> = hello.iter().chain(&bytes).copied().collect();
+
+    let template = tandem_modelfile::chat::ChatTemplate::new(TURN_TEMPLATE, "<s>", "</s>").unwrap();
+    let text = Arc::new(ModelText {
+        name: "llama-spm".into(),
+        tokenizer: tok,
+        chat_template: Some(template),
+    });
+    let fake = Arc::new(Fake {
+        limits: RequestLimits {
+            max_length: 4096,
+            vocab_size: text.tokenizer.vocab_size(),
+        },
+        replies: Mutex::new(VecDeque::new()),
+        log: Arc::default(),
+        health: Mutex::new(ready()),
+    });
+    let state = AppState::new(
+        Arc::clone(&text),
+        Arc::clone(&fake) as Arc<dyn Backend>,
+        config(),
+    );
+    let s = Server {
+        fake,
+        app: app(state.clone()),
+        state,
+    };
+    let mut steps: Vec<Step> = ids
+        .iter()
+        .map(|&id| {
+            Step::Event(GenEvent::Token(Sampled {
+                token: id,
+                logprob: Some(-0.5),
+                top: vec![(id, -0.5)],
+            }))
+        })
+        .collect();
+    steps.push(Step::Finish(FinishReason::Stop));
+    s.script(Reply::Run(steps));
+    let body = with(
+        &chat_body("Greet"),
+        json!({"logprobs": true, "top_logprobs": 1}),
+    );
+    let (status, v) = s.post_json(CHAT, &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let texts: Vec<&str> = content
+        .iter()
+        .map(|t| t["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        texts,
+        vec![
+            " Hello", " world", "\u{FFFD}", "\u{FFFD}", "\u{FFFD}", "\u{FFFD}"
+        ]
+    );
+    assert_eq!(content[0]["bytes"], json!(b" Hello".to_vec()));
+    assert_eq!(content[0]["top_logprobs"][0]["token"], " Hello");
+    assert_eq!(
+        content[0]["top_logprobs"][0]["bytes"],
+        json!(b" Hello".to_vec())
+    );
+    let raw: Vec<u8> = content[2..]
+        .iter()
+        .flat_map(|t| serde_json::from_value::<Vec<u8>>(t["bytes"].clone()).unwrap())
+        .collect();
+    assert_eq!(raw, "😀".as_bytes());
+    assert!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .ends_with("Hello world😀"),
+        "{v}"
+    );
+}
