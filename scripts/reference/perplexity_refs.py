@@ -20,14 +20,24 @@ bits over [max - 16, max]; kept here is the log-probability of the token that
 follows (resolution 16/65535; null where it lies below max - 16). The token
 ids also come from `llama-tokenize`, which must agree.
 
-usage: scripts/reference/perplexity_refs.py GGUF LLAMA_CPP_BIN_DIR
+With a PREFIX (another model family: qwen2, gemma3) the file is
+PREFIX-perplexity_refs.json, or PREFIX-perplexity_ctxN_refs.json for an
+N_CTX other than 512. Where the vocab adds BOS (gemma3), llama-perplexity
+tokenizes the text with BOS first and, in each chunk, overwrites the chunk's
+first token with BOS for the evaluation (restoring it afterwards: `tokens`
+and the scored next tokens are the originals, and the overwritten token is
+never scored); the file then says "bos_per_chunk": true.
+
+usage: scripts/reference/perplexity_refs.py GGUF LLAMA_CPP_BIN_DIR [PREFIX [N_CTX]]
 """
 import array, hashlib, json, os, re, struct, subprocess, sys, tempfile
 
 GGUF, BIN = sys.argv[1], sys.argv[2]
+PREFIX = sys.argv[3] if len(sys.argv) > 3 else None
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "engine", "tests", "data")
 TEXT = os.path.join(DATA, "perplexity_text.txt")
-N_CTX = 512
+OUT = os.environ.get("TANDEM_REFS_OUT") or DATA
+N_CTX = int(sys.argv[4]) if len(sys.argv) > 4 else 512
 THREADS = 2
 
 
@@ -79,6 +89,13 @@ tokens = json.loads(run(
      "--no-parse-special", "--log-disable"], input=text).stdout.strip())
 
 version = run([os.path.join(BIN, "llama-perplexity"), "--version"]).stderr.strip().splitlines()
+bos_per_chunk = False
+if PREFIX is not None:
+    from gguf import GGUFReader
+    meta = GGUFReader(GGUF).fields
+    bos_per_chunk = bool(meta["tokenizer.ggml.add_bos_token"].contents()) if "tokenizer.ggml.add_bos_token" in meta else False
+    bos_id = meta["tokenizer.ggml.bos_token_id"].contents() if bos_per_chunk else None
+    assert not bos_per_chunk or tokens[0] == bos_id, "llama-tokenize did not put BOS first"
 runs = []
 for fa in ["off", "on"]:
     cmd = ["llama-perplexity", "-m", os.path.basename(GGUF), "-f", "engine/tests/data/perplexity_text.txt",
@@ -105,20 +122,29 @@ for fa in ["off", "on"]:
     })
     print(f"flash attention {fa}: PPL {m.group(1)} +/- {m.group(2)}, running {chunks}", file=sys.stderr)
 
+scheme = ("chunks of n_ctx tokens from an empty cache, no BOS (the vocab adds none); "
+          "logits at positions n_ctx/2..n_ctx-2 score the next token; running_ppl[i] = "
+          "exp(mean NLL over chunks 0..=i)")
+if bos_per_chunk:
+    scheme = ("the text tokenized with BOS first (the vocab adds BOS), cut into chunks of n_ctx tokens; each chunk "
+              "is evaluated from an empty cache with its first token replaced by BOS (`tokens` holds the "
+              "originals); logits at positions n_ctx/2..n_ctx-2 score the next (original) token; running_ppl[i] = "
+              "exp(mean NLL over chunks 0..=i)")
 refs = {
-    "about": "llama-perplexity on perplexity_text.txt; made by scripts/reference/perplexity_refs.py",
+    "about": "llama-perplexity on perplexity_text.txt; made by scripts/reference/perplexity_refs.py"
+             + ("" if PREFIX is None else f" GGUF LLAMA_CPP_BIN_DIR {PREFIX} {N_CTX}"),
     "llama_cpp": {"source": "llama-cpp-python==0.3.36 sdist (vendor/llama.cpp)", "version": version},
     "gguf": {"file": os.path.basename(GGUF), "sha256": sha256(GGUF)},
     "text": {"file": "perplexity_text.txt", "sha256": sha256(TEXT)},
     "n_ctx": N_CTX,
-    "scheme": "chunks of n_ctx tokens from an empty cache, no BOS (the vocab adds none); "
-              "logits at positions n_ctx/2..n_ctx-2 score the next token; running_ppl[i] = "
-              "exp(mean NLL over chunks 0..=i)",
+    "scheme": scheme,
+    **({} if PREFIX is None else {"bos_per_chunk": bos_per_chunk, "bos_id": bos_id, "threads": THREADS}),
     "tokens": tokens,
     "runs": runs,
 }
 # One key per line, runs one per line: the long arrays stay on one line each.
-with open(os.path.join(DATA, "perplexity_refs.json"), "w") as f:
+name = "perplexity_refs.json" if N_CTX == 512 else f"perplexity_ctx{N_CTX}_refs.json"
+with open(os.path.join(OUT, name if PREFIX is None else f"{PREFIX}-{name}"), "w") as f:
     f.write("{\n")
     for i, (k, v) in enumerate(refs.items()):
         if k == "runs":
