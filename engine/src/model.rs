@@ -1226,3 +1226,26 @@ fn activate(act: Activation, gate: &mut [f32], up: &[f32]) {
         Activation::GeluTanh => ops::gelu_tanh_mul(gate, up),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_bounds_cut_on_blocks_as_evenly_as_they_allow() {
+        assert_eq!(equal_bounds(896, 2), [0, 448, 896]);
+        assert_eq!(equal_bounds(576, 1), [0, 576]);
+        // Qwen2.5-0.5B's FFN: 4864 columns, 19 blocks of 256.
+        assert_eq!(block_bounds(4864, 2, 256), [0, 2304, 4864]);
+        assert_eq!(block_bounds(1536, 3, 32), [0, 512, 1024, 1536]);
+        assert_eq!(block_bounds(4864, 1, 256), [0, 4864]);
+        for (cols, groups, block) in [(4864, 2, 256), (2048, 4, 256), (1536, 3, 32), (96, 3, 32)] {
+            let b = block_bounds(cols, groups, block);
+            assert_eq!(b.len(), groups + 1);
+            assert!(
+                b.windows(2)
+                    .all(|w| w[0] < w[1] && (w[1] - w[0]) % block == 0)
+            );
+        }
+    }
+}

@@ -367,6 +367,62 @@ mod tests {
         "rope_theta":100000.0,"max_position_embeddings":8192,"rope_scaling":null}"#;
 
     #[test]
+    fn sliding_layers_follow_the_period_and_use_their_own_rope_base() {
+        let mut c = ModelConfig::from_hf_json(SMOL).expect("valid");
+        assert_eq!(c.family.name(), "llama");
+        assert_eq!(
+            (c.layer_window(0), c.layer_rope_theta(0)),
+            (None, 100_000.0)
+        );
+        // Gemma 3's layout: five sliding layers, then a global one.
+        c.sliding = Some(SlidingWindow {
+            size: 512,
+            period: 6,
+            rope_theta: 10_000.0,
+        });
+        let global: Vec<usize> = (0..18).filter(|&l| c.layer_window(l).is_none()).collect();
+        assert_eq!(global, [5, 11, 17]);
+        assert_eq!(c.layer_window(4), Some(512));
+        assert_eq!(c.layer_rope_theta(4), 10_000.0);
+        assert_eq!(c.layer_rope_theta(5), 100_000.0);
+        // Period 0: every layer slides.
+        c.sliding = Some(SlidingWindow {
+            size: 64,
+            period: 0,
+            rope_theta: 10_000.0,
+        });
+        assert!((0..18).all(|l| c.layer_window(l) == Some(64)));
+        c.sliding = Some(SlidingWindow {
+            size: 0,
+            period: 6,
+            rope_theta: 10_000.0,
+        });
+        assert!(c.validate().is_err());
+        c.sliding = None;
+        c.final_logit_softcap = Some(-1.0);
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn qwen2_hf_config_with_its_sliding_window_off_parses() {
+        let json = SMOL
+            .replace("LlamaForCausalLM", "Qwen2ForCausalLM")
+            .replace(
+                "\"rope_scaling\":null",
+                "\"rope_scaling\":null,\"sliding_window\":4096,\"use_sliding_window\":false",
+            );
+        let c = ModelConfig::from_hf_json(&json).expect("valid");
+        assert!(c.family.qkv_bias);
+        assert_eq!(c.sliding, None);
+        // Turned on, a window shorter than the context is refused.
+        let on = json.replace(
+            "\"use_sliding_window\":false",
+            "\"use_sliding_window\":true",
+        );
+        assert!(ModelConfig::from_hf_json(&on).is_err());
+    }
+
+    #[test]
     fn hf_config_parses() {
         let c = ModelConfig::from_hf_json(SMOL).expect("valid");
         assert_eq!(c.head_dim, 64);
