@@ -3,6 +3,7 @@
 #   usage: bench/cpu-vs-llama-cpp.sh [THREADS]        (default 2)
 # Environment:
 #   GGUF=path       model (default: SmolLM2-135M-Instruct Q4_1, fetched by tandem)
+#   MODEL=alias     a tandem alias instead (qwen2.5-coder-0.5b, gemma3-270m, ...)
 #   ROUNDS=n        alternating llama.cpp/tandem rounds (default 2); best wins
 #   BENCH_OUT=dir   where raw outputs go (default: a new /tmp/tandem-bench.*)
 #   LLAMA_CPP_VERSION  llama-cpp-python version whose llama.cpp is built (0.3.36)

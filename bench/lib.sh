@@ -1,7 +1,8 @@
 # Shared set-up for the bench/ scripts; source it, then call the functions in
 # order. Each sets variables the caller uses:
 #   bench_build_tandem   -> tandem  (release binary, built if needed)
-#   bench_resolve_gguf   -> gguf    ($GGUF, else the default model, fetched)
+#   bench_resolve_gguf   -> gguf    ($GGUF, else the alias $MODEL or the
+#                                    default model, fetched)
 #   bench_llama_cpp      -> bin     (llama.cpp bin dir with llama-bench,
 #                                    llama-batched-bench and llama-server)
 # Callers set: repo, threads, out. See bench/README.md.
@@ -20,15 +21,19 @@ bench_resolve_gguf() {
   if [[ -n ${GGUF:-} ]]; then
     gguf=$GGUF
   else
-    # Same lookup as tandem_engine::fetch::cache_dir.
-    local cache
+    # MODEL names a tandem alias (smollm2-135m, qwen2.5-coder-0.5b,
+    # gemma3-270m): fetched into the cache by tandem itself, the same way
+    # `--model ALIAS` does. Same lookup as tandem_modelfile::fetch::cache_dir.
+    local cache alias=${MODEL:-smollm2-135m}
     if [[ -n ${TANDEM_CACHE:-} ]]; then cache=$TANDEM_CACHE
     elif [[ -n ${XDG_CACHE_HOME:-} ]]; then cache=$XDG_CACHE_HOME/tandem
     else cache=$HOME/.cache/tandem; fi
-    gguf=$cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
-    if [[ ! -f $gguf ]]; then
-      say "fetching smollm2-135m"
-      "$tandem" generate --model smollm2-135m --prompt hi --max-tokens 1 --temperature 0 >/dev/null
+    [[ $alias =~ ^[a-z0-9.-]+$ ]] || { echo "MODEL must be a tandem alias" >&2; exit 2; }
+    gguf=$(ls "$cache/$alias"/*.gguf 2>/dev/null | head -n1 || true)
+    if [[ -z $gguf ]]; then
+      say "fetching $alias"
+      "$tandem" generate --model "$alias" --prompt hi --max-tokens 1 --temperature 0 >/dev/null
+      gguf=$(ls "$cache/$alias"/*.gguf | head -n1)
     fi
   fi
   [[ -f $gguf ]] || { echo "model not found: $gguf" >&2; exit 1; }
