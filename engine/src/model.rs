@@ -1027,7 +1027,7 @@ impl DecoderModel {
                             first.extend(std::iter::repeat_n(lo, group));
                         }
                     }
-                    tandem_kernels::attention::attend_window(
+                    tandem_kernels::attention::attend_tile(
                         qs,
                         first,
                         n_ctx,

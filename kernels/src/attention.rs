@@ -101,6 +101,7 @@ pub fn attend_with_isa(
     attend_tile_with_isa(
         isa,
         q,
+        &[],
         &[n_ctx],
         k_blocks,
         v_blocks,
@@ -113,73 +114,19 @@ pub fn attend_with_isa(
 
 /// Attention of `n_ctx.len()` queries over one context: query `i` is
 /// `qs[i * hd..(i + 1) * hd]` (with `hd = qs.len() / n_ctx.len()`), sees
-/// the first `n_ctx[i]` positions and writes `out[i * hd..(i + 1) * hd]`.
-/// Bitwise [`attend`] for each query; each K and V row is converted once
-/// for every query that sees it. `scratch` is scratch space.
+/// positions `first[i]..n_ctx[i]` (`first` empty: all from 0; a sliding
+/// window otherwise) and writes `out[i * hd..(i + 1) * hd]`. Bitwise
+/// [`attend`] for each query without a window; each K and V row is
+/// converted once for every query that sees it. Positions before
+/// `first[i]` score `-inf`, so they weigh exactly 0 and a query's result
+/// is the same in every tile it is part of. `scratch` is scratch space.
 ///
 /// # Panics
-/// As [`attend`], or if `qs` and `out` are not `n_ctx.len()` equal rows.
+/// As [`attend`], if `qs` and `out` are not `n_ctx.len()` equal rows, or
+/// if `first` is neither empty nor one per query, or some
+/// `first[i] >= n_ctx[i]` (a query always sees itself).
 #[allow(clippy::too_many_arguments)]
 pub fn attend_tile(
-    qs: &[f32],
-    n_ctx: &[usize],
-    k_blocks: &[&[f16]],
-    v_blocks: &[&[f16]],
-    block_size: usize,
-    scale: f32,
-    scratch: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    attend_tile_with_isa(
-        cpu::isa(),
-        qs,
-        n_ctx,
-        k_blocks,
-        v_blocks,
-        block_size,
-        scale,
-        scratch,
-        out,
-    );
-}
-
-/// [`attend_tile`] with an explicit instruction set.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_tile_with_isa(
-    isa: Isa,
-    qs: &[f32],
-    n_ctx: &[usize],
-    k_blocks: &[&[f16]],
-    v_blocks: &[&[f16]],
-    block_size: usize,
-    scale: f32,
-    scratch: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    attend_window_with_isa(
-        isa,
-        qs,
-        &[],
-        n_ctx,
-        k_blocks,
-        v_blocks,
-        block_size,
-        scale,
-        scratch,
-        out,
-    );
-}
-
-/// [`attend_tile`] for sliding-window attention: query `i` sees positions
-/// `first[i]..n_ctx[i]` of the context (`first` empty: all from 0).
-/// Positions before `first[i]` get a score of `-inf`, so they weigh
-/// exactly 0 and the result is the same for every batch the query is in.
-///
-/// # Panics
-/// As [`attend_tile`], or if `first` is neither empty nor one per query,
-/// or some `first[i] >= n_ctx[i]` (a query always sees itself).
-#[allow(clippy::too_many_arguments)]
-pub fn attend_window(
     qs: &[f32],
     first: &[usize],
     n_ctx: &[usize],
@@ -190,7 +137,7 @@ pub fn attend_window(
     scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    attend_window_with_isa(
+    attend_tile_with_isa(
         cpu::isa(),
         qs,
         first,
@@ -204,9 +151,9 @@ pub fn attend_window(
     );
 }
 
-/// [`attend_window`] with an explicit instruction set.
+/// [`attend_tile`] with an explicit instruction set.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_window_with_isa(
+pub fn attend_tile_with_isa(
     isa: Isa,
     qs: &[f32],
     first: &[usize],
@@ -828,7 +775,18 @@ mod tests {
             }
             for isa in cov.isas() {
                 let mut got = vec![f32::NAN; qs.len()];
-                attend_tile_with_isa(isa, &qs, n_ctx, &ks, &vs, bs, 0.125, &mut scratch, &mut got);
+                attend_tile_with_isa(
+                    isa,
+                    &qs,
+                    &[],
+                    n_ctx,
+                    &ks,
+                    &vs,
+                    bs,
+                    0.125,
+                    &mut scratch,
+                    &mut got,
+                );
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&want), "{isa} hd {hd} bs {bs} {n_ctx:?}");
                 cov.ran(isa);
@@ -896,7 +854,7 @@ mod tests {
                 .collect()
         };
         let mut reference = vec![0.0; nq * hd];
-        attend_window_with_isa(
+        attend_tile_with_isa(
             Isa::Scalar,
             &qs,
             &first,
@@ -910,7 +868,7 @@ mod tests {
         );
         for isa in Isa::ALL.iter().copied().filter(|i| i.is_supported()) {
             let mut got = vec![0.0; nq * hd];
-            attend_window_with_isa(
+            attend_tile_with_isa(
                 isa,
                 &qs,
                 &first,
@@ -925,7 +883,7 @@ mod tests {
             assert_eq!(got, reference, "{isa:?}");
             // One query alone is bitwise the same as in the tile.
             let mut one = vec![0.0; hd];
-            attend_window_with_isa(
+            attend_tile_with_isa(
                 isa,
                 &qs[3 * hd..4 * hd],
                 &first[3..4],

@@ -1340,28 +1340,6 @@ mod avx2 {
         }
     }
 
-    /// ggml's `bytes_from_bits_32`: byte `i` is 0xFF where bit `i` of the
-    /// little-endian u32 at `p` is set, else 0.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `p` must be valid for
-    /// reading 4 bytes (any alignment).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
-        // SAFETY: caller guarantees 4 readable bytes.
-        let x32 = unsafe { p.cast::<i32>().read_unaligned() };
-        let shuf = _mm256_set_epi64x(
-            0x0303030303030303,
-            0x0202020202020202,
-            0x0101010101010101,
-            0,
-        );
-        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x32), shuf);
-        let bits = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-        _mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1))
-    }
-
     /// Rows `8 * half0..8 * (half0 + H)` of group `g` for exactly `N`
     /// tokens from `i0`, into `out[j][8 * half0..]`.
     ///
@@ -1442,7 +1420,7 @@ mod avx2 {
                                 let raw = _mm256_loadu_si256(r.add(32 + k * 64 + hoff).cast());
                                 let five = |nib: __m256i, v: usize| {
                                     let at = Q5_MASKS + 8 * v + 4 * (half0 + h);
-                                    let bits = bytes_from_bits_32(r.add(at));
+                                    let bits = crate::dot::avx2::bytes_from_bits_32(r.add(at));
                                     _mm256_or_si256(nib, _mm256_and_si256(bits, bit4))
                                 };
                                 let lo = five(_mm256_and_si256(raw, low), k);

@@ -336,7 +336,7 @@ impl QKernel for Q4_0K {
 /// 4 bytes (any alignment).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
+pub(crate) unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
     // SAFETY: caller guarantees 4 readable bytes.
     let x32 = unsafe { p.cast::<i32>().read_unaligned() };
     let shuf = _mm256_set_epi64x(
