@@ -80,6 +80,47 @@ fn complete(port: u16, prompt: &str) -> Value {
     r.json()
 }
 
+/// Runs `prompts` through a 1P1D cluster on `model` (the prefill node
+/// with `prefill_extra` flags) and checks each completion against
+/// in-process generation, every prompt prefilled remotely with KV bytes
+/// moved, and both nodes idle (no leaked blocks) afterwards.
+fn disaggregated(
+    m: &LoadedModel,
+    model: &str,
+    name: &str,
+    prefill_extra: &[&str],
+    prompts: &[String],
+) {
+    let etcd = EtcdServer::start().unwrap();
+    let cluster = unique_cluster(name);
+    let flags = ["--model", model, "--max-length", "2048"];
+    let prefill: Vec<&str> = flags.iter().chain(prefill_extra).copied().collect();
+    let p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &prefill);
+    let d = Node::start(&etcd.url(), &cluster, "decode", "d0", &flags);
+    let r = Router::start_with(&etcd.url(), &cluster, &flags);
+    r.wait_members(1, 1, Duration::from_secs(20));
+    for prompt in prompts {
+        let v = r.complete(prompt, MAX_TOKENS);
+        assert_eq!(
+            v["choices"][0]["text"],
+            expected(m, prompt).as_str(),
+            "{prompt:?}"
+        );
+    }
+    assert_eq!(
+        metric(
+            &d.metrics(),
+            "tandem_decode_prefills_total",
+            "outcome=\"remote\""
+        ),
+        prompts.len() as f64,
+        "every prompt prefilled by the prefill node"
+    );
+    assert!(metric(&p.metrics(), "tandem_dkv_bytes_transferred_bytes_total", "") > 0.0);
+    p.assert_idle();
+    d.assert_idle();
+}
+
 /// Code-flavoured prompts of about 100 tokens (over the decode node's
 /// 32-token threshold for remote prefill).
 fn code_prompt(i: usize) -> String {
@@ -145,34 +186,7 @@ fn qwen2_serves_and_runs_disaggregated_with_a_tp2_prefill_node() {
     assert_eq!(r.json()["choices"][0]["message"]["content"], want.as_str());
     drop(serve_proc);
 
-    let etcd = EtcdServer::start().unwrap();
-    let cluster = unique_cluster("qwen2");
-    let flags = ["--model", model, "--max-length", "2048"];
-    let tp2: Vec<&str> = flags.iter().copied().chain(["--tp", "2"]).collect();
-    let p = Node::start(&etcd.url(), &cluster, "prefill", "p-tp2", &tp2);
-    let d = Node::start(&etcd.url(), &cluster, "decode", "d0", &flags);
-    let r = Router::start_with(&etcd.url(), &cluster, &flags);
-    r.wait_members(1, 1, Duration::from_secs(20));
-    for prompt in &prompts {
-        let v = r.complete(prompt, MAX_TOKENS);
-        assert_eq!(
-            v["choices"][0]["text"],
-            expected(&m, prompt).as_str(),
-            "{prompt:?}"
-        );
-    }
-    assert_eq!(
-        metric(
-            &d.metrics(),
-            "tandem_decode_prefills_total",
-            "outcome=\"remote\""
-        ),
-        prompts.len() as f64,
-        "every prompt prefilled by the TP=2 node"
-    );
-    assert!(metric(&p.metrics(), "tandem_dkv_bytes_transferred_bytes_total", "") > 0.0);
-    p.assert_idle();
-    d.assert_idle();
+    disaggregated(&m, model, "qwen2", &["--tp", "2"], &prompts);
 }
 
 #[test]
@@ -197,29 +211,5 @@ fn gemma3_serves_and_runs_disaggregated_past_its_sliding_window() {
     }
     drop(serve_proc);
 
-    let etcd = EtcdServer::start().unwrap();
-    let cluster = unique_cluster("gemma3");
-    let flags = ["--model", model, "--max-length", "2048"];
-    let p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &flags);
-    let d = Node::start(&etcd.url(), &cluster, "decode", "d0", &flags);
-    let r = Router::start_with(&etcd.url(), &cluster, &flags);
-    r.wait_members(1, 1, Duration::from_secs(20));
-    for prompt in &prompts {
-        let v = r.complete(prompt, MAX_TOKENS);
-        assert_eq!(
-            v["choices"][0]["text"],
-            expected(&m, prompt).as_str(),
-            "{prompt:?}"
-        );
-    }
-    assert_eq!(
-        metric(
-            &d.metrics(),
-            "tandem_decode_prefills_total",
-            "outcome=\"remote\""
-        ),
-        prompts.len() as f64
-    );
-    p.assert_idle();
-    d.assert_idle();
+    disaggregated(&m, model, "gemma3", &[], &prompts);
 }
