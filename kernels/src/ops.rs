@@ -32,24 +32,6 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
-/// GeGLU: `gate[i] = gelu(gate[i]) * up[i]` with the tanh approximation of
-/// GELU (Gemma's `gelu_pytorch_tanh`), in f32. ggml looks GELU up in an
-/// f16 table instead; the exact form is what the model was trained with.
-pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
-    assert_eq!(
-        gate.len(),
-        up.len(),
-        "gelu_tanh_mul: gate and up lengths differ"
-    );
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    const COEF: f32 = 0.044_715;
-    for (g, &u) in gate.iter_mut().zip(up) {
-        let x = *g;
-        let inner = SQRT_2_OVER_PI * x * (1.0 + COEF * x * x);
-        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
-    }
-}
-
 /// Soft-caps logits: `x = cap * tanh(x / cap)`.
 pub fn softcap(x: &mut [f32], cap: f32) {
     for v in x {
@@ -110,8 +92,13 @@ impl Rope {
     }
 }
 
+/// GeGLU with the tanh form of GELU (Gemma's `gelu_pytorch_tanh`), in
+/// f32. ggml looks GELU up in an f16 table instead; the exact form is what
+/// the model was trained with.
+pub use crate::vmath::gelu_mul as gelu_tanh_mul;
 pub use crate::vmath::{
-    max, round_through_f16, silu_mul, silu_mul_with_isa, softmax, softmax_with_isa,
+    gelu_mul_with_isa, max, round_through_f16, silu_mul, silu_mul_with_isa, softmax,
+    softmax_with_isa,
 };
 
 /// `acc[i] += x[i]`.

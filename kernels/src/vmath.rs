@@ -1,4 +1,4 @@
-//! Vectorised `exp`, SwiGLU and softmax, bitwise equal on every ISA.
+//! Vectorised `exp`, SwiGLU, GeGLU and softmax, bitwise equal on every ISA.
 //!
 //! libm's `expf` is one call per element and cannot be vectorised, and a
 //! batched decode step spends a few percent of its time in it (SwiGLU over
@@ -66,6 +66,46 @@ fn pow2(k: i32) -> f32 {
 /// `silu(g) = g / (1 + e^-g)`.
 fn silu(g: f32) -> f32 {
     g / (1.0 + exp(-g))
+}
+
+/// `2 sqrt(2 / pi)` and the cubic coefficient of the tanh form of GELU.
+const GELU_K2: f32 = 1.595_769_1;
+const GELU_C: f32 = 0.044_715;
+
+/// GELU's tanh form, `0.5 g (1 + tanh(u))` with `u = sqrt(2/pi) (g + C g^3)`,
+/// computed as the equal `g / (1 + e^-2u)`: one [`exp`] instead of libm's
+/// `tanhf` (which costs an `expm1f` call per element).
+fn gelu(g: f32) -> f32 {
+    let z = (GELU_K2 * g) * (1.0 + GELU_C * (g * g));
+    g / (1.0 + exp(-z))
+}
+
+/// `gate[i] = gelu(gate[i]) * up[i]` (GeGLU, tanh GELU), in place, on this
+/// CPU's best ISA; bitwise the same on every ISA.
+///
+/// # Panics
+/// If the lengths differ (callers size both from one shape).
+pub fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    gelu_mul_with_isa(cpu::isa(), gate, up);
+}
+
+/// [`gelu_mul`] with an explicit instruction set (tests compare them).
+pub fn gelu_mul_with_isa(isa: Isa, gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "gelu_mul: gate and up lengths differ");
+    let done = match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: support checked by `is_supported`.
+        Isa::Avx512Vnni if isa.is_supported() => unsafe { avx512::gelu_mul(gate, up) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 | Isa::Avx512Vnni if Isa::Avx2.is_supported() => unsafe {
+            avx2::gelu_mul(gate, up)
+        },
+        _ => 0,
+    };
+    for (g, &u) in gate[done..].iter_mut().zip(&up[done..]) {
+        *g = gelu(*g) * u;
+    }
 }
 
 /// `gate[i] = silu(gate[i]) * up[i]` (SwiGLU), in place, on this CPU's best ISA.
@@ -172,7 +212,7 @@ pub fn round_through_f16(x: &mut [f32]) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{HI, LN2_HI, LN2_LO, LO, LOG2E, P};
+    use super::{GELU_C, GELU_K2, HI, LN2_HI, LN2_LO, LO, LOG2E, P};
 
     /// Eight lanes of [`super::exp`], the same operations.
     #[inline]
@@ -255,6 +295,31 @@ mod avx2 {
         n
     }
 
+    /// GeGLU over the whole 8-lane chunks, the scalar `gelu`'s operations
+    /// lane by lane (no fused multiply-adds); returns how many were done.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `up.len() >= gate.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn gelu_mul(gate: &mut [f32], up: &[f32]) -> usize {
+        let n = gate.len() / 8 * 8;
+        let one = _mm256_set1_ps(1.0);
+        let (k2, c) = (_mm256_set1_ps(GELU_K2), _mm256_set1_ps(GELU_C));
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= n <= both lengths.
+            unsafe {
+                let g = _mm256_loadu_ps(gate.as_ptr().add(i));
+                let cubic = _mm256_add_ps(one, _mm256_mul_ps(c, _mm256_mul_ps(g, g)));
+                let z = _mm256_mul_ps(_mm256_mul_ps(k2, g), cubic);
+                let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), z));
+                let s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+                let u = _mm256_loadu_ps(up.as_ptr().add(i));
+                _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(s, u));
+            }
+        }
+        n
+    }
+
     /// `x[i] = exp(x[i] - max)` over whole 8-lane chunks, each value added
     /// in `f64` to lane `i % 8`; returns how many were done.
     ///
@@ -293,7 +358,7 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{HI, LN2_HI, LN2_LO, LO, LOG2E, P};
+    use super::{GELU_C, GELU_K2, HI, LN2_HI, LN2_LO, LO, LOG2E, P};
 
     /// Sixteen lanes of [`super::exp`], the same operations.
     #[inline]
@@ -332,6 +397,30 @@ mod avx512 {
             _mm512_set1_ps(f32::INFINITY),
         );
         _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x), x)
+    }
+
+    /// As `avx2::gelu_mul`, 16 lanes at a time.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F; `up.len() >= gate.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gelu_mul(gate: &mut [f32], up: &[f32]) -> usize {
+        let n = gate.len() / 16 * 16;
+        let one = _mm512_set1_ps(1.0);
+        let (k2, c) = (_mm512_set1_ps(GELU_K2), _mm512_set1_ps(GELU_C));
+        for i in (0..n).step_by(16) {
+            // SAFETY: i + 16 <= n <= both lengths.
+            unsafe {
+                let g = _mm512_loadu_ps(gate.as_ptr().add(i));
+                let cubic = _mm512_add_ps(one, _mm512_mul_ps(c, _mm512_mul_ps(g, g)));
+                let z = _mm512_mul_ps(_mm512_mul_ps(k2, g), cubic);
+                let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), z));
+                let s = _mm512_div_ps(g, _mm512_add_ps(one, e));
+                let u = _mm512_loadu_ps(up.as_ptr().add(i));
+                _mm512_storeu_ps(gate.as_mut_ptr().add(i), _mm512_mul_ps(s, u));
+            }
+        }
+        n
     }
 
     /// As `avx2::silu_mul`, 16 lanes at a time.
@@ -484,6 +573,44 @@ mod tests {
         let mut nan = [f32::NAN; 19];
         silu_mul(&mut nan, &[1.0; 19]);
         assert!(nan.iter().all(|v| v.is_nan()));
+    }
+
+    #[test]
+    fn gelu_mul_is_bitwise_the_scalar_reference_on_every_isa() {
+        let mut rng = ChaCha8Rng::seed_from_u64(6);
+        let mut cov =
+            IsaCoverage::new("vmath::gelu_mul_is_bitwise_the_scalar_reference_on_every_isa");
+        for len in [0, 1, 7, 8, 15, 16, 17, 33, 2048] {
+            let g = inputs(&mut rng, len);
+            let u: Vec<f32> = (0..len).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            let mut want = g.clone();
+            gelu_mul_with_isa(Isa::Scalar, &mut want, &u);
+            for (w, (&gi, &ui)) in want.iter().zip(g.iter().zip(&u)) {
+                assert_eq!(w.to_bits(), (gelu(gi) * ui).to_bits());
+            }
+            for isa in cov.isas() {
+                let mut got = g.clone();
+                gelu_mul_with_isa(isa, &mut got, &u);
+                assert_eq!(bits(&got), bits(&want), "{isa} len {len}");
+                cov.ran(isa);
+            }
+        }
+    }
+
+    #[test]
+    fn gelu_is_close_to_the_tanh_definition() {
+        for i in -3000..3000 {
+            let g = i as f32 * 0.01;
+            let want = 0.5 * g * (1.0 + (0.797_884_6 * (g + 0.044_715 * g * g * g)).tanh());
+            assert!(
+                (gelu(g) - want).abs() <= 4e-7 * (1.0 + want.abs()),
+                "{g}: {} vs {want}",
+                gelu(g)
+            );
+        }
+        // The tails: 0 far left (not NaN), the identity far right.
+        assert_eq!(gelu(-100.0), 0.0);
+        assert_eq!(gelu(100.0), 100.0);
     }
 
     #[test]
