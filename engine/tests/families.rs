@@ -1,18 +1,29 @@
-//! The forward pass of model families other than Llama against llama.cpp on
-//! the same GGUF, with the checks `tests/model.rs` runs on SmolLM2: greedy
-//! continuations, perplexity, last-position log-probabilities, plus the
-//! prompt tokens and chat prompts the references were made from.
+//! The forward pass of each model family on a real GGUF against independent
+//! references: llama.cpp on the same GGUF (greedy continuations,
+//! perplexity, last-position top-20 log-probabilities) and a numpy float32
+//! forward pass over the dequantized weights, plus the prompt tokens and
+//! chat prompts the references were made from. `tests/model.rs` checks
+//! further properties of the forward pass on SmolLM2 (batching, prompt
+//! splits, bad requests).
 //!
-//! References (tests/data/{prefix}-*.json) come from
-//! scripts/reference/model_refs.py and perplexity_refs.py (llama.cpp
-//! vendored in llama-cpp-python 0.3.36, 2 threads, one slot, greedy, flash
-//! attention off and on); each file records how it was made.
+//! References (tests/data/{prefix}-*.json; SmolLM2's, with no prefix,
+//! tests/data/*.json) come from scripts/reference/model_refs.py and
+//! perplexity_refs.py (llama.cpp vendored in llama-cpp-python 0.3.36, 2
+//! threads, one slot, greedy, flash attention off and on). Run with a
+//! prefix, the scripts record how each file was made; run without one (for
+//! SmolLM2) they write their first format, which the checks also read: no
+//! `add_special` per prompt (false: no BOS), no `made_with`, no
+//! `bos_per_chunk` (false), the float reference's logits over the whole
+//! vocabulary instead of its top tokens and log-sum-exp, and llama.cpp's
+//! top 20 with flash attention off only.
 //!
 //! Every family is one [`Family`] entry and one `family_tests!` line. Needs
 //! the GGUFs named by each entry's variable (`scripts/test.sh` sets them):
+//! - `TANDEM_TEST_GGUF`: SmolLM2-135M-Instruct.Q4_1.gguf
 //! - `TANDEM_TEST_QWEN2_GGUF`: qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 //! - `TANDEM_TEST_GEMMA3_GGUF`: gemma-3-270m-q4_k_m.gguf
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use serde_json::Value;
@@ -27,8 +38,11 @@ use tandem_modelfile::tokenizer::{Tokenizer, spec_from_gguf};
 
 /// One model family under test, its GGUF and its tolerances.
 struct Family {
-    /// Prefix of its reference files: tests/data/{prefix}-greedy_refs.json,
-    /// {prefix}-logits_refs.json and the perplexity files below.
+    /// Its name in test output.
+    name: &'static str,
+    /// Prefix of its reference files: tests/data/{prefix}-greedy_refs.json
+    /// and {prefix}-logits_refs.json; "" for greedy_refs.json and
+    /// logits_refs.json.
     prefix: &'static str,
     /// Environment variable holding the GGUF's path.
     env: &'static str,
@@ -43,8 +57,28 @@ struct Family {
     /// Bound on |our log-probability - llama.cpp's| over llama.cpp's top-20
     /// tokens at the last prompt position, each attention path.
     top20_bound: f32,
+    /// How much further than llama.cpp's ours may sit from the float
+    /// reference on llama.cpp's top-20 tokens.
+    float_margin: FloatMargin,
+    /// Our last-position argmax must be the float reference's wherever its
+    /// top two logits are more than this apart; `None`: on every prompt.
+    argmax_gap: Option<f32>,
+    /// Bound on the max |logit difference| from the float reference over
+    /// the whole vocabulary (needs a reference file holding every logit);
+    /// `None`: not checked.
+    max_logit_diff: Option<f32>,
     /// Perplexity reference files, each checked as in `check_perplexity`.
     perplexity: &'static [&'static str],
+}
+
+/// The bound on our top-20 log-probabilities' distance from the float
+/// reference, beyond llama.cpp's own distance (per prompt the max over its
+/// top-20 tokens, the worse of its attention paths where it has two).
+enum FloatMargin {
+    /// On every prompt.
+    PerPrompt(f32),
+    /// On average over the prompts.
+    Mean(f32),
 }
 
 /// On average over a family's prompts, our top-20 log-probabilities may sit
@@ -61,6 +95,58 @@ const PPL_BOUND: f64 = 0.01;
 /// between its two attention paths.
 const PER_TOKEN_FACTOR: f64 = 1.5;
 
+/// SmolLM2-135M-Instruct Q4_1 (llama; 8 plain and 5 chat prompts, no BOS;
+/// the first family, with reference files in the scripts' first format: see
+/// the module doc). Its tolerances were set before the others' and are
+/// tighter where they differ.
+///
+/// Greedy: llama.cpp's two attention paths disagree within 64 tokens on 9
+/// of the 13 prompts. At least 2 prompts must match a llama.cpp variant for
+/// all tokens. Measured when the check still counted llama-server's
+/// trailing EOS as llama.cpp's last token: 2 with our block-order matmuls,
+/// 5 when they summed in ggml's order; llama.cpp's two variants, which
+/// share their matmul kernels, agree fully on 4. Now 3 of 13 (either way:
+/// on the one chat prompt where llama.cpp stopped on EOS, after 62 tokens
+/// with flash attention off, ours leaves it at token 29, where its two
+/// variants split); at each divergence llama.cpp's token is at most 0.14
+/// below ours in our log-probabilities. `near_tie` 0.35: logprobs of
+/// llama.cpp and ours differ by 0.18-0.31 at the first position.
+///
+/// Last position (4 prompts, llama.cpp's top 20 with flash attention off
+/// only), checked per prompt: our top-20 log-probabilities within 0.5 of
+/// llama.cpp's (measured 0.18-0.31; now 0.21-0.29) and no more than 0.1
+/// further from the float reference than llama.cpp's (measured: ours
+/// 0.15-0.30, now 0.15-0.24, on average 0.20; llama.cpp's 0.20-0.43, on
+/// average 0.29), with the float reference's argmax on every prompt (its
+/// top two 0.36-5.0 apart); a full-vocabulary max |logit diff| from the
+/// float reference of at most 1.5 (4% of the ~40-wide logit range;
+/// measured 0.65-1.14, now 0.67-1.14) catches gross errors. The forward pass itself is checked tightly where no quantization
+/// interferes: the F32 safetensors path agrees with the float reference to
+/// ~0.01 (tests/hf_dir.rs).
+///
+/// Perplexity (3409 tokens, 6 chunks of 512, 1530 scored tokens): ours
+/// 16.264, llama.cpp 16.321 and 16.276 (0.35% and 0.08% apart; llama.cpp's
+/// paths are 0.27% apart); mean per-token |NLL difference| 0.057 and 0.059
+/// nats, llama.cpp's paths 0.058, so the bound is 0.087. Regressions tried,
+/// our perplexity and per-token difference (vs flash attention off):
+/// activations quantized to 7 bits instead of 8: 16.460 (+1.2%), 0.119,
+/// fails; 6 bits: 16.965, 0.205; layer 15's attention dropped: 18.315,
+/// 0.333. Too small to fail, and to matter: RoPE base 10% off: 16.341,
+/// 0.064; K/V stored as bf16: 16.306, 0.059.
+const SMOLLM2: Family = Family {
+    name: "smollm2",
+    prefix: "",
+    env: "TANDEM_TEST_GGUF",
+    gguf: "SmolLM2-135M-Instruct.Q4_1.gguf",
+    near_tie: 0.35,
+    min_full_matches: 2,
+    top20_bound: 0.5,
+    float_margin: FloatMargin::PerPrompt(0.1),
+    argmax_gap: None,
+    max_logit_diff: Some(1.5),
+    perplexity: &["perplexity_refs.json"],
+};
+
 /// Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2: q/k/v biases, NEOX RoPE,
 /// untied output; 8 plain and 5 chat prompts, two of them with a tool
 /// definition, one with a tool call and its result).
@@ -76,12 +162,16 @@ const PER_TOKEN_FACTOR: f64 = 1.5;
 /// Perplexity 25.95 vs llama.cpp's 25.91 and 25.91 (per token 0.040 apart;
 /// its paths 0.042).
 const QWEN2: Family = Family {
+    name: "qwen2",
     prefix: "qwen2",
     env: "TANDEM_TEST_QWEN2_GGUF",
     gguf: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     near_tie: 0.35,
     min_full_matches: 4,
     top20_bound: 0.6,
+    float_margin: FloatMargin::Mean(FLOAT_MARGIN),
+    argmax_gap: Some(0.35),
+    max_logit_diff: None,
     perplexity: &["qwen2-perplexity_refs.json"],
 };
 
@@ -103,12 +193,16 @@ const QWEN2: Family = Family {
 /// 16.99 vs 16.96 and 16.98 at 1024 (per token 0.078-0.082 apart; its
 /// paths 0.079, 0.082).
 const GEMMA3: Family = Family {
+    name: "gemma3",
     prefix: "gemma3",
     env: "TANDEM_TEST_GEMMA3_GGUF",
     gguf: "gemma-3-270m-q4_k_m.gguf",
     near_tie: 0.35,
     min_full_matches: 1,
     top20_bound: 1.2,
+    float_margin: FloatMargin::Mean(FLOAT_MARGIN),
+    argmax_gap: Some(0.35),
+    max_logit_diff: None,
     perplexity: &[
         "gemma3-perplexity_refs.json",
         "gemma3-perplexity_ctx1024_refs.json",
@@ -153,6 +247,7 @@ macro_rules! family_tests {
     };
 }
 
+family_tests!(smollm2, SMOLLM2);
 family_tests!(qwen2, QWEN2);
 family_tests!(gemma3, GEMMA3);
 
@@ -160,7 +255,7 @@ fn gguf_path(f: &Family) -> PathBuf {
     let path = std::env::var_os(f.env).unwrap_or_else(|| {
         panic!(
             "set {} to {} ({} family tests; scripts/test.sh does this)",
-            f.env, f.gguf, f.prefix
+            f.env, f.gguf, f.name
         )
     });
     PathBuf::from(path)
@@ -168,7 +263,7 @@ fn gguf_path(f: &Family) -> PathBuf {
 
 fn load_model(f: &Family) -> LoadedModel {
     let path = gguf_path(f);
-    load(&path).unwrap_or_else(|e| panic!("{} ({}) loads: {e}", path.display(), f.prefix))
+    load(&path).unwrap_or_else(|e| panic!("{} ({}) loads: {e}", path.display(), f.name))
 }
 
 fn open_gguf(f: &Family) -> GgufFile {
@@ -189,7 +284,11 @@ fn data(name: &str) -> Value {
 }
 
 fn refs(f: &Family, kind: &str) -> Value {
-    data(&format!("{}-{kind}_refs.json", f.prefix))
+    if f.prefix.is_empty() {
+        data(&format!("{kind}_refs.json"))
+    } else {
+        data(&format!("{}-{kind}_refs.json", f.prefix))
+    }
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -218,7 +317,8 @@ fn perplexity_text() -> String {
 /// Our tokenizer gives llama.cpp's ids: every greedy prompt (as
 /// llama-server's /tokenize gave them, BOS first where the vocab adds it),
 /// and the perplexity text (as llama-tokenize gave it). Needs only the
-/// GGUF's metadata, not the model.
+/// GGUF's metadata, not the model. A greedy prompt without `add_special`
+/// (the scripts' first format) was tokenized without it.
 fn check_tokens(f: &Family) {
     let g = open_gguf(f);
     let tok = tokenizer(&g);
@@ -229,17 +329,15 @@ fn check_tokens(f: &Family) {
         "{} is not the GGUF the references were made with",
         gguf_path(f).display()
     );
-    assert_eq!(
-        tok.add_bos(),
-        greedy["made_with"]["gguf"]["add_bos"]
-            .as_bool()
-            .expect("add_bos"),
-        "add_bos"
-    );
+    if let Some(add_bos) = greedy["made_with"]["gguf"]["add_bos"].as_bool() {
+        assert_eq!(tok.add_bos(), add_bos, "add_bos");
+    }
     let mut failures = Vec::new();
     for p in greedy["prompts"].as_array().expect("prompts") {
         let text = p["text"].as_str().expect("text");
-        let add_special = p["add_special"].as_bool().expect("add_special");
+        let add_special = p
+            .get("add_special")
+            .is_some_and(|a| a.as_bool().expect("add_special"));
         let ours = tok.encode(text, add_special).expect("tokenizes");
         let theirs = ids(&p["prompt_ids"]);
         if ours != theirs {
@@ -306,12 +404,26 @@ fn check_chat_rendering(f: &Family) {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// As `tests/model.rs::greedy_decoding_matches_llama_cpp`, whose doc states
-/// the rule: tokens match exactly up to the first divergence from a
-/// llama.cpp variant (flash attention off, on); a divergence is allowed only
-/// where llama.cpp's variants split, or at a near-tie (llama.cpp's token
-/// among our top 5, at most `near_tie` below ours in log-probability); and
-/// at least `min_full_matches` prompts match a variant for all tokens.
+/// Greedy continuations against llama.cpp's. Two implementations with the
+/// same weights agree on a greedy token only when the top two logits are
+/// further apart than their numeric noise. Both engines quantize
+/// activations to 8 bits, and a single low-bit difference upstream of a
+/// quantization point flips roundings that grow through the layers:
+/// llama.cpp's own two attention paths (flash attention on and off)
+/// disagree within 64 tokens on most prompts. So the rule is:
+/// - tokens match exactly up to the first divergence from a llama.cpp
+///   variant (llama-server's trailing stop token dropped, ours cut before
+///   a stop token);
+/// - a divergence is only allowed where llama.cpp itself is split (its
+///   other variant made our choice at that step) or at a near-tie:
+///   llama.cpp's token is among our top 5, at most `near_tie` below ours in
+///   log-probability (about the distance between llama.cpp's
+///   log-probabilities and ours at the last prompt position, measured in
+///   `check_last_logits`);
+/// - at least `min_full_matches` prompts match a llama.cpp variant for all
+///   tokens, a tripwire for systematic drift.
+///
+/// `check_perplexity` compares with llama.cpp without ties.
 fn check_greedy(f: &Family, m: &LoadedModel) {
     let refs = refs(f, "greedy");
     let prompts = refs["prompts"].as_array().expect("prompts");
@@ -419,7 +531,7 @@ fn check_greedy(f: &Family, m: &LoadedModel) {
         full_matches += usize::from(matched_fully);
         eprintln!(
             "{} {:5} {}",
-            f.prefix,
+            f.name,
             p["kind"].as_str().unwrap_or("?"),
             summary.join(", ")
         );
@@ -428,7 +540,7 @@ fn check_greedy(f: &Family, m: &LoadedModel) {
     eprintln!(
         "{}: {full_matches}/{} prompts match a llama.cpp variant for all tokens; \
          llama.cpp's two variants match each other on {llama_self_matches}",
-        f.prefix,
+        f.name,
         prompts.len()
     );
     assert!(
@@ -438,14 +550,28 @@ fn check_greedy(f: &Family, m: &LoadedModel) {
     );
 }
 
-/// As `tests/model.rs::perplexity_matches_llama_cpp`, for each of the
-/// family's perplexity files: the same tokens, the same scheme as
-/// llama-perplexity (whole chunks of n_ctx tokens from an empty cache,
-/// positions n_ctx/2 ..= n_ctx-2 scoring the next token; where the vocab
-/// adds BOS, "bos_per_chunk": each chunk's first token replaced by BOS);
-/// perplexity within `PPL_BOUND` of each attention path's, and the mean
-/// per-token |NLL difference| at most `PER_TOKEN_FACTOR` times llama.cpp's
-/// own between its two paths.
+/// Perplexity of the model on a fixed English text
+/// (tests/data/perplexity_text.txt) against llama.cpp's `llama-perplexity`
+/// on the same GGUF, for each of the family's perplexity files. Unlike
+/// greedy tokens, these means over some 1500 scored tokens do not hinge on
+/// near-ties.
+///
+/// Same tokens, same scheme as llama-perplexity's default: the text less
+/// one trailing newline, tokenized as llama-tokenize does, cut into whole
+/// chunks of `n_ctx` tokens; where the vocab adds BOS ("bos_per_chunk",
+/// false where the file does not say), each chunk's first token is
+/// replaced by BOS; each chunk runs from an empty cache at positions
+/// 0..n_ctx, and the logits at positions n_ctx/2 ..= n_ctx-2 score the next
+/// token. Here the first half of every chunk is prefilled, then the chunks
+/// advance together one token per step (the split does not change the
+/// logits: see `tests/model.rs`,
+/// `long_prompt_logits_do_not_depend_on_how_it_is_split`).
+///
+/// Against each of llama.cpp's two attention paths (flash attention off,
+/// on): perplexity within `PPL_BOUND`, and the mean per-token |NLL
+/// difference| at most `PER_TOKEN_FACTOR` times the one between llama.cpp's
+/// two paths. Quantization noise sets this floor; a model error adds to it
+/// even where it leaves perplexity unchanged.
 fn check_perplexity(f: &Family, m: &LoadedModel) {
     let gguf = gguf_path(f);
     let sha = sha256_hex(&std::fs::read(&gguf).expect("reads the GGUF"));
@@ -460,7 +586,9 @@ fn check_perplexity(f: &Family, m: &LoadedModel) {
             gguf.display()
         );
         let tokens = ids(&refs["tokens"]);
-        let bos_per_chunk = refs["bos_per_chunk"].as_bool().expect("bos_per_chunk");
+        let bos_per_chunk = refs
+            .get("bos_per_chunk")
+            .is_some_and(|b| b.as_bool().expect("bos_per_chunk"));
         assert_eq!(
             m.text.tokenizer.add_bos(),
             bos_per_chunk,
@@ -603,135 +731,246 @@ fn check_perplexity(f: &Family, m: &LoadedModel) {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// Last-position log-probabilities of every prompt against llama.cpp's
-/// top 20 (each attention path: within `top20_bound`) and against the numpy
-/// float32 reference the file also holds (its logits at its own top 64 and
-/// llama.cpp's top 20, and its log-sum-exp): on llama.cpp's top 20, on
-/// average over the prompts, ours may sit at most `FLOAT_MARGIN` further
-/// from it than llama.cpp's do; and our argmax is its argmax wherever its
-/// top two are more than `near_tie` apart.
+/// Our last-position logits against two independent references: a numpy
+/// float32 forward pass, and llama.cpp's top-20 log-probabilities.
+///
+/// Like llama.cpp we quantize activations to 8 bits before each integer dot
+/// product and keep K/V in f16, so neither engine equals the float
+/// reference, and the two engines' rounding noise is independent (our
+/// matmuls sum blocks in another order than ggml's: see
+/// `tandem_kernels::PackedMatrix` and `model::RowParallel`). The yardstick
+/// is llama.cpp's own distance from the float reference. Checked for every
+/// prompt, on llama.cpp's top-20 tokens (each attention path the file
+/// holds): our log-probabilities within `top20_bound` of llama.cpp's; no
+/// more than `float_margin` further from the float reference than
+/// llama.cpp's (on each prompt or on average over them); our argmax the
+/// float reference's (where its top two are more than `argmax_gap` apart);
+/// and, where the file holds the whole vocabulary's float logits, the max
+/// |logit difference| within `max_logit_diff`.
 fn check_last_logits(f: &Family, m: &LoadedModel) {
     let refs = refs(f, "logits");
+    let prompts = refs["prompts"].as_array().expect("prompts");
     let mut failures = Vec::new();
     let mut from_float_sums = (0.0f32, 0.0f32);
-    for p in refs["prompts"].as_array().expect("prompts") {
+    for p in prompts {
         let text = p["text"].as_str().expect("text");
         let prompt = ids(&p["prompt_ids"]);
         let got = last_logits(m, &prompt);
         assert_eq!(got.len(), m.model.config().vocab_size);
         let lp = log_softmax(&got);
-        let lse = p["numpy_f32_logsumexp"].as_f64().expect("lse");
-        let float_lp: std::collections::HashMap<usize, f32> = p["numpy_f32_logits"]
-            .as_array()
-            .expect("float logits")
+        let float = FloatRef::new(p, got.len());
+        let top = |key: &str| -> Option<Vec<(usize, f32)>> {
+            let pairs = p.get(key)?.as_array().expect("top logprobs");
+            Some(
+                pairs
+                    .iter()
+                    .map(|pair| {
+                        (
+                            pair[0].as_u64().expect("id") as usize,
+                            pair[1].as_f64().expect("lp") as f32,
+                        )
+                    })
+                    .collect(),
+            )
+        };
+        // llama.cpp's top 20 with flash attention off, and on where the
+        // file holds it.
+        let paths: Vec<(&str, Vec<(usize, f32)>)> = [
+            ("fa off", "llama_cpp_top_logprobs"),
+            ("fa on", "llama_cpp_top_logprobs_fa_on"),
+        ]
+        .into_iter()
+        .filter_map(|(name, key)| Some((name, top(key)?)))
+        .collect();
+        assert!(
+            paths.first().is_some_and(|(n, _)| *n == "fa off"),
+            "no llama_cpp_top_logprobs"
+        );
+        let vs_llama: Vec<f32> = paths
             .iter()
-            .map(|pair| {
-                (
-                    pair[0].as_u64().expect("id") as usize,
-                    (pair[1].as_f64().expect("logit") - lse) as f32,
-                )
+            .map(|(_, want)| {
+                want.iter()
+                    .map(|&(id, theirs)| (lp[id] - theirs).abs())
+                    .fold(0.0f32, f32::max)
             })
             .collect();
-        let top = |key: &str| -> Vec<(usize, f32)> {
-            p[key]
-                .as_array()
-                .expect("top logprobs")
-                .iter()
-                .map(|pair| {
-                    (
-                        pair[0].as_u64().expect("id") as usize,
-                        pair[1].as_f64().expect("lp") as f32,
-                    )
-                })
-                .collect()
-        };
-        let (off, on) = (
-            top("llama_cpp_top_logprobs"),
-            top("llama_cpp_top_logprobs_fa_on"),
-        );
-        let max_diff = |want: &[(usize, f32)]| {
-            want.iter()
-                .map(|&(id, theirs)| (lp[id] - theirs).abs())
-                .fold(0.0f32, f32::max)
-        };
-        let (vs_off, vs_on) = (max_diff(&off), max_diff(&on));
         // Distance from the float reference: llama.cpp's (the worse of its
-        // two paths, each on its own top 20) is the yardstick for ours (on
-        // both paths' top 20).
+        // paths, each on its own top 20) is the yardstick for ours (on every
+        // path's top 20).
         let from_float = |want: &[(usize, f32)], ours: bool| {
             want.iter()
-                .map(|&(id, theirs)| {
-                    let fl = *float_lp
-                        .get(&id)
-                        .expect("float logit stored for llama.cpp's top 20");
-                    (if ours { lp[id] } else { theirs } - fl).abs()
-                })
+                .map(|&(id, theirs)| (if ours { lp[id] } else { theirs } - float.lp(id)).abs())
                 .fold(0.0f32, f32::max)
         };
-        let ours_vs_float = from_float(&off, true).max(from_float(&on, true));
-        let llama_vs_float = from_float(&off, false).max(from_float(&on, false));
-        let float_argmax = p["numpy_f32_argmax"].as_u64().expect("argmax") as u32;
-        let gap = p["numpy_f32_top2_gap"].as_f64().expect("gap") as f32;
+        let ours_vs_float = paths
+            .iter()
+            .map(|(_, w)| from_float(w, true))
+            .fold(0.0f32, f32::max);
+        let llama_vs_float = paths
+            .iter()
+            .map(|(_, w)| from_float(w, false))
+            .fold(0.0f32, f32::max);
         let ours_argmax = argmax(&got);
         // The token where ours is furthest from the float reference, with
         // each log-probability there: for a failure's diagnosis.
-        let worst = off
+        let worst = paths
             .iter()
-            .chain(&on)
-            .map(|&(id, _)| id)
+            .flat_map(|(_, w)| w.iter().map(|&(id, _)| id))
             .max_by(|&a, &b| {
-                (lp[a] - float_lp[&a])
+                (lp[a] - float.lp(a))
                     .abs()
-                    .total_cmp(&(lp[b] - float_lp[&b]).abs())
+                    .total_cmp(&(lp[b] - float.lp(b)).abs())
             })
             .expect("top 20");
-        let lp_of = |want: &[(usize, f32)]| {
-            want.iter()
-                .find(|&&(id, _)| id == worst)
-                .map_or("-".to_string(), |&(_, v)| format!("{v:.3}"))
-        };
+        let at_worst: Vec<String> = paths
+            .iter()
+            .map(|(_, want)| {
+                want.iter()
+                    .find(|&&(id, _)| id == worst)
+                    .map_or("-".to_string(), |&(_, v)| format!("{v:.3}"))
+            })
+            .collect();
+        let vs_llama_text: Vec<String> = paths
+            .iter()
+            .zip(&vs_llama)
+            .map(|((name, _), d)| format!("{d:.4} ({name})"))
+            .collect();
+        let full_vocab_diff = float.max_logit_diff(&got);
         eprintln!(
-            "{} {:3} prompt tokens: top-20 logprobs vs llama.cpp {vs_off:.4} (fa off) {vs_on:.4} \
-             (fa on); vs float ours {ours_vs_float:.4}, llama.cpp {llama_vs_float:.4} (worst token \
-             {worst}: ours {:.3}, llama.cpp {} / {}, float {:.3}); argmax ours {ours_argmax}, float \
-             {float_argmax} (gap {gap:.3})",
-            f.prefix,
+            "{} {:3} prompt tokens: top-20 logprobs vs llama.cpp {}; vs float ours \
+             {ours_vs_float:.4}, llama.cpp {llama_vs_float:.4} (worst token {worst}: ours {:.3}, \
+             llama.cpp {}, float {:.3}); argmax ours {ours_argmax}, float {} (gap {:.3}){}",
+            f.name,
             prompt.len(),
+            vs_llama_text.join(" "),
             lp[worst],
-            lp_of(&off),
-            lp_of(&on),
-            float_lp[&worst]
+            at_worst.join(" / "),
+            float.lp(worst),
+            float.argmax,
+            float.top2_gap,
+            full_vocab_diff.map_or(String::new(), |d| format!(
+                "; max |logit diff| vs float {d:.4}"
+            ))
         );
-        if vs_off.max(vs_on) > f.top20_bound {
+        let vs_llama_max = vs_llama.iter().copied().fold(0.0f32, f32::max);
+        if vs_llama_max > f.top20_bound {
             failures.push(format!(
-                "{text:?}: top-20 logprobs {vs_off:.4} (fa off), {vs_on:.4} (fa on) from \
-                 llama.cpp's, bound {}",
+                "{text:?}: top-20 logprobs {} from llama.cpp's, bound {}",
+                vs_llama_text.join(", "),
                 f.top20_bound
             ));
         }
         from_float_sums.0 += ours_vs_float;
         from_float_sums.1 += llama_vs_float;
-        if gap > f.near_tie && ours_argmax != float_argmax {
+        if let FloatMargin::PerPrompt(margin) = f.float_margin
+            && ours_vs_float > llama_vs_float + margin
+        {
             failures.push(format!(
-                "{text:?}: argmax {ours_argmax}, the float reference's {float_argmax} \
-                 (its top two {gap:.3} apart)"
+                "{text:?}: top-20 logprobs {ours_vs_float:.4} from the float reference, \
+                 llama.cpp's {llama_vs_float:.4} (margin {margin})"
             ));
         }
+        if f.argmax_gap.is_none_or(|g| float.top2_gap > g) && ours_argmax != float.argmax {
+            failures.push(format!(
+                "{text:?}: argmax {ours_argmax}, the float reference's {} (its top two {:.3} \
+                 apart)",
+                float.argmax, float.top2_gap
+            ));
+        }
+        if let Some(bound) = f.max_logit_diff {
+            let d = full_vocab_diff.expect("max_logit_diff needs every float logit");
+            if d > bound {
+                failures.push(format!(
+                    "{text:?}: max |logit diff| vs the float reference {d:.4} > {bound}"
+                ));
+            }
+        }
     }
-    let n = refs["prompts"].as_array().expect("prompts").len() as f32;
+    let n = prompts.len() as f32;
     let (ours_mean, llama_mean) = (from_float_sums.0 / n, from_float_sums.1 / n);
     eprintln!(
         "{}: mean over prompts of the top-20 distance from the float reference: ours \
          {ours_mean:.4}, llama.cpp {llama_mean:.4}",
-        f.prefix
+        f.name
     );
-    if ours_mean > llama_mean + FLOAT_MARGIN {
+    if let FloatMargin::Mean(margin) = f.float_margin
+        && ours_mean > llama_mean + margin
+    {
         failures.push(format!(
             "top-20 logprobs {ours_mean:.4} from the float reference on average over the \
-             prompts, llama.cpp's {llama_mean:.4} (margin {FLOAT_MARGIN})"
+             prompts, llama.cpp's {llama_mean:.4} (margin {margin})"
         ));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// One prompt's numpy float32 reference at the last position: either every
+/// logit (the scripts' first format), or its log-sum-exp, argmax, top-two
+/// gap and logits at its top 64 and llama.cpp's top-20 tokens.
+struct FloatRef {
+    /// Log-probability by token id (every token, or the stored ones).
+    lp: HashMap<usize, f32>,
+    /// Every logit, where the file holds them.
+    logits: Option<Vec<f32>>,
+    argmax: u32,
+    top2_gap: f32,
+}
+
+impl FloatRef {
+    fn new(p: &Value, vocab: usize) -> FloatRef {
+        let stored = p["numpy_f32_logits"].as_array().expect("float logits");
+        if stored.first().is_some_and(Value::is_number) {
+            let logits: Vec<f32> = stored
+                .iter()
+                .map(|x| x.as_f64().expect("logit") as f32)
+                .collect();
+            assert_eq!(logits.len(), vocab, "float logits");
+            let mut sorted = logits.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            FloatRef {
+                lp: log_softmax(&logits).into_iter().enumerate().collect(),
+                argmax: argmax(&logits),
+                top2_gap: sorted[0] - sorted[1],
+                logits: Some(logits),
+            }
+        } else {
+            let lse = p["numpy_f32_logsumexp"].as_f64().expect("lse");
+            FloatRef {
+                lp: stored
+                    .iter()
+                    .map(|pair| {
+                        (
+                            pair[0].as_u64().expect("id") as usize,
+                            (pair[1].as_f64().expect("logit") - lse) as f32,
+                        )
+                    })
+                    .collect(),
+                logits: None,
+                argmax: p["numpy_f32_argmax"].as_u64().expect("argmax") as u32,
+                top2_gap: p["numpy_f32_top2_gap"].as_f64().expect("gap") as f32,
+            }
+        }
+    }
+
+    /// Log-probability of `id`, stored for llama.cpp's top 20.
+    fn lp(&self, id: usize) -> f32 {
+        *self
+            .lp
+            .get(&id)
+            .expect("float logit stored for llama.cpp's top 20")
+    }
+
+    /// Max |logit difference| over the whole vocabulary, where the file
+    /// holds every logit.
+    fn max_logit_diff(&self, got: &[f32]) -> Option<f32> {
+        let want = self.logits.as_ref()?;
+        Some(
+            got.iter()
+                .zip(want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max),
+        )
+    }
 }
 
 fn last_logits(m: &LoadedModel, prompt: &[u32]) -> Vec<f32> {
