@@ -69,7 +69,7 @@ fn silu(g: f32) -> f32 {
 }
 
 /// `2 sqrt(2 / pi)` and the cubic coefficient of the tanh form of GELU.
-const GELU_K2: f32 = 1.595_769_1;
+const GELU_K2: f32 = 1.595_769_2;
 const GELU_C: f32 = 0.044_715;
 
 /// GELU's tanh form, `0.5 g (1 + tanh(u))` with `u = sqrt(2/pi) (g + C g^3)`,
