@@ -204,75 +204,116 @@ pub fn attend_tile_with_isa(
     let simd = isa >= Isa::Avx2 && Isa::Avx2.is_supported() && hd.is_multiple_of(8);
     // Converting rows once pays off only when enough queries share them: a
     // decode step's few heads of a group read the f16 rows directly.
-    if !(simd && hd == 64 && nq >= MIN_TILE_QUERIES && max_ctx >= MIN_TILE_CONTEXT) {
-        for (i, ((q, o), &n)) in qs
-            .chunks_exact(hd)
-            .zip(out.chunks_exact_mut(hd))
-            .zip(n_ctx)
-            .enumerate()
-        {
-            attend_one(
-                simd,
-                q,
-                k_blocks,
-                v_blocks,
-                block_size,
-                first_of(i)..n,
-                scale,
-                scratch,
-                o,
-            );
-        }
-        return;
+    let tiled = simd && nq >= MIN_TILE_QUERIES && max_ctx >= MIN_TILE_CONTEXT;
+    let ctx = TileCtx {
+        n_ctx,
+        k_blocks,
+        v_blocks,
+        block_size,
+        scale,
+        max_ctx,
+    };
+    match hd {
+        64 if tiled => return tile::<64>(&ctx, qs, &first_of, scratch, out),
+        128 if tiled => return tile::<128>(&ctx, qs, &first_of, scratch, out),
+        256 if tiled => return tile::<256>(&ctx, qs, &first_of, scratch, out),
+        _ => {}
     }
+    for (i, ((q, o), &n)) in qs
+        .chunks_exact(hd)
+        .zip(out.chunks_exact_mut(hd))
+        .zip(n_ctx)
+        .enumerate()
+    {
+        attend_one(
+            simd,
+            q,
+            k_blocks,
+            v_blocks,
+            block_size,
+            first_of(i)..n,
+            scale,
+            scratch,
+            o,
+        );
+    }
+}
+
+/// The context a tile of queries attends over.
+struct TileCtx<'a> {
+    n_ctx: &'a [usize],
+    k_blocks: &'a [&'a [f16]],
+    v_blocks: &'a [&'a [f16]],
+    block_size: usize,
+    scale: f32,
+    max_ctx: usize,
+}
+
+/// [`attend_tile`]'s tiled path for `D`-value heads: each K and V row is
+/// converted from f16 once for every query, in batches of 8 rows, and each
+/// query's scores and output take the same operations in the same order as
+/// [`attend_one`] (bitwise; tested). Requires AVX2 and F16C (checked by
+/// the caller) and `qs` / `out` of `n_ctx.len()` rows of `D` values.
+fn tile<const D: usize>(
+    c: &TileCtx<'_>,
+    qs: &[f32],
+    first_of: &dyn Fn(usize) -> usize,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (nq, max_ctx) = (c.n_ctx.len(), c.max_ctx);
     // Scratch: the f16-rounded queries, then each query's score row.
     scratch.clear();
-    scratch.resize(nq * hd + nq * max_ctx, 0.0);
-    let (qh, scores) = scratch.split_at_mut(nq * hd);
+    scratch.resize(nq * D + nq * max_ctx, 0.0);
+    let (qh, scores) = scratch.split_at_mut(nq * D);
     for (d, &s) in qh.iter_mut().zip(qs) {
         *d = f16::from_f32(s).to_f32();
     }
-    // hd == 64 here: the queries and outputs as 64-value rows, so every
-    // kernel below gets its lengths from its argument types.
-    let (qh, _) = qh.as_chunks::<64>();
-    let mut rows = [[0.0f32; 64]; 8];
+    // The queries and outputs as D-value rows, so every kernel below gets
+    // its lengths from its argument types.
+    let (qh, _) = qh.as_chunks::<D>();
+    let mut rows = [[0.0f32; D]; 8];
     let mut p0 = 0;
-    for batch in context_batches(k_blocks, block_size, max_ctx) {
-        // SAFETY: AVX2/F16C support checked above (`simd`).
-        unsafe { avx2::convert_rows_64(&batch.rows[..batch.len], &mut rows) };
-        for ((q, sc), &n) in qh.iter().zip(scores.chunks_exact_mut(max_ctx)).zip(n_ctx) {
+    for batch in context_batches::<D>(c.k_blocks, c.block_size, max_ctx) {
+        // SAFETY: AVX2/F16C support checked by the caller.
+        unsafe { avx2::convert_rows(&batch.rows[..batch.len], &mut rows) };
+        for ((q, sc), &n) in qh.iter().zip(scores.chunks_exact_mut(max_ctx)).zip(c.n_ctx) {
             let seen = n.saturating_sub(p0).min(batch.len);
             if seen == 8 {
                 // SAFETY: as above.
-                let d = unsafe { avx2::dot8_64(q, &rows) };
+                let d = unsafe { avx2::dot8(q, &rows) };
                 for (s, v) in sc[p0..p0 + 8].iter_mut().zip(d) {
-                    *s = v * scale;
+                    *s = v * c.scale;
                 }
             } else {
                 for (s, k) in sc[p0..p0 + seen].iter_mut().zip(&rows) {
                     // SAFETY: as above.
-                    *s = unsafe { avx2::dot_64(q, k) } * scale;
+                    *s = unsafe { avx2::dot(q, k) } * c.scale;
                 }
             }
         }
         p0 += batch.len;
     }
-    for (i, (sc, &n)) in scores.chunks_exact_mut(max_ctx).zip(n_ctx).enumerate() {
+    for (i, (sc, &n)) in scores.chunks_exact_mut(max_ctx).zip(c.n_ctx).enumerate() {
         sc[..first_of(i)].fill(f32::NEG_INFINITY);
         crate::ops::softmax(&mut sc[..n]);
         crate::ops::round_through_f16(&mut sc[..n]);
     }
     out.fill(0.0);
-    let (out, _) = out.as_chunks_mut::<64>();
+    let (out, _) = out.as_chunks_mut::<D>();
     let mut p0 = 0;
-    for batch in context_batches(v_blocks, block_size, max_ctx) {
-        // SAFETY: AVX2/F16C support checked above (`simd`).
-        unsafe { avx2::convert_rows_64(&batch.rows[..batch.len], &mut rows) };
-        for ((o, sc), &n) in out.iter_mut().zip(scores.chunks_exact(max_ctx)).zip(n_ctx) {
+    for batch in context_batches::<D>(c.v_blocks, c.block_size, max_ctx) {
+        // SAFETY: AVX2/F16C support checked by the caller.
+        unsafe { avx2::convert_rows(&batch.rows[..batch.len], &mut rows) };
+        for ((o, sc), &n) in out
+            .iter_mut()
+            .zip(scores.chunks_exact(max_ctx))
+            .zip(c.n_ctx)
+        {
             let seen = n.saturating_sub(p0).min(batch.len);
             if seen > 0 {
                 // SAFETY: as above.
-                unsafe { avx2::weighted_rows_64(o, &sc[p0..p0 + seen], &rows) };
+                unsafe { avx2::weighted_rows(o, &sc[p0..p0 + seen], &rows) };
             }
         }
         p0 += batch.len;
@@ -312,7 +353,7 @@ fn attend_one(
     scores.clear();
     if simd && hd == 64 {
         let q64: &[f32; 64] = qh.try_into().expect("64 query values");
-        for batch in context_batches(k_blocks, block_size, n_ctx) {
+        for batch in context_batches::<64>(k_blocks, block_size, n_ctx) {
             if batch.len == 8 {
                 // SAFETY: the caller checked AVX2/F16C support.
                 let d = unsafe { avx2::dot8_f32_f16_64(q64, &batch.rows) };
@@ -340,7 +381,7 @@ fn attend_one(
     crate::ops::round_through_f16(scores);
     if simd && hd == 64 {
         let out: &mut [f32; 64] = out.try_into().expect("output row of head_dim values");
-        let v_rows = context_rows_64(v_blocks, block_size, n_ctx);
+        let v_rows = context_rows_n::<64>(v_blocks, block_size, n_ctx);
         // SAFETY: the caller checked AVX2/F16C support.
         unsafe { avx2::weighted_f16_rows_64(out, scores, v_rows) };
         return;
@@ -362,33 +403,32 @@ fn attend_one(
 /// One K or V row of a 64-value head.
 type Row64 = [f16; 64];
 
-/// Fills the unused slots of a short [`Batch`] (never read).
-static ZERO_ROW: Row64 = [f16::ZERO; 64];
-
-/// Up to 8 consecutive context rows of a 64-value head.
-struct Batch<'a> {
-    rows: [&'a Row64; 8],
+/// Up to 8 consecutive context rows of a `D`-value head (slots past `len`
+/// repeat the first row and are never read).
+struct Batch<'a, const D: usize> {
+    rows: [&'a [f16; D]; 8],
     len: usize,
 }
 
-/// The first `n_ctx` rows of a paged context of 64-value heads in runs of
+/// The first `n_ctx` rows of a paged context of `D`-value heads in runs of
 /// 8 (a short run only at the end).
-fn context_batches<'a>(
+fn context_batches<'a, const D: usize>(
     blocks: &'a [&'a [f16]],
     block_size: usize,
     n_ctx: usize,
-) -> impl Iterator<Item = Batch<'a>> + 'a {
-    let mut rows = context_rows_64(blocks, block_size, n_ctx);
+) -> impl Iterator<Item = Batch<'a, D>> + 'a {
+    let mut rows = context_rows_n::<D>(blocks, block_size, n_ctx);
     std::iter::from_fn(move || {
+        let first = rows.next()?;
         let mut b = Batch {
-            rows: [&ZERO_ROW; 8],
-            len: 0,
+            rows: [first; 8],
+            len: 1,
         };
-        for (slot, r) in b.rows.iter_mut().zip(rows.by_ref()) {
+        for (slot, r) in b.rows[1..].iter_mut().zip(rows.by_ref()) {
             *slot = r;
             b.len += 1;
         }
-        (b.len > 0).then_some(b)
+        Some(b)
     })
 }
 
@@ -405,15 +445,15 @@ fn context_rows<'a>(
         .take(n_ctx)
 }
 
-/// [`context_rows`] for 64-value heads, as arrays.
-fn context_rows_64<'a>(
+/// [`context_rows`] for `D`-value heads, as arrays.
+fn context_rows_n<'a, const D: usize>(
     blocks: &'a [&'a [f16]],
     block_size: usize,
     n_ctx: usize,
-) -> impl Iterator<Item = &'a Row64> + 'a {
+) -> impl Iterator<Item = &'a [f16; D]> + 'a {
     blocks
         .iter()
-        .flat_map(move |b| b.as_chunks::<64>().0.iter().take(block_size))
+        .flat_map(move |b| b.as_chunks::<D>().0.iter().take(block_size))
         .take(n_ctx)
 }
 
@@ -464,10 +504,13 @@ mod avx2 {
     /// # Safety
     /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn convert_rows_64(batch: &[&Row64], rows: &mut [[f32; 64]; 8]) {
+    pub(super) unsafe fn convert_rows<const D: usize>(
+        batch: &[&[f16; D]],
+        rows: &mut [[f32; D]; 8],
+    ) {
         for (dst, src) in rows.iter_mut().zip(batch) {
-            for c in 0..8 {
-                // SAFETY: both rows hold 64 values (their types).
+            for c in 0..D / 8 {
+                // SAFETY: both rows hold D values (their types), c * 8 + 8 <= D.
                 unsafe {
                     let x = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(c * 8).cast()));
                     _mm256_storeu_ps(dst.as_mut_ptr().add(c * 8), x);
@@ -476,16 +519,16 @@ mod avx2 {
         }
     }
 
-    /// [`dot_f32_f16`] of a 64-value query with one converted row: the
+    /// [`dot_f32_f16`] of a `D`-value query with one converted row: the
     /// same operations in the same order.
     ///
     /// # Safety
     /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn dot_64(q: &[f32; 64], k: &[f32; 64]) -> f32 {
+    pub(super) unsafe fn dot<const D: usize>(q: &[f32; D], k: &[f32; D]) -> f32 {
         let mut acc = _mm256_setzero_ps();
-        for c in 0..8 {
-            // SAFETY: both hold 64 values.
+        for c in 0..D / 8 {
+            // SAFETY: both hold D values, c * 8 + 8 <= D.
             unsafe {
                 let qv = _mm256_loadu_ps(q.as_ptr().add(c * 8));
                 let kv = _mm256_loadu_ps(k.as_ptr().add(c * 8));
@@ -498,23 +541,28 @@ mod avx2 {
         lanes.iter().sum::<f32>()
     }
 
-    /// [`dot_64`] of a query with 8 converted rows at once.
+    /// [`dot`] of a query with 8 converted rows at once. The query is held
+    /// in registers 64 values at a time; each row's accumulator still adds
+    /// its chunks in order, so the result is [`dot`]'s.
     ///
     /// # Safety
     /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn dot8_64(q: &[f32; 64], rows: &[[f32; 64]; 8]) -> [f32; 8] {
-        // SAFETY (whole body): q and every row hold 64 elements.
+    pub(super) unsafe fn dot8<const D: usize>(q: &[f32; D], rows: &[[f32; D]; 8]) -> [f32; 8] {
+        // SAFETY (whole body): q and every row hold D elements, and
+        // seg * 64 + c * 8 + 8 <= D (D is a multiple of 64 here).
         unsafe {
-            let mut qv = [_mm256_setzero_ps(); 8];
-            for (c, v) in qv.iter_mut().enumerate() {
-                *v = _mm256_loadu_ps(q.as_ptr().add(c * 8));
-            }
             let mut acc = [_mm256_setzero_ps(); 8];
-            for (a, row) in acc.iter_mut().zip(rows) {
-                for (c, &qc) in qv.iter().enumerate() {
-                    let k = _mm256_loadu_ps(row.as_ptr().add(c * 8));
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(qc, k));
+            for seg in 0..D / 64 {
+                let mut qv = [_mm256_setzero_ps(); 8];
+                for (c, v) in qv.iter_mut().enumerate() {
+                    *v = _mm256_loadu_ps(q.as_ptr().add(seg * 64 + c * 8));
+                }
+                for (a, row) in acc.iter_mut().zip(rows) {
+                    for (c, &qc) in qv.iter().enumerate() {
+                        let k = _mm256_loadu_ps(row.as_ptr().add(seg * 64 + c * 8));
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(qc, k));
+                    }
                 }
             }
             sum_lanes8(&acc)
@@ -620,29 +668,38 @@ mod avx2 {
         }
     }
 
-    /// `out += sum_j p[j] * rows[j]` over converted 64-value rows (the
+    /// `out += sum_j p[j] * rows[j]` over converted `D`-value rows (the
     /// first `p.len()`, at most 8), in row order, mul then add per element
-    /// as [`axpy_f16`], the accumulators kept in registers across the rows.
+    /// as [`axpy_f16`], the accumulators kept in registers across the rows
+    /// (64 output values at a time; each element's additions keep their
+    /// row order).
     ///
     /// # Safety
     /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn weighted_rows_64(out: &mut [f32; 64], p: &[f32], rows: &[[f32; 64]; 8]) {
-        // SAFETY (whole body): `out` and every row hold 64 values.
+    pub(super) unsafe fn weighted_rows<const D: usize>(
+        out: &mut [f32; D],
+        p: &[f32],
+        rows: &[[f32; D]; 8],
+    ) {
+        // SAFETY (whole body): `out` and every row hold D values, and
+        // seg * 64 + c * 8 + 8 <= D (D is a multiple of 64 here).
         unsafe {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for (c, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_loadu_ps(out.as_ptr().add(c * 8));
-            }
-            for (&w, v) in p.iter().zip(rows) {
-                let wv = _mm256_set1_ps(w);
+            for seg in 0..D / 64 {
+                let mut acc = [_mm256_setzero_ps(); 8];
                 for (c, a) in acc.iter_mut().enumerate() {
-                    let x = _mm256_loadu_ps(v.as_ptr().add(c * 8));
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, x));
+                    *a = _mm256_loadu_ps(out.as_ptr().add(seg * 64 + c * 8));
                 }
-            }
-            for (c, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.as_mut_ptr().add(c * 8), *a);
+                for (&w, v) in p.iter().zip(rows) {
+                    let wv = _mm256_set1_ps(w);
+                    for (c, a) in acc.iter_mut().enumerate() {
+                        let x = _mm256_loadu_ps(v.as_ptr().add(seg * 64 + c * 8));
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, x));
+                    }
+                }
+                for (c, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.as_mut_ptr().add(seg * 64 + c * 8), *a);
+                }
             }
         }
     }
@@ -753,6 +810,10 @@ mod tests {
             (64, 16, (120..=140).collect()),
             (64, 16, (125..133).flat_map(|n| [n; 3]).collect()),
             (64, 3, vec![130, 7, 8, 9, 0, 64, 1, 200]),
+            // Wider heads on the same path (Gemma 3's are 256 wide).
+            (128, 16, (125..133).flat_map(|n| [n; 3]).collect()),
+            (256, 16, (120..=140).collect()),
+            (256, 3, vec![130, 7, 8, 9, 0, 64, 1, 200]),
             (64, 16, vec![1]),
             (32, 4, vec![5, 6, 7, 20]),
             (6, 2, vec![3, 5]),
