@@ -269,6 +269,19 @@ pub(crate) fn quantize_block_q8_k(x: &[f32], qs: &mut [i8], bsums: &mut [i16]) -
     1.0 / iscale
 }
 
+/// The value of largest magnitude, with its sign (the first of equal
+/// magnitudes): ggml's Q4_0 / Q5_0 quantisers scale by it.
+fn signed_absmax(x: &[f32]) -> f32 {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
+}
+
 /// Quantise a row of f32 into `ty`, writing exactly `ty.row_bytes(src.len())`
 /// bytes. Supported: F32, F16, BF16 (round to nearest even), Q8_0 / Q8_1 (as
 /// ggml-cpu quantises activations on x86), Q8_K (`quantize_row_q8_K_ref`),
@@ -320,15 +333,7 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Ker
                 }
             }
             GgmlType::Q4_0 => {
-                let mut amax = 0.0f32;
-                let mut max = 0.0f32;
-                for &v in x {
-                    if amax < v.abs() {
-                        amax = v.abs();
-                        max = v;
-                    }
-                }
-                let d = max / -8.0;
+                let d = signed_absmax(x) / -8.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 b[0..2].copy_from_slice(&f32_to_f16_bits(d).to_le_bytes());
                 for j in 0..16 {
@@ -340,15 +345,7 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Ker
                 }
             }
             GgmlType::Q5_0 => {
-                let mut amax = 0.0f32;
-                let mut max = 0.0f32;
-                for &v in x {
-                    if amax < v.abs() {
-                        amax = v.abs();
-                        max = v;
-                    }
-                }
-                let d = max / -16.0;
+                let d = signed_absmax(x) / -16.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 b[0..2].copy_from_slice(&f32_to_f16_bits(d).to_le_bytes());
                 let mut qh = 0u32;
