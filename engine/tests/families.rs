@@ -23,6 +23,8 @@
 //! - `TANDEM_TEST_QWEN2_GGUF`: qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 //! - `TANDEM_TEST_GEMMA3_GGUF`: gemma-3-270m-q4_k_m.gguf
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -755,7 +757,7 @@ fn check_last_logits(f: &Family, m: &LoadedModel) {
     for p in prompts {
         let text = p["text"].as_str().expect("text");
         let prompt = ids(&p["prompt_ids"]);
-        let got = last_logits(m, &prompt);
+        let got = common::last_logits(&m.model, &prompt);
         assert_eq!(got.len(), m.model.config().vocab_size);
         let lp = log_softmax(&got);
         let float = FloatRef::new(p, got.len());
@@ -971,21 +973,4 @@ impl FloatRef {
                 .fold(0.0f32, f32::max),
         )
     }
-}
-
-fn last_logits(m: &LoadedModel, prompt: &[u32]) -> Vec<f32> {
-    let m = &m.model;
-    let mut cache = KvCache::new(m.kv_cache_config(16, prompt.len().div_ceil(16))).expect("cache");
-    let mut table = Vec::new();
-    cache.reserve(&mut table, prompt.len()).expect("space");
-    m.forward(
-        &[SeqChunk {
-            tokens: prompt,
-            start_pos: 0,
-            block_table: &table,
-            want_logits: true,
-        }],
-        &mut cache,
-    )
-    .expect("forward")
 }

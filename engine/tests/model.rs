@@ -8,6 +8,8 @@
 //! Needs `TANDEM_TEST_GGUF` pointing at SmolLM2-135M-Instruct.Q4_1.gguf
 //! (`scripts/test.sh` fetches it and sets the variable).
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -28,20 +30,7 @@ fn model() -> &'static LoadedModel {
 }
 
 fn last_logits(prompt: &[u32]) -> Vec<f32> {
-    let m = &model().model;
-    let mut cache = KvCache::new(m.kv_cache_config(16, prompt.len().div_ceil(16))).expect("cache");
-    let mut table = Vec::new();
-    cache.reserve(&mut table, prompt.len()).expect("space");
-    m.forward(
-        &[SeqChunk {
-            tokens: prompt,
-            start_pos: 0,
-            block_table: &table,
-            want_logits: true,
-        }],
-        &mut cache,
-    )
-    .expect("forward")
+    common::last_logits(&model().model, prompt)
 }
 
 /// Prefill chunks and decode tokens of several sequences in one step give
