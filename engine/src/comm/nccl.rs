@@ -330,6 +330,12 @@ mod tests {
     fn new_group_is_not_available_without_a_gpu_or_matches_the_cpu_backend() {
         let count = match NcclComm::device_count() {
             Err(CommError::NotAvailable(msg)) => {
+                // Set on a lent GPU machine, where falling back would hide a
+                // broken NCCL path.
+                assert!(
+                    std::env::var_os("TANDEM_REQUIRE_GPU").is_none(),
+                    "TANDEM_REQUIRE_GPU is set but NCCL is not available: {msg}"
+                );
                 assert!(!msg.is_empty());
                 match NcclComm::new_group(&[0]) {
                     Err(CommError::NotAvailable(m)) => assert!(!m.is_empty()),
@@ -342,6 +348,7 @@ mod tests {
         };
         let comms = NcclComm::new_group(&(0..count).collect::<Vec<_>>()).unwrap();
         let world = comms.len();
+        eprintln!("NCCL group over {world} GPU(s)");
         let handles: Vec<_> = comms
             .into_iter()
             .map(|c| {
