@@ -347,9 +347,15 @@ fn serve_node_role(
     telemetry: &Telemetry,
 ) -> Result<()> {
     let render = telemetry.render();
-    let (m, _) = engine.load()?;
-    let sched = engine.scheduler_config(m.model.config().context_length)?;
-    let model = Arc::new(m);
+    let served = engine.load_served()?;
+    eprintln!(
+        "tandem: {} node loaded {}; engine: {}",
+        opts.role.as_str(),
+        served.model.text().name,
+        served.summary
+    );
+    let sched = engine.scheduler_config(served.model.config().context_length)?;
+    let model = served.model;
     rt.block_on(async {
         let (core, scheduler) = NodeCore::start(model, sched, opts)?;
         let mut builder = tandem_worker::grpc::server(opts)?;

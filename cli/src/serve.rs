@@ -12,7 +12,9 @@ use clap::Args;
 
 use crate::kernel_args::KernelArgs;
 use crate::telemetry::{Telemetry, TelemetryArgs};
+use tandem_engine::ServedModel;
 use tandem_engine::comm::{DeviceSpec, parse_devices};
+use tandem_engine::mock::MockModel;
 use tandem_engine::moe::Combine;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
 use tandem_frontend::auth::ApiKeys;
@@ -20,7 +22,8 @@ use tandem_frontend::reasoning::ReasoningParser;
 use tandem_frontend::tls::HttpTls;
 use tandem_frontend::tools::ToolParser;
 use tandem_frontend::{AppState, ServerConfig};
-use tandem_modelfile::fetch;
+use tandem_modelfile::{ModelMeta, fetch};
+use tandem_perfmodel::EngineProfile;
 
 use crate::local::LocalBackend;
 
@@ -79,6 +82,27 @@ pub struct EngineArgs {
     /// Where fetched models are cached (default: $XDG_CACHE_HOME/tandem).
     #[arg(long, env = "TANDEM_CACHE")]
     pub cache_dir: Option<PathBuf>,
+    /// What computes the steps: `model` (the forward pass) or `mock` (the
+    /// model's tokenizer and KV shape without its weights, each step timed
+    /// from --engine-profile; for router and cluster benchmarks).
+    #[arg(long, env = "TANDEM_ENGINE", default_value = "model", value_parser = ["model", "mock"])]
+    pub engine: String,
+    /// The profile the mock engine times steps with (written by
+    /// `tandem bench-engine --profile`).
+    #[arg(long, env = "TANDEM_ENGINE_PROFILE")]
+    pub engine_profile: Option<PathBuf>,
+    /// The mock engine's step times are the profile's times this: 1 is the
+    /// profiled engine, 0 answers at once.
+    #[arg(long, env = "TANDEM_MOCK_TIME_SCALE", default_value_t = 1.0)]
+    pub mock_time_scale: f64,
+}
+
+/// A model ready to serve, with what the startup line reports.
+pub struct Served {
+    pub model: Arc<dyn ServedModel>,
+    pub path: PathBuf,
+    /// "model (avx512vnni, 2 threads), loaded in 312 ms" or "mock (profile ...)".
+    pub summary: String,
 }
 
 /// Flags of the OpenAI HTTP front end, shared by `serve` and `router`.
@@ -173,6 +197,49 @@ impl EngineArgs {
             tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
         tandem_engine::metrics::record_load_times(&m.load_time);
         Ok((m, path))
+    }
+
+    /// Loads what `--engine` names: the model, or the mock engine over the
+    /// model's metadata (no weights are mapped).
+    pub fn load_served(&self) -> Result<Served> {
+        if self.engine != "mock" {
+            if self.engine_profile.is_some() {
+                bail!("--engine-profile is for --engine mock");
+            }
+            let (m, path) = self.load()?;
+            let summary = format!(
+                "model ({}, {} threads), loaded in {:.0} ms",
+                tandem_kernels::isa(),
+                tandem_kernels::num_threads(),
+                m.load_time.total.as_secs_f64() * 1e3
+            );
+            return Ok(Served {
+                model: Arc::new(m),
+                path,
+                summary,
+            });
+        }
+        let Some(profile_path) = &self.engine_profile else {
+            bail!(
+                "--engine mock needs --engine-profile (written by `tandem bench-engine --profile`)"
+            );
+        };
+        let profile = EngineProfile::load(profile_path)?;
+        let cache = self.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
+        let path = crate::fetch::resolve_model(&self.model, &cache)?;
+        let meta = ModelMeta::load(&path).with_context(|| format!("reading {}", path.display()))?;
+        let summary = format!(
+            "mock (profile {} of {}, time scale {})",
+            profile_path.display(),
+            profile.model,
+            self.mock_time_scale
+        );
+        let mock = MockModel::new(meta, profile, self.mock_time_scale)?;
+        Ok(Served {
+            model: Arc::new(mock),
+            path,
+            summary,
+        })
     }
 
     /// Tensor-parallel ranks from `--tp` and `--devices`, which must agree.
@@ -439,17 +506,18 @@ fn serve_loaded(
     telemetry: &Telemetry,
     scheduler_slot: &mut Option<Scheduler>,
 ) -> Result<()> {
-    let (m, path) = args.engine.load()?;
-    let context = m.model.config().context_length;
+    let Served {
+        model,
+        path,
+        summary,
+    } = args.engine.load_served()?;
+    let context = model.config().context_length;
     let config = ServeConfig::new(args, context, served_name(&args.engine.model, &path))?;
     eprintln!(
-        "tandem: loaded {} ({} layers) in {:.0} ms; kernels: {}, {} threads; \
+        "tandem: loaded {} ({} layers); engine: {summary}; \
          max length {}, {} KV blocks of {} tokens, prefix caching {}",
-        m.text.name,
-        m.model.config().n_layers,
-        m.load_time.total.as_secs_f64() * 1e3,
-        tandem_kernels::isa(),
-        tandem_kernels::num_threads(),
+        model.text().name,
+        model.config().n_layers,
         config.scheduler.max_length,
         config.scheduler.num_blocks,
         config.scheduler.block_size,
@@ -459,14 +527,13 @@ fn serve_loaded(
             "off"
         },
     );
-    let model = Arc::new(m);
     let scheduler = scheduler_slot.insert(Scheduler::spawn(
         Arc::clone(&model),
         config.scheduler.clone(),
     )?);
-    let backend = LocalBackend::new(scheduler.handle().clone(), model.model.config().vocab_size);
+    let backend = LocalBackend::new(scheduler.handle().clone(), model.config().vocab_size);
     let state = AppState::new(
-        Arc::clone(&model.text),
+        Arc::clone(model.text()),
         Arc::new(backend),
         config.server.clone(),
     );

@@ -531,7 +531,7 @@ impl Inner {
             .ok_or_else(|| WorkerError::Internal("prefill response without a first token".into()))
             .and_then(|f| Sampled::try_from(f).map_err(WorkerError::from))
             .map_err(clean)?;
-        let vocab = core.model.model.config().vocab_size;
+        let vocab = core.model.config().vocab_size;
         if first.token as usize >= vocab {
             return Err(clean(WorkerError::Internal(format!(
                 "prefill node sent token {} outside the vocabulary",

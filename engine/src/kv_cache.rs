@@ -293,6 +293,18 @@ impl KvCache {
         self.pool.slice(off, self.config.head_slice_len())
     }
 
+    /// [`KvCache::head_slice`], writable.
+    pub fn head_slice_mut(
+        &mut self,
+        block: BlockId,
+        layer: usize,
+        kv: usize,
+        head: usize,
+    ) -> &mut [f16] {
+        let off = self.head_offset(block, layer, kv, head);
+        self.pool.slice_mut(off, self.config.head_slice_len())
+    }
+
     /// Stores one token's K and V (each `n_kv_heads * head_dim` values) for a layer.
     pub fn write(&mut self, layer: usize, block: BlockId, slot: usize, k: &[f32], v: &[f32]) {
         let hd = self.config.head_dim;

@@ -14,8 +14,12 @@
 //! - Loading: `safetensors_loader` (weights of an HF directory), then
 //!   `loader` (GGUF files and HF directories into a [`LoadedModel`]), then
 //!   `metrics`.
+//! - Running steps: `backend` (the `ServedModel` / `StepRunner` traits, the
+//!   tensor-parallel CPU executor), `mock` (a stand-in timed by a measured
+//!   profile, for router and cluster benchmarks).
 //! - `generate` and `scheduler` on top.
 
+pub mod backend;
 pub mod block_allocator;
 pub mod block_manager;
 pub mod comm;
@@ -24,6 +28,7 @@ pub mod generate;
 pub mod kv_cache;
 pub mod loader;
 pub mod metrics;
+pub mod mock;
 pub mod model;
 pub mod moe;
 pub mod safetensors_loader;
@@ -31,6 +36,7 @@ pub mod sampler;
 pub mod scheduler;
 pub mod weight;
 
+pub use backend::{ServedModel, StepRunner};
 pub use error::{ModelError, RequestError};
 pub use loader::{LoadedModel, load};
 pub use tandem_types::ModelFingerprint;

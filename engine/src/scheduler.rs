@@ -31,15 +31,14 @@ use tokio::sync::mpsc as tmpsc;
 use tandem_grammar::{ConstraintState, GrammarCompiler, GrammarError, TokenMask};
 use tandem_types::{Constraint, FinishReason, GenFailure, InvalidRequest, RequestLimits};
 
+use crate::backend::{RunnerConfig, ServedModel, StepRunner};
 use crate::block_manager::{BlockHash, KvEvent, block_hashes, chain_hash};
-use crate::comm::{Communicator, CpuGroup};
 use crate::error::RequestError;
 use crate::kv_cache::{BlockId, ExternalMemory, KvCache, KvCacheConfig, KvCacheError, KvPool};
-use crate::loader::LoadedModel;
 use crate::metrics::{BatchType, metrics};
 use tandem_types::egress;
 
-use crate::model::{DecoderModel, SeqChunk};
+use crate::model::SeqChunk;
 use crate::moe::Combine;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 pub use tandem_types::Usage;
@@ -373,14 +372,17 @@ pub struct Scheduler {
 
 impl Scheduler {
     /// Starts the actor on its own thread.
-    pub fn spawn(model: Arc<LoadedModel>, config: SchedulerConfig) -> Result<Self, ConfigError> {
+    pub fn spawn(
+        model: Arc<dyn ServedModel>,
+        config: SchedulerConfig,
+    ) -> Result<Self, ConfigError> {
         Self::spawn_with_kv_events(model, config, None)
     }
 
     /// Starts the actor, publishing prefix-cache events to `sink` (for
     /// KV-aware routing); without a sink they are dropped.
     pub fn spawn_with_kv_events(
-        model: Arc<LoadedModel>,
+        model: Arc<dyn ServedModel>,
         config: SchedulerConfig,
         sink: Option<KvEventSink>,
     ) -> Result<Self, ConfigError> {
@@ -390,16 +392,21 @@ impl Scheduler {
     /// Starts the actor with its KV pool in `memory` (a transfer engine's
     /// registered allocation, so that peers write it directly).
     pub fn spawn_with_memory(
-        model: Arc<LoadedModel>,
+        model: Arc<dyn ServedModel>,
         config: SchedulerConfig,
         sink: Option<KvEventSink>,
         memory: Option<ExternalMemory>,
     ) -> Result<Self, ConfigError> {
-        config.validate(model.model.config().context_length)?;
-        let exec = Executor::new(&model, &config)?;
-        let kv_config = exec
-            .rank0()
-            .kv_cache_config(config.block_size, config.num_blocks);
+        config.validate(model.config().context_length)?;
+        let exec = Arc::clone(&model)
+            .runner(RunnerConfig {
+                tp: config.tp,
+                moe_combine: config.moe_combine,
+                block_size: config.block_size,
+                num_blocks: config.num_blocks,
+            })
+            .map_err(ConfigError)?;
+        let kv_config = exec.kv_cache_config();
         let cache = KvCache::with_memory(kv_config, config.prefix_caching, memory)
             .map_err(|e| ConfigError(e.to_string()))?;
         let stats = Arc::new(SchedulerStats::default());
@@ -416,13 +423,13 @@ impl Scheduler {
             tx,
             next_id: Arc::new(AtomicU64::new(0)),
             stats: Arc::clone(&stats),
-            vocab: model.model.config().vocab_size,
+            vocab: model.config().vocab_size,
             config: config.clone(),
             pool: Arc::clone(cache.pool()),
             kv_config,
-            peer_pools: exec.peer_pools.clone(),
+            peer_pools: exec.peer_pools(),
             grammar: Arc::new(GrammarSlot {
-                text: Some(Arc::clone(&model.text)),
+                text: Some(Arc::clone(model.text())),
                 compiler: std::sync::OnceLock::new(),
             }),
         };
@@ -583,8 +590,8 @@ impl Seq {
 }
 
 struct Actor {
-    model: Arc<LoadedModel>,
-    exec: Executor,
+    model: Arc<dyn ServedModel>,
+    exec: Box<dyn StepRunner>,
     config: SchedulerConfig,
     cache: KvCache,
     rx: mpsc::Receiver<Command>,
@@ -876,7 +883,7 @@ impl Actor {
                 return true;
             }
         };
-        let vocab = self.model.model.config().vocab_size;
+        let vocab = self.model.config().vocab_size;
         let mut row = 0;
         // Sequences leaving the batch: finished (Some) or exported (None).
         let mut leaving = Vec::new();
@@ -1120,165 +1127,6 @@ fn release(cache: &mut KvCache, seq: &mut Seq) {
         tracing::error!(seq = seq.id, error = %e, "releasing KV blocks");
     }
     seq.hashes.clear();
-}
-
-/// Runs forward passes: the whole model, or rank 0 of a tensor-parallel
-/// group whose other ranks run the same step on their own threads (each
-/// with its own KV pool holding its KV heads, at the same block ids).
-struct Executor {
-    /// The tensor-parallel shard of rank 0, or `None` for the whole model.
-    shard: Option<DecoderModel>,
-    model: Arc<LoadedModel>,
-    peers: Vec<Peer>,
-    peer_pools: Vec<Arc<KvPool>>,
-}
-
-/// A step's chunks, owned so peer ranks can run them.
-struct StepInput {
-    chunks: Vec<(Vec<u32>, usize, Vec<BlockId>, bool)>,
-}
-
-struct Peer {
-    tx: Option<mpsc::Sender<Arc<StepInput>>>,
-    done: mpsc::Receiver<Result<(), RequestError>>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Executor {
-    fn new(model: &Arc<LoadedModel>, config: &SchedulerConfig) -> Result<Self, ConfigError> {
-        let tp = config.tp;
-        if tp <= 1 {
-            return Ok(Self {
-                shard: None,
-                model: Arc::clone(model),
-                peers: Vec::new(),
-                peer_pools: Vec::new(),
-            });
-        }
-        let mut shards = Vec::with_capacity(tp);
-        for comm in CpuGroup::new(tp) {
-            let comm: Arc<dyn Communicator> = Arc::new(comm);
-            shards.push(
-                model
-                    .model
-                    .shard_with(comm, config.moe_combine)
-                    .map_err(|e| ConfigError(format!("--tp {tp}: {e}")))?,
-            );
-        }
-        let rank0 = shards.remove(0);
-        let mut peers = Vec::new();
-        let mut peer_pools = Vec::new();
-        for (i, shard) in shards.into_iter().enumerate() {
-            let (tx, rx) = mpsc::channel::<Arc<StepInput>>();
-            let (done_tx, done) = mpsc::channel();
-            // The same block ids as rank 0's pool, holding this rank's heads.
-            let cache = KvCache::new(shard.kv_cache_config(config.block_size, config.num_blocks))
-                .map_err(|e| ConfigError(e.to_string()))?;
-            peer_pools.push(Arc::clone(cache.pool()));
-            let thread = std::thread::Builder::new()
-                .name(format!("tandem-tp-rank{}", i + 1))
-                .spawn(move || peer_loop(shard, cache, rx, done_tx))
-                .map_err(|e| ConfigError(format!("spawning a tensor-parallel rank: {e}")))?;
-            peers.push(Peer {
-                tx: Some(tx),
-                done,
-                thread: Some(thread),
-            });
-        }
-        Ok(Self {
-            shard: Some(rank0),
-            model: Arc::clone(model),
-            peers,
-            peer_pools,
-        })
-    }
-
-    fn rank0(&self) -> &DecoderModel {
-        self.shard.as_ref().unwrap_or(&self.model.model)
-    }
-
-    fn forward(
-        &self,
-        chunks: &[SeqChunk<'_>],
-        cache: &mut KvCache,
-        layer_done: &mut dyn FnMut(usize),
-        logits: &mut Vec<f32>,
-    ) -> Result<(), RequestError> {
-        if !self.peers.is_empty() {
-            let input = Arc::new(StepInput {
-                chunks: chunks
-                    .iter()
-                    .map(|c| {
-                        (
-                            c.tokens.to_vec(),
-                            c.start_pos,
-                            c.block_table.to_vec(),
-                            c.want_logits,
-                        )
-                    })
-                    .collect(),
-            });
-            for p in &self.peers {
-                let sent = p.tx.as_ref().map(|tx| tx.send(Arc::clone(&input)));
-                if !matches!(sent, Some(Ok(()))) {
-                    return Err(RequestError::Collective(
-                        "a tensor-parallel rank stopped".into(),
-                    ));
-                }
-            }
-        }
-        let result = self.rank0().forward_into(chunks, cache, layer_done, logits);
-        for p in &self.peers {
-            match p.done.recv() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(e),
-                Err(_) => {
-                    return Err(RequestError::Collective(
-                        "a tensor-parallel rank stopped".into(),
-                    ));
-                }
-            }
-        }
-        result
-    }
-}
-
-impl Drop for Executor {
-    fn drop(&mut self) {
-        for p in &mut self.peers {
-            p.tx.take(); // closes the rank's channel: it exits
-        }
-        for p in &mut self.peers {
-            if let Some(t) = p.thread.take() {
-                let _ = t.join();
-            }
-        }
-    }
-}
-
-/// A peer rank: runs every step it is sent on its shard and KV pool.
-fn peer_loop(
-    shard: DecoderModel,
-    mut cache: KvCache,
-    rx: mpsc::Receiver<Arc<StepInput>>,
-    done: mpsc::Sender<Result<(), RequestError>>,
-) {
-    while let Ok(input) = rx.recv() {
-        let chunks: Vec<SeqChunk<'_>> = input
-            .chunks
-            .iter()
-            .map(|(tokens, start_pos, table, want_logits)| SeqChunk {
-                tokens,
-                start_pos: *start_pos,
-                block_table: table,
-                want_logits: *want_logits,
-            })
-            .collect();
-        let r = shard.forward(&chunks, &mut cache).map(|_| ());
-        if done.send(r).is_err() {
-            return;
-        }
-    }
 }
 
 /// Registers the sequence's newly completed full blocks in the prefix cache.

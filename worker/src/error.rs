@@ -44,7 +44,8 @@ impl From<WorkerError> for Status {
                 | RequestError::KvCache(_)
                 | RequestError::Tokenizer(_)
                 | RequestError::Kernel(_)
-                | RequestError::Collective(_),
+                | RequestError::Collective(_)
+                | RequestError::Mock(_),
             ) => Code::Internal,
             WorkerError::Transfer(DkvError::OutOfBounds(_) | DkvError::InvalidDescriptor(_)) => {
                 Code::InvalidArgument

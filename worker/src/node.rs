@@ -11,7 +11,7 @@ use tandem_discovery::{EtcdConfig, Registration};
 use tandem_dkv::{Dkv, DkvConfig, KvLayout, Region, TransportKind};
 use tandem_engine::kv_cache::{ExternalMemory, ExternalOwner};
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerHandle};
-use tandem_engine::{LoadedModel, ModelFingerprint};
+use tandem_engine::{ModelFingerprint, ServedModel};
 use tandem_proto::tls::{ClusterTls, PeerConnector};
 use tandem_proto::{WorkerRecord, pb};
 use tokio::net::TcpListener;
@@ -55,7 +55,7 @@ pub struct NodeOptions {
 pub struct NodeCore {
     pub id: String,
     pub role: Role,
-    pub model: Arc<LoadedModel>,
+    pub model: Arc<dyn ServedModel>,
     pub scheduler: SchedulerHandle,
     pub fingerprint: ModelFingerprint,
     pub dkv: Dkv,
@@ -81,7 +81,7 @@ impl NodeCore {
     /// its KV pool with the transfer engine. The returned [`Scheduler`] must
     /// outlive the node's serving and be shut down after it.
     pub fn start(
-        model: Arc<LoadedModel>,
+        model: Arc<dyn ServedModel>,
         config: SchedulerConfig,
         opts: &NodeOptions,
     ) -> Result<(Arc<Self>, Scheduler), WorkerError> {
@@ -95,9 +95,7 @@ impl NodeCore {
         // The pool lives in memory the transfer engine allocates (suited to
         // its zero-copy receives); failing that, in our own memory,
         // registered.
-        let kv = model
-            .model
-            .kv_cache_config(config.block_size, config.num_blocks);
+        let kv = model.kv_cache_config(config.block_size, config.num_blocks);
         let bytes = kv.block_bytes() * kv.num_blocks;
         let external = match dkv.alloc(bytes) {
             Ok(r) => Some(Arc::new(r)),

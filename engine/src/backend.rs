@@ -1,0 +1,286 @@
+//! What the scheduler runs its steps on, behind two traits: a
+//! [`ServedModel`] (what a node serves: sizes, tokenizer, fingerprint) makes
+//! a [`StepRunner`] (the forward pass of a batch step over the KV cache).
+//!
+//! [`LoadedModel`] is the real model, run by [`TpExecutor`] on one thread or
+//! as a tensor-parallel group; `mock::MockModel` times steps from a measured
+//! profile instead. A GPU backend is a third [`StepRunner`].
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use tandem_modelfile::config::ModelConfig;
+use tandem_modelfile::{ModelText, meta};
+use tandem_types::ModelFingerprint;
+
+use crate::comm::{Communicator, CpuGroup};
+use crate::error::RequestError;
+use crate::kv_cache::{BlockId, KvCache, KvCacheConfig, KvPool};
+use crate::loader::LoadedModel;
+use crate::model::{DecoderModel, SeqChunk};
+use crate::moe::Combine;
+
+/// How a runner is laid out: its tensor-parallel ranks and KV pool shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunnerConfig {
+    pub tp: usize,
+    pub moe_combine: Combine,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+/// A model a node serves: what every part of the node needs to know of it,
+/// and the runner that computes its steps.
+pub trait ServedModel: Send + Sync + std::fmt::Debug {
+    fn config(&self) -> &ModelConfig;
+    /// Name, tokenizer and chat template.
+    fn text(&self) -> &Arc<ModelText>;
+    /// Hash of the weight file bytes (part of the fingerprint).
+    fn weights_hash(&self) -> u64;
+
+    /// What a peer must match to share KV blocks of `block_size` tokens.
+    fn fingerprint(&self, block_size: usize) -> ModelFingerprint {
+        meta::fingerprint(
+            &self.text().name,
+            self.weights_hash(),
+            self.config(),
+            block_size,
+        )
+    }
+
+    /// The shape of a whole-model KV pool.
+    fn kv_cache_config(&self, block_size: usize, num_blocks: usize) -> KvCacheConfig {
+        let c = self.config();
+        KvCacheConfig {
+            block_size,
+            num_blocks,
+            n_layers: c.n_layers,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        }
+    }
+
+    /// Builds the runner of this model's steps.
+    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String>;
+}
+
+/// Computes batch steps. Owned by the scheduler's thread.
+pub trait StepRunner: Send {
+    /// Rank 0's KV pool shape (its share of the KV heads under TP).
+    fn kv_cache_config(&self) -> KvCacheConfig;
+    /// Pools of tensor-parallel ranks 1.., at rank 0's block ids.
+    fn peer_pools(&self) -> Vec<Arc<KvPool>>;
+    /// Runs one step: writes the chunks' K/V into `cache`, calls
+    /// `layer_done(l)` once layer `l` of every chunk is written, and leaves
+    /// `vocab_size` logits per chunk with `want_logits` in `logits`.
+    fn forward(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+        layer_done: &mut dyn FnMut(usize),
+        logits: &mut Vec<f32>,
+    ) -> Result<(), RequestError>;
+}
+
+impl ServedModel for LoadedModel {
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn text(&self) -> &Arc<ModelText> {
+        &self.text
+    }
+
+    fn weights_hash(&self) -> u64 {
+        self.weights_hash
+    }
+
+    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String> {
+        Ok(Box::new(TpExecutor::new(self, config)?))
+    }
+}
+
+/// Runs forward passes: the whole model, or rank 0 of a tensor-parallel
+/// group whose other ranks run the same step on their own threads (each
+/// with its own KV pool holding its KV heads, at the same block ids).
+pub struct TpExecutor {
+    /// The tensor-parallel shard of rank 0, or `None` for the whole model.
+    shard: Option<DecoderModel>,
+    model: Arc<LoadedModel>,
+    block_size: usize,
+    num_blocks: usize,
+    peers: Vec<Peer>,
+    peer_pools: Vec<Arc<KvPool>>,
+}
+
+/// A step's chunks, owned so peer ranks can run them.
+struct StepInput {
+    chunks: Vec<(Vec<u32>, usize, Vec<BlockId>, bool)>,
+}
+
+struct Peer {
+    tx: Option<mpsc::Sender<Arc<StepInput>>>,
+    done: mpsc::Receiver<Result<(), RequestError>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for TpExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TpExecutor")
+            .field("ranks", &(self.peers.len() + 1))
+            .finish()
+    }
+}
+
+impl TpExecutor {
+    pub fn new(model: Arc<LoadedModel>, config: RunnerConfig) -> Result<Self, String> {
+        let tp = config.tp;
+        if tp <= 1 {
+            return Ok(Self {
+                shard: None,
+                model,
+                block_size: config.block_size,
+                num_blocks: config.num_blocks,
+                peers: Vec::new(),
+                peer_pools: Vec::new(),
+            });
+        }
+        let mut shards = Vec::with_capacity(tp);
+        for comm in CpuGroup::new(tp) {
+            let comm: Arc<dyn Communicator> = Arc::new(comm);
+            shards.push(
+                model
+                    .model
+                    .shard_with(comm, config.moe_combine)
+                    .map_err(|e| format!("--tp {tp}: {e}"))?,
+            );
+        }
+        let rank0 = shards.remove(0);
+        let mut peers = Vec::new();
+        let mut peer_pools = Vec::new();
+        for (i, shard) in shards.into_iter().enumerate() {
+            let (tx, rx) = mpsc::channel::<Arc<StepInput>>();
+            let (done_tx, done) = mpsc::channel();
+            // The same block ids as rank 0's pool, holding this rank's heads.
+            let cache = KvCache::new(shard.kv_cache_config(config.block_size, config.num_blocks))
+                .map_err(|e| e.to_string())?;
+            peer_pools.push(Arc::clone(cache.pool()));
+            let thread = std::thread::Builder::new()
+                .name(format!("tandem-tp-rank{}", i + 1))
+                .spawn(move || peer_loop(shard, cache, rx, done_tx))
+                .map_err(|e| format!("spawning a tensor-parallel rank: {e}"))?;
+            peers.push(Peer {
+                tx: Some(tx),
+                done,
+                thread: Some(thread),
+            });
+        }
+        Ok(Self {
+            shard: Some(rank0),
+            model,
+            block_size: config.block_size,
+            num_blocks: config.num_blocks,
+            peers,
+            peer_pools,
+        })
+    }
+
+    fn rank0(&self) -> &DecoderModel {
+        self.shard.as_ref().unwrap_or(&self.model.model)
+    }
+}
+
+impl StepRunner for TpExecutor {
+    fn kv_cache_config(&self) -> KvCacheConfig {
+        self.rank0()
+            .kv_cache_config(self.block_size, self.num_blocks)
+    }
+
+    fn peer_pools(&self) -> Vec<Arc<KvPool>> {
+        self.peer_pools.clone()
+    }
+
+    fn forward(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+        layer_done: &mut dyn FnMut(usize),
+        logits: &mut Vec<f32>,
+    ) -> Result<(), RequestError> {
+        if !self.peers.is_empty() {
+            let input = Arc::new(StepInput {
+                chunks: chunks
+                    .iter()
+                    .map(|c| {
+                        (
+                            c.tokens.to_vec(),
+                            c.start_pos,
+                            c.block_table.to_vec(),
+                            c.want_logits,
+                        )
+                    })
+                    .collect(),
+            });
+            for p in &self.peers {
+                let sent = p.tx.as_ref().map(|tx| tx.send(Arc::clone(&input)));
+                if !matches!(sent, Some(Ok(()))) {
+                    return Err(RequestError::Collective(
+                        "a tensor-parallel rank stopped".into(),
+                    ));
+                }
+            }
+        }
+        let result = self.rank0().forward_into(chunks, cache, layer_done, logits);
+        for p in &self.peers {
+            match p.done.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(RequestError::Collective(
+                        "a tensor-parallel rank stopped".into(),
+                    ));
+                }
+            }
+        }
+        result
+    }
+}
+
+impl Drop for TpExecutor {
+    fn drop(&mut self) {
+        for p in &mut self.peers {
+            p.tx.take(); // closes the rank's channel: it exits
+        }
+        for p in &mut self.peers {
+            if let Some(t) = p.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// A peer rank: runs every step it is sent on its shard and KV pool.
+fn peer_loop(
+    shard: DecoderModel,
+    mut cache: KvCache,
+    rx: mpsc::Receiver<Arc<StepInput>>,
+    done: mpsc::Sender<Result<(), RequestError>>,
+) {
+    while let Ok(input) = rx.recv() {
+        let chunks: Vec<SeqChunk<'_>> = input
+            .chunks
+            .iter()
+            .map(|(tokens, start_pos, table, want_logits)| SeqChunk {
+                tokens,
+                start_pos: *start_pos,
+                block_table: table,
+                want_logits: *want_logits,
+            })
+            .collect();
+        let r = shard.forward(&chunks, &mut cache).map(|_| ());
+        if done.send(r).is_err() {
+            return;
+        }
+    }
+}
