@@ -151,6 +151,10 @@ pub struct BenchArgs {
     /// No live progress line on stderr.
     #[arg(long, env = "TANDEM_BENCH_QUIET")]
     quiet: bool,
+    /// Reuse connections (keep-alive), as a load balancer in front of the
+    /// server does; by default every request opens its own.
+    #[arg(long, env = "TANDEM_BENCH_KEEP_ALIVE")]
+    keep_alive: bool,
 }
 
 fn parse_range(s: &str) -> Result<(usize, usize), String> {
@@ -491,16 +495,18 @@ fn parse_url(url: &str) -> Result<String> {
     Ok(base.as_str().trim_end_matches('/').to_string())
 }
 
-/// The client of every request: HTTP/1.1, a fresh connection per request
-/// (`Connection: close` and no idle pool: every simulated user pays its own
-/// connect, and no request waits for another's connection), TCP_NODELAY, no
-/// proxy, no redirects.
-fn http_client() -> Result<reqwest::Client> {
+/// The client of every request: HTTP/1.1, by default a fresh connection per
+/// request (`Connection: close` and no idle pool: every simulated user pays
+/// its own connect, and no request waits for another's connection), with
+/// `keep_alive` pooled connections; TCP_NODELAY, no proxy, no redirects.
+fn http_client(keep_alive: bool) -> Result<reqwest::Client> {
     let mut headers = HeaderMap::new();
-    headers.insert(CONNECTION, HeaderValue::from_static("close"));
+    if !keep_alive {
+        headers.insert(CONNECTION, HeaderValue::from_static("close"));
+    }
     reqwest::Client::builder()
         .default_headers(headers)
-        .pool_max_idle_per_host(0)
+        .pool_max_idle_per_host(if keep_alive { usize::MAX } else { 0 })
         .tcp_nodelay(true)
         .no_proxy()
         .redirect(reqwest::redirect::Policy::none())
@@ -1358,7 +1364,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let client = http_client()?;
+        let client = http_client(args.keep_alive)?;
         let model = match &args.model {
             Some(m) => m.clone(),
             None => default_model(&client, &base)
@@ -1639,7 +1645,7 @@ mod tests {
 
     fn shared_for(base: &str) -> Shared {
         Shared {
-            client: http_client().unwrap(),
+            client: http_client(false).unwrap(),
             url: format!("{}/v1/chat/completions", parse_url(base).unwrap()),
             path: "/v1/chat/completions",
             model: "fake".into(),

@@ -470,8 +470,15 @@ pub fn served_name(model: &str, path: &Path) -> String {
 
 /// The async runtime of a serving process (HTTP, gRPC, telemetry export).
 pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    runtime_with(None)
+}
+
+/// The async runtime with `threads` I/O threads (default: the CPUs, at
+/// most 4).
+pub fn runtime_with(threads: Option<usize>) -> Result<tokio::runtime::Runtime> {
+    let default = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().min(4)))
+        .worker_threads(threads.unwrap_or(default).max(1))
         .thread_name("tandem-io")
         .enable_all()
         .build()

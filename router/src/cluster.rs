@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Gauge, Histogram};
+use opentelemetry::metrics::{Gauge, Histogram, UpDownCounter};
 use tandem_discovery::{EtcdConfig, Membership, Role, Snapshot};
 use tandem_frontend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
 use tandem_proto::tls::PeerConnector;
@@ -75,6 +75,9 @@ struct ClusterMetrics {
     scheduling: Histogram<f64>,
     overlap: Histogram<u64>,
     workers: Gauge<u64>,
+    event_lag: Histogram<f64>,
+    index_blocks: UpDownCounter<i64>,
+    index_bytes: UpDownCounter<i64>,
 }
 
 const US_BUCKETS: [f64; 12] = [
@@ -110,6 +113,25 @@ fn metrics() -> &'static ClusterMetrics {
                 .u64_gauge("tandem.router.workers")
                 .with_description("Workers this router routes to, by role")
                 .build(),
+            event_lag: m
+                .f64_histogram("tandem.router.event_lag")
+                .with_description(
+                    "Time from a worker emitting a cache event to this router applying it",
+                )
+                .with_unit("ms")
+                .with_boundaries(vec![
+                    0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 500.0, 2000.0,
+                ])
+                .build(),
+            index_blocks: m
+                .i64_up_down_counter("tandem.router.prefix_index_blocks")
+                .with_description("Cached blocks the prefix index holds, over every worker")
+                .build(),
+            index_bytes: m
+                .i64_up_down_counter("tandem.router.prefix_index_bytes")
+                .with_description("Memory of the prefix index's hash sets (their capacity)")
+                .with_unit("By")
+                .build(),
         }
     })
 }
@@ -142,6 +164,14 @@ struct Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        // Its index leaves with it.
+        let cached = self
+            .cached
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        let m = metrics();
+        m.index_blocks.add(-(cached.len() as i64), &[]);
+        m.index_bytes.add(-(index_bytes(cached) as i64), &[]);
         if let Some(t) = self
             .events_task
             .lock()
@@ -182,6 +212,13 @@ impl Worker {
             return true; // replayed twice
         }
         let mut cached = self.cached.lock().unwrap_or_else(PoisonError::into_inner);
+        let (len0, bytes0) = (cached.len(), index_bytes(&cached));
+        let m = metrics();
+        if e.emitted_unix_us > 0 {
+            let now = unix_us();
+            m.event_lag
+                .record(now.saturating_sub(e.emitted_unix_us) as f64 / 1e3, &[]);
+        }
         match kind {
             Kind::Cleared(_) => cached.clear(),
             _ if last != 0 && e.event_id != last + 1 => return false,
@@ -193,9 +230,23 @@ impl Worker {
             }
             Kind::Load(_) => {}
         }
+        m.index_blocks.add(cached.len() as i64 - len0 as i64, &[]);
+        m.index_bytes
+            .add(index_bytes(&cached) as i64 - bytes0 as i64, &[]);
         self.last_event.store(e.event_id, Ordering::Relaxed);
         true
     }
+}
+
+/// A hash set's table: a hash and a control byte per slot.
+fn index_bytes(set: &HashSet<BlockHash>) -> usize {
+    set.capacity() * (std::mem::size_of::<BlockHash>() + 1)
+}
+
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Follows a worker's event stream, reconnecting (and replaying from the

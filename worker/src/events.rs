@@ -45,7 +45,14 @@ fn to_pb(e: KvEvent) -> pb::WorkerEvent {
     pb::WorkerEvent {
         event_id: e.id,
         kind: Some(kind),
+        emitted_unix_us: unix_us(),
     }
+}
+
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 impl EventHub {
@@ -87,6 +94,7 @@ impl EventHub {
         let _ = self.live.send(Arc::new(pb::WorkerEvent {
             event_id: last_id,
             kind: Some(pb::worker_event::Kind::Load(load)),
+            emitted_unix_us: 0,
         }));
     }
 
@@ -109,6 +117,7 @@ impl EventHub {
             backlog.push(Arc::new(pb::WorkerEvent {
                 event_id: oldest.saturating_sub(1),
                 kind: Some(pb::worker_event::Kind::Cleared(pb::CacheCleared {})),
+                emitted_unix_us: 0,
             }));
         }
         backlog.extend(ring.events.iter().filter(|e| e.event_id > after).cloned());
