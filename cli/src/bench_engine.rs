@@ -11,9 +11,19 @@
 //!   then `--ntg` decode steps, each ONE forward call with B single-token
 //!   chunks, as continuous batching runs them. Generation speed is
 //!   `B * ntg / decode time`.
+//! * `--profile FILE`: also measures the planner's and mock engine's
+//!   profile (`tandem_perfmodel::EngineProfile`): one prefill forward call
+//!   per token count (best of `--reps`), and one decode step of B
+//!   single-token sequences at each batch x context (the median of
+//!   `2 x --reps + 1` steps, at least 5, after one untimed step).
+//!
+//! `--tp N` runs every test on N tensor-parallel ranks (threads over shared
+//! memory, one shard each), driven as the scheduler's executor drives them.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -21,10 +31,14 @@ use clap::Args;
 
 use crate::kernel_args::KernelArgs;
 use tandem_engine::LoadedModel;
+use tandem_engine::comm::{Communicator, CpuGroup};
 use tandem_engine::kv_cache::KvCache;
-use tandem_engine::model::SeqChunk;
+use tandem_engine::model::{DecoderModel, SeqChunk};
+use tandem_engine::moe::Combine;
 use tandem_engine::sampler::argmax;
 use tandem_modelfile::fetch;
+use tandem_perfmodel::profile::PROFILE_VERSION;
+use tandem_perfmodel::{DecodePoint, EngineProfile, PrefillPoint};
 
 const BLOCK_SIZE: usize = 16;
 
@@ -85,6 +99,30 @@ pub struct BenchEngineArgs {
     /// Also write the results as JSON to this file.
     #[arg(long, env = "TANDEM_BENCH_JSON")]
     json: Option<PathBuf>,
+    /// Tensor-parallel ranks (threads over shared memory), as `serve --tp`.
+    #[arg(long, env = "TANDEM_TP", default_value_t = 1)]
+    tp: usize,
+    /// Also measure an engine profile (for `tandem plan` and the mock
+    /// engine) and write it to this file.
+    #[arg(long, env = "TANDEM_BENCH_PROFILE")]
+    profile: Option<PathBuf>,
+    /// Profile: prompt lengths of the prefill points, comma-separated.
+    #[arg(
+        long,
+        env = "TANDEM_BENCH_PROFILE_PREFILL",
+        default_value = "16,32,64,128,256,512"
+    )]
+    profile_prefill: BatchSizes,
+    /// Profile: decode batch sizes, comma-separated.
+    #[arg(
+        long,
+        env = "TANDEM_BENCH_PROFILE_BATCH",
+        default_value = "1,2,4,8,16,32"
+    )]
+    profile_batch: BatchSizes,
+    /// Profile: decode contexts (tokens already in each sequence), comma-separated.
+    #[arg(long, env = "TANDEM_BENCH_PROFILE_CONTEXT", default_value = "128,512")]
+    profile_context: BatchSizes,
 }
 
 /// One row of the report.
@@ -131,8 +169,188 @@ impl Row {
 
 use tandem_types::SeededRng as Rng;
 
+/// A step's chunks, owned so peer ranks can run them.
+type OwnedChunks = Vec<(Vec<u32>, usize, Vec<u32>, bool)>;
+
+enum PeerMsg {
+    /// Replace the rank's KV cache with one of this many blocks (the same
+    /// block ids as rank 0's).
+    Cache(usize),
+    Step(Arc<OwnedChunks>),
+}
+
+struct Peer {
+    tx: Option<mpsc::Sender<PeerMsg>>,
+    done: mpsc::Receiver<Result<(), String>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Runs forward calls on the whole model or on `--tp` ranks: rank 0 on the
+/// calling thread, the others on their own threads, each step sent to all
+/// (what the scheduler's executor does, which is private to the engine).
+struct Exec {
+    /// Rank 0's shard; `None` runs the whole model.
+    shard: Option<DecoderModel>,
+    peers: Vec<Peer>,
+}
+
+impl Exec {
+    fn new(m: &LoadedModel, tp: usize) -> Result<Self> {
+        if tp <= 1 {
+            return Ok(Self {
+                shard: None,
+                peers: Vec::new(),
+            });
+        }
+        let mut shards = Vec::with_capacity(tp);
+        for comm in CpuGroup::new(tp) {
+            let comm: Arc<dyn Communicator> = Arc::new(comm);
+            shards.push(
+                m.model
+                    .shard_with(comm, Combine::AllReduce)
+                    .with_context(|| format!("--tp {tp}"))?,
+            );
+        }
+        let rank0 = shards.remove(0);
+        let mut peers = Vec::new();
+        for (i, shard) in shards.into_iter().enumerate() {
+            let (tx, rx) = mpsc::channel();
+            let (done_tx, done) = mpsc::channel();
+            let thread = std::thread::Builder::new()
+                .name(format!("bench-tp-rank{}", i + 1))
+                .spawn(move || peer_loop(shard, rx, done_tx))
+                .context("spawning a tensor-parallel rank")?;
+            peers.push(Peer {
+                tx: Some(tx),
+                done,
+                thread: Some(thread),
+            });
+        }
+        Ok(Self {
+            shard: Some(rank0),
+            peers,
+        })
+    }
+
+    fn rank0<'a>(&'a self, m: &'a LoadedModel) -> &'a DecoderModel {
+        self.shard.as_ref().unwrap_or(&m.model)
+    }
+
+    fn send(&self, msg: impl Fn() -> PeerMsg) -> Result<()> {
+        for p in &self.peers {
+            let sent = p.tx.as_ref().map(|tx| tx.send(msg()));
+            if !matches!(sent, Some(Ok(()))) {
+                bail!("a tensor-parallel rank stopped");
+            }
+        }
+        Ok(())
+    }
+
+    fn wait(&self) -> Result<()> {
+        for p in &self.peers {
+            match p.done.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => bail!("tensor-parallel rank: {e}"),
+                Err(_) => bail!("a tensor-parallel rank stopped"),
+            }
+        }
+        Ok(())
+    }
+
+    fn cache(&self, m: &LoadedModel, blocks: usize) -> Result<KvCache> {
+        self.send(|| PeerMsg::Cache(blocks))?;
+        self.wait()?;
+        KvCache::new(self.rank0(m).kv_cache_config(BLOCK_SIZE, blocks)).context("creating KV cache")
+    }
+
+    fn forward_into(
+        &self,
+        m: &LoadedModel,
+        chunks: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        if !self.peers.is_empty() {
+            let owned: Arc<OwnedChunks> = Arc::new(
+                chunks
+                    .iter()
+                    .map(|c| {
+                        (
+                            c.tokens.to_vec(),
+                            c.start_pos,
+                            c.block_table.to_vec(),
+                            c.want_logits,
+                        )
+                    })
+                    .collect(),
+            );
+            self.send(|| PeerMsg::Step(Arc::clone(&owned)))?;
+        }
+        let r = self
+            .rank0(m)
+            .forward_into(chunks, cache, &mut |_| {}, logits);
+        self.wait()?;
+        r?;
+        Ok(())
+    }
+}
+
+impl Drop for Exec {
+    fn drop(&mut self) {
+        for p in &mut self.peers {
+            p.tx.take(); // closes the rank's channel: it exits
+        }
+        for p in &mut self.peers {
+            if let Some(t) = p.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn peer_loop(
+    shard: DecoderModel,
+    rx: mpsc::Receiver<PeerMsg>,
+    done: mpsc::Sender<Result<(), String>>,
+) {
+    let mut cache: Option<KvCache> = None;
+    while let Ok(msg) = rx.recv() {
+        let r = match msg {
+            PeerMsg::Cache(blocks) => {
+                // Free the old pool first: caches can be large.
+                cache = None;
+                KvCache::new(shard.kv_cache_config(BLOCK_SIZE, blocks))
+                    .map(|c| cache = Some(c))
+                    .map_err(|e| e.to_string())
+            }
+            PeerMsg::Step(input) => match cache.as_mut() {
+                None => Err("step before a cache".to_string()),
+                Some(cache) => {
+                    let chunks: Vec<SeqChunk<'_>> = input
+                        .iter()
+                        .map(|(tokens, start_pos, table, want_logits)| SeqChunk {
+                            tokens,
+                            start_pos: *start_pos,
+                            block_table: table,
+                            want_logits: *want_logits,
+                        })
+                        .collect();
+                    shard
+                        .forward(&chunks, cache)
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                }
+            },
+        };
+        if done.send(r).is_err() {
+            return;
+        }
+    }
+}
+
 struct Bench<'a> {
     m: &'a LoadedModel,
+    exec: &'a Exec,
     vocab: usize,
     prefill_chunk: usize,
     rng: Rng,
@@ -142,7 +360,14 @@ impl Bench<'_> {
     /// A cache holding `tokens` tokens (block size 16).
     fn cache(&self, tokens: usize) -> Result<KvCache> {
         let blocks = tokens.div_ceil(BLOCK_SIZE).max(1);
-        KvCache::new(self.m.model.kv_cache_config(BLOCK_SIZE, blocks)).context("creating KV cache")
+        self.exec.cache(self.m, blocks)
+    }
+
+    /// One forward call (on every rank); its logits.
+    fn forward(&self, chunks: &[SeqChunk<'_>], cache: &mut KvCache) -> Result<Vec<f32>> {
+        let mut logits = Vec::new();
+        self.exec.forward_into(self.m, chunks, cache, &mut logits)?;
+        Ok(logits)
     }
 
     /// A cache holding one sequence of `tokens` tokens, and its block table.
@@ -167,7 +392,7 @@ impl Bench<'_> {
         let mut calls = 0;
         for (i, piece) in prompt.chunks(self.prefill_chunk).enumerate() {
             let start_pos = i * self.prefill_chunk;
-            let logits = self.m.model.forward(
+            let logits = self.forward(
                 &[SeqChunk {
                     tokens: piece,
                     start_pos,
@@ -185,7 +410,7 @@ impl Bench<'_> {
     /// A 1-token prompt (untimed), then `n` greedy decode steps (timed).
     fn decode_one(&mut self, cache: &mut KvCache, table: &[u32], n: usize) -> Result<Duration> {
         let first = self.rng.tokens(1, self.vocab);
-        let logits = self.m.model.forward(
+        let logits = self.forward(
             &[SeqChunk {
                 tokens: &first,
                 start_pos: 0,
@@ -198,7 +423,8 @@ impl Bench<'_> {
         let mut logits = Vec::new();
         let t0 = Instant::now();
         for pos in 1..=n {
-            self.m.model.forward_into(
+            self.exec.forward_into(
+                self.m,
                 &[SeqChunk {
                     tokens: &[tok],
                     start_pos: pos,
@@ -206,7 +432,6 @@ impl Bench<'_> {
                     want_logits: true,
                 }],
                 cache,
-                &mut |_| {},
                 &mut logits,
             )?;
             tok = argmax(logits.get(..self.vocab).context("short logits")?);
@@ -238,7 +463,7 @@ impl Bench<'_> {
                 for (i, piece) in prompt.chunks(self.prefill_chunk).enumerate() {
                     let start_pos = i * self.prefill_chunk;
                     let last = start_pos + piece.len() == npp;
-                    let logits = self.m.model.forward(
+                    let logits = self.forward(
                         &[SeqChunk {
                             tokens: piece,
                             start_pos,
@@ -265,7 +490,7 @@ impl Bench<'_> {
                         want_logits: true,
                     })
                     .collect();
-                let logits = self.m.model.forward(&chunks, cache)?;
+                let logits = self.forward(&chunks, cache)?;
                 calls += 1;
                 for (s, row) in group.zip(logits.chunks_exact(self.vocab)) {
                     next[s] = argmax(row);
@@ -287,9 +512,8 @@ impl Bench<'_> {
                     want_logits: true,
                 })
                 .collect();
-            self.m
-                .model
-                .forward_into(&chunks, cache, &mut |_| {}, &mut logits)?;
+            self.exec
+                .forward_into(self.m, &chunks, cache, &mut logits)?;
             if logits.len() != b * self.vocab {
                 bail!(
                     "forward returned {} logits, want {}",
@@ -303,6 +527,113 @@ impl Bench<'_> {
         }
         Ok((t_pp, calls, t1.elapsed()))
     }
+
+    /// Profile prefill point: one forward call of `n` prompt tokens from
+    /// position 0, logits for the last (a prefill node samples it); the
+    /// best of `reps`.
+    fn profile_prefill(&mut self, n: usize, reps: usize) -> Result<f64> {
+        let (mut cache, table) = self.cache_one(n)?;
+        let mut best = f64::INFINITY;
+        for _ in 0..reps {
+            let prompt = self.rng.tokens(n, self.vocab);
+            let t0 = Instant::now();
+            let logits = self.forward(
+                &[SeqChunk {
+                    tokens: &prompt,
+                    start_pos: 0,
+                    block_table: &table,
+                    want_logits: true,
+                }],
+                &mut cache,
+            )?;
+            best = best.min(t0.elapsed().as_secs_f64());
+            std::hint::black_box(&logits);
+        }
+        Ok(best)
+    }
+
+    /// Profile decode point: `b` sequences already `context` tokens long
+    /// (their K/V is not computed: attention costs the same whatever the
+    /// values), one untimed step, then the median of `steps` timed steps of
+    /// one token each, every sequence in one forward call (the median, as
+    /// a step another process preempted says nothing about the engine).
+    fn profile_decode(&mut self, b: usize, context: usize, steps: usize) -> Result<f64> {
+        let per_seq = context + steps + 1;
+        let mut cache = self.cache(b * per_seq.div_ceil(BLOCK_SIZE) * BLOCK_SIZE)?;
+        let mut tables = Vec::with_capacity(b);
+        for _ in 0..b {
+            let mut t = Vec::new();
+            cache.reserve(&mut t, per_seq)?;
+            tables.push(t);
+        }
+        let mut logits = Vec::new();
+        let mut times = Vec::with_capacity(steps);
+        for step in 0..=steps {
+            let toks = self.rng.tokens(b, self.vocab);
+            let chunks: Vec<SeqChunk<'_>> = (0..b)
+                .map(|s| SeqChunk {
+                    tokens: std::slice::from_ref(&toks[s]),
+                    start_pos: context + step,
+                    block_table: &tables[s],
+                    want_logits: true,
+                })
+                .collect();
+            let t0 = Instant::now();
+            self.exec
+                .forward_into(self.m, &chunks, &mut cache, &mut logits)?;
+            if step > 0 {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times.get(times.len() / 2).copied().unwrap_or(0.0))
+    }
+}
+
+/// Measures the `--profile` points.
+fn measure_profile(
+    bench: &mut Bench<'_>,
+    args: &BenchEngineArgs,
+    model: &str,
+    isa: &str,
+    threads: usize,
+) -> Result<EngineProfile> {
+    let mut prefill = Vec::new();
+    let mut tokens = args.profile_prefill.0.clone();
+    tokens.sort_unstable();
+    tokens.dedup();
+    for &n in &tokens {
+        let seconds = bench.profile_prefill(n, args.reps)?;
+        eprintln!("profile prefill {n} tokens: {:.2} ms", seconds * 1e3);
+        prefill.push(PrefillPoint { tokens: n, seconds });
+    }
+    let mut decode = Vec::new();
+    let steps = (2 * args.reps + 1).max(5);
+    for &c in &args.profile_context.0 {
+        for &b in &args.profile_batch.0 {
+            let seconds = bench.profile_decode(b, c, steps)?;
+            eprintln!(
+                "profile decode batch {b} context {c}: {:.2} ms",
+                seconds * 1e3
+            );
+            decode.push(DecodePoint {
+                batch: b,
+                context: c,
+                seconds,
+            });
+        }
+    }
+    let profile = EngineProfile {
+        version: PROFILE_VERSION,
+        model: model.to_string(),
+        isa: isa.to_string(),
+        threads,
+        tp: args.tp.max(1),
+        prefill,
+        decode,
+    };
+    profile.validate().context("measured profile")?;
+    Ok(profile)
 }
 
 pub fn run(args: BenchEngineArgs) -> Result<()> {
@@ -318,17 +649,46 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     if !args.batch.0.is_empty() && (args.npp == 0 || args.ntg == 0) {
         bail!("--npp and --ntg must be at least 1 for the batched test");
     }
+    if args.tp == 0 {
+        bail!("--tp must be at least 1");
+    }
+    if args.profile.is_some() {
+        let axes = [
+            ("--profile-prefill", &args.profile_prefill),
+            ("--profile-batch", &args.profile_batch),
+            ("--profile-context", &args.profile_context),
+        ];
+        for (flag, v) in axes {
+            if v.0.is_empty() || v.0.contains(&0) {
+                bail!("{flag} needs values of at least 1");
+            }
+        }
+        let mut b = args.profile_batch.0.clone();
+        let mut c = args.profile_context.0.clone();
+        b.sort_unstable();
+        b.dedup();
+        c.sort_unstable();
+        c.dedup();
+        if b.len() != args.profile_batch.0.len() || c.len() != args.profile_context.0.len() {
+            bail!("--profile-batch and --profile-context must not repeat a value");
+        }
+    }
     args.kernels.apply()?;
     let cache_dir = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
     let path = crate::fetch::resolve_model(&args.model, &cache_dir)?;
     let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
     let cfg = m.model.config();
     let vocab = cfg.vocab_size;
-    let longest = args.pp.max(args.tg + 1).max(if args.batch.0.is_empty() {
+    let mut longest = args.pp.max(args.tg + 1).max(if args.batch.0.is_empty() {
         0
     } else {
         args.npp + args.ntg
     });
+    if args.profile.is_some() {
+        let p = args.profile_prefill.0.iter().max().copied().unwrap_or(0);
+        let c = args.profile_context.0.iter().max().copied().unwrap_or(0);
+        longest = longest.max(p).max(c + (2 * args.reps + 1).max(5) + 1);
+    }
     if longest > cfg.context_length && cfg.context_length > 0 {
         bail!(
             "a test needs {longest} positions; the model's context is {}",
@@ -347,9 +707,14 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
         "kernels: {isa}, threads: {threads}, reps: {}, prefill chunk: {}",
         args.reps, args.prefill_chunk
     );
+    if args.tp > 1 {
+        println!("tensor parallel: {} ranks", args.tp);
+    }
 
+    let exec = Exec::new(&m, args.tp)?;
     let mut bench = Bench {
         m: &m,
+        exec: &exec,
         vocab,
         prefill_chunk: args.prefill_chunk,
         rng: Rng::new(args.seed),
@@ -441,6 +806,17 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
         rows.push(gen_row);
     }
 
+    let profile = match &args.profile {
+        Some(_) => Some(measure_profile(
+            &mut bench,
+            &args,
+            &m.text.name,
+            &isa,
+            threads,
+        )?),
+        None => None,
+    };
+
     print!("{}", table(&rows));
     if let Some(file) = &args.json {
         let json = to_json(
@@ -453,6 +829,11 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
         );
         std::fs::write(file, json).with_context(|| format!("writing {}", file.display()))?;
         eprintln!("wrote {}", file.display());
+    }
+    if let (Some(file), Some(profile)) = (&args.profile, &profile) {
+        std::fs::write(file, profile.to_json() + "\n")
+            .with_context(|| format!("writing {}", file.display()))?;
+        eprintln!("wrote profile {}", file.display());
     }
     Ok(())
 }

@@ -8,6 +8,7 @@ mod generate;
 mod hub;
 mod kernel_args;
 mod local;
+mod plan;
 mod serve;
 mod telemetry;
 
@@ -56,6 +57,8 @@ enum Command {
     /// Run a whole local cluster as processes
     #[command(subcommand)]
     Cluster(cluster::ClusterCommand),
+    /// Recommend a topology for a workload and SLO by simulating measured profiles
+    Plan(plan::PlanArgs),
 }
 
 fn main() -> Result<()> {
@@ -77,5 +80,6 @@ fn main() -> Result<()> {
         Command::Decode(args) => cluster::run_decode(args),
         Command::Router(args) => cluster::run_router(args),
         Command::Cluster(cmd) => cluster::run_cluster(cmd),
+        Command::Plan(args) => plan::run(args),
     }
 }

@@ -4,8 +4,10 @@
 //! one machine for one model: how long a forward call takes as a function of
 //! prompt tokens, decode batch and context. The mock engine
 //! (`--engine mock`) times its steps with it, and the planner simulates
-//! clusters with it.
+//! clusters with it ([`sim`]) and searches topologies ([`search`]).
 
 pub mod profile;
+pub mod search;
+pub mod sim;
 
 pub use profile::{DecodePoint, EngineProfile, PrefillPoint, ProfileError};

@@ -874,6 +874,7 @@ mod tests {
                 parent: None,
                 hashes,
             })),
+            ..Default::default()
         }
     }
 
@@ -888,6 +889,7 @@ mod tests {
             kind: Some(pb::worker_event::Kind::Removed(pb::BlockRemoved {
                 hashes: vec![11]
             })),
+            ..Default::default()
         }));
         assert_eq!(w.overlap(&[10, 11, 12]), 1);
         // A replayed event is ignored; a gap is reported.
@@ -898,6 +900,7 @@ mod tests {
         assert!(w.apply(&pb::WorkerEvent {
             event_id: 7,
             kind: Some(pb::worker_event::Kind::Cleared(pb::CacheCleared {})),
+            ..Default::default()
         }));
         assert_eq!(w.overlap(&[10]), 0);
         assert!(w.apply(&stored(8, vec![10])));
@@ -975,6 +978,7 @@ mod tests {
                 kv_blocks_used: 9,
                 kv_blocks_total: 100,
             })),
+            ..Default::default()
         }));
         let order: Vec<String> = ranked(&c, Role::Decode, &h)
             .into_iter()

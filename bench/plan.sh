@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# `tandem plan` against measured runs, in one run on this machine: for each
+# of three topologies, measure the engine profile the nodes run with
+# (`tandem bench-engine --profile`), then drive the topology with `tandem
+# bench` (Poisson arrivals, fixed prompt and output lengths), then ask
+# `tandem plan --topology` for the same workload, and print predicted next
+# to measured TTFT / TPOT p50 and p99 and throughput, with the ratio.
+#   usage: bench/plan.sh
+# Topologies:
+#   agg:1  `tandem serve --threads 2`              profile: 2 threads
+#   1p1d   router + prefill + decode, 1 thread each profile: 1 thread
+#   agg:2  router + 2 decode nodes prefilling locally, 1 thread each
+# A local cluster's nodes share the machine's two cores, one kernel thread
+# each, so their profile is measured with one thread. It is measured alone:
+# at a moderate rate the two nodes are seldom busy at once (a decode node
+# at batch 1-2 is idle most of the time), and a profile measured beside a
+# busy twin (PROFILE_PAIRED=1) predicted a 1.8x too slow prefill. Each
+# profile is measured just before its topology's load, so both see the same
+# background load of this shared machine (its load average is printed).
+# Environment:
+#   GGUF=path  RATE=1.0  REQUESTS=90  INPUT_LEN=128  OUTPUT_LEN=64  SEED=0
+#   TOPOLOGIES="agg:1 1p1d agg:2"  PLAN_FLAGS="..." (extra `tandem plan` flags)
+#   PROFILE_PAIRED=1 (cluster profiles measured beside a busy twin)
+#   UCX_TLS_BENCH=tcp  BENCH_OUT=dir (default: a new /tmp/tandem-plan-bench.*)
+set -euo pipefail
+
+rate=${RATE:-1.0}
+requests=${REQUESTS:-90}
+input_len=${INPUT_LEN:-128}
+output_len=${OUTPUT_LEN:-64}
+seed=${SEED:-0}
+topologies=${TOPOLOGIES:-agg:1 1p1d agg:2}
+paired=${PROFILE_PAIRED:-0}
+tls=${UCX_TLS_BENCH:-tcp}
+repo=$(git -C "$(dirname "${BASH_SOURCE[0]}")" rev-parse --show-toplevel)
+out=${BENCH_OUT:-$(mktemp -d /tmp/tandem-plan-bench.XXXXXX)}
+mkdir -p "$out"
+threads=2
+# shellcheck source=bench/lib.sh
+source "$repo/bench/lib.sh"
+bench_build_tandem
+bench_resolve_gguf
+command -v etcd >/dev/null || { echo "etcd not found (apt install etcd-server)" >&2; exit 1; }
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+pids=()
+stop_all() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+  rm -rf "$out/etcd-data"
+}
+trap stop_all EXIT
+start() { # name marker cmd...
+  local name=$1 marker=$2; shift 2
+  "$@" >"$out/$name.log" 2>&1 &
+  pids+=($!)
+  for _ in $(seq 1 600); do
+    grep -q "$marker" "$out/$name.log" && return 0
+    kill -0 "${pids[-1]}" 2>/dev/null || { echo "$name died:" >&2; tail -n 20 "$out/$name.log" >&2; exit 1; }
+    sleep 0.2
+  done
+  echo "$name not ready" >&2; exit 1
+}
+port_of() { grep -o "$2 http://127.0.0.1:[0-9]*" "$out/$1.log" | head -n1 | grep -o '[0-9]*$'; }
+
+# profile NAME THREADS [PAIRED]: writes $out/profile-NAME.json.
+profile() {
+  local name=$1 t=$2 twin=${3:-0} args
+  args=(bench-engine --model "$gguf" --threads "$t" --pp 0 --tg 0 --batch "" --reps 3)
+  say "profile $name: $t thread(s)$( ((twin)) && echo ', measured beside a twin')"
+  if ((twin)); then
+    "$tandem" "${args[@]}" --seed 99 --profile "$out/profile-$name-twin.json" >"$out/profile-$name-twin.log" 2>&1 &
+    local twin_pid=$!
+  fi
+  "$tandem" "${args[@]}" --profile "$out/profile-$name.json" >"$out/profile-$name.log" 2>&1
+  if ((twin)); then wait "$twin_pid"; fi
+}
+
+start_etcd() {
+  local ec ep
+  ec=$(free_port); ep=$(free_port)
+  etcd_url=http://127.0.0.1:$ec
+  start etcd "ready to serve client requests" etcd --data-dir "$out/etcd-data" \
+    --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
+    --listen-peer-urls "http://127.0.0.1:$ep" --initial-advertise-peer-urls "http://127.0.0.1:$ep" \
+    --initial-cluster "default=http://127.0.0.1:$ep"
+}
+node_common() { echo --etcd "$etcd_url" --model "$gguf" --threads 1 --max-batch-size 32 --ucx-tls "$tls"; }
+start_router() { # decode workers expected, as the health JSON lists them
+  port=$(free_port)
+  start router "router for" "$tandem" router --etcd "$etcd_url" --model "$gguf" --port "$port" \
+    --allow-extra-request-fields
+  for _ in $(seq 1 100); do
+    curl -sf "http://127.0.0.1:$port/health" | grep -q "\"decode_workers\":\[$1\]" && return 0
+    sleep 0.1
+  done
+  echo "router did not see decode workers $1" >&2; exit 1
+}
+
+# up TOPOLOGY: starts it, sets $port and $profile_file.
+up() {
+  case $1 in
+    agg:1)
+      profile t2 "$threads"
+      profile_file=$out/profile-t2.json
+      port=$(free_port)
+      start serve "tandem: serving" "$tandem" serve --model "$gguf" --port "$port" --threads "$threads" \
+        --max-batch-size 32 --allow-extra-request-fields ;;
+    1p1d)
+      profile t1 1 "$paired"
+      profile_file=$out/profile-t1.json
+      start_etcd
+      # shellcheck disable=SC2046
+      start prefill "serving gRPC" "$tandem" prefill $(node_common) --id p0
+      # shellcheck disable=SC2046
+      start decode "serving gRPC" "$tandem" decode $(node_common) --id d0
+      start_router '"d0"' ;;
+    agg:2)
+      profile t1 1 "$paired"
+      profile_file=$out/profile-t1.json
+      start_etcd
+      # Decode nodes that prefill every prompt themselves: two aggregated
+      # replicas behind the router.
+      # shellcheck disable=SC2046
+      start decode0 "serving gRPC" "$tandem" decode $(node_common) --id d0 --remote-prefill-min-tokens 1000000000
+      # shellcheck disable=SC2046
+      start decode1 "serving gRPC" "$tandem" decode $(node_common) --id d1 --remote-prefill-min-tokens 1000000000
+      start_router '"d0","d1"' ;;
+    *) echo "unknown topology $1" >&2; exit 2 ;;
+  esac
+}
+
+for t in $topologies; do
+  name=${t//:/}
+  up "$t"
+  say "$t: $requests requests at $rate req/s, input $input_len, output $output_len"
+  # This machine is shared: the load average says how quiet it was.
+  cut -d' ' -f1 /proc/loadavg >"$out/load-$name.txt"
+  "$tandem" bench --url "http://127.0.0.1:$port" --endpoint completions --num-requests "$requests" \
+    --request-rate "$rate" --input-len "$input_len" --output-len "$output_len" --seed "$seed" \
+    --ignore-eos --quiet --json "$out/measured-$name.json" >"$out/measured-$name.txt"
+  if [[ $t == 1p1d ]]; then
+    # What the KV handoffs cost, from the prefill node's counters.
+    curl -s "http://127.0.0.1:$(port_of prefill "metrics on")/metrics" | grep -E '^tandem_dkv_(bytes|transfer_latency_milliseconds_(sum|count))' \
+      >"$out/dkv-metrics.txt" || true
+  fi
+  cut -d' ' -f1 /proc/loadavg >>"$out/load-$name.txt"
+  stop_all
+  # The prompt length the server counted (words are about one token each).
+  tokens=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["results"][0]; print(round(r["prompt_tokens"]/max(r["completed"],1)))' \
+    "$out/measured-$name.json")
+  say "$t: predicting ($tokens prompt tokens)"
+  # shellcheck disable=SC2086
+  "$tandem" plan --profile "$profile_file" --topology "$t" --rate "$rate" --input-len "$tokens" \
+    --output-len "$output_len" --requests 2000 --seed "$seed" ${PLAN_FLAGS:-} \
+    --json "$out/predicted-$name.json" >"$out/predicted-$name.txt"
+done
+
+python3 - "$out" $topologies <<'PY'
+import json, sys
+out, tops = sys.argv[1], sys.argv[2:]
+print()
+print("# tandem plan (predicted) vs tandem bench (measured)")
+hdr = ("topology", "metric", "predicted", "measured", "pred/meas")
+fmt = "| {:<8} | {:<16} | {:>9} | {:>9} | {:>9} |"
+print(fmt.format(*hdr))
+print(fmt.format(*["-" * 8, "-" * 16, "-" * 9, "-" * 9, "-" * 9]))
+within = total = 0
+for t in tops:
+    n = t.replace(":", "")
+    m = json.load(open(f"{out}/measured-{n}.json"))["results"][0]
+    p = json.load(open(f"{out}/predicted-{n}.json"))["results"][0]
+    rows = [
+        ("TTFT p50 ms", p["ttft"]["p50"] * 1e3, m["ttft"]["p50_ms"]),
+        ("TTFT p99 ms", p["ttft"]["p99"] * 1e3, m["ttft"]["p99_ms"]),
+        ("TPOT p50 ms", p["tpot"]["p50"] * 1e3, m["tpot"]["p50_ms"]),
+        ("TPOT p99 ms", p["tpot"]["p99"] * 1e3, m["tpot"]["p99_ms"]),
+        ("out tok/s", p["output_throughput"], m["output_throughput"]),
+        ("req/s", p["request_throughput"], m["request_throughput"]),
+    ]
+    load = " -> ".join(open(f"{out}/load-{n}.txt").read().split())
+    print(fmt.format(t, "load avg", "", load, ""))
+    for name, a, b in rows:
+        r = a / b if a and b else float("nan")
+        total += 1
+        within += abs(r - 1) <= 0.2
+        print(fmt.format(t, name, f"{a:.1f}", f"{b:.1f}", f"{r:.2f}"))
+print()
+print(f"{within} of {total} predictions within 20% of the measurement")
+try:
+    print("dkv (1P1D prefill node):", " ".join(l.strip() for l in open(f"{out}/dkv-metrics.txt")))
+except OSError:
+    pass
+print(f"raw outputs: {out}")
+PY
