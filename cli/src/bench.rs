@@ -1804,6 +1804,7 @@ mod tests {
             ignore_eos: false,
             timeout: 1,
             quiet: true,
+            keep_alive: false,
         }
     }
 

@@ -120,7 +120,7 @@ impl Node {
             grpc_idle_timeout: Duration::from_secs(60),
         };
         let (core, scheduler) =
-            NodeCore::start(Arc::clone(&harness().model), config, &opts).expect("node starts");
+            NodeCore::start(harness().model.clone(), config, &opts).expect("node starts");
         Self {
             core,
             scheduler: Some(scheduler),

@@ -331,7 +331,7 @@ fn bad_configs_fail_loudly() {
             ..config()
         },
     ] {
-        assert!(Scheduler::spawn(Arc::clone(&m), bad).is_err());
+        assert!(Scheduler::spawn(m.clone(), bad).is_err());
     }
 }
 

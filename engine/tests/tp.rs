@@ -180,7 +180,7 @@ fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
         tp: 3,
         moe_combine: Combine::AllReduce,
     };
-    let sched = Scheduler::spawn(Arc::clone(&m), config).unwrap();
+    let sched = Scheduler::spawn(m.clone(), config).unwrap();
     let texts = [
         "The capital of France is",
         "List of prime numbers: 2, 3, 5, 7,",
