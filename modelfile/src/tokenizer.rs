@@ -291,12 +291,79 @@ pub struct Tokenizer {
     controls: aho_corasick::AhoCorasick,
 }
 
+/// Ids of short pieces of prompt text encoded before. A chat template's
+/// own text (role headers, the default system prompt) recurs in every
+/// request, and tokenizing it was the largest share of a router's CPU per
+/// short request. Encoding is a pure function of the piece, so a hit is
+/// exactly what encoding would give. Bounded: emptied when full.
+#[derive(Default)]
+struct PieceCache(std::sync::Mutex<PieceMap>);
+
+/// Pieces are kept from their second sighting on, so text that occurs once
+/// (most client text) is only hashed, never stored.
+#[derive(Default)]
+struct PieceMap {
+    seen: std::collections::HashSet<u64>,
+    ids: HashMap<Box<str>, Box<[u32]>>,
+}
+
+impl PieceCache {
+    const ENTRIES: usize = 512;
+    const MAX_PIECE_BYTES: usize = 2048;
+
+    fn encode(
+        &self,
+        t: &tokenizers::Tokenizer,
+        s: &str,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizerError> {
+        let key =
+            (s.len() <= Self::MAX_PIECE_BYTES).then(|| xxhash_rust::xxh3::xxh3_64(s.as_bytes()));
+        let mut keep = false;
+        if let Some(k) = key {
+            let mut map = self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(ids) = map.ids.get(s) {
+                out.extend_from_slice(ids);
+                return Ok(());
+            }
+            if map.seen.len() >= Self::ENTRIES {
+                map.seen.clear();
+            }
+            keep = !map.seen.insert(k);
+        }
+        let enc = t
+            .encode_fast(s, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        out.extend_from_slice(enc.get_ids());
+        if keep {
+            let mut map = self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if map.ids.len() >= Self::ENTRIES {
+                map.ids.clear();
+            }
+            map.ids.insert(s.into(), enc.get_ids().into());
+        }
+        Ok(())
+    }
+}
+
 enum Backend {
     /// Byte-level BPE: the HF tokenizer, and the same without its added
     /// tokens (for plain text).
     Bpe {
         inner: tokenizers::Tokenizer,
         plain: tokenizers::Tokenizer,
+        /// Ids of `inner` pieces seen before.
+        cache: PieceCache,
+        /// Every control token is an added token of `inner` that is
+        /// matched as is (no stripping, not normalized), so `inner` encodes
+        /// a text as the pieces between control tokens, encoded apart.
+        split_on_controls: bool,
     },
     /// SentencePiece, over `Tokenizer::token_to_id`.
     Spm(Spm),
@@ -326,6 +393,23 @@ fn control_search(
         .match_kind(aho_corasick::MatchKind::LeftmostLongest)
         .build(texts)
         .map_err(|e| TokenizerError::Build(format!("control token search: {e}")))
+}
+
+/// Whether every control token text is an added token of `inner` matched
+/// verbatim (see `Backend::Bpe::split_on_controls`).
+fn controls_split(inner: &tokenizers::Tokenizer, tokens: &[String], hidden: &[bool]) -> bool {
+    let added = inner.get_added_tokens_decoder();
+    let verbatim: std::collections::HashSet<&str> = added
+        .values()
+        .filter(|a| !a.lstrip && !a.rstrip && !a.single_word && !a.normalized)
+        .map(|a| a.content.as_str())
+        .collect();
+    inner.get_normalizer().is_none()
+        && tokens
+            .iter()
+            .zip(hidden)
+            .filter(|&(t, &h)| h && !t.is_empty())
+            .all(|(t, _)| verbatim.contains(t.as_str()))
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -542,7 +626,9 @@ impl Tokenizer {
             controls,
             backend: Backend::Bpe {
                 plain: without_added_tokens(&inner),
+                split_on_controls: controls_split(&inner, &spec.tokens, &hidden),
                 inner,
+                cache: PieceCache::default(),
             },
             tokens: spec.tokens,
             pieces,
@@ -735,7 +821,9 @@ impl Tokenizer {
             controls,
             backend: Backend::Bpe {
                 plain: without_added_tokens(&inner),
+                split_on_controls: controls_split(&inner, &tokens, &hidden),
                 inner,
+                cache: PieceCache::default(),
             },
             tokens,
             pieces,
@@ -808,24 +896,44 @@ impl Tokenizer {
             out.push(bos);
         }
         match &self.backend {
-            Backend::Bpe { inner, plain } => {
-                let mut piece = |t: &tokenizers::Tokenizer, s: &str| {
-                    if s.is_empty() {
-                        return Ok(());
-                    }
-                    let enc = t
-                        .encode_fast(s, false)
-                        .map_err(|e| TokenizerError::Encode(e.to_string()))?;
-                    out.extend_from_slice(enc.get_ids());
-                    Ok::<(), TokenizerError>(())
-                };
+            Backend::Bpe {
+                inner,
+                plain,
+                cache,
+                split_on_controls,
+            } => {
                 let mut at = 0;
                 for r in &ranges {
-                    piece(inner, &text[at..r.start])?;
-                    piece(plain, &text[r.clone()])?;
+                    // The template's text (cached: it recurs), then the
+                    // client's (not cached: it rarely does).
+                    if at < r.start {
+                        cache.encode(inner, &text[at..r.start], &mut out)?;
+                    }
+                    let enc = plain
+                        .encode_fast(&text[r.clone()], false)
+                        .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+                    out.extend_from_slice(enc.get_ids());
                     at = r.end;
                 }
-                piece(inner, &text[at..])?;
+                if *split_on_controls {
+                    // A rendered prompt's pieces between control tokens
+                    // (role headers, the default system prompt) recur.
+                    let base = at;
+                    for m in self.controls.find_iter(&text[base..]) {
+                        let (start, end) = (base + m.start(), base + m.end());
+                        if at < start {
+                            cache.encode(inner, &text[at..start], &mut out)?;
+                        }
+                        let id = self.token_to_id.get(&text[start..end]).ok_or_else(|| {
+                            TokenizerError::Encode("a control token without an id".into())
+                        })?;
+                        out.push(*id);
+                        at = end;
+                    }
+                }
+                if at < text.len() {
+                    cache.encode(inner, &text[at..], &mut out)?;
+                }
             }
             Backend::Spm(m) => {
                 m.encode_protected(&self.token_to_id, text, true, &ranges, &mut out)?;
@@ -1171,6 +1279,43 @@ mod tests {
         assert_eq!(tok.decode(&ids, false).unwrap(), text);
         assert_eq!(tok.decode(&ids, true).unwrap(), "a   b 👋é");
         assert_eq!(tok.stop_ids(), vec![0]);
+    }
+
+    #[test]
+    fn cached_template_pieces_encode_as_fresh_ones() {
+        let (tok, fresh) = (tiny(), tiny());
+        let text = "<|end|>sys  prompt 👋\n<|end|>user: CLIENT<|end|>  tail";
+        let client = text.find("CLIENT").unwrap();
+        let ranges = [client..client + 6];
+        let want = fresh.encode_protected(text, false, &ranges).unwrap();
+        for _ in 0..3 {
+            assert_eq!(tok.encode_protected(text, false, &ranges).unwrap(), want);
+        }
+        // Split at control tokens and cached, as one pass of the HF
+        // tokenizer over the whole text gives.
+        let Backend::Bpe {
+            inner,
+            split_on_controls,
+            ..
+        } = &tok.backend
+        else {
+            panic!("tiny is BPE")
+        };
+        assert!(*split_on_controls);
+        for _ in 0..3 {
+            let direct = inner.encode_fast(text, false).unwrap();
+            assert_eq!(tok.encode(text, false).unwrap(), direct.get_ids());
+        }
+        // Past the cache's bound it is emptied, never wrong.
+        for i in 0..PieceCache::ENTRIES + 10 {
+            let t = format!("<|end|>head {i} <|end|>x");
+            let r = [t.len() - 1..t.len()];
+            assert_eq!(
+                tok.encode_protected(&t, false, &r).unwrap(),
+                fresh.encode_protected(&t, false, &r).unwrap()
+            );
+        }
+        assert_eq!(tok.encode_protected(text, false, &ranges).unwrap(), want);
     }
 
     #[test]
