@@ -467,6 +467,7 @@ fn route(
     let text = Arc::new(m.text);
     let peers = PeerConnector::new(args.tls.load()?);
     let http_tls = args.http.tls()?;
+    crate::release_freed_memory();
     rt.block_on(async {
         let cluster = ClusterHandle::start(etcd, fingerprint, routing, peers)
             .await

@@ -21,6 +21,15 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// Returns what start-up freed (the tokenizer's and template's build
+/// temporaries) to the OS: mimalloc otherwise keeps such pages resident
+/// until it reuses them: 16 of a router's 67 MB idle RSS.
+pub fn release_freed_memory() {
+    // SAFETY: mi_collect only walks mimalloc's own heaps; any thread may
+    // call it at any time.
+    unsafe { libmimalloc_sys::mi_collect(true) };
+}
+
 /// `tandem --version`: the release and the hash of the sources it was
 /// built from (the end-to-end tests compare it with theirs).
 const VERSION: &str = concat!(

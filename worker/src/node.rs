@@ -24,8 +24,11 @@ pub use tandem_discovery::Role;
 
 /// KV events kept for routers that reconnect.
 const EVENT_RING: usize = 65_536;
-/// How often load is broadcast to routers.
+/// How often load is sampled, and broadcast to routers if it changed.
 const LOAD_PERIOD: Duration = Duration::from_millis(100);
+/// An unchanged load is broadcast this often: idle nodes, most of a large
+/// cluster, would otherwise cost every router ten messages a second each.
+const LOAD_HEARTBEAT: Duration = Duration::from_secs(1);
 
 /// How a node is reached and where it registers.
 #[derive(Debug, Clone)]
@@ -281,9 +284,19 @@ pub async fn serve(
     let mut load_stop = stop_rx.clone();
     let load_task = tokio::spawn(async move {
         let mut tick = tokio::time::interval(LOAD_PERIOD);
+        let mut sent: Option<(pb::Load, std::time::Instant)> = None;
         loop {
             tokio::select! {
-                _ = tick.tick() => load_core.hub.push_load(load_core.load()),
+                _ = tick.tick() => {
+                    let load = load_core.load();
+                    let due = sent.as_ref().is_none_or(|(last, at)| {
+                        *last != load || at.elapsed() >= LOAD_HEARTBEAT
+                    });
+                    if due {
+                        load_core.hub.push_load(load.clone());
+                        sent = Some((load, std::time::Instant::now()));
+                    }
+                }
                 _ = load_stop.changed() => break,
             }
         }
