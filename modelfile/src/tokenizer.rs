@@ -357,7 +357,10 @@ enum Backend {
     /// tokens (for plain text).
     Bpe {
         inner: tokenizers::Tokenizer,
-        plain: tokenizers::Tokenizer,
+        /// Built on first use: only client text that spells a control
+        /// token needs it, and it is a second copy of the vocabulary and
+        /// merges (memory a router would otherwise hold for nothing).
+        plain: std::sync::OnceLock<tokenizers::Tokenizer>,
         /// Ids of `inner` pieces seen before.
         cache: PieceCache,
         /// Every control token is an added token of `inner` that is
@@ -625,7 +628,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             controls,
             backend: Backend::Bpe {
-                plain: without_added_tokens(&inner),
+                plain: std::sync::OnceLock::new(),
                 split_on_controls: controls_split(&inner, &spec.tokens, &hidden),
                 inner,
                 cache: PieceCache::default(),
@@ -820,7 +823,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             controls,
             backend: Backend::Bpe {
-                plain: without_added_tokens(&inner),
+                plain: std::sync::OnceLock::new(),
                 split_on_controls: controls_split(&inner, &tokens, &hidden),
                 inner,
                 cache: PieceCache::default(),
@@ -910,6 +913,7 @@ impl Tokenizer {
                         cache.encode(inner, &text[at..r.start], &mut out)?;
                     }
                     let enc = plain
+                        .get_or_init(|| without_added_tokens(inner))
                         .encode_fast(&text[r.clone()], false)
                         .map_err(|e| TokenizerError::Encode(e.to_string()))?;
                     out.extend_from_slice(enc.get_ids());
@@ -959,8 +963,9 @@ impl Tokenizer {
     /// and the text gets the space prefix as `encode`'s does.
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         match &self.backend {
-            Backend::Bpe { plain, .. } => {
+            Backend::Bpe { plain, inner, .. } => {
                 let enc = plain
+                    .get_or_init(|| without_added_tokens(inner))
                     .encode_fast(text, false)
                     .map_err(|e| TokenizerError::Encode(e.to_string()))?;
                 Ok(enc.get_ids().to_vec())
