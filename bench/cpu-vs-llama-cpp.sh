@@ -27,6 +27,18 @@ say "model $gguf, $threads threads, $rounds rounds, raw output in $out"
 say "llama.cpp $bin (ON: $llama_flags)"
 say "tandem $tandem"
 
+# The machine's limits (kernels/benches/decode.rs): DRAM streaming-read
+# bandwidth with $threads threads and one core's 512-bit vpdpbusd rate.
+# Measured before and after the runs; the best of each counts.
+limits() {
+  for what in membw peak; do
+    (cd "$repo" && TANDEM_THREADS=$threads TANDEM_BENCH=$what \
+      cargo bench -q -p tandem-kernels --bench decode) >>"$out/limits.$what.txt" 2>>"$out/limits.err"
+  done
+}
+say "machine limits: DRAM bandwidth, vpdpbusd peak"
+limits
+
 # --- the runs: llama.cpp and tandem alternate, the machine is noisy ----------
 for r in $(seq 1 "$rounds"); do
   say "round $r/$rounds: llama-bench pp512 tg128 (-fa on,off)"
@@ -44,11 +56,82 @@ for r in $(seq 1 "$rounds"); do
     2>"$out/tandem.$r.err" | tee "$out/tandem.$r.txt"
 done
 
+say "machine limits again"
+limits
+
 # --- summary --------------------------------------------------------------------
 python3 - "$out" "$rounds" "$threads" "$gguf" <<'PY'
-import glob, json, os, sys
+import glob, json, os, re, struct, sys
 
 out, rounds, threads, gguf = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+
+
+def gguf_model_stats(path):
+    """Per-token weight bytes and multiply-accumulates of a dense GGUF decoder."""
+    # ggml type -> (elements per block, bytes per block)
+    blk = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
+           8: (32, 34), 9: (32, 36), 10: (256, 84), 11: (256, 110), 12: (256, 144),
+           13: (256, 176), 14: (256, 210), 15: (256, 292), 30: (1, 2)}
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
+              10: "Q", 11: "q", 12: "d"}
+    with open(path, "rb") as f:
+        def rd(fmt):
+            return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
+
+        def rstr():
+            return f.read(rd("Q")).decode("utf-8", "replace")
+
+        def rval(t):
+            if t == 8:
+                return rstr()
+            if t == 9:
+                et, n = rd("I"), rd("Q")
+                if et in scalar and n > 64:  # vocabularies: skipped
+                    f.seek(n * struct.calcsize(scalar[et]), 1)
+                    return None
+                return [rval(et) for _ in range(n)]
+            return rd(scalar[t])
+
+        assert f.read(4) == b"GGUF", "not a GGUF file"
+        rd("I")
+        n_t, n_kv = rd("Q"), rd("Q")
+        meta = {}
+        for _ in range(n_kv):
+            k = rstr()
+            meta[k] = rval(rd("I"))
+        tensors = []
+        for _ in range(n_t):
+            name = rstr()
+            dims = [rd("Q") for _ in range(rd("I"))]
+            ty = rd("I")
+            rd("Q")
+            n = 1
+            for d in dims:
+                n *= d
+            e, b = blk[ty]
+            tensors.append((name, dims, n, n // e * b))
+    arch = meta.get("general.architecture", "")
+    g = lambda k, d=None: meta.get(f"{arch}.{k}", d)
+    n_layer, n_embd, n_head = g("block_count"), g("embedding_length"), g("attention.head_count")
+    n_kv_head = g("attention.head_count_kv", n_head)
+    if isinstance(n_kv_head, list):
+        n_kv_head = max(n_kv_head)
+    head_dim = g("attention.key_length", n_embd // n_head)
+    tied = "output.weight" not in {t[0] for t in tensors}
+    head = "token_embd.weight" if tied else "output.weight"
+    return {
+        # A decode step reads every tensor once, except the embedding table
+        # (one row per token) unless it is also the output head.
+        "read_bytes": sum(b for name, _, _, b in tensors
+                          if name != "token_embd.weight" or tied),
+        # Multiply-accumulates per prompt token: the layers' 2-D weights
+        # (prefill runs the output head for the last token only).
+        "macs": sum(n for name, dims, n, _ in tensors
+                    if name.startswith("blk.") and len(dims) == 2),
+        "head_macs": next(n for name, _, n, _ in tensors if name == head),
+        # f16 K and V bytes per context position, all layers.
+        "kv_bytes_per_pos": n_layer * 2 * n_kv_head * head_dim * 2,
+    }
 # metric -> list of (tokens/s, round, detail)
 llama, tandem = {}, {}
 
@@ -119,4 +202,67 @@ with open(f"{out}/summary.json", "w") as f:
 print()
 print("llama.cpp B=N rows: llama-batched-bench S_TG / S_PP (best of -fa on/off); "
       "tandem B=N prefill: whole sequences batched up to 512 tokens per forward call.")
+
+# --- shares of the machine's limits ------------------------------------------------
+def best_in(path, pattern):
+    vals = []
+    with open(path) as f:
+        for line in f:
+            m = re.search(pattern, line)
+            if m:
+                vals.append(float(m.group(1)))
+    return max(vals) if vals else None
+
+bw = best_in(f"{out}/limits.membw.txt", rf"membw\s+1024 MB\s+threads={threads}\s+([0-9.]+) GB/s")
+if bw is None:  # a single-thread run prints threads=1 once
+    bw = best_in(f"{out}/limits.membw.txt", r"membw\s+1024 MB\s+threads=\d+\s+([0-9.]+) GB/s")
+peak_core = best_in(f"{out}/limits.peak.txt", r"peak vpdpbusd \(512-bit\)\s+([0-9.]+) GMAC/s")
+st = gguf_model_stats(gguf)
+cores = min(int(threads), os.cpu_count() or int(threads))
+limits = {"dram_gb_s": bw, "vpdpbusd_gmac_s_per_core": peak_core, "cores": cores, **st}
+npp, ntg = 128, 128
+bounds = {}
+if bw:
+    # tg128: weights plus the K/V of the context (mean 1 + 64.5 positions).
+    per_tok = st["read_bytes"] + st["kv_bytes_per_pos"] * 65.5
+    bounds["tg128"] = (bw * 1e9 / per_tok,
+                       f"bandwidth: {per_tok / 1e6:.1f} MB/token at {bw:.1f} GB/s")
+if peak_core:
+    peak = peak_core * 1e9 * cores
+    bounds["pp512"] = (peak / st["macs"],
+                       f"VNNI: {st['macs'] / 1e6:.1f}M MAC/token at {cores} x {peak_core:.0f} GMAC/s")
+if bw and peak_core:
+    # B=32 decode, roofline: a step reads the weights once and each
+    # sequence's K/V (mean context npp + ntg/2), and runs 32 tokens' MACs
+    # including the output head.
+    b = 32
+    step_bytes = st["read_bytes"] + b * st["kv_bytes_per_pos"] * (npp + ntg / 2)
+    step_macs = b * (st["macs"] + st["head_macs"])
+    t = max(step_bytes / (bw * 1e9), step_macs / (peak_core * 1e9 * cores))
+    bounds["B=32 gen"] = (b / t, f"roofline: max({step_bytes / 1e6:.0f} MB, "
+                                 f"{step_macs / 1e9:.2f} GMAC) per step")
+print()
+print(f"# Shares of this machine's limits: DRAM read {bw or float('nan'):.1f} GB/s "
+      f"({threads} threads), vpdpbusd {peak_core or float('nan'):.0f} GMAC/s per core x {cores}")
+print()
+fmt = "| {:<9} | {:>10} | {:>13} | {:>12} | {:>10} | {:<52} |"
+print(fmt.format("metric", "bound t/s", "tandem best", "tandem share", "llama share", "bound"))
+print(fmt.format(*["-" * 9, "-" * 10, "-" * 13, "-" * 12, "-" * 10, "-" * 52]))
+shares = []
+for key, (bound, what) in bounds.items():
+    if key not in tandem:
+        continue
+    tb = max(tandem[key])[0]
+    lb = max(llama[key])[0] if key in llama else None
+    print(fmt.format(key, f"{bound:.1f}", f"{tb:.1f}", f"{100 * tb / bound:.1f}%",
+                     "-" if lb is None else f"{100 * lb / bound:.1f}%", what))
+    shares.append({"metric": key, "bound": bound, "bound_basis": what,
+                   "tandem_share": tb / bound,
+                   "llama_cpp_share": None if lb is None else lb / bound})
+with open(f"{out}/summary.json") as f:
+    summary_json = json.load(f)
+summary_json["limits"] = limits
+summary_json["shares"] = shares
+with open(f"{out}/summary.json", "w") as f:
+    json.dump(summary_json, f, indent=2)
 PY

@@ -675,19 +675,72 @@ impl DecoderModel {
                 placement.push((ci, ch.start_pos + i));
             }
         }
+        FORWARD_BUFFERS.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut bufs) => self.forward_rest(
+                chunks, cache, layer_done, logits, &token_ids, &placement, &mut bufs,
+            ),
+            // Only reachable if a forward pass re-entered itself on this thread.
+            Err(_) => self.forward_rest(
+                chunks,
+                cache,
+                layer_done,
+                logits,
+                &token_ids,
+                &placement,
+                &mut ForwardBuffers::default(),
+            ),
+        })
+    }
+
+    /// [`DecoderModel::forward_into`] after the batch was checked and
+    /// flattened: `token_ids` and their `(chunk, position)` placement.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_rest(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+        layer_done: &mut dyn FnMut(usize),
+        logits: &mut Vec<f32>,
+        token_ids: &[u32],
+        placement: &[(usize, usize)],
+        bufs: &mut ForwardBuffers,
+    ) -> Result<(), RequestError> {
+        let c = &self.config;
+        let kvc = *cache.config();
         let n_tok = token_ids.len();
         let d = c.d_model;
-        let mut x = vec![0.0f32; n_tok * d];
+        // Every buffer starts empty, so resizing it gives what a fresh
+        // zeroed one would (a rank relies on that where it leaves rows zero);
+        // they go back into `bufs` when the pass succeeds.
+        bufs.clear();
+        let ForwardBuffers {
+            mut x,
+            mut xn,
+            mut qkv,
+            mut attn,
+            mut proj,
+            mut q,
+            mut k,
+            mut v,
+            mut gate,
+            mut up,
+            mut gate_up,
+            mut act,
+            mut partials,
+            mut seg_x,
+            mut gathered,
+        } = std::mem::take(bufs);
+        x.resize(n_tok * d, 0.0);
         match &self.tp {
             None => {
-                for (row, &t) in x.chunks_exact_mut(d).zip(&token_ids) {
+                for (row, &t) in x.chunks_exact_mut(d).zip(token_ids) {
                     self.token_embd.row_into(t as usize, row)?;
                 }
             }
             Some(tp) => {
                 // The rank owning the token's row writes it, the others
                 // leave zeros; the sum is exact.
-                for (row, &t) in x.chunks_exact_mut(d).zip(&token_ids) {
+                for (row, &t) in x.chunks_exact_mut(d).zip(token_ids) {
                     if let Some(local) = (t as usize).checked_sub(tp.vocab_start)
                         && local < tp.vocab_len
                     {
@@ -698,29 +751,24 @@ impl DecoderModel {
             }
         }
         if let Some(scale) = c.embedding_scale() {
-            for v in &mut x {
+            for v in x.iter_mut() {
                 *v *= scale;
             }
         }
 
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let qkv_w = qd + 2 * kvd;
-        let mut xn = vec![0.0f32; n_tok * d];
+        xn.resize(n_tok * d, 0.0);
         // Each token's q | k | v, as the fused projection writes them.
-        let mut qkv = vec![0.0f32; n_tok * qkv_w];
-        let mut attn = vec![0.0f32; n_tok * qd];
-        let mut proj = vec![0.0f32; n_tok * d];
-        // Outputs of unfused projections, and the dense FFN activations
-        // (sized on first use: fused or MoE layers need some of them not).
-        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut gate, mut up, mut gate_up, mut act) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        qkv.resize(n_tok * qkv_w, 0.0);
+        attn.resize(n_tok * qd, 0.0);
+        proj.resize(n_tok * d, 0.0);
+        // Outputs of unfused projections, and the dense FFN activations,
+        // are sized on first use (fused or MoE layers need some of them not).
 
         // Segment partials of a row-parallel projection, and the gather.
         let local_segs = self.layers.first().map_or(0, |l| l.wo.count);
-        let mut partials = vec![0.0f32; local_segs * n_tok * d];
-        let mut seg_x = Vec::new();
-        let mut gathered = Vec::new();
+        partials.resize(local_segs * n_tok * d, 0.0);
         // Whether `xn` already holds this layer's attention-norm input.
         let mut xn_ready = false;
 
@@ -764,7 +812,7 @@ impl DecoderModel {
                 layer.rope.apply(q_row, c.head_dim, pos);
                 layer.rope.apply(&mut kv_row[..kvd], c.head_dim, pos);
             });
-            for (row, &(ci, pos)) in qkv.chunks_exact(qkv_w).zip(&placement) {
+            for (row, &(ci, pos)) in qkv.chunks_exact(qkv_w).zip(placement) {
                 let table = chunks[ci].block_table;
                 cache.write(
                     li,
@@ -775,7 +823,7 @@ impl DecoderModel {
                 );
             }
             layer_done(li);
-            self.attention(li, chunks, &placement, &qkv, cache, &mut attn);
+            self.attention(li, chunks, placement, &qkv, cache, &mut attn);
             layer.wo.partials(&attn, n_tok, &mut seg_x, &mut partials)?;
             if let (Ffn::Moe(moe), Some(tp), Combine::Dispatch) =
                 (&layer.ffn, &self.tp, &self.moe_combine)
@@ -864,6 +912,23 @@ impl DecoderModel {
         let Some(tp) = &self.tp else {
             self.output_head().matmul(&last, rows.len(), logits)?;
             self.softcap(logits);
+            *bufs = ForwardBuffers {
+                x,
+                xn,
+                qkv,
+                attn,
+                proj,
+                q,
+                k,
+                v,
+                gate,
+                up,
+                gate_up,
+                act,
+                partials,
+                seg_x,
+                gathered,
+            };
             return Ok(());
         };
         // Each rank's vocabulary slice, gathered rank-major, then laid out
@@ -883,6 +948,23 @@ impl DecoderModel {
             }
         }
         self.softcap(logits);
+        *bufs = ForwardBuffers {
+            x,
+            xn,
+            qkv,
+            attn,
+            proj,
+            q,
+            k,
+            v,
+            gate,
+            up,
+            gate_up,
+            act,
+            partials,
+            seg_x,
+            gathered,
+        };
         Ok(())
     }
 
@@ -1109,7 +1191,56 @@ fn attention_tiles(placement: &[(usize, usize)]) -> Vec<(usize, usize)> {
     tiles
 }
 
+/// The forward pass's activation buffers, kept across calls on the thread
+/// that runs them (a 512-token prompt's are tens of megabytes: allocated
+/// afresh, every call faulted in and zeroed them page by page).
+#[derive(Default)]
+struct ForwardBuffers {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    partials: Vec<f32>,
+    seg_x: Vec<f32>,
+    gathered: Vec<f32>,
+}
+
+impl ForwardBuffers {
+    /// Empties every buffer, keeping its capacity.
+    fn clear(&mut self) {
+        for b in [
+            &mut self.x,
+            &mut self.xn,
+            &mut self.qkv,
+            &mut self.attn,
+            &mut self.proj,
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.gate_up,
+            &mut self.act,
+            &mut self.partials,
+            &mut self.seg_x,
+            &mut self.gathered,
+        ] {
+            b.clear();
+        }
+    }
+}
+
 thread_local! {
+    static FORWARD_BUFFERS: std::cell::RefCell<ForwardBuffers> =
+        std::cell::RefCell::new(ForwardBuffers::default());
     /// Attention scratch reused across calls on each pool thread: a work
     /// item's queries, their context lengths and window starts, the
     /// kernel's scratch.

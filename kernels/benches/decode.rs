@@ -76,9 +76,12 @@ fn weights(ty: GgmlType, rows: usize, cols: usize, salt: usize) -> Vec<u8> {
     let mut data: Vec<u8> = (0..bytes)
         .map(|i| (((i + salt) * 2654435761usize) >> 7) as u8)
         .collect();
+    // Finite scales: `d` (Q6_K's sits after its quants), and Q4_1's `m` /
+    // Q4_K's `dmin`.
+    let d = if ty == GgmlType::Q6_K { 208 } else { 0 };
     for blk in data.chunks_exact_mut(ty.block_bytes()) {
-        blk[0..2].copy_from_slice(&0x211Eu16.to_le_bytes());
-        if ty == GgmlType::Q4_1 {
+        blk[d..d + 2].copy_from_slice(&0x211Eu16.to_le_bytes());
+        if matches!(ty, GgmlType::Q4_1 | GgmlType::Q4_K) {
             blk[2..4].copy_from_slice(&0xA11Eu16.to_le_bytes());
         }
     }
@@ -98,6 +101,10 @@ fn cold() {
         (GgmlType::Q4_1, 1536, 576),
         (GgmlType::Q4_1, 576, 1536),
         (GgmlType::Q8_0, 49152, 576),
+        // Qwen2.5-0.5B's Q4_K_M: FFN gate/up, down (Q4_K or Q6_K).
+        (GgmlType::Q5_0, 4864, 896),
+        (GgmlType::Q4_K, 896, 4864),
+        (GgmlType::Q6_K, 896, 4864),
     ] {
         let bytes = ty.row_bytes(cols).expect("aligned") * rows;
         let copies = (768 << 20) / bytes + 1;
@@ -140,6 +147,7 @@ fn cold() {
 fn batch() {
     let peak = vnni_peak_gmacs().map(|p| p * tandem_kernels::num_threads() as f64);
     for (ty, rows, cols) in [
+        (GgmlType::Q4_1, 3072, 576),
         (GgmlType::Q4_1, 1536, 576),
         (GgmlType::Q4_1, 576, 1536),
         (GgmlType::Q8_0, 49152, 576),

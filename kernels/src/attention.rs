@@ -219,6 +219,24 @@ pub fn attend_tile_with_isa(
         256 if tiled => return tile::<256>(&ctx, qs, &first_of, scratch, out),
         _ => {}
     }
+    // A decode step's GQA group: every query sees the same positions, so
+    // each K and V row is converted once for up to three queries held
+    // against it (AVX-512's 32 vector registers hold their accumulators).
+    #[cfg(target_arch = "x86_64")]
+    if simd
+        && isa >= Isa::Avx512Vnni
+        && Isa::Avx512Vnni.is_supported()
+        && n_ctx.iter().all(|&n| n == max_ctx)
+        && (0..nq).all(|i| first_of(i) == first_of(0))
+    {
+        let window = first_of(0)..max_ctx;
+        match hd {
+            64 => return group::<64>(&ctx, qs, window, scratch, out),
+            128 => return group::<128>(&ctx, qs, window, scratch, out),
+            256 => return group::<256>(&ctx, qs, window, scratch, out),
+            _ => {}
+        }
+    }
     for (i, ((q, o), &n)) in qs
         .chunks_exact(hd)
         .zip(out.chunks_exact_mut(hd))
@@ -317,6 +335,124 @@ fn tile<const D: usize>(
             }
         }
         p0 += batch.len;
+    }
+}
+
+/// [`attend_tile`]'s grouped path for `D`-value heads whose queries all
+/// see `window` (a decode step's query heads of one KV head): the queries
+/// go through in runs of up to three, and each K and V row is converted
+/// from f16 once per run, straight from the blocks. Each query's scores
+/// and output take the same operations in the same order as
+/// [`attend_one`] (bitwise; tested). Requires AVX-512 F/VL, AVX2 and F16C
+/// (checked by the caller) and `qs` / `out` of `c.n_ctx.len()` rows of `D`
+/// values.
+#[cfg(target_arch = "x86_64")]
+fn group<const D: usize>(
+    c: &TileCtx<'_>,
+    qs: &[f32],
+    window: std::ops::Range<usize>,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (qs, _) = qs.as_chunks::<D>();
+    let (out, _) = out.as_chunks_mut::<D>();
+    let mut i = 0;
+    while i < qs.len() {
+        let g = (qs.len() - i).min(3);
+        let (q, o) = (&qs[i..i + g], &mut out[i..i + g]);
+        match g {
+            1 => group_run::<D, 1>(c, q, window.clone(), scratch, o),
+            2 => group_run::<D, 2>(c, q, window.clone(), scratch, o),
+            _ => group_run::<D, 3>(c, q, window.clone(), scratch, o),
+        }
+        i += g;
+    }
+}
+
+/// [`group`] for exactly `G` queries (`q` and `out` hold `G` rows).
+#[cfg(target_arch = "x86_64")]
+fn group_run<const D: usize, const G: usize>(
+    c: &TileCtx<'_>,
+    q: &[[f32; D]],
+    window: std::ops::Range<usize>,
+    scratch: &mut Vec<f32>,
+    out: &mut [[f32; D]],
+) {
+    let n = window.end;
+    let q: &[[f32; D]; G] = q.try_into().expect("G query rows");
+    let out: &mut [[f32; D]; G] = out.try_into().expect("G output rows");
+    let mut qh = [[0.0f32; D]; G];
+    for (d, s) in qh.iter_mut().zip(q) {
+        // SAFETY: AVX-512 F/VL, AVX2 and F16C checked by the caller.
+        unsafe { avx512::round_f16::<D>(s, d) };
+    }
+    scratch.clear();
+    scratch.resize(G * n, 0.0);
+    let mut scores: [&mut [f32]; G] = {
+        let mut rest = &mut scratch[..];
+        std::array::from_fn(|_| {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = tail;
+            head
+        })
+    };
+    // The used rows of each block, as `D`-value rows.
+    fn used<'b, const D: usize>(
+        blocks: &[&'b [f16]],
+        bs: usize,
+        n: usize,
+        b: usize,
+    ) -> &'b [[f16; D]] {
+        let rows = bs.min(n - b * bs);
+        &blocks[b].as_chunks::<D>().0[..rows]
+    }
+    let nb = n.div_ceil(c.block_size);
+    let mut p0 = 0;
+    for b in 0..nb {
+        let rows = used::<D>(c.k_blocks, c.block_size, n, b);
+        let (full, rest) = rows.as_chunks::<8>();
+        for batch in full {
+            // SAFETY: AVX-512 F/VL, AVX2 and F16C checked by the caller.
+            let d = unsafe { avx512::dot8_group::<D, G>(&qh, batch) };
+            for (sc, d) in scores.iter_mut().zip(&d) {
+                for (s, &v) in sc[p0..p0 + 8].iter_mut().zip(d) {
+                    *s = v * c.scale;
+                }
+            }
+            p0 += 8;
+        }
+        for row in rest {
+            // SAFETY: as above.
+            let d = unsafe { avx512::dot_group::<D, G>(&qh, row) };
+            for (sc, &v) in scores.iter_mut().zip(&d) {
+                sc[p0] = v * c.scale;
+            }
+            p0 += 1;
+        }
+    }
+    for sc in scores.iter_mut() {
+        sc[..window.start].fill(f32::NEG_INFINITY);
+        crate::ops::softmax(sc);
+        crate::ops::round_through_f16(sc);
+    }
+    let scores: [&[f32]; G] = scores.map(|s| &*s);
+    for seg in 0..D / 64 {
+        // SAFETY: AVX-512 F/VL, AVX2 and F16C checked by the caller.
+        let mut acc = unsafe { avx512::GroupAcc::<G>::zero() };
+        let mut p0 = 0;
+        for b in 0..nb {
+            let rows = used::<D>(c.v_blocks, c.block_size, n, b);
+            // SAFETY: as above.
+            unsafe { avx512::weighted_group::<D, G>(&mut acc, seg, &scores, p0, rows) };
+            p0 += rows.len();
+        }
+        for (o, a) in out.iter_mut().zip(&acc.0) {
+            let dst: &mut [f32; 64] = (&mut o[seg * 64..seg * 64 + 64])
+                .try_into()
+                .expect("64 values");
+            // SAFETY: as above.
+            unsafe { avx512::store64(dst, a) };
+        }
     }
 }
 
@@ -455,6 +591,171 @@ fn context_rows_n<'a, const D: usize>(
         .iter()
         .flat_map(move |b| b.as_chunks::<D>().0.iter().take(block_size))
         .take(n_ctx)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    //! The grouped decode kernels. `unsafe` only for their target
+    //! features: the caller must make sure the CPU supports AVX-512 F/VL
+    //! (their 32 vector registers hold a run's accumulators), AVX2 and
+    //! F16C. Lengths come from the argument types.
+
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    /// Output accumulators of `G` queries for 64 values of the head.
+    pub(super) struct GroupAcc<const G: usize>(pub(super) [[__m256; 8]; G]);
+
+    impl<const G: usize> GroupAcc<G> {
+        /// All zeros.
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512 F/VL, AVX2 and F16C.
+        #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
+        pub(super) unsafe fn zero() -> Self {
+            GroupAcc([[_mm256_setzero_ps(); 8]; G])
+        }
+    }
+
+    /// One row's lane accumulators for `G` queries: lane `i % 8`, chunks in
+    /// order from zero, mul then add (as `avx2::dot_f32_f16`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/VL, AVX2 and F16C.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
+    unsafe fn row_lanes<const D: usize, const G: usize>(
+        q: &[[f32; D]; G],
+        row: &[f16; D],
+    ) -> [__m256; G] {
+        // SAFETY (whole body): q's rows and `row` hold D values, c * 8 + 8 <= D.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); G];
+            for c in 0..D / 8 {
+                let k = _mm256_cvtph_ps(_mm_loadu_si128(row.as_ptr().add(c * 8).cast()));
+                for (a, qg) in acc.iter_mut().zip(q) {
+                    let qv = _mm256_loadu_ps(qg.as_ptr().add(c * 8));
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(qv, k));
+                }
+            }
+            acc
+        }
+    }
+
+    /// `G` queries' dot products with 8 f16 rows: each row's lanes as
+    /// [`row_lanes`], summed as `avx2::sum_lanes8` does (so bitwise
+    /// `avx2::dot_f32_f16` per row and query).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/VL, AVX2 and F16C.
+    #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
+    pub(super) unsafe fn dot8_group<const D: usize, const G: usize>(
+        q: &[[f32; D]; G],
+        rows: &[[f16; D]; 8],
+    ) -> [[f32; 8]; G] {
+        // SAFETY (whole body): target features as the caller guarantees.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); 8]; G];
+            for (r, row) in rows.iter().enumerate() {
+                let l = row_lanes::<D, G>(q, row);
+                for (a, v) in acc.iter_mut().zip(l) {
+                    a[r] = v;
+                }
+            }
+            let mut out = [[0.0f32; 8]; G];
+            for (o, a) in out.iter_mut().zip(&acc) {
+                *o = super::avx2::sum_lanes8(a);
+            }
+            out
+        }
+    }
+
+    /// [`dot8_group`] for one row: its lanes summed left to right from
+    /// -0.0, as `lanes.iter().sum()`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/VL, AVX2 and F16C.
+    #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
+    pub(super) unsafe fn dot_group<const D: usize, const G: usize>(
+        q: &[[f32; D]; G],
+        row: &[f16; D],
+    ) -> [f32; G] {
+        // SAFETY: target features as the caller guarantees.
+        let l = unsafe { row_lanes::<D, G>(q, row) };
+        l.map(|v| {
+            let mut lanes = [0.0f32; 8];
+            // SAFETY: `lanes` holds 8 f32.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+            lanes.iter().sum::<f32>()
+        })
+    }
+
+    /// `acc[g] += p[g][p0 + j] * v_j[seg * 64..seg * 64 + 64]` for each row
+    /// `j` of `rows` in order, mul then add per element (as
+    /// `avx2::weighted_f16_rows_64` and `axpy_f16`).
+    ///
+    /// # Panics
+    /// If some `p[g]` is shorter than `p0 + rows.len()`, or `seg * 64 + 64 > D`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/VL, AVX2 and F16C.
+    #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
+    pub(super) unsafe fn weighted_group<const D: usize, const G: usize>(
+        acc: &mut super::avx512::GroupAcc<G>,
+        seg: usize,
+        p: &[&[f32]; G],
+        p0: usize,
+        rows: &[[f16; D]],
+    ) {
+        assert!(seg * 64 + 64 <= D, "segment past the head");
+        let w: [&[f32]; G] = std::array::from_fn(|g| &p[g][p0..p0 + rows.len()]);
+        // SAFETY (whole body): each row holds D >= seg * 64 + 64 values.
+        unsafe {
+            let mut a = acc.0;
+            for (j, row) in rows.iter().enumerate() {
+                let src = row.as_ptr().add(seg * 64);
+                let wv: [__m256; G] =
+                    std::array::from_fn(|g| _mm256_set1_ps(*w[g].get_unchecked(j)));
+                for c in 0..8 {
+                    let x = _mm256_cvtph_ps(_mm_loadu_si128(src.add(c * 8).cast()));
+                    for (ag, &wg) in a.iter_mut().zip(&wv) {
+                        ag[c] = _mm256_add_ps(ag[c], _mm256_mul_ps(wg, x));
+                    }
+                }
+            }
+            acc.0 = a;
+        }
+    }
+
+    /// `dst = f32(f16(src))`, rounding to nearest even (as `half`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/VL, AVX2 and F16C.
+    #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
+    pub(super) unsafe fn round_f16<const D: usize>(src: &[f32; D], dst: &mut [f32; D]) {
+        for c in 0..D / 8 {
+            // SAFETY: both hold D values, c * 8 + 8 <= D.
+            unsafe {
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(
+                    src.as_ptr().add(c * 8),
+                ));
+                _mm256_storeu_ps(dst.as_mut_ptr().add(c * 8), _mm256_cvtph_ps(h));
+            }
+        }
+    }
+
+    /// Stores 64 accumulated values.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/VL, AVX2 and F16C.
+    #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
+    pub(super) unsafe fn store64(dst: &mut [f32; 64], a: &[__m256; 8]) {
+        for (c, v) in a.iter().enumerate() {
+            // SAFETY: `dst` holds 64 values, c * 8 + 8 <= 64.
+            unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(c * 8), *v) };
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -600,7 +901,7 @@ mod avx2 {
     /// The CPU must support AVX2 and F16C.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn sum_lanes8(acc: &[__m256; 8]) -> [f32; 8] {
+    pub(super) unsafe fn sum_lanes8(acc: &[__m256; 8]) -> [f32; 8] {
         // SAFETY (whole body): `out` holds 8 f32.
         unsafe {
             // 8x8 transpose: t[l] holds lane l of every row.
@@ -815,6 +1116,13 @@ mod tests {
             (256, 16, (120..=140).collect()),
             (256, 3, vec![130, 7, 8, 9, 0, 64, 1, 200]),
             (64, 16, vec![1]),
+            // A decode step's groups (one context for every query): runs of
+            // three and the rest, short blocks splitting 8-row batches.
+            (64, 16, vec![37; 2]),
+            (64, 16, vec![200; 7]),
+            (64, 3, vec![29; 4]),
+            (128, 16, vec![45; 4]),
+            (256, 5, vec![33; 4]),
             (32, 4, vec![5, 6, 7, 20]),
             (6, 2, vec![3, 5]),
         ];
@@ -982,6 +1290,57 @@ mod tests {
             }
             for (g, w) in got.iter().zip(&want) {
                 assert!((f64::from(*g) - w).abs() < 5e-3, "query {i}: {g} vs {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_group_sharing_a_window_is_bitwise_each_query_alone() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let mut cov =
+            IsaCoverage::new("attention::a_group_sharing_a_window_is_bitwise_each_query_alone");
+        for &(hd, bs, nq, n, lo) in &[
+            (64usize, 16usize, 3usize, 150usize, 130usize),
+            (256, 7, 4, 61, 9),
+        ] {
+            let kb = blocks(&mut rng, n.div_ceil(bs), bs * hd);
+            let vb = blocks(&mut rng, n.div_ceil(bs), bs * hd);
+            let ks: Vec<&[f16]> = kb.iter().map(Vec::as_slice).collect();
+            let vs: Vec<&[f16]> = vb.iter().map(Vec::as_slice).collect();
+            let qs: Vec<f32> = (0..nq * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let (first, n_ctx) = (vec![lo; nq], vec![n; nq]);
+            let mut want = vec![0.0; nq * hd];
+            for (i, (q, o)) in qs.chunks(hd).zip(want.chunks_mut(hd)).enumerate() {
+                attend_tile_with_isa(
+                    Isa::Scalar,
+                    q,
+                    &first[i..i + 1],
+                    &n_ctx[i..i + 1],
+                    &ks,
+                    &vs,
+                    bs,
+                    0.125,
+                    &mut Vec::new(),
+                    o,
+                );
+            }
+            for isa in cov.isas() {
+                let mut got = vec![f32::NAN; nq * hd];
+                attend_tile_with_isa(
+                    isa,
+                    &qs,
+                    &first,
+                    &n_ctx,
+                    &ks,
+                    &vs,
+                    bs,
+                    0.125,
+                    &mut Vec::new(),
+                    &mut got,
+                );
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{isa} hd {hd} bs {bs}");
+                cov.ran(isa);
             }
         }
     }

@@ -1291,10 +1291,11 @@ mod tests {
         let (tok, fresh) = (tiny(), tiny());
         let text = "<|end|>sys  prompt 👋\n<|end|>user: CLIENT<|end|>  tail";
         let client = text.find("CLIENT").unwrap();
-        let ranges = [client..client + 6];
-        let want = fresh.encode_protected(text, false, &ranges).unwrap();
+        let client = client..client + 6;
+        let ranges = std::slice::from_ref(&client);
+        let want = fresh.encode_protected(text, false, ranges).unwrap();
         for _ in 0..3 {
-            assert_eq!(tok.encode_protected(text, false, &ranges).unwrap(), want);
+            assert_eq!(tok.encode_protected(text, false, ranges).unwrap(), want);
         }
         // Split at control tokens and cached, as one pass of the HF
         // tokenizer over the whole text gives.
@@ -1314,13 +1315,14 @@ mod tests {
         // Past the cache's bound it is emptied, never wrong.
         for i in 0..PieceCache::ENTRIES + 10 {
             let t = format!("<|end|>head {i} <|end|>x");
-            let r = [t.len() - 1..t.len()];
+            let last = t.len() - 1..t.len();
+            let r = std::slice::from_ref(&last);
             assert_eq!(
-                tok.encode_protected(&t, false, &r).unwrap(),
-                fresh.encode_protected(&t, false, &r).unwrap()
+                tok.encode_protected(&t, false, r).unwrap(),
+                fresh.encode_protected(&t, false, r).unwrap()
             );
         }
-        assert_eq!(tok.encode_protected(text, false, &ranges).unwrap(), want);
+        assert_eq!(tok.encode_protected(text, false, ranges).unwrap(), want);
     }
 
     #[test]

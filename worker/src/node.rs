@@ -293,7 +293,7 @@ pub async fn serve(
                         *last != load || at.elapsed() >= LOAD_HEARTBEAT
                     });
                     if due {
-                        load_core.hub.push_load(load.clone());
+                        load_core.hub.push_load(load);
                         sent = Some((load, std::time::Instant::now()));
                     }
                 }
