@@ -15,19 +15,17 @@ mod telemetry;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-/// The serving path makes many small, short-lived allocations per request
-/// and per streamed token (JSON, SSE frames, gRPC messages); glibc's malloc
-/// spent a fifth of the router's CPU on them.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Returns what start-up freed (the tokenizer's and template's build
-/// temporaries) to the OS: mimalloc otherwise keeps such pages resident
-/// until it reuses them: 16 of a router's 67 MB idle RSS.
+/// temporaries) to the OS; glibc keeps such pages until the heap's top is
+/// free. (mimalloc cut the router's allocation cost, but a prefill node's
+/// memory under it crept up for as long as the soak test ran.)
 pub fn release_freed_memory() {
-    // SAFETY: mi_collect only walks mimalloc's own heaps; any thread may
-    // call it at any time.
-    unsafe { libmimalloc_sys::mi_collect(true) };
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap memory to the OS; any
+    // thread may call it at any time.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// `tandem --version`: the release and the hash of the sources it was

@@ -129,6 +129,15 @@ impl KvPool {
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw.cast::<f16>())
             .ok_or(KvCacheError::InvalidConfig("cannot allocate the KV pool"))?;
+        // Commit every page now: an allocator that maps fresh zero pages
+        // would otherwise fault them in as the prefix cache first reaches
+        // them, and a node's memory would creep up for hours (and first
+        // use of a block would pay the fault inside a forward pass).
+        for off in (0..layout.size()).step_by(Self::ALIGN) {
+            // SAFETY: `off` is inside the allocation just made; the pool
+            // is not shared yet.
+            unsafe { std::ptr::write_volatile(raw.add(off), 0) };
+        }
         Ok(Self {
             ptr,
             len,
