@@ -909,42 +909,25 @@ impl DecoderModel {
             ops::rms_norm(&x[r * d..(r + 1) * d], &self.output_norm, c.rms_eps, o);
         }
         logits.resize(rows.len() * c.vocab_size, 0.0);
-        let Some(tp) = &self.tp else {
-            self.output_head().matmul(&last, rows.len(), logits)?;
-            self.softcap(logits);
-            *bufs = ForwardBuffers {
-                x,
-                xn,
-                qkv,
-                attn,
-                proj,
-                q,
-                k,
-                v,
-                gate,
-                up,
-                gate_up,
-                act,
-                partials,
-                seg_x,
-                gathered,
-            };
-            return Ok(());
-        };
-        // Each rank's vocabulary slice, gathered rank-major, then laid out
-        // row by row.
-        let vl = tp.vocab_len;
-        let mut local = vec![0.0f32; rows.len() * vl];
-        self.output_head().matmul(&last, rows.len(), &mut local)?;
-        let world = tp.comm.world_size();
-        let mut gathered = vec![0.0f32; world * local.len()];
-        tp.comm
-            .all_gather(&local, &mut gathered)
-            .map_err(|e| RequestError::Collective(e.to_string()))?;
-        for (r, part) in gathered.chunks_exact(local.len().max(1)).enumerate() {
-            for (row, src) in part.chunks_exact(vl).enumerate() {
-                logits[row * c.vocab_size + r * vl..row * c.vocab_size + (r + 1) * vl]
-                    .copy_from_slice(src);
+        match &self.tp {
+            None => self.output_head().matmul(&last, rows.len(), logits)?,
+            Some(tp) => {
+                // Each rank's vocabulary slice, gathered rank-major, then
+                // laid out row by row.
+                let vl = tp.vocab_len;
+                let mut local = vec![0.0f32; rows.len() * vl];
+                self.output_head().matmul(&last, rows.len(), &mut local)?;
+                let world = tp.comm.world_size();
+                let mut all = vec![0.0f32; world * local.len()];
+                tp.comm
+                    .all_gather(&local, &mut all)
+                    .map_err(|e| RequestError::Collective(e.to_string()))?;
+                for (r, part) in all.chunks_exact(local.len().max(1)).enumerate() {
+                    for (row, src) in part.chunks_exact(vl).enumerate() {
+                        logits[row * c.vocab_size + r * vl..row * c.vocab_size + (r + 1) * vl]
+                            .copy_from_slice(src);
+                    }
+                }
             }
         }
         self.softcap(logits);
