@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::Router;
@@ -122,9 +122,7 @@ impl std::fmt::Debug for Renderer {
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    tandem_types::clock::since_epoch().as_secs()
 }
 
 impl AppState {
@@ -174,9 +172,7 @@ impl AppState {
 
     fn new_id(&self, prefix: &str) -> String {
         let n = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
+        let nanos = tandem_types::clock::since_epoch().subsec_nanos();
         format!("{prefix}-{:x}{nanos:08x}{n:06x}", self.inner.created)
     }
 

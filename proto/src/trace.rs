@@ -26,9 +26,7 @@ pub struct TraceContext {
 fn random_u64() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
+    let t = tandem_types::clock::since_epoch().as_nanos() as u64;
     let x = t ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(std::process::id()) << 32;
     // Ids need to be unique, not secret.
     tandem_types::rng::mix(x).max(1)

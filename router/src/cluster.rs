@@ -215,7 +215,7 @@ impl Worker {
         let (len0, bytes0) = (cached.len(), index_bytes(&cached));
         let m = metrics();
         if e.emitted_unix_us > 0 {
-            let now = unix_us();
+            let now = tandem_types::clock::unix_micros();
             m.event_lag
                 .record(now.saturating_sub(e.emitted_unix_us) as f64 / 1e3, &[]);
         }
@@ -241,12 +241,6 @@ impl Worker {
 /// A hash set's table: a hash and a control byte per slot.
 fn index_bytes(set: &HashSet<BlockHash>) -> usize {
     set.capacity() * (std::mem::size_of::<BlockHash>() + 1)
-}
-
-fn unix_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Follows a worker's event stream, reconnecting (and replaying from the

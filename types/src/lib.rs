@@ -6,6 +6,7 @@
 //! on the engine.
 
 pub mod block_hash;
+pub mod clock;
 pub mod egress;
 pub mod fingerprint;
 pub mod request;

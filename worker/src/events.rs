@@ -45,14 +45,8 @@ fn to_pb(e: KvEvent) -> pb::WorkerEvent {
     pb::WorkerEvent {
         event_id: e.id,
         kind: Some(kind),
-        emitted_unix_us: unix_us(),
+        emitted_unix_us: tandem_types::clock::unix_micros(),
     }
-}
-
-fn unix_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
 }
 
 impl EventHub {
