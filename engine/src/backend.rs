@@ -51,14 +51,7 @@ pub trait ServedModel: Send + Sync + std::fmt::Debug {
 
     /// The shape of a whole-model KV pool.
     fn kv_cache_config(&self, block_size: usize, num_blocks: usize) -> KvCacheConfig {
-        let c = self.config();
-        KvCacheConfig {
-            block_size,
-            num_blocks,
-            n_layers: c.n_layers,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
-        }
+        KvCacheConfig::for_model(self.config(), block_size, num_blocks)
     }
 
     /// Builds the runner of this model's steps.

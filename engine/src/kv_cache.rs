@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use tandem_modelfile::config::ModelConfig;
 
 use crate::block_manager::BlockManager;
 
@@ -41,6 +42,18 @@ pub struct KvCacheConfig {
 }
 
 impl KvCacheConfig {
+    /// A pool of `num_blocks` blocks holding every layer and KV head of a
+    /// model with this shape.
+    pub fn for_model(config: &ModelConfig, block_size: usize, num_blocks: usize) -> Self {
+        KvCacheConfig {
+            block_size,
+            num_blocks,
+            n_layers: config.n_layers,
+            n_kv_heads: config.n_kv_heads,
+            head_dim: config.head_dim,
+        }
+    }
+
     /// `f16` elements in one (layer, k|v, head) slice of a block.
     pub fn head_slice_len(&self) -> usize {
         self.block_size * self.head_dim

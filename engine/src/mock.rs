@@ -133,6 +133,8 @@ impl MockModel {
     fn step_time(&self, chunks: &[SeqChunk<'_>]) -> Duration {
         let (mut prefill, mut decode, mut context) = (0usize, 0usize, 0usize);
         for c in chunks {
+            // A one-token chunk over a cached context is a decode step's
+            // work, whether it is a sampled token or a chunked prompt's tail.
             if c.tokens.len() == 1 && c.start_pos > 0 {
                 decode += 1;
                 context += c.start_pos + 1;

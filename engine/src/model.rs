@@ -586,13 +586,7 @@ impl DecoderModel {
 
     /// A KV cache shape for this model.
     pub fn kv_cache_config(&self, block_size: usize, num_blocks: usize) -> KvCacheConfig {
-        KvCacheConfig {
-            block_size,
-            num_blocks,
-            n_layers: self.config.n_layers,
-            n_kv_heads: self.config.n_kv_heads,
-            head_dim: self.config.head_dim,
-        }
+        KvCacheConfig::for_model(&self.config, block_size, num_blocks)
     }
 
     fn output_head(&self) -> &Weight {
