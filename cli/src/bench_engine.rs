@@ -18,24 +18,24 @@
 //!   `2 x --reps + 1` steps, at least 5, after one untimed step).
 //!
 //! `--tp N` runs every test on N tensor-parallel ranks (threads over shared
-//! memory, one shard each), driven as the scheduler's executor drives them.
+//! memory, one shard each): the engine's `TpExecutor`, which the scheduler
+//! drives too.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::sync::{Arc, mpsc};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use crate::kernel_args::KernelArgs;
-use tandem_engine::LoadedModel;
-use tandem_engine::comm::{Communicator, CpuGroup};
+use tandem_engine::backend::RunnerConfig;
 use tandem_engine::kv_cache::KvCache;
-use tandem_engine::model::{DecoderModel, SeqChunk};
+use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::argmax;
+use tandem_engine::{LoadedModel, ServedModel, StepRunner};
 use tandem_modelfile::fetch;
 use tandem_perfmodel::profile::PROFILE_VERSION;
 use tandem_perfmodel::{DecodePoint, EngineProfile, PrefillPoint};
@@ -169,221 +169,72 @@ impl Row {
 
 use tandem_types::SeededRng as Rng;
 
-/// A step's chunks, owned so peer ranks can run them.
-type OwnedChunks = Vec<(Vec<u32>, usize, Vec<u32>, bool)>;
-
-enum PeerMsg {
-    /// Replace the rank's KV cache with one of this many blocks (the same
-    /// block ids as rank 0's).
-    Cache(usize),
-    Step(Arc<OwnedChunks>),
+/// A KV pool and the runner that steps it: under `--tp` the runner's peer
+/// ranks own pools of their own with the same block ids, so the two are made
+/// and dropped together.
+struct Pool {
+    cache: KvCache,
+    runner: Box<dyn StepRunner>,
 }
 
-struct Peer {
-    tx: Option<mpsc::Sender<PeerMsg>>,
-    done: mpsc::Receiver<Result<(), String>>,
-    thread: Option<JoinHandle<()>>,
-}
-
-/// Runs forward calls on the whole model or on `--tp` ranks: rank 0 on the
-/// calling thread, the others on their own threads, each step sent to all
-/// (what the scheduler's executor does, which is private to the engine).
-struct Exec {
-    /// Rank 0's shard; `None` runs the whole model.
-    shard: Option<DecoderModel>,
-    peers: Vec<Peer>,
-}
-
-impl Exec {
-    fn new(m: &LoadedModel, tp: usize) -> Result<Self> {
-        if tp <= 1 {
-            return Ok(Self {
-                shard: None,
-                peers: Vec::new(),
-            });
-        }
-        let mut shards = Vec::with_capacity(tp);
-        for comm in CpuGroup::new(tp) {
-            let comm: Arc<dyn Communicator> = Arc::new(comm);
-            shards.push(
-                m.model
-                    .shard_with(comm, Combine::AllReduce)
-                    .with_context(|| format!("--tp {tp}"))?,
-            );
-        }
-        let rank0 = shards.remove(0);
-        let mut peers = Vec::new();
-        for (i, shard) in shards.into_iter().enumerate() {
-            let (tx, rx) = mpsc::channel();
-            let (done_tx, done) = mpsc::channel();
-            let thread = std::thread::Builder::new()
-                .name(format!("bench-tp-rank{}", i + 1))
-                .spawn(move || peer_loop(shard, rx, done_tx))
-                .context("spawning a tensor-parallel rank")?;
-            peers.push(Peer {
-                tx: Some(tx),
-                done,
-                thread: Some(thread),
-            });
-        }
-        Ok(Self {
-            shard: Some(rank0),
-            peers,
-        })
-    }
-
-    fn rank0<'a>(&'a self, m: &'a LoadedModel) -> &'a DecoderModel {
-        self.shard.as_ref().unwrap_or(&m.model)
-    }
-
-    fn send(&self, msg: impl Fn() -> PeerMsg) -> Result<()> {
-        for p in &self.peers {
-            let sent = p.tx.as_ref().map(|tx| tx.send(msg()));
-            if !matches!(sent, Some(Ok(()))) {
-                bail!("a tensor-parallel rank stopped");
-            }
-        }
-        Ok(())
-    }
-
-    fn wait(&self) -> Result<()> {
-        for p in &self.peers {
-            match p.done.recv() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => bail!("tensor-parallel rank: {e}"),
-                Err(_) => bail!("a tensor-parallel rank stopped"),
-            }
-        }
-        Ok(())
-    }
-
-    fn cache(&self, m: &LoadedModel, blocks: usize) -> Result<KvCache> {
-        self.send(|| PeerMsg::Cache(blocks))?;
-        self.wait()?;
-        KvCache::new(self.rank0(m).kv_cache_config(BLOCK_SIZE, blocks)).context("creating KV cache")
-    }
-
-    fn forward_into(
-        &self,
-        m: &LoadedModel,
-        chunks: &[SeqChunk<'_>],
-        cache: &mut KvCache,
-        logits: &mut Vec<f32>,
-    ) -> Result<()> {
-        if !self.peers.is_empty() {
-            let owned: Arc<OwnedChunks> = Arc::new(
-                chunks
-                    .iter()
-                    .map(|c| {
-                        (
-                            c.tokens.to_vec(),
-                            c.start_pos,
-                            c.block_table.to_vec(),
-                            c.want_logits,
-                        )
-                    })
-                    .collect(),
-            );
-            self.send(|| PeerMsg::Step(Arc::clone(&owned)))?;
-        }
-        let r = self
-            .rank0(m)
-            .forward_into(chunks, cache, &mut |_| {}, logits);
-        self.wait()?;
-        r?;
-        Ok(())
-    }
-}
-
-impl Drop for Exec {
-    fn drop(&mut self) {
-        for p in &mut self.peers {
-            p.tx.take(); // closes the rank's channel: it exits
-        }
-        for p in &mut self.peers {
-            if let Some(t) = p.thread.take() {
-                let _ = t.join();
-            }
-        }
-    }
-}
-
-fn peer_loop(
-    shard: DecoderModel,
-    rx: mpsc::Receiver<PeerMsg>,
-    done: mpsc::Sender<Result<(), String>>,
-) {
-    let mut cache: Option<KvCache> = None;
-    while let Ok(msg) = rx.recv() {
-        let r = match msg {
-            PeerMsg::Cache(blocks) => {
-                // Free the old pool first: caches can be large.
-                cache = None;
-                KvCache::new(shard.kv_cache_config(BLOCK_SIZE, blocks))
-                    .map(|c| cache = Some(c))
-                    .map_err(|e| e.to_string())
-            }
-            PeerMsg::Step(input) => match cache.as_mut() {
-                None => Err("step before a cache".to_string()),
-                Some(cache) => {
-                    let chunks: Vec<SeqChunk<'_>> = input
-                        .iter()
-                        .map(|(tokens, start_pos, table, want_logits)| SeqChunk {
-                            tokens,
-                            start_pos: *start_pos,
-                            block_table: table,
-                            want_logits: *want_logits,
-                        })
-                        .collect();
-                    shard
-                        .forward(&chunks, cache)
-                        .map(|_| ())
-                        .map_err(|e| e.to_string())
-                }
-            },
-        };
-        if done.send(r).is_err() {
-            return;
-        }
-    }
-}
-
-struct Bench<'a> {
-    m: &'a LoadedModel,
-    exec: &'a Exec,
+struct Bench {
+    model: Arc<LoadedModel>,
+    tp: usize,
     vocab: usize,
     prefill_chunk: usize,
     rng: Rng,
 }
 
-impl Bench<'_> {
-    /// A cache holding `tokens` tokens (block size 16).
-    fn cache(&self, tokens: usize) -> Result<KvCache> {
-        let blocks = tokens.div_ceil(BLOCK_SIZE).max(1);
-        self.exec.cache(self.m, blocks)
+impl Bench {
+    /// A pool holding `tokens` tokens (block size 16), stepped by the
+    /// model's own `StepRunner`, as the scheduler steps it.
+    fn pool(&self, tokens: usize) -> Result<Pool> {
+        let runner = Arc::clone(&self.model)
+            .runner(RunnerConfig {
+                tp: self.tp,
+                moe_combine: Combine::AllReduce,
+                block_size: BLOCK_SIZE,
+                num_blocks: tokens.div_ceil(BLOCK_SIZE).max(1),
+            })
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("--tp {}", self.tp))?;
+        let kv = KvCache::new(runner.kv_cache_config()).context("creating KV cache")?;
+        Ok(Pool { cache: kv, runner })
     }
 
     /// One forward call (on every rank); its logits.
-    fn forward(&self, chunks: &[SeqChunk<'_>], cache: &mut KvCache) -> Result<Vec<f32>> {
+    fn forward(&self, chunks: &[SeqChunk<'_>], pool: &mut Pool) -> Result<Vec<f32>> {
         let mut logits = Vec::new();
-        self.exec.forward_into(self.m, chunks, cache, &mut logits)?;
+        self.forward_into(chunks, pool, &mut logits)?;
         Ok(logits)
     }
 
-    /// A cache holding one sequence of `tokens` tokens, and its block table.
+    /// One forward call into a kept logits buffer.
+    fn forward_into(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        pool: &mut Pool,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        pool.runner
+            .forward(chunks, &mut pool.cache, &mut |_| {}, logits)?;
+        Ok(())
+    }
+
+    /// A pool holding one sequence of `tokens` tokens, and its block table.
     /// Repetitions reuse both: each run overwrites the K/V it reads.
-    fn cache_one(&self, tokens: usize) -> Result<(KvCache, Vec<u32>)> {
-        let mut cache = self.cache(tokens)?;
+    fn cache_one(&self, tokens: usize) -> Result<(Pool, Vec<u32>)> {
+        let mut pool = self.pool(tokens)?;
         let mut table = Vec::new();
-        cache.reserve(&mut table, tokens)?;
-        Ok((cache, table))
+        pool.cache.reserve(&mut table, tokens)?;
+        Ok((pool, table))
     }
 
     /// Prefills one sequence of `n` tokens from position 0; returns the time
     /// and the forward-call count.
     fn prefill_one(
         &mut self,
-        cache: &mut KvCache,
+        pool: &mut Pool,
         table: &[u32],
         n: usize,
     ) -> Result<(Duration, usize)> {
@@ -399,7 +250,7 @@ impl Bench<'_> {
                     block_table: table,
                     want_logits: start_pos + piece.len() == n,
                 }],
-                cache,
+                pool,
             )?;
             std::hint::black_box(&logits);
             calls += 1;
@@ -408,7 +259,7 @@ impl Bench<'_> {
     }
 
     /// A 1-token prompt (untimed), then `n` greedy decode steps (timed).
-    fn decode_one(&mut self, cache: &mut KvCache, table: &[u32], n: usize) -> Result<Duration> {
+    fn decode_one(&mut self, pool: &mut Pool, table: &[u32], n: usize) -> Result<Duration> {
         let first = self.rng.tokens(1, self.vocab);
         let logits = self.forward(
             &[SeqChunk {
@@ -417,21 +268,20 @@ impl Bench<'_> {
                 block_table: table,
                 want_logits: true,
             }],
-            cache,
+            pool,
         )?;
         let mut tok = argmax(logits.get(..self.vocab).context("short logits")?);
         let mut logits = Vec::new();
         let t0 = Instant::now();
         for pos in 1..=n {
-            self.exec.forward_into(
-                self.m,
+            self.forward_into(
                 &[SeqChunk {
                     tokens: &[tok],
                     start_pos: pos,
                     block_table: table,
                     want_logits: true,
                 }],
-                cache,
+                pool,
                 &mut logits,
             )?;
             tok = argmax(logits.get(..self.vocab).context("short logits")?);
@@ -443,7 +293,7 @@ impl Bench<'_> {
     /// steps. Returns (prefill time, prefill calls, decode time).
     fn batched(
         &mut self,
-        cache: &mut KvCache,
+        pool: &mut Pool,
         tables: &[Vec<u32>],
         npp: usize,
         ntg: usize,
@@ -470,7 +320,7 @@ impl Bench<'_> {
                             block_table: &tables[s],
                             want_logits: last,
                         }],
-                        cache,
+                        pool,
                     )?;
                     calls += 1;
                     if last {
@@ -490,7 +340,7 @@ impl Bench<'_> {
                         want_logits: true,
                     })
                     .collect();
-                let logits = self.forward(&chunks, cache)?;
+                let logits = self.forward(&chunks, pool)?;
                 calls += 1;
                 for (s, row) in group.zip(logits.chunks_exact(self.vocab)) {
                     next[s] = argmax(row);
@@ -512,8 +362,7 @@ impl Bench<'_> {
                     want_logits: true,
                 })
                 .collect();
-            self.exec
-                .forward_into(self.m, &chunks, cache, &mut logits)?;
+            self.forward_into(&chunks, pool, &mut logits)?;
             if logits.len() != b * self.vocab {
                 bail!(
                     "forward returned {} logits, want {}",
@@ -532,7 +381,7 @@ impl Bench<'_> {
     /// position 0, logits for the last (a prefill node samples it); the
     /// best of `reps`.
     fn profile_prefill(&mut self, n: usize, reps: usize) -> Result<f64> {
-        let (mut cache, table) = self.cache_one(n)?;
+        let (mut pool, table) = self.cache_one(n)?;
         let mut best = f64::INFINITY;
         for _ in 0..reps {
             let prompt = self.rng.tokens(n, self.vocab);
@@ -544,7 +393,7 @@ impl Bench<'_> {
                     block_table: &table,
                     want_logits: true,
                 }],
-                &mut cache,
+                &mut pool,
             )?;
             best = best.min(t0.elapsed().as_secs_f64());
             std::hint::black_box(&logits);
@@ -559,11 +408,11 @@ impl Bench<'_> {
     /// a step another process preempted says nothing about the engine).
     fn profile_decode(&mut self, b: usize, context: usize, steps: usize) -> Result<f64> {
         let per_seq = context + steps + 1;
-        let mut cache = self.cache(b * per_seq.div_ceil(BLOCK_SIZE) * BLOCK_SIZE)?;
+        let mut pool = self.pool(b * per_seq.div_ceil(BLOCK_SIZE) * BLOCK_SIZE)?;
         let mut tables = Vec::with_capacity(b);
         for _ in 0..b {
             let mut t = Vec::new();
-            cache.reserve(&mut t, per_seq)?;
+            pool.cache.reserve(&mut t, per_seq)?;
             tables.push(t);
         }
         let mut logits = Vec::new();
@@ -579,8 +428,7 @@ impl Bench<'_> {
                 })
                 .collect();
             let t0 = Instant::now();
-            self.exec
-                .forward_into(self.m, &chunks, &mut cache, &mut logits)?;
+            self.forward_into(&chunks, &mut pool, &mut logits)?;
             if step > 0 {
                 times.push(t0.elapsed().as_secs_f64());
             }
@@ -592,7 +440,7 @@ impl Bench<'_> {
 
 /// Measures the `--profile` points.
 fn measure_profile(
-    bench: &mut Bench<'_>,
+    bench: &mut Bench,
     args: &BenchEngineArgs,
     model: &str,
     isa: &str,
@@ -676,7 +524,9 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     args.kernels.apply()?;
     let cache_dir = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
     let path = crate::fetch::resolve_model(&args.model, &cache_dir)?;
-    let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let m = Arc::new(
+        tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?,
+    );
     let cfg = m.model.config();
     let vocab = cfg.vocab_size;
     let mut longest = args.pp.max(args.tg + 1).max(if args.batch.0.is_empty() {
@@ -711,10 +561,9 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
         println!("tensor parallel: {} ranks", args.tp);
     }
 
-    let exec = Exec::new(&m, args.tp)?;
     let mut bench = Bench {
-        m: &m,
-        exec: &exec,
+        model: Arc::clone(&m),
+        tp: args.tp,
         vocab,
         prefill_chunk: args.prefill_chunk,
         rng: Rng::new(args.seed),
@@ -723,13 +572,13 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
 
     // Warm-up: page in the weights, spin up the thread pool, size buffers.
     {
-        let (mut cache, table) = bench.cache_one(64)?;
-        bench.prefill_one(&mut cache, &table, 32)?;
-        bench.decode_one(&mut cache, &table, 8)?;
+        let (mut pool, table) = bench.cache_one(64)?;
+        bench.prefill_one(&mut pool, &table, 32)?;
+        bench.decode_one(&mut pool, &table, 8)?;
     }
 
     if args.pp > 0 {
-        let (mut cache, table) = bench.cache_one(args.pp)?;
+        let (mut pool, table) = bench.cache_one(args.pp)?;
         let mut row = Row {
             test: format!("pp{}", args.pp),
             kind: "pp",
@@ -739,7 +588,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
             samples: Vec::new(),
         };
         for _ in 0..args.reps {
-            let (dt, calls) = bench.prefill_one(&mut cache, &table, args.pp)?;
+            let (dt, calls) = bench.prefill_one(&mut pool, &table, args.pp)?;
             row.samples.push(dt);
             row.n_calls = calls;
         }
@@ -748,7 +597,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     }
 
     if args.tg > 0 {
-        let (mut cache, table) = bench.cache_one(args.tg + 1)?;
+        let (mut pool, table) = bench.cache_one(args.tg + 1)?;
         let mut row = Row {
             test: format!("tg{}", args.tg),
             kind: "tg",
@@ -759,7 +608,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
         };
         for _ in 0..args.reps {
             row.samples
-                .push(bench.decode_one(&mut cache, &table, args.tg)?);
+                .push(bench.decode_one(&mut pool, &table, args.tg)?);
         }
         eprintln!("{}: {:.1} t/s", row.test, row.best());
         rows.push(row);
@@ -767,11 +616,11 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
 
     for &b in &args.batch.0 {
         let per_seq = args.npp + args.ntg;
-        let mut cache = bench.cache(b * per_seq.div_ceil(BLOCK_SIZE) * BLOCK_SIZE)?;
+        let mut pool = bench.pool(b * per_seq.div_ceil(BLOCK_SIZE) * BLOCK_SIZE)?;
         let mut tables = Vec::with_capacity(b);
         for _ in 0..b {
             let mut t = Vec::new();
-            cache.reserve(&mut t, per_seq)?;
+            pool.cache.reserve(&mut t, per_seq)?;
             tables.push(t);
         }
         let name = format!("B={b} npp{} ntg{}", args.npp, args.ntg);
@@ -792,7 +641,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
             samples: Vec::new(),
         };
         for _ in 0..args.reps {
-            let (t_pp, calls, t_tg) = bench.batched(&mut cache, &tables, args.npp, args.ntg)?;
+            let (t_pp, calls, t_tg) = bench.batched(&mut pool, &tables, args.npp, args.ntg)?;
             pre.samples.push(t_pp);
             pre.n_calls = calls;
             gen_row.samples.push(t_tg);
