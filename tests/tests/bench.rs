@@ -137,3 +137,77 @@ fn multi_turn_sessions_reuse_the_previous_turn() {
     assert!(mt["retention"].as_f64().unwrap() > 0.0, "{mt}");
     assert_eq!(mt["retention_requests"], SESSIONS * (TURNS - 1));
 }
+
+/// `bench-engine --profile` on one rank and on two tensor-parallel ranks
+/// (Qwen2.5's heads split in two; SmolLM2's nine do not): the file loads as
+/// a profile, says what it measured, and `tandem plan` accepts it.
+#[test]
+fn bench_engine_writes_profiles_the_planner_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = [
+        (
+            std::env::var("TANDEM_TEST_GGUF").expect("TANDEM_TEST_GGUF"),
+            1,
+        ),
+        (
+            std::env::var("TANDEM_TEST_QWEN2_GGUF").expect("TANDEM_TEST_QWEN2_GGUF"),
+            2,
+        ),
+    ];
+    for (gguf, tp) in models {
+        let path = dir.path().join(format!("tp{tp}.json"));
+        let out = Command::new(binary())
+            .arg("bench-engine")
+            .args(["--model", &gguf, "--threads", "2", "--tp", &tp.to_string()])
+            .args([
+                "--pp", "32", "--tg", "4", "--batch", "2", "--npp", "16", "--ntg", "4",
+            ])
+            .args(["--reps", "1", "--profile", path.to_str().unwrap()])
+            .args(["--profile-prefill", "16,32", "--profile-batch", "1,2"])
+            .args(["--profile-context", "16,48"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "bench-engine --tp {tp}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("B=2 npp16 ntg4 gen"), "{stdout}");
+        let p = tandem_perfmodel::EngineProfile::load(&path).unwrap();
+        assert_eq!(p.tp, tp);
+        let prefill: Vec<usize> = p.prefill.iter().map(|x| x.tokens).collect();
+        assert_eq!(prefill, [16, 32]);
+        let grid: Vec<(usize, usize)> = p.decode.iter().map(|d| (d.batch, d.context)).collect();
+        assert_eq!(grid.len(), 4, "{grid:?}");
+        for (b, c) in [(1, 16), (1, 48), (2, 16), (2, 48)] {
+            assert!(grid.contains(&(b, c)), "{grid:?} lacks {b}x{c}");
+        }
+        assert!(p.prefill.iter().all(|x| x.seconds > 0.0));
+        assert!(p.decode.iter().all(|x| x.seconds > 0.0));
+
+        let report = dir.path().join(format!("plan-tp{tp}.json"));
+        let plan = Command::new(binary())
+            .args(["plan", "--profile", path.to_str().unwrap()])
+            .args(["--rate", "1", "--input-len", "32", "--output-len", "8"])
+            .args(["--nodes", "2", "--requests", "50"])
+            .args(["--json", report.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            plan.status.success(),
+            "plan over the tp{tp} profile: {}\n{}",
+            String::from_utf8_lossy(&plan.stdout),
+            String::from_utf8_lossy(&plan.stderr)
+        );
+        let v: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+        let candidates = v["candidates"].as_array().unwrap();
+        assert!(!candidates.is_empty(), "{v}");
+        for c in candidates {
+            // A node that steps in milliseconds sustains some requests per
+            // second, not an unbounded rate.
+            let r = c["max_good_rate"].as_f64().unwrap();
+            assert!(r > 0.5 && r < 1e4, "{}: {r} req/s", c["topology"]);
+        }
+    }
+}
