@@ -30,36 +30,10 @@ bench_build_tandem
 bench_resolve_gguf
 command -v etcd >/dev/null || { echo "etcd not found (apt install etcd-server)" >&2; exit 1; }
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-pids=()
-stop_all() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-}
-trap 'stop_all; rm -rf "$out/etcd-data"' EXIT
-# Starts a process logging to $out/$1.log and waits for a line matching $2.
-start() { # name marker cmd...
-  local name=$1 marker=$2; shift 2
-  "$@" >"$out/$name.log" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 1 600); do
-    grep -q "$marker" "$out/$name.log" && return 0
-    kill -0 "${pids[-1]}" 2>/dev/null || { echo "$name died:" >&2; tail -n 20 "$out/$name.log" >&2; exit 1; }
-    sleep 0.2
-  done
-  echo "$name not ready" >&2; exit 1
-}
-port_of() { grep -o "$2 http://127.0.0.1:[0-9]*" "$out/$1.log" | head -n1 | grep -o '[0-9]*$'; }
+trap stop_all EXIT
 
 start_cluster() {
-  local ec ep
-  ec=$(free_port); ep=$(free_port)
-  etcd_url=http://127.0.0.1:$ec
-  start etcd "ready to serve client requests" etcd --data-dir "$out/etcd-data" \
-    --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
-    --listen-peer-urls "http://127.0.0.1:$ep" --initial-advertise-peer-urls "http://127.0.0.1:$ep" \
-    --initial-cluster "default=http://127.0.0.1:$ep"
+  start_etcd
   local common=(--etcd "$etcd_url" --model "$gguf" --threads 1 --max-batch-size 32 --ucx-tls "$tls")
   start prefill "serving gRPC" "$tandem" prefill "${common[@]}" --id p0
   start decode "serving gRPC" "$tandem" decode "${common[@]}" --id d0 ${decode_extra:-}
@@ -100,7 +74,6 @@ xfer_n=$(metric_sum "$prefill_metrics" tandem_dkv_transfer_latency_milliseconds_
 bytes=$(metric_sum "$prefill_metrics" tandem_dkv_bytes_transferred_bytes_total)
 remote=$(metric_sum "$decode_metrics" tandem_decode_prefills_total)
 stop_all
-rm -rf "$out/etcd-data"
 # The same cluster with every prompt prefilled on the decode node: the same
 # one-thread compute without the handoff, so the difference is its cost.
 decode_extra="--remote-prefill-min-tokens 1000000000"
@@ -108,7 +81,6 @@ start_cluster
 local_ttft=()
 for r in $(seq 1 $rounds); do local_ttft+=("$(ttft_ms "$router_port" "$(long_prompt "l$r")")"); done
 stop_all
-rm -rf "$out/etcd-data"
 decode_extra=""
 start_serve
 for r in $(seq 1 $rounds); do serve_ttft+=("$(ttft_ms "$serve_port" "$(long_prompt "s$r")")"); done
@@ -145,7 +117,6 @@ for c in $levels; do
   start_cluster
   bench cluster "$router_port" "$c"
   stop_all
-  rm -rf "$out/etcd-data"
   start_serve
   bench serve "$serve_port" "$c"
   stop_all

@@ -42,27 +42,7 @@ bench_build_tandem
 bench_resolve_gguf
 command -v etcd >/dev/null || { echo "etcd not found (apt install etcd-server)" >&2; exit 1; }
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-pids=()
-stop_all() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-  rm -rf "$out/etcd-data"
-}
 trap stop_all EXIT
-start() { # name marker cmd...
-  local name=$1 marker=$2; shift 2
-  "$@" >"$out/$name.log" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 1 600); do
-    grep -q "$marker" "$out/$name.log" && return 0
-    kill -0 "${pids[-1]}" 2>/dev/null || { echo "$name died:" >&2; tail -n 20 "$out/$name.log" >&2; exit 1; }
-    sleep 0.2
-  done
-  echo "$name not ready" >&2; exit 1
-}
-port_of() { grep -o "$2 http://127.0.0.1:[0-9]*" "$out/$1.log" | head -n1 | grep -o '[0-9]*$'; }
 
 # profile NAME THREADS [PAIRED]: writes $out/profile-NAME.json.
 profile() {
@@ -77,25 +57,12 @@ profile() {
   if ((twin)); then wait "$twin_pid"; fi
 }
 
-start_etcd() {
-  local ec ep
-  ec=$(free_port); ep=$(free_port)
-  etcd_url=http://127.0.0.1:$ec
-  start etcd "ready to serve client requests" etcd --data-dir "$out/etcd-data" \
-    --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
-    --listen-peer-urls "http://127.0.0.1:$ep" --initial-advertise-peer-urls "http://127.0.0.1:$ep" \
-    --initial-cluster "default=http://127.0.0.1:$ep"
-}
 node_common() { echo --etcd "$etcd_url" --model "$gguf" --threads 1 --max-batch-size 32 --ucx-tls "$tls"; }
 start_router() { # decode workers expected, as the health JSON lists them
   port=$(free_port)
   start router "router for" "$tandem" router --etcd "$etcd_url" --model "$gguf" --port "$port" \
     --allow-extra-request-fields
-  for _ in $(seq 1 100); do
-    curl -sf "http://127.0.0.1:$port/health" | grep -q "\"decode_workers\":\[$1\]" && return 0
-    sleep 0.1
-  done
-  echo "router did not see decode workers $1" >&2; exit 1
+  wait_http "http://127.0.0.1:$port/health" "\"decode_workers\":\[$1\]"
 }
 
 # up TOPOLOGY: starts it, sets $port and $profile_file.

@@ -40,69 +40,47 @@ if [[ ! -f $profile ]]; then
     --profile "$profile" >"$out/profile.log" 2>&1
 fi
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-pids=()
-stop_all() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-}
-trap 'stop_all; rm -rf "$out/etcd-data"' EXIT
-wait_line() { # file marker pid
-  for _ in $(seq 1 600); do
-    grep -q "$2" "$1" && return 0
-    kill -0 "$3" 2>/dev/null || { echo "$1: process died" >&2; tail -n 20 "$1" >&2; exit 1; }
-    sleep 0.2
-  done
-  echo "$1 not ready" >&2; exit 1
-}
+trap stop_all EXIT
 
 results=$out/results.jsonl
 : >"$results"
 for n in $sizes; do
   np=$(((n + 4) / 5))
   say "$n decode + $np prefill mock nodes"
-  rm -rf "$out/etcd-data"
-  ec=$(free_port); ep=$(free_port)
-  etcd_url=http://127.0.0.1:$ec
-  etcd --data-dir "$out/etcd-data" --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
-    --listen-peer-urls "http://127.0.0.1:$ep" --initial-advertise-peer-urls "http://127.0.0.1:$ep" \
-    --initial-cluster "default=http://127.0.0.1:$ep" >"$out/etcd.log" 2>&1 &
-  pids+=($!)
-  wait_line "$out/etcd.log" "ready to serve client requests" "${pids[-1]}"
+  start_etcd
   node=(--etcd "$etcd_url" --model "$gguf" --engine mock --engine-profile "$profile" --mock-time-scale "$time_scale"
     --kv-cache-blocks 64 --max-length 1024 --max-batch-size 16 --ucx-tls tcp --threads 1)
   logs=()
+  # All nodes start at once, then each is waited for.
   for i in $(seq 0 $((np - 1))); do
-    "$tandem" prefill "${node[@]}" --id "p$i" >"$out/p$i.log" 2>&1 &
-    pids+=($!); logs+=("$out/p$i.log:${pids[-1]}")
+    start_bg "p$i" "$tandem" prefill "${node[@]}" --id "p$i"
+    logs+=("p$i:${pids[-1]}")
   done
   for i in $(seq 0 $((n - 1))); do
-    "$tandem" decode "${node[@]}" --id "d$i" >"$out/d$i.log" 2>&1 &
-    pids+=($!); logs+=("$out/d$i.log:${pids[-1]}")
+    start_bg "d$i" "$tandem" decode "${node[@]}" --id "d$i"
+    logs+=("d$i:${pids[-1]}")
   done
-  for l in "${logs[@]}"; do wait_line "${l%:*}" "serving gRPC" "${l##*:}"; done
+  for l in "${logs[@]}"; do wait_log "${l%:*}" "serving gRPC" "${l##*:}"; done
   router_port=$(free_port)
-  "$tandem" router --etcd "$etcd_url" --model "$gguf" --port "$router_port" --max-length 1024 \
-    >"$out/router-$n.log" 2>&1 &
-  pids+=($!); router_pid=${pids[-1]}
-  wait_line "$out/router-$n.log" "router for" "$router_pid"
+  start "router-$n" "router for" "$tandem" router --etcd "$etcd_url" --model "$gguf" --port "$router_port" \
+    --max-length 1024
+  router_pid=${pids[-1]}
   for _ in $(seq 1 200); do
     h=$(curl -sf "http://127.0.0.1:$router_port/health" || true)
     [[ $(grep -o '"d[0-9]*"' <<<"$h" | wc -l) -eq $n && $(grep -o '"p[0-9]*"' <<<"$h" | wc -l) -eq $np ]] && break
     sleep 0.2
   done
-  rss0=$(awk '/VmRSS/ {print $2}' "/proc/$router_pid/status")
-  c0=$(awk '{ sub(/^.*\) /, ""); print $12 + $13 }' "/proc/$router_pid/stat")
+  rss0=$(rss_tree "$router_pid")
+  c0=$(cpu_tree "$router_pid")
   "$tandem" bench --url "http://127.0.0.1:$router_port" --endpoint completions --keep-alive --quiet \
     --request-rate "$rate" --num-requests "$requests" --input-len "$input_len" --output-len "$output_len" \
     --shared-prefix-groups 8 --shared-prefix-len 128 --json "$out/bench-$n.json" >"$out/bench-$n.log" 2>&1
-  c1=$(awk '{ sub(/^.*\) /, ""); print $12 + $13 }' "/proc/$router_pid/stat")
-  rss1=$(awk '/VmRSS/ {print $2}' "/proc/$router_pid/status")
+  c1=$(cpu_tree "$router_pid")
+  rss1=$(rss_tree "$router_pid")
   curl -sf "http://127.0.0.1:$router_port/metrics" >"$out/metrics-$n.txt"
-  python3 - "$out/metrics-$n.txt" "$out/bench-$n.json" "$n" "$np" "$rss0" "$rss1" "$c0" "$c1" "$(getconf CLK_TCK)" >>"$results" <<'PY'
+  python3 - "$out/metrics-$n.txt" "$out/bench-$n.json" "$n" "$np" "$rss0" "$rss1" "$c0" "$c1" >>"$results" <<'PY'
 import json, re, sys
-metrics, bench, n, np_, rss0, rss1, c0, c1, hz = sys.argv[1:]
+metrics, bench, n, np_, rss0, rss1, c0, c1 = sys.argv[1:]
 text = open(metrics).read()
 def hist(prefix):
     # Cumulative buckets summed over label sets -> p50/p99 (upper bounds).
@@ -125,7 +103,7 @@ print(json.dumps({"decode": int(n), "prefill": int(np_), "completed": r["complet
     "lag_p50_ms": lag[0], "lag_p99_ms": lag[1], "events": lag[2],
     "index_blocks": gauge("tandem_router_prefix_index_blocks"), "index_bytes": gauge("tandem_router_prefix_index_bytes"),
     "rss_idle_mb": int(rss0) / 1024, "rss_mb": int(rss1) / 1024,
-    "router_cpu_us_per_req": 1e6 * (float(c1) - float(c0)) / float(hz) / max(1, r["completed"]),
+    "router_cpu_us_per_req": 1e6 * (float(c1) - float(c0)) / max(1, r["completed"]),
     "ttft_p50_ms": r["ttft"]["p50_ms"], "ttft_p99_ms": r["ttft"]["p99_ms"]}))
 PY
   say "$(tail -n1 "$results")"

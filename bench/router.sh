@@ -5,7 +5,15 @@
 #       pass), against `tandem serve --engine mock` for the direct path;
 #   (b) sgl-model-gateway (`smg`) and sglang-router over the same number of
 #       instant mock OpenAI workers (bench/router/mock_openai_worker.py),
-#       against one worker for the direct path.
+#       against one worker for the direct path;
+#   (c) NVIDIA Dynamo's frontend (`python -m dynamo.frontend`, round-robin,
+#       file discovery, TCP request plane) over `python -m dynamo.mocker`
+#       with as many workers (--speedup-ratio 10000). It tokenizes and
+#       detokenizes like tandem's router (the HF tokenizer of SmolLM2-135M),
+#       so it is the closest peer. CPU is charged to the frontend's process
+#       tree only: the mocker is the engine, not charged, as the mock decode
+#       nodes of (a) are not. Its added TTFT is against the same direct path
+#       as (b), one mock OpenAI worker (the mocker serves no HTTP).
 # The same `tandem bench` load (keep-alive, chat, 8-word prompts) at c=1 and
 # c=$CONCURRENCY, max_tokens 1 and 64. Reported per router: CPU per request
 # (max_tokens 1, from /proc of the router and its children), CPU per
@@ -15,8 +23,13 @@
 # Environment:
 #   WORKERS=2 CONCURRENCY=32 REQUESTS=2000 REQUESTS_C1=300
 #   IO_THREADS=     the router's --io-threads (default: its own default)
-#   PEERS="smg sglang-router"   peers to run ("" for none); installed into
-#                   $ROUTERBENCH_VENV (default ~/.cache/tandem/routerbench/venv)
+#   PEERS="smg sglang-router dynamo"   peers to run ("" for none); installed
+#                   into $ROUTERBENCH_VENV (default ~/.cache/tandem/routerbench/venv)
+#   DYNAMO_VERSION=1.6.1   the ai-dynamo release installed when it is missing
+#   TANDEM_TEST_HF_DIR=dir the HF model directory (config.json, tokenizer.json,
+#                   tokenizer_config.json) Dynamo's frontend and mocker load;
+#                   default $TANDEM_CACHE/test-fixtures/smollm2-135m-hf-f32,
+#                   made with scripts/make-hf-fixture.sh when missing
 #   BENCH_OUT=dir   raw outputs (default: a new /tmp/tandem-router-bench.*)
 set -euo pipefail
 
@@ -24,7 +37,8 @@ workers=${WORKERS:-2}
 conc=${CONCURRENCY:-32}
 n_sat=${REQUESTS:-2000}
 n_c1=${REQUESTS_C1:-300}
-peers=${PEERS-smg sglang-router}
+peers=${PEERS-smg sglang-router dynamo}
+dynamo_version=${DYNAMO_VERSION:-1.6.1}
 venv=${ROUTERBENCH_VENV:-$HOME/.cache/tandem/routerbench/venv}
 repo=$(git -C "$(dirname "${BASH_SOURCE[0]}")" rev-parse --show-toplevel)
 out=${BENCH_OUT:-$(mktemp -d /tmp/tandem-router-bench.XXXXXX)}
@@ -36,56 +50,57 @@ bench_build_tandem
 bench_resolve_gguf
 command -v etcd >/dev/null || { echo "etcd not found (apt install etcd-server)" >&2; exit 1; }
 
+has_peer() { [[ " $peers " == *" $1 "* ]]; }
 install_peers() {
   [[ -z $peers ]] && return 0
-  if [[ ! -x $venv/bin/smg || ! -x $venv/bin/python ]] ||
-    ! "$venv/bin/python" -c 'import sglang_router, aiohttp' 2>/dev/null; then
-    say "installing the peer routers into $venv"
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q smg sglang-router aiohttp uvloop >&2
+  local py=$venv/bin/python pip=$venv/bin/pip
+  [[ -x $py ]] || { say "creating $venv"; python3 -m venv "$venv"; }
+  if { has_peer smg || has_peer sglang-router; } &&
+    { [[ ! -x $venv/bin/smg ]] || ! "$py" -c 'import sglang_router' 2>/dev/null; }; then
+    say "installing smg and sglang-router into $venv"
+    "$pip" install -q smg sglang-router aiohttp uvloop >&2
   fi
+  if has_peer dynamo && ! "$py" -c 'import dynamo.frontend, dynamo.mocker' 2>/dev/null; then
+    # ai-dynamo declares a dependency no public index serves (aisimulate):
+    # the two wheels go in without their dependencies, then what the
+    # frontend and the mocker import, within the ranges the wheels declare.
+    say "installing NVIDIA Dynamo $dynamo_version into $venv"
+    rm -rf "$out/dynamo-wheels"
+    "$pip" download -q --no-deps -d "$out/dynamo-wheels" \
+      "ai-dynamo==$dynamo_version" "ai-dynamo-runtime==$dynamo_version" >&2
+    "$pip" install -q --no-deps "$out/dynamo-wheels"/*.whl >&2
+    "$pip" install -q 'pydantic>=2.10.6,<=2.13.5' uvloop aiohttp certifi 'kubernetes>=32.0.1,<33' msgspec \
+      prometheus-client pyzmq redis tqdm transformers zstandard tokenizers >&2
+  fi
+  # The mock OpenAI workers, every peer's direct path.
+  "$py" -c 'import aiohttp' 2>/dev/null || "$pip" install -q aiohttp uvloop >&2
 }
 install_peers
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-pids=()
-stop_all() {
-  for p in "${pids[@]}"; do pkill -P "$p" 2>/dev/null || true; kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-}
-trap 'stop_all; rm -rf "$out/etcd-data"' EXIT
-start() { # name marker cmd...
-  local name=$1 marker=$2; shift 2
-  "$@" >"$out/$name.log" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 1 300); do
-    grep -q "$marker" "$out/$name.log" && return 0
-    kill -0 "${pids[-1]}" 2>/dev/null || { echo "$name died:" >&2; tail -n 20 "$out/$name.log" >&2; exit 1; }
-    sleep 0.2
+# Dynamo's frontend and mocker load a HF model directory (tokenizer, chat
+# template, config): the SmolLM2-135M fixture the tests use, made from the
+# GGUF when missing.
+dynamo_model_dir() {
+  local cache src
+  cache=$(bench_cache_dir)
+  hf_dir=${TANDEM_TEST_HF_DIR:-$cache/test-fixtures/smollm2-135m-hf-f32}
+  if [[ ! -f $hf_dir/config.json ]]; then
+    src=${TANDEM_TEST_GGUF:-$cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf}
+    if [[ ! -f $src ]]; then
+      say "fetching smollm2-135m"
+      "$tandem" generate --model smollm2-135m --prompt hi --max-tokens 1 --temperature 0 >/dev/null
+    fi
+    say "making $hf_dir (scripts/make-hf-fixture.sh)"
+    TANDEM_TEST_GGUF=$src "$repo/scripts/make-hf-fixture.sh" "$hf_dir" >&2
+  fi
+  local f
+  for f in config.json tokenizer.json tokenizer_config.json; do
+    [[ -f $hf_dir/$f ]] || { echo "no $f in $hf_dir" >&2; exit 1; }
   done
-  echo "$name not ready" >&2; exit 1
 }
-wait_http() { # url
-  for _ in $(seq 1 150); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.2; done
-  echo "no answer from $1" >&2; exit 1
-}
-# CPU seconds of a process and all its descendants.
-cpu_tree() {
-  local total=0 p
-  for p in $1 $(pgrep -P "$1" 2>/dev/null || true); do
-    [[ -r /proc/$p/stat ]] || continue
-    total=$(awk -v t="$total" -v hz="$(getconf CLK_TCK)" '{ sub(/^.*\) /, ""); print t + ($12 + $13) / hz }' "/proc/$p/stat")
-  done
-  echo "$total"
-}
-rss_tree() { # KiB
-  local total=0 p
-  for p in $1 $(pgrep -P "$1" 2>/dev/null || true); do
-    total=$((total + $(awk '/VmRSS/ {print $2}' "/proc/$p/status" 2>/dev/null || echo 0)))
-  done
-  echo "$total"
-}
+if has_peer dynamo; then dynamo_model_dir; fi
+
+trap stop_all EXIT
 
 # The mock engine's profile: only its shape matters at time scale 0.
 profile=$out/profile.json
@@ -124,12 +139,7 @@ PY
 }
 
 # --- (a) tandem -------------------------------------------------------------
-ec=$(free_port); ep=$(free_port)
-etcd_url=http://127.0.0.1:$ec
-start etcd "ready to serve client requests" etcd --data-dir "$out/etcd-data" \
-  --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
-  --listen-peer-urls "http://127.0.0.1:$ep" --initial-advertise-peer-urls "http://127.0.0.1:$ep" \
-  --initial-cluster "default=http://127.0.0.1:$ep"
+start_etcd
 node=(--etcd "$etcd_url" --model "$gguf" --max-length 1024 --kv-cache-blocks 512 --max-batch-size 64 --ucx-tls tcp)
 for i in $(seq 0 $((workers - 1))); do
   start "decode$i" "serving gRPC" "$tandem" decode "${node[@]}" "${mock[@]}" --id "d$i"
@@ -155,28 +165,48 @@ worker_urls=()
 if [[ -n $peers ]]; then
   for i in $(seq 0 $((workers - 1))); do
     wp=$(free_port)
-    "$venv/bin/python" "$repo/bench/router/mock_openai_worker.py" "$wp" mock >"$out/worker$i.log" 2>&1 &
-    pids+=($!)
+    start_bg "worker$i" "$venv/bin/python" "$repo/bench/router/mock_openai_worker.py" "$wp" mock
     wait_http "http://127.0.0.1:$wp/health"
     worker_urls+=("http://127.0.0.1:$wp")
   done
   measure peer-direct "${worker_urls[0]}" mock "${pids[0]}"
 fi
 for peer in $peers; do
-  pp=$(free_port); mp=$(free_port)
+  pp=$(free_port)
+  engine_pids=()
   case $peer in
-    smg) cmd=("$venv/bin/smg" launch) ;;
-    sglang-router) cmd=("$venv/bin/python" -m sglang_router.launch_router) ;;
+    smg | sglang-router)
+      if [[ $peer == smg ]]; then cmd=("$venv/bin/smg" launch)
+      else cmd=("$venv/bin/python" -m sglang_router.launch_router); fi
+      start_bg "$peer" "${cmd[@]}" --host 127.0.0.1 --port "$pp" --worker-urls "${worker_urls[@]}" \
+        --policy round_robin --prometheus-host 127.0.0.1 --prometheus-port "$(free_port)" --log-level warn
+      peer_pid=${pids[-1]}
+      wait_http "http://127.0.0.1:$pp/health" ;;
+    dynamo)
+      # Everything on loopback, discovery through files, no NATS or etcd.
+      # (1.6.1 still logs one INFO request_span line per request.)
+      rm -rf "$out/dyn-kv"
+      dyn_env=(DYN_DISCOVERY_BACKEND=file DYN_FILE_KV="$out/dyn-kv" DYN_REQUEST_PLANE=tcp
+        DYN_TCP_RPC_HOST=127.0.0.1 DYN_TCP_RESPONSE_STREAM_HOST=127.0.0.1 DYN_EVENT_PLANE_HOST=127.0.0.1
+        DYN_SYSTEM_HOST=127.0.0.1 DYN_HTTP_HOST=127.0.0.1 DYN_LOG=warn)
+      start_bg dynamo env "${dyn_env[@]}" "$venv/bin/python" -m dynamo.frontend --http-host 127.0.0.1 \
+        --http-port "$pp" --router-mode round-robin --kv-cache-block-size 16
+      peer_pid=${pids[-1]}
+      # --speedup-ratio 0 ("infinite") measured ~5 ms per token on 1.6.1.
+      start_bg dynamo-mocker env "${dyn_env[@]}" "$venv/bin/python" -m dynamo.mocker --model-path "$hf_dir" \
+        --model-name mock --num-workers "$workers" --speedup-ratio 10000 --block-size 16
+      engine_pids=("${pids[-1]}")
+      wait_http "http://127.0.0.1:$pp/v1/models" '"id":"mock"'
+      # The model is listed once its first worker registers: wait for all.
+      for _ in $(seq 1 100); do
+        [[ $(curl -sf "http://127.0.0.1:$pp/health" | grep -o '"endpoint":"generate"' | wc -l) -ge $workers ]] && break
+        sleep 0.1
+      done ;;
     *) echo "unknown peer $peer" >&2; exit 2 ;;
   esac
-  "${cmd[@]}" --host 127.0.0.1 --port "$pp" --worker-urls "${worker_urls[@]}" --policy round_robin \
-    --prometheus-host 127.0.0.1 --prometheus-port "$mp" --log-level warn >"$out/$peer.log" 2>&1 &
-  pids+=($!)
-  peer_pid=${pids[-1]}
-  wait_http "http://127.0.0.1:$pp/health"
   sleep 1
   measure "$peer" "http://127.0.0.1:$pp" mock "$peer_pid"
-  pkill -P "$peer_pid" 2>/dev/null || true; kill "$peer_pid" 2>/dev/null || true; wait "$peer_pid" 2>/dev/null || true
+  stop_pids "$peer_pid" "${engine_pids[@]}"
 done
 
 python3 - "$results" "$conc" <<'PY'
@@ -185,9 +215,11 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 conc = int(sys.argv[2])
 def get(label, ol, c):
     return next((r for r in rows if r["label"] == label and r["max_tokens"] == ol and r["conc"] == c), None)
-print(f"\nRouter cost (CPU from /proc of the router process tree; c={conc} for CPU; added TTFT at c=1 over the direct path)")
+print(f"\nRouter cost (CPU from /proc of the router process tree; c={conc} for CPU; added TTFT at c=1 over the direct path:")
+print("tandem serve --engine mock for tandem-router, one mock OpenAI worker for smg, sglang-router and dynamo)")
 print(f"{'router':<15} {'us CPU/req':>11} {'us CPU/token':>13} {'us/req c=1':>11} {'+TTFT p50 ms':>13} {'+TTFT p99 ms':>13} {'RSS MB':>7} {'req/s':>7} {'errors':>6}")
-for label, direct in [("tandem-router", "tandem-direct"), ("smg", "peer-direct"), ("sglang-router", "peer-direct")]:
+for label, direct in [("tandem-router", "tandem-direct"), ("smg", "peer-direct"), ("sglang-router", "peer-direct"),
+                      ("dynamo", "peer-direct")]:
     a, b = get(label, 1, conc), get(label, 64, conc)
     a1, b1, d1 = get(label, 1, 1), get(label, 64, 1), get(direct, 1, 1)
     if not (a and b and a1 and d1):
@@ -198,6 +230,8 @@ for label, direct in [("tandem-router", "tandem-direct"), ("smg", "peer-direct")
     rss = max(r["rss_kib"] for r in rows if r["label"] == label) / 1024
     errs = sum(r["errors"] for r in rows if r["label"] == label)
     print(f"{label:<15} {per_req:>11.0f} {per_tok:>13.1f} {per_req1:>11.0f} {a1['ttft_p50'] - d1['ttft_p50']:>13.3f} {a1['ttft_p99'] - d1['ttft_p99']:>13.3f} {rss:>7.0f} {a['rps']:>7.0f} {errs:>6}")
+if get("dynamo", 1, conc):
+    print("dynamo: the frontend's CPU only (the mocker is its engine); it tokenizes and detokenizes, as tandem's router does")
 print("targets (issue 17): <= 100 us/req, <= 5 us/token, +0.2 ms p50 and +1 ms p99 TTFT at c=1, RSS <= 50 MB")
 PY
 say "raw results: $results"
