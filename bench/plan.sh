@@ -10,6 +10,9 @@
 #   agg:1  `tandem serve --threads 2`              profile: 2 threads
 #   1p1d   router + prefill + decode, 1 thread each profile: 1 thread
 #   agg:2  router + 2 decode nodes prefilling locally, 1 thread each
+#   agg:1:tp2  `tandem serve --tp 2 --threads 1` on $TP_MODEL (its heads
+#          must split in two: SmolLM2's nine do not), at $TP_RATE req/s;
+#          profile: `bench-engine --tp 2 --threads 1`
 # A local cluster's nodes share the machine's two cores, one kernel thread
 # each, so their profile is measured with one thread. It is measured alone:
 # at a moderate rate the two nodes are seldom busy at once (a decode node
@@ -19,7 +22,8 @@
 # background load of this shared machine (its load average is printed).
 # Environment:
 #   GGUF=path  RATE=1.0  REQUESTS=90  INPUT_LEN=128  OUTPUT_LEN=64  SEED=0
-#   TOPOLOGIES="agg:1 1p1d agg:2"  PLAN_FLAGS="..." (extra `tandem plan` flags)
+#   TOPOLOGIES="agg:1 1p1d agg:2 agg:1:tp2"  PLAN_FLAGS="..." (extra `tandem plan` flags)
+#   TP_MODEL=qwen2.5-coder-0.5b (alias; or TP_GGUF=path)  TP_RATE=0.3  TP_REQUESTS=60
 #   PROFILE_PAIRED=1 (cluster profiles measured beside a busy twin)
 #   UCX_TLS_BENCH=tcp  BENCH_OUT=dir (default: a new /tmp/tandem-plan-bench.*)
 set -euo pipefail
@@ -29,7 +33,9 @@ requests=${REQUESTS:-90}
 input_len=${INPUT_LEN:-128}
 output_len=${OUTPUT_LEN:-64}
 seed=${SEED:-0}
-topologies=${TOPOLOGIES:-agg:1 1p1d agg:2}
+topologies=${TOPOLOGIES:-agg:1 1p1d agg:2 agg:1:tp2}
+tp_rate=${TP_RATE:-0.3}
+tp_requests=${TP_REQUESTS:-60}
 paired=${PROFILE_PAIRED:-0}
 tls=${UCX_TLS_BENCH:-tcp}
 repo=$(git -C "$(dirname "${BASH_SOURCE[0]}")" rev-parse --show-toplevel)
@@ -44,10 +50,10 @@ command -v etcd >/dev/null || { echo "etcd not found (apt install etcd-server)" 
 
 trap stop_all EXIT
 
-# profile NAME THREADS [PAIRED]: writes $out/profile-NAME.json.
+# profile NAME THREADS [PAIRED [MODEL [TP]]]: writes $out/profile-NAME.json.
 profile() {
-  local name=$1 t=$2 twin=${3:-0} args
-  args=(bench-engine --model "$gguf" --threads "$t" --pp 0 --tg 0 --batch "" --reps 3)
+  local name=$1 t=$2 twin=${3:-0} model=${4:-$gguf} tp=${5:-1} args
+  args=(bench-engine --model "$model" --threads "$t" --tp "$tp" --pp 0 --tg 0 --batch "" --reps 3)
   say "profile $name: $t thread(s)$( ((twin)) && echo ', measured beside a twin')"
   if ((twin)); then
     "$tandem" "${args[@]}" --seed 99 --profile "$out/profile-$name-twin.json" >"$out/profile-$name-twin.log" 2>&1 &
@@ -65,8 +71,10 @@ start_router() { # decode workers expected, as the health JSON lists them
   wait_http "http://127.0.0.1:$port/health" "\"decode_workers\":\[$1\]"
 }
 
-# up TOPOLOGY: starts it, sets $port and $profile_file.
+# up TOPOLOGY: starts it, sets $port, $profile_file, and the load's
+# $t_rate and $t_requests.
 up() {
+  t_rate=$rate t_requests=$requests
   case $1 in
     agg:1)
       profile t2 "$threads"
@@ -94,18 +102,31 @@ up() {
       # shellcheck disable=SC2046
       start decode1 "serving gRPC" "$tandem" decode $(node_common) --id d1 --remote-prefill-min-tokens 1000000000
       start_router '"d0","d1"' ;;
+    agg:1:tp2)
+      t_rate=$tp_rate t_requests=$tp_requests
+      profile tp2 1 0 "$tp_gguf" 2
+      profile_file=$out/profile-tp2.json
+      port=$(free_port)
+      start serve "tandem: serving" "$tandem" serve --model "$tp_gguf" --port "$port" --tp 2 --threads 1 \
+        --max-batch-size 32 --allow-extra-request-fields ;;
     *) echo "unknown topology $1" >&2; exit 2 ;;
   esac
 }
 
+if [[ " $topologies " == *" agg:1:tp2 "* ]]; then
+  main_gguf=$gguf
+  GGUF=${TP_GGUF:-} MODEL=${TP_MODEL:-qwen2.5-coder-0.5b} bench_resolve_gguf
+  tp_gguf=$gguf gguf=$main_gguf
+fi
+
 for t in $topologies; do
   name=${t//:/}
   up "$t"
-  say "$t: $requests requests at $rate req/s, input $input_len, output $output_len"
+  say "$t: $t_requests requests at $t_rate req/s, input $input_len, output $output_len"
   # This machine is shared: the load average says how quiet it was.
   cut -d' ' -f1 /proc/loadavg >"$out/load-$name.txt"
-  "$tandem" bench --url "http://127.0.0.1:$port" --endpoint completions --num-requests "$requests" \
-    --request-rate "$rate" --input-len "$input_len" --output-len "$output_len" --seed "$seed" \
+  "$tandem" bench --url "http://127.0.0.1:$port" --endpoint completions --num-requests "$t_requests" \
+    --request-rate "$t_rate" --input-len "$input_len" --output-len "$output_len" --seed "$seed" \
     --ignore-eos --quiet --json "$out/measured-$name.json" >"$out/measured-$name.txt"
   if [[ $t == 1p1d ]]; then
     # What the KV handoffs cost, from the prefill node's counters.
@@ -119,7 +140,7 @@ for t in $topologies; do
     "$out/measured-$name.json")
   say "$t: predicting ($tokens prompt tokens)"
   # shellcheck disable=SC2086
-  "$tandem" plan --profile "$profile_file" --topology "$t" --rate "$rate" --input-len "$tokens" \
+  "$tandem" plan --profile "$profile_file" --topology "$t" --rate "$t_rate" --input-len "$tokens" \
     --output-len "$output_len" --requests 2000 --seed "$seed" ${PLAN_FLAGS:-} \
     --json "$out/predicted-$name.json" >"$out/predicted-$name.txt"
 done
@@ -130,9 +151,9 @@ out, tops = sys.argv[1], sys.argv[2:]
 print()
 print("# tandem plan (predicted) vs tandem bench (measured)")
 hdr = ("topology", "metric", "predicted", "measured", "pred/meas")
-fmt = "| {:<8} | {:<16} | {:>9} | {:>9} | {:>9} |"
+fmt = "| {:<10} | {:<16} | {:>9} | {:>9} | {:>9} |"
 print(fmt.format(*hdr))
-print(fmt.format(*["-" * 8, "-" * 16, "-" * 9, "-" * 9, "-" * 9]))
+print(fmt.format(*["-" * 10, "-" * 16, "-" * 9, "-" * 9, "-" * 9]))
 within = total = 0
 for t in tops:
     n = t.replace(":", "")
