@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use half::f16;
+use tandem_kernels::attention::Prefetch;
 use tandem_kernels::ops::{self, Rope};
 use tandem_kernels::{GgmlType, PackedMatrix};
 
@@ -1049,22 +1050,26 @@ impl DecoderModel {
         // only on the query's own position, so its result does not depend
         // on which other tokens share its batch or tile.
         let skip_of = |pos: usize| window.map_or(0, |w| (pos + 1).saturating_sub(w) / bs);
-        let run = |(t0, nt): (usize, usize), g: usize, dst: &mut [f32]| {
+        // A decode step's context is cold (the previous step touched other
+        // sequences): fetch it in parallel before reading it.
+        let prefetch = |t0: usize, g: usize, to: Prefetch| {
             let ci = placement[t0].0;
-            let (ks, vs) = (&k_slices[ci][g], &v_slices[ci][g]);
-            // A decode step's context is cold (the previous step touched
-            // other sequences): fetch it in parallel before reading it.
             if chunks[ci].tokens.len() == 1 {
                 let pos = placement[t0].1;
                 let skip = skip_of(pos);
                 tandem_kernels::attention::prefetch_context(
-                    &ks[skip..],
-                    &vs[skip..],
+                    &k_slices[ci][g][skip..],
+                    &v_slices[ci][g][skip..],
                     bs,
                     hd,
                     pos + 1 - skip * bs,
+                    to,
                 );
             }
+        };
+        let run = |(t0, nt): (usize, usize), g: usize, dst: &mut [f32]| {
+            let ci = placement[t0].0;
+            let (ks, vs) = (&k_slices[ci][g], &v_slices[ci][g]);
             ATTN_SCRATCH.with_borrow_mut(|(qs, n_ctx, first, scratch)| {
                 // Runs of the tile's tokens that skip the same blocks.
                 let mut j = 0;
@@ -1105,6 +1110,11 @@ impl DecoderModel {
             // One token per sequence (decode): item (token, KV head) owns
             // its slice of `out`.
             tandem_kernels::parallel_chunks_mut(out, width, &|i, dst| {
+                prefetch(tiles[i / n_kv].0, i % n_kv, Prefetch::Now);
+                // The next item's rows arrive while this one computes.
+                if let Some(next) = tiles.get((i + 1) / n_kv) {
+                    prefetch(next.0, (i + 1) % n_kv, Prefetch::Next);
+                }
                 run(tiles[i / n_kv], i % n_kv, dst);
             });
             return;
@@ -1132,6 +1142,7 @@ impl DecoderModel {
                 item_len,
                 &|i, res| {
                     let tile = tiles[order[i / n_kv]];
+                    prefetch(tile.0, i % n_kv, Prefetch::Now);
                     run(tile, i % n_kv, &mut res[..tile.1 * width]);
                 },
             );

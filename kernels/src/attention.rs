@@ -52,37 +52,55 @@ pub fn attend(
     );
 }
 
+/// Where [`prefetch_context`] asks the rows to be brought.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prefetch {
+    /// Into the first-level cache: rows about to be read.
+    Now,
+    /// Into the second-level cache: rows read after the current work item,
+    /// which must not push that item's rows out of the first level.
+    Next,
+}
+
 /// Asks the memory system for the first `n_ctx` positions' K and V rows of
 /// a head (the blocks [`attend`] is about to read) all at once. A pure
 /// hint, no effect on results: worth it where the context is cold, as for
-/// a decode step's first query head of a KV group, where the scattered
-/// blocks would otherwise arrive one miss at a time.
+/// a decode step's KV groups, whose scattered blocks would otherwise arrive
+/// one miss at a time.
 pub fn prefetch_context(
     k_blocks: &[&[f16]],
     v_blocks: &[&[f16]],
     block_size: usize,
     head_dim: usize,
     n_ctx: usize,
+    to: Prefetch,
 ) {
     #[cfg(target_arch = "x86_64")]
     {
+        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
         let used = n_ctx.div_ceil(block_size.max(1));
-        for b in k_blocks.iter().take(used).chain(v_blocks.iter().take(used)) {
+        let k = k_blocks.iter().take(used).map(|b| (b, to == Prefetch::Now));
+        // V is read after all of K: nearer than the second level would
+        // only push K out of the first.
+        let v = v_blocks.iter().take(used).map(|b| (b, false));
+        for (b, first_level) in k.chain(v) {
             let bytes = std::mem::size_of_val(&b[..(block_size * head_dim).min(b.len())]);
             let p = b.as_ptr().cast::<i8>();
             for off in (0..bytes).step_by(64) {
                 // SAFETY: `off` lies inside the slice; a prefetch never faults
                 // and has no architectural effect.
                 unsafe {
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                        p.add(off),
-                    )
+                    if first_level {
+                        _mm_prefetch::<_MM_HINT_T0>(p.add(off));
+                    } else {
+                        _mm_prefetch::<_MM_HINT_T1>(p.add(off));
+                    }
                 };
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (k_blocks, v_blocks, block_size, head_dim, n_ctx);
+    let _ = (k_blocks, v_blocks, block_size, head_dim, n_ctx, to);
 }
 
 /// [`attend`] with an explicit instruction set (tests compare them).
