@@ -128,9 +128,17 @@ for t in $topologies; do
   "$tandem" bench --url "http://127.0.0.1:$port" --endpoint completions --num-requests "$t_requests" \
     --request-rate "$t_rate" --input-len "$input_len" --output-len "$output_len" --seed "$seed" \
     --ignore-eos --quiet --json "$out/measured-$name.json" >"$out/measured-$name.txt"
+  # Every process's metrics, for looking into a miss afterwards.
+  # (`serve` and the router on their API port, nodes on their own.)
+  curl -s "http://127.0.0.1:$port/metrics" >"$out/metrics-$name-front.txt" || true
+  for log in prefill decode decode0 decode1; do
+    [[ -f $out/$log.log ]] || continue
+    mp=$(port_of "$log" "metrics on" || true)
+    [[ -n $mp ]] && curl -s "http://127.0.0.1:$mp/metrics" >"$out/metrics-$name-$log.txt" || true
+  done
   if [[ $t == 1p1d ]]; then
     # What the KV handoffs cost, from the prefill node's counters.
-    curl -s "http://127.0.0.1:$(port_of prefill "metrics on")/metrics" | grep -E '^tandem_dkv_(bytes|transfer_latency_milliseconds_(sum|count))' \
+    grep -E '^tandem_dkv_(bytes|transfer_latency_milliseconds_(sum|count))' "$out/metrics-$name-prefill.txt" \
       >"$out/dkv-metrics.txt" || true
   fi
   cut -d' ' -f1 /proc/loadavg >>"$out/load-$name.txt"
