@@ -21,6 +21,13 @@ pub const LATENCY_MS_BUCKETS: [f64; 18] = [
     10000.0, 30000.0, 60000.0,
 ];
 
+/// Buckets (ms) for one forward call: a small model's decode step (a few
+/// ms) finely enough to compare with an engine profile, up to long prompts.
+const STEP_MS_BUCKETS: [f64; 22] = [
+    0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0,
+    200.0, 300.0, 500.0, 1000.0, 2000.0, 5000.0,
+];
+
 /// What one scheduler step ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BatchType {
@@ -57,6 +64,7 @@ impl BatchType {
 pub(crate) struct EngineMetrics {
     pub batch_size: Histogram<u64>,
     pub batch_input_tokens: Histogram<u64>,
+    pub forward_time: Histogram<f64>,
     pub num_requests_queued: Gauge<u64>,
     pub num_requests_running: Gauge<u64>,
     pub kv_blocks_used: Gauge<u64>,
@@ -86,6 +94,14 @@ impl EngineMetrics {
                 .u64_histogram("tandem.batch_input_tokens")
                 .with_description("Tokens (prompt chunks and decode tokens) in one scheduler step")
                 .with_boundaries(COUNT_BUCKETS.to_vec())
+                .build(),
+            forward_time: m
+                .f64_histogram("tandem.forward_time")
+                .with_description(
+                    "Wall time of one scheduler step's forward pass (what an engine profile predicts)",
+                )
+                .with_unit("ms")
+                .with_boundaries(STEP_MS_BUCKETS.to_vec())
                 .build(),
             num_requests_queued: m
                 .u64_gauge("tandem.num_requests_queued")
@@ -215,6 +231,7 @@ mod tests {
         m.batch_size.record(3, &tg);
         m.batch_size.record(5, &tg);
         m.batch_input_tokens.record(40, &[]);
+        m.forward_time.record(3.5, &tg);
         m.num_requests_queued.record(2, &[]);
         m.num_requests_running.record(7, &[]);
         m.kv_blocks_used.record(11, &[]);
@@ -230,6 +247,9 @@ mod tests {
         assert_eq!(batch.labels, [("batch_type".into(), "TG".into())]);
         assert_eq!((batch.count, batch.value), (2, 8.0));
         assert_eq!(batch.bounds, COUNT_BUCKETS);
+        let fwd = p.point("tandem.forward_time", &[("batch_type", "TG")]);
+        assert_eq!((fwd.count, fwd.value, fwd.unit.as_str()), (1, 3.5, "ms"));
+        assert_eq!(fwd.bounds, STEP_MS_BUCKETS);
         for (name, value) in [
             ("tandem.num_requests_queued", 2.0),
             ("tandem.num_requests_running", 7.0),

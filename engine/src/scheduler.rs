@@ -783,7 +783,7 @@ impl Actor {
         if plan.is_empty() {
             return false;
         }
-        self.record_batch(&plan);
+        let batch_type = self.record_batch(&plan);
         // Export sequences' blocks that this step fills: their layers can
         // leave as soon as each layer is written.
         let bs = self.config.block_size;
@@ -844,9 +844,14 @@ impl Actor {
                     }
                 })
                 .collect();
+            let t0 = std::time::Instant::now();
             let result = self
                 .exec
                 .forward(&chunks, &mut self.cache, &mut layer_done, &mut logits);
+            metrics().forward_time.record(
+                t0.elapsed().as_secs_f64() * 1e3,
+                &[KeyValue::new("batch_type", batch_type.label())],
+            );
             let masks = masker.map(|h| {
                 h.join().unwrap_or_else(|_| {
                     vec![Err(GrammarError::Engine("mask thread panicked".into())); 1]
@@ -1070,8 +1075,8 @@ impl Actor {
         plan
     }
 
-    /// Records the size and kind of a planned step.
-    fn record_batch(&self, plan: &[Planned]) {
+    /// Records the size and kind of a planned step; returns the kind.
+    fn record_batch(&self, plan: &[Planned]) -> BatchType {
         let kind = BatchType::classify(plan.iter().map(|p| {
             let s = &self.running[p.seq];
             (s.computed, s.prompt_len, p.len)
@@ -1081,6 +1086,7 @@ impl Actor {
         let m = metrics();
         m.batch_size.record(plan.len() as u64, &labels);
         m.batch_input_tokens.record(tokens as u64, &labels);
+        kind
     }
 
     fn publish_kv_events(&mut self) {

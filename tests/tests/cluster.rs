@@ -157,6 +157,16 @@ fn one_prefill_one_decode_matches_local_generation_and_splits_the_work() {
         metric(&dm, "tandem_batch_size_count", "batch_type=\"TG\"")
             >= 4.0 * (MAX_TOKENS as f64 - 1.0)
     );
+    // Every step's forward pass is timed, under its step's batch type.
+    for (m, ty) in [(&pm, "CE"), (&dm, "CE"), (&dm, "TG")] {
+        let label = format!("batch_type=\"{ty}\"");
+        assert_eq!(
+            metric(m, "tandem_forward_time_milliseconds_count", &label),
+            metric(m, "tandem_batch_size_count", &label),
+            "{ty}: {m}"
+        );
+        assert!(metric(m, "tandem_forward_time_milliseconds_sum", &label) > 0.0);
+    }
 
     // A repeated long prompt: the decode node now has its full blocks and
     // reports them as cached.
