@@ -151,6 +151,7 @@ for t in $topologies; do
   "$tandem" plan --profile "$profile_file" --topology "$t" --rate "$t_rate" --input-len "$tokens" \
     --output-len "$output_len" --requests 2000 --seed "$seed" ${PLAN_FLAGS:-} \
     --json "$out/predicted-$name.json" >"$out/predicted-$name.txt"
+  echo "$profile_file" >"$out/profile-of-$name.txt"
 done
 
 python3 - "$out" $topologies <<'PY'
@@ -188,5 +189,50 @@ try:
     print("dkv (1P1D prefill node):", " ".join(l.strip() for l in open(f"{out}/dkv-metrics.txt")))
 except OSError:
     pass
+
+# Where a miss comes from: each node's mean forward-pass time per step
+# kind while serving (tandem.forward_time), next to what its profile gives
+# for a step of that mean size (prefill: the mean prompt tokens of a CE
+# step; decode: the mean batch, at the mean context).
+import glob, re
+def interp(pts, x):
+    pts = sorted(pts)
+    if len(pts) == 1:
+        return pts[0][1] * (x / pts[0][0])
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            break
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+def sample(text, name, ty):
+    m = re.search(rf'^{name}{{batch_type="{ty}"[^}}]*}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+print("served forward passes vs the profile (mean step; ratio > 1: slower while serving)")
+for t in tops:
+    n = t.replace(":", "")
+    prof = json.load(open(open(f"{out}/profile-of-{n}.txt").read().strip()))
+    m = json.load(open(f"{out}/measured-{n}.json"))["results"][0]
+    ctx = m["prompt_tokens"] / max(m["completed"], 1) + m["output_tokens"] / max(m["completed"], 1) / 2
+    for f in sorted(glob.glob(f"{out}/metrics-{n}-*.txt")):
+        node = f.rsplit("-", 1)[1][:-4]
+        text = open(f).read()
+        parts = []
+        for ty in ("CE", "TG"):
+            cnt = sample(text, "tandem_forward_time_milliseconds_count", ty)
+            if not cnt:
+                continue
+            ms = sample(text, "tandem_forward_time_milliseconds_sum", ty) / cnt
+            size = sample(text, "tandem_batch_input_tokens_sum", ty) / cnt
+            if ty == "CE":
+                want = 1e3 * interp([(q["tokens"], q["seconds"]) for q in prof["prefill"]], size)
+                what = f"{size:.0f} tokens"
+            else:
+                by_ctx = {}
+                for d in prof["decode"]:
+                    by_ctx.setdefault(d["context"], []).append((d["batch"], d["seconds"]))
+                want = 1e3 * interp([(c, interp(b, size)) for c, b in by_ctx.items()], ctx)
+                what = f"batch {size:.2f}"
+            parts.append(f"{ty} {ms:.1f} ms at {what} (profile {want:.1f}: {ms / want:.2f}x)")
+        if parts:
+            print(f"  {t} {node}: " + "; ".join(parts))
 print(f"raw outputs: {out}")
 PY
