@@ -52,13 +52,14 @@ pub fn attend(
     );
 }
 
-/// Where [`prefetch_context`] asks the rows to be brought.
+/// Where [`prefetch_context`] asks the rows to be brought. V rows always go
+/// to the second-level cache: they are read after all of K.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Prefetch {
-    /// Into the first-level cache: rows about to be read.
+    /// K rows into the first-level cache: the current work item's.
     Now,
-    /// Into the second-level cache: rows read after the current work item,
-    /// which must not push that item's rows out of the first level.
+    /// K rows into the second-level cache too: rows read after the current
+    /// work item, which must not push that item's rows out of the first.
     Next,
 }
 
@@ -80,8 +81,7 @@ pub fn prefetch_context(
         use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
         let used = n_ctx.div_ceil(block_size.max(1));
         let k = k_blocks.iter().take(used).map(|b| (b, to == Prefetch::Now));
-        // V is read after all of K: nearer than the second level would
-        // only push K out of the first.
+        // Nearer than the second level, V would push K out of the first.
         let v = v_blocks.iter().take(used).map(|b| (b, false));
         for (b, first_level) in k.chain(v) {
             let bytes = std::mem::size_of_val(&b[..(block_size * head_dim).min(b.len())]);
