@@ -286,10 +286,12 @@ struct TileCtx<'a> {
 }
 
 /// [`attend_tile`]'s tiled path for `D`-value heads: each K and V row is
-/// converted from f16 once for every query, in batches of 8 rows, and each
-/// query's scores and output take the same operations in the same order as
-/// [`attend_one`] (bitwise; tested). Requires AVX2 and F16C (checked by
-/// the caller) and `qs` / `out` of `n_ctx.len()` rows of `D` values.
+/// converted from f16 once for every query, in batches of 8 rows, and the
+/// queries go through in runs of [`TILE_RUN`] held against each batch in
+/// registers. Each query's scores and output take the same operations in
+/// the same order as [`attend_one`] (bitwise; tested). Requires AVX2 and
+/// F16C (checked by the caller) and `qs` / `out` of `n_ctx.len()` rows of
+/// `D` values.
 fn tile<const D: usize>(
     c: &TileCtx<'_>,
     qs: &[f32],
@@ -298,35 +300,40 @@ fn tile<const D: usize>(
     out: &mut [f32],
 ) {
     let (nq, max_ctx) = (c.n_ctx.len(), c.max_ctx);
-    // Scratch: the f16-rounded queries, then each query's score row.
-    scratch.clear();
+    // Scratch: the f16-rounded queries, then each query's score row. Every
+    // score a query reads is written below first, so no zeroing is needed
+    // beyond what `resize` does on growth.
     scratch.resize(nq * D + nq * max_ctx, 0.0);
-    let (qh, scores) = scratch.split_at_mut(nq * D);
-    for (d, &s) in qh.iter_mut().zip(qs) {
-        *d = f16::from_f32(s).to_f32();
-    }
+    let (qh, scores) = scratch[..nq * D + nq * max_ctx].split_at_mut(nq * D);
+    qh.copy_from_slice(qs);
+    crate::ops::round_through_f16(qh);
     // The queries and outputs as D-value rows, so every kernel below gets
     // its lengths from its argument types.
     let (qh, _) = qh.as_chunks::<D>();
-    let mut rows = [[0.0f32; D]; 8];
+    // K batches transposed (lane r of `kt[d]` is row r's value d), so a
+    // query's eight lane sums for eight rows need no shuffles.
+    let mut kt = [[0.0f32; 8]; D];
     let mut p0 = 0;
     for batch in context_batches::<D>(c.k_blocks, c.block_size, max_ctx) {
         // SAFETY: AVX2/F16C support checked by the caller.
-        unsafe { avx2::convert_rows(&batch.rows[..batch.len], &mut rows) };
-        for ((q, sc), &n) in qh.iter().zip(scores.chunks_exact_mut(max_ctx)).zip(c.n_ctx) {
-            let seen = n.saturating_sub(p0).min(batch.len);
-            if seen == 8 {
-                // SAFETY: as above.
-                let d = unsafe { avx2::dot8(q, &rows) };
-                for (s, v) in sc[p0..p0 + 8].iter_mut().zip(d) {
-                    *s = v * c.scale;
-                }
-            } else {
-                for (s, k) in sc[p0..p0 + seen].iter_mut().zip(&rows) {
-                    // SAFETY: as above.
-                    *s = unsafe { avx2::dot(q, k) } * c.scale;
-                }
+        unsafe { avx2::convert_rows_t(&batch.rows, &mut kt) };
+        let mut i = 0;
+        while i < nq {
+            let g = (nq - i).min(TILE_RUN);
+            let run = TileRun {
+                n_ctx: &c.n_ctx[i..i + g],
+                p0,
+                len: batch.len,
+                max_ctx,
+            };
+            let sc = &mut scores[i * max_ctx..(i + g) * max_ctx];
+            match g {
+                1 => run.scores::<D, 1>(&qh[i..i + 1], &kt, c.scale, sc),
+                2 => run.scores::<D, 2>(&qh[i..i + 2], &kt, c.scale, sc),
+                3 => run.scores::<D, 3>(&qh[i..i + 3], &kt, c.scale, sc),
+                _ => run.scores::<D, 4>(&qh[i..i + 4], &kt, c.scale, sc),
             }
+            i += g;
         }
         p0 += batch.len;
     }
@@ -337,22 +344,110 @@ fn tile<const D: usize>(
     }
     out.fill(0.0);
     let (out, _) = out.as_chunks_mut::<D>();
+    let mut rows = [[0.0f32; D]; 8];
     let mut p0 = 0;
     for batch in context_batches::<D>(c.v_blocks, c.block_size, max_ctx) {
         // SAFETY: AVX2/F16C support checked by the caller.
         unsafe { avx2::convert_rows(&batch.rows[..batch.len], &mut rows) };
-        for ((o, sc), &n) in out
-            .iter_mut()
-            .zip(scores.chunks_exact(max_ctx))
-            .zip(c.n_ctx)
-        {
-            let seen = n.saturating_sub(p0).min(batch.len);
-            if seen > 0 {
-                // SAFETY: as above.
-                unsafe { avx2::weighted_rows(o, &sc[p0..p0 + seen], &rows) };
+        let mut i = 0;
+        while i < nq {
+            let g = (nq - i).min(TILE_RUN);
+            let run = TileRun {
+                n_ctx: &c.n_ctx[i..i + g],
+                p0,
+                len: batch.len,
+                max_ctx,
+            };
+            let sc = &scores[i * max_ctx..(i + g) * max_ctx];
+            let o = &mut out[i..i + g];
+            match g {
+                1 => run.weighted::<D, 1>(sc, &rows, o),
+                2 => run.weighted::<D, 2>(sc, &rows, o),
+                3 => run.weighted::<D, 3>(sc, &rows, o),
+                _ => run.weighted::<D, 4>(sc, &rows, o),
             }
+            i += g;
         }
         p0 += batch.len;
+    }
+}
+
+/// Queries [`tile`] holds against one batch of rows at once (their
+/// accumulators fit AVX2's 16 vector registers).
+const TILE_RUN: usize = 4;
+
+/// A run of up to [`TILE_RUN`] consecutive queries of a [`tile`] against
+/// the batch of `len` rows from position `p0`.
+struct TileRun<'a> {
+    n_ctx: &'a [usize],
+    p0: usize,
+    len: usize,
+    max_ctx: usize,
+}
+
+impl TileRun<'_> {
+    /// Rows of the batch query `g` of the run sees.
+    fn seen(&self, g: usize) -> usize {
+        self.n_ctx[g].saturating_sub(self.p0).min(self.len)
+    }
+
+    /// Writes each query's scaled scores for the rows it sees into its row
+    /// of `scores` (`G` rows of `max_ctx`). All eight lanes are computed
+    /// (rows past `len` repeat the first); only seen ones are kept.
+    fn scores<const D: usize, const G: usize>(
+        &self,
+        q: &[[f32; D]],
+        kt: &[[f32; 8]; D],
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        if (0..G).all(|g| self.seen(g) == 0) {
+            return;
+        }
+        let q: &[[f32; D]; G] = q.try_into().expect("G query rows");
+        // SAFETY: AVX2/F16C support checked by `tile`'s caller.
+        let d = unsafe { avx2::scores8::<D, G>(q, kt, scale) };
+        let p0 = self.p0;
+        for (g, (sc, d)) in scores.chunks_exact_mut(self.max_ctx).zip(&d).enumerate() {
+            match self.seen(g) {
+                // The common case, as a fixed-size copy.
+                8 => sc[p0..p0 + 8].copy_from_slice(d),
+                seen => sc[p0..p0 + seen].copy_from_slice(&d[..seen]),
+            }
+        }
+    }
+
+    /// Adds each query's weighted rows of the batch (the rows it sees) to
+    /// its output row; `scores` holds the run's `G` probability rows.
+    fn weighted<const D: usize, const G: usize>(
+        &self,
+        scores: &[f32],
+        rows: &[[f32; D]; 8],
+        out: &mut [[f32; D]],
+    ) {
+        let p0 = self.p0;
+        if (0..G).all(|g| self.seen(g) == 8) {
+            let out: &mut [[f32; D]; G] = out.try_into().expect("G output rows");
+            let p: [&[f32; 8]; G] = std::array::from_fn(|g| {
+                let sc = &scores[g * self.max_ctx..];
+                sc[p0..p0 + 8].try_into().expect("8 probabilities")
+            });
+            // SAFETY: AVX2/F16C support checked by `tile`'s caller.
+            unsafe { avx2::weighted8::<D, G>(out, &p, rows) };
+            return;
+        }
+        // A batch some queries see only part of (the causal diagonal).
+        for (g, (o, sc)) in out
+            .iter_mut()
+            .zip(scores.chunks_exact(self.max_ctx))
+            .enumerate()
+        {
+            let seen = self.seen(g);
+            if seen > 0 {
+                // SAFETY: as above.
+                unsafe { avx2::weighted_rows(o, &sc[p0..p0 + seen], rows) };
+            }
+        }
     }
 }
 
@@ -566,23 +661,37 @@ struct Batch<'a, const D: usize> {
 
 /// The first `n_ctx` rows of a paged context of `D`-value heads in runs of
 /// 8 (a short run only at the end).
+///
+/// # Panics
+/// If the blocks hold fewer than `n_ctx` rows (`block_size` from each but
+/// the last); callers check the blocks first.
 fn context_batches<'a, const D: usize>(
     blocks: &'a [&'a [f16]],
     block_size: usize,
     n_ctx: usize,
 ) -> impl Iterator<Item = Batch<'a, D>> + 'a {
-    let mut rows = context_rows_n::<D>(blocks, block_size, n_ctx);
+    // Walks (block, row in block) forward: no division per row.
+    let (mut p, mut b, mut off) = (0, 0, 0);
     std::iter::from_fn(move || {
-        let first = rows.next()?;
-        let mut b = Batch {
-            rows: [first; 8],
-            len: 1,
-        };
-        for (slot, r) in b.rows[1..].iter_mut().zip(rows.by_ref()) {
-            *slot = r;
-            b.len += 1;
+        if p >= n_ctx {
+            return None;
         }
-        Some(b)
+        let len = (n_ctx - p).min(8);
+        let mut next = || {
+            let row = &blocks[b].as_chunks::<D>().0[off];
+            off += 1;
+            if off == block_size {
+                (b, off) = (b + 1, 0);
+            }
+            row
+        };
+        let first = next();
+        let mut rows = [first; 8];
+        for r in &mut rows[1..len] {
+            *r = next();
+        }
+        p += len;
+        Some(Batch { rows, len })
     })
 }
 
@@ -838,53 +947,108 @@ mod avx2 {
         }
     }
 
-    /// [`dot_f32_f16`] of a `D`-value query with one converted row: the
-    /// same operations in the same order.
+    /// `kt[d][r] = f32(batch[r][d])` for the 8 rows of a batch, exact:
+    /// converted and transposed, so lane `r` of `kt[d]` is row `r`'s value
+    /// `d`.
     ///
     /// # Safety
     /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn dot<const D: usize>(q: &[f32; D], k: &[f32; D]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
+    pub(super) unsafe fn convert_rows_t<const D: usize>(
+        batch: &[&[f16; D]; 8],
+        kt: &mut [[f32; 8]; D],
+    ) {
         for c in 0..D / 8 {
-            // SAFETY: both hold D values, c * 8 + 8 <= D.
+            // SAFETY (whole block): every row holds D values and `kt` D
+            // rows of 8, c * 8 + 8 <= D.
             unsafe {
-                let qv = _mm256_loadu_ps(q.as_ptr().add(c * 8));
-                let kv = _mm256_loadu_ps(k.as_ptr().add(c * 8));
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(qv, kv));
+                let a: [__m256; 8] = std::array::from_fn(|r| {
+                    _mm256_cvtph_ps(_mm_loadu_si128(batch[r].as_ptr().add(c * 8).cast()))
+                });
+                for (j, v) in transpose8(&a).into_iter().enumerate() {
+                    _mm256_storeu_ps(kt[c * 8 + j].as_mut_ptr(), v);
+                }
             }
         }
-        let mut lanes = [0.0f32; 8];
-        // SAFETY: `lanes` holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-        lanes.iter().sum::<f32>()
     }
 
-    /// [`dot`] of a query with 8 converted rows at once. The query is held
-    /// in registers 64 values at a time; each row's accumulator still adds
-    /// its chunks in order, so the result is [`dot`]'s.
+    /// `G` queries' scaled dot products with the 8 rows of a transposed
+    /// batch (see [`convert_rows_t`]), bitwise [`dot_f32_f16`] times
+    /// `scale` per query and row: lane `j`'s partial sum takes the values
+    /// `c * 8 + j` in chunk order from +0.0, multiply then add, and the
+    /// lanes are added in order from -0.0. Here each row is a vector lane,
+    /// so lane sums are plain vector additions.
     ///
     /// # Safety
     /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn dot8<const D: usize>(q: &[f32; D], rows: &[[f32; D]; 8]) -> [f32; 8] {
-        // SAFETY (whole body): q and every row hold D elements, and
-        // seg * 64 + c * 8 + 8 <= D (D is a multiple of 64 here).
+    pub(super) unsafe fn scores8<const D: usize, const G: usize>(
+        q: &[[f32; D]; G],
+        kt: &[[f32; 8]; D],
+        scale: f32,
+    ) -> [[f32; 8]; G] {
+        // SAFETY (whole body): `kt` rows hold 8 values, c * 8 + j < D.
         unsafe {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for seg in 0..D / 64 {
-                let mut qv = [_mm256_setzero_ps(); 8];
-                for (c, v) in qv.iter_mut().enumerate() {
-                    *v = _mm256_loadu_ps(q.as_ptr().add(seg * 64 + c * 8));
-                }
-                for (a, row) in acc.iter_mut().zip(rows) {
-                    for (c, &qc) in qv.iter().enumerate() {
-                        let k = _mm256_loadu_ps(row.as_ptr().add(seg * 64 + c * 8));
-                        *a = _mm256_add_ps(*a, _mm256_mul_ps(qc, k));
+            let mut sum = [_mm256_set1_ps(-0.0); G];
+            for j in 0..8 {
+                let mut acc = [_mm256_setzero_ps(); G];
+                for c in 0..D / 8 {
+                    let k = _mm256_loadu_ps(kt[c * 8 + j].as_ptr());
+                    for (a, qg) in acc.iter_mut().zip(q) {
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(_mm256_set1_ps(qg[c * 8 + j]), k));
                     }
                 }
+                for (s, a) in sum.iter_mut().zip(acc) {
+                    *s = _mm256_add_ps(*s, a);
+                }
             }
-            sum_lanes8(&acc)
+            let sv = _mm256_set1_ps(scale);
+            let mut out = [[0.0f32; 8]; G];
+            for (o, s) in out.iter_mut().zip(sum) {
+                _mm256_storeu_ps(o.as_mut_ptr(), _mm256_mul_ps(s, sv));
+            }
+            out
+        }
+    }
+
+    /// `out[g] += sum_r p[g][r] * rows[r]` over all 8 converted rows, in
+    /// row order, multiply then add per element (as [`weighted_rows`] for
+    /// each query), 16 output values of all `G` queries at a time in
+    /// registers, so each row value loaded serves every query.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn weighted8<const D: usize, const G: usize>(
+        out: &mut [[f32; D]; G],
+        p: &[&[f32; 8]; G],
+        rows: &[[f32; D]; 8],
+    ) {
+        // SAFETY (whole body): `out` rows and `rows` hold D values, and
+        // part * 16 + 16 <= D (D is a multiple of 64 here).
+        unsafe {
+            for part in 0..D / 16 {
+                let at = part * 16;
+                let mut acc: [[__m256; 2]; G] = std::array::from_fn(|g| {
+                    [
+                        _mm256_loadu_ps(out[g].as_ptr().add(at)),
+                        _mm256_loadu_ps(out[g].as_ptr().add(at + 8)),
+                    ]
+                });
+                for (r, row) in rows.iter().enumerate() {
+                    let x0 = _mm256_loadu_ps(row.as_ptr().add(at));
+                    let x1 = _mm256_loadu_ps(row.as_ptr().add(at + 8));
+                    for (a, pg) in acc.iter_mut().zip(p) {
+                        let w = _mm256_set1_ps(pg[r]);
+                        a[0] = _mm256_add_ps(a[0], _mm256_mul_ps(w, x0));
+                        a[1] = _mm256_add_ps(a[1], _mm256_mul_ps(w, x1));
+                    }
+                }
+                for (o, a) in out.iter_mut().zip(acc) {
+                    _mm256_storeu_ps(o.as_mut_ptr().add(at), a[0]);
+                    _mm256_storeu_ps(o.as_mut_ptr().add(at + 8), a[1]);
+                }
+            }
         }
     }
 
@@ -911,6 +1075,41 @@ mod avx2 {
         }
     }
 
+    /// 8x8 transpose: lane `r` of result `l` is lane `l` of `a[r]`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn transpose8(a: &[__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(a[0], a[1]);
+        let t1 = _mm256_unpackhi_ps(a[0], a[1]);
+        let t2 = _mm256_unpacklo_ps(a[2], a[3]);
+        let t3 = _mm256_unpackhi_ps(a[2], a[3]);
+        let t4 = _mm256_unpacklo_ps(a[4], a[5]);
+        let t5 = _mm256_unpackhi_ps(a[4], a[5]);
+        let t6 = _mm256_unpacklo_ps(a[6], a[7]);
+        let t7 = _mm256_unpackhi_ps(a[6], a[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
+    }
+
     /// Sums each of 8 rows' lane accumulators: transposed into place, then
     /// added in lane order from -0.0 as `lanes.iter().sum()` does, so the
     /// same additions per row as the one-row kernels.
@@ -922,33 +1121,7 @@ mod avx2 {
     pub(super) unsafe fn sum_lanes8(acc: &[__m256; 8]) -> [f32; 8] {
         // SAFETY (whole body): `out` holds 8 f32.
         unsafe {
-            // 8x8 transpose: t[l] holds lane l of every row.
-            let t0 = _mm256_unpacklo_ps(acc[0], acc[1]);
-            let t1 = _mm256_unpackhi_ps(acc[0], acc[1]);
-            let t2 = _mm256_unpacklo_ps(acc[2], acc[3]);
-            let t3 = _mm256_unpackhi_ps(acc[2], acc[3]);
-            let t4 = _mm256_unpacklo_ps(acc[4], acc[5]);
-            let t5 = _mm256_unpackhi_ps(acc[4], acc[5]);
-            let t6 = _mm256_unpacklo_ps(acc[6], acc[7]);
-            let t7 = _mm256_unpackhi_ps(acc[6], acc[7]);
-            let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-            let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-            let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-            let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-            let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-            let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-            let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-            let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-            let lanes = [
-                _mm256_permute2f128_ps::<0x20>(u0, u4),
-                _mm256_permute2f128_ps::<0x20>(u1, u5),
-                _mm256_permute2f128_ps::<0x20>(u2, u6),
-                _mm256_permute2f128_ps::<0x20>(u3, u7),
-                _mm256_permute2f128_ps::<0x31>(u0, u4),
-                _mm256_permute2f128_ps::<0x31>(u1, u5),
-                _mm256_permute2f128_ps::<0x31>(u2, u6),
-                _mm256_permute2f128_ps::<0x31>(u3, u7),
-            ];
+            let lanes = transpose8(acc);
             // `f32: Sum` starts from -0.0 (so x + start == x for every x).
             let mut sum = _mm256_set1_ps(-0.0);
             for l in lanes {
