@@ -635,12 +635,14 @@ impl<'a> Ctx<'a> {
         let rows = self.w.rows;
         let valid = (rows - g * PACK_ROWS).min(PACK_ROWS);
         let seg_nb = self.w.nb() / self.segments;
+        // Every tile writes its first `n` rows whole (the scalar one zeroes
+        // them first), so one buffer serves the group's tiles.
+        let mut acc = [[0.0f32; PACK_ROWS]; TILE_TOKENS];
         let mut i0 = 0;
         while i0 < self.m {
             let n = TILE_TOKENS.min(self.m - i0);
             for s in 0..self.segments {
                 let blocks = s * seg_nb..(s + 1) * seg_nb;
-                let mut acc = [[0.0f32; PACK_ROWS]; TILE_TOKENS];
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx512Vnni => {
@@ -735,6 +737,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// The reference: the exact operation sequence the SIMD kernel runs.
+    /// Overwrites the first `n` rows of `acc`, as the SIMD tiles do.
     fn tile_scalar(
         &self,
         g: usize,
@@ -743,6 +746,9 @@ impl<'a> Ctx<'a> {
         n: usize,
         acc: &mut [[f32; PACK_ROWS]; TILE_TOKENS],
     ) {
+        for a in acc.iter_mut().take(n) {
+            a.fill(0.0);
+        }
         let (nb, cols, ty) = (self.w.nb(), self.w.cols, self.w.ty);
         let rec = record_bytes(ty);
         if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
