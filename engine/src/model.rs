@@ -804,8 +804,9 @@ impl DecoderModel {
                         ops::rms_norm_in_place(h, kn, c.rms_eps);
                     }
                 }
-                layer.rope.apply(q_row, c.head_dim, pos);
-                layer.rope.apply(&mut kv_row[..kvd], c.head_dim, pos);
+                let angles = layer.rope.angles(pos);
+                angles.apply(q_row, c.head_dim);
+                angles.apply(&mut kv_row[..kvd], c.head_dim);
             });
             for (row, &(ci, pos)) in qkv.chunks_exact(qkv_w).zip(placement) {
                 let table = chunks[ci].block_table;

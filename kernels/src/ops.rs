@@ -68,6 +68,12 @@ impl Rope {
 
     /// Rotates every head of `x` (`n_heads * head_dim` values) in place for position `pos`.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
+        self.angles(pos).apply(x, head_dim);
+    }
+
+    /// The rotation of position `pos`, for rotating several rows (a token's
+    /// queries and keys) with one set of sines and cosines.
+    pub fn angles(&self, pos: usize) -> RopeAngles {
         // theta_i = pos * scale^i, built by repeated multiplication exactly as ggml
         // does, so rounding agrees with llama.cpp.
         let mut theta = pos as f32;
@@ -77,9 +83,30 @@ impl Rope {
             *entry = theta.sin_cos();
             theta *= self.theta_scale;
         }
-        let half = self.rot_dims / 2;
+        RopeAngles {
+            style: self.style,
+            half: self.rot_dims / 2,
+            pairs,
+            table,
+        }
+    }
+}
+
+/// [`Rope`]'s sines and cosines for one position.
+#[derive(Clone, Debug)]
+pub struct RopeAngles {
+    style: RopeStyle,
+    half: usize,
+    pairs: usize,
+    table: [(f32, f32); 256],
+}
+
+impl RopeAngles {
+    /// Rotates every head of `x` (`n_heads * head_dim` values) in place.
+    pub fn apply(&self, x: &mut [f32], head_dim: usize) {
+        let half = self.half;
         for head in x.chunks_exact_mut(head_dim) {
-            for (i, &(sin, cos)) in table[..pairs].iter().enumerate() {
+            for (i, &(sin, cos)) in self.table[..self.pairs].iter().enumerate() {
                 let (a, b) = match self.style {
                     RopeStyle::Interleaved => (2 * i, 2 * i + 1),
                     RopeStyle::Neox => (i, i + half),
