@@ -14,9 +14,16 @@ cd "$(dirname "$0")/.."
 # end-to-end tests start their own), protoc (gRPC code generation), haproxy
 # (the load balancer in front of two routers in tests/deploy), promtool
 # (Prometheus, to check the alert rules in tests/telemetry), iproute2 (`ip`
-# and `tc`: the chaos suite's network namespaces, veths and rate limits).
+# and `tc`: the chaos suite's network namespaces, veths and rate limits),
+# Mesa's Vulkan drivers (lavapipe: a Vulkan device on the CPU, on which
+# tandem-gpu's tests run its kernels where there is no GPU).
 ensure_packages libucx-dev ucx-utils etcd-server etcd-client protobuf-compiler clang \
-  libclang-dev pkg-config haproxy prometheus iproute2
+  libclang-dev pkg-config haproxy prometheus iproute2 mesa-vulkan-drivers
+# Mesa's window-system probe complains on every device open without one.
+if [[ -z ${XDG_RUNTIME_DIR:-} ]]; then
+  XDG_RUNTIME_DIR=$(mktemp -d)
+  export XDG_RUNTIME_DIR
+fi
 
 log "formatting and lints"
 cargo fmt --all -- --check

@@ -102,6 +102,12 @@ pub struct RopeAngles {
 }
 
 impl RopeAngles {
+    /// `(sin, cos)` of each rotated pair's angle, first pair first: what a
+    /// device backend's position table holds.
+    pub fn sin_cos(&self) -> &[(f32, f32)] {
+        &self.table[..self.pairs]
+    }
+
     /// Rotates every head of `x` (`n_heads * head_dim` values) in place.
     pub fn apply(&self, x: &mut [f32], head_dim: usize) {
         let half = self.half;

@@ -1,0 +1,144 @@
+use std::marker::PhantomData;
+
+use cubecl::prelude::{Client, CubeElement};
+use cubecl::server::Handle;
+use cubecl::wgpu::{
+    RuntimeOptions, Vulkan, WgpuBackend, WgpuDevice, WgpuDeviceKind, WgpuInitError, WgpuRuntime,
+    try_init_setup,
+};
+use cubecl_runtime::runtime::Runtime;
+
+use crate::error::GpuError;
+
+/// An opened GPU: where buffers live and kernels run.
+pub struct GpuDevice {
+    client: Client,
+    name: String,
+}
+
+impl std::fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuDevice")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `len` values of `T` (f32 activations and weights, u32 positions or
+/// quantised weight words) in device memory.
+#[derive(Clone, Debug)]
+pub struct Buffer<T = f32> {
+    pub(crate) handle: Handle,
+    pub(crate) len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T> Buffer<T> {
+    /// Values held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl GpuDevice {
+    /// Opens GPU `index` (`gpu:index` on the command line): the index-th
+    /// discrete, integrated or virtual Vulkan GPU, in that order of
+    /// preference, and for index 0 a CPU Vulkan device (lavapipe) when
+    /// there is no GPU at all.
+    pub fn open(index: usize) -> Result<GpuDevice, GpuError> {
+        let mut kinds = vec![
+            WgpuDeviceKind::DiscreteGpu(index),
+            WgpuDeviceKind::IntegratedGpu(index),
+            WgpuDeviceKind::VirtualGpu(index),
+        ];
+        if index == 0 {
+            kinds.push(WgpuDeviceKind::Cpu);
+        }
+        let mut tried = Vec::new();
+        for kind in kinds {
+            let device = WgpuDevice {
+                kind,
+                backend: WgpuBackend::Vulkan,
+            };
+            match try_init_setup::<Vulkan>(&device, RuntimeOptions::default()) {
+                Ok(setup) => {
+                    let info = setup.adapter.get_info();
+                    let name = format!("{} ({:?}, Vulkan)", info.name, info.device_type);
+                    return Ok(GpuDevice {
+                        client: <WgpuRuntime>::client(&device),
+                        name,
+                    });
+                }
+                // "No adapter of this kind" is the expected miss; anything
+                // else (a driver failing to start) is worth reporting.
+                Err(WgpuInitError::AdapterUnavailable { .. }) => {}
+                Err(e) => tried.push(e.to_string()),
+            }
+        }
+        let vulkan = if tried.is_empty() {
+            "no discrete, integrated, virtual or CPU adapter".to_string()
+        } else {
+            tried.join("; ")
+        };
+        Err(GpuError::NoDevice {
+            index,
+            cuda: "this build has no CUDA runtime".into(),
+            vulkan,
+        })
+    }
+
+    /// The adapter, as the startup line names it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub(crate) fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Copies `data` to a new device buffer.
+    pub fn upload<T: CubeElement>(&self, data: &[T]) -> Buffer<T> {
+        Buffer {
+            handle: self.client.create_from_slice(T::as_bytes(data)),
+            len: data.len(),
+            _t: PhantomData,
+        }
+    }
+
+    /// Copies raw bytes (quantised weights) to a new buffer of
+    /// little-endian 32-bit words, zero-padded to a whole word.
+    pub fn upload_words(&self, bytes: &[u8]) -> Buffer<u32> {
+        let words: Vec<u32> = bytes
+            .chunks(4)
+            .map(|c| {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                u32::from_le_bytes(w)
+            })
+            .collect();
+        self.upload(&words)
+    }
+
+    /// A new buffer of `len` zeros.
+    pub fn zeros(&self, len: usize) -> Buffer<f32> {
+        self.upload(&vec![0.0f32; len])
+    }
+
+    /// Reads a buffer back (waiting for the kernels that write it).
+    pub fn download<T: CubeElement>(&self, buf: &Buffer<T>) -> Result<Vec<T>, GpuError> {
+        let bytes = self
+            .client
+            .read_one(buf.handle.clone())
+            .map_err(|e| GpuError::Device {
+                kernel: "read",
+                message: e.to_string(),
+            })?;
+        let mut values = T::from_bytes(&bytes).to_vec();
+        values.truncate(buf.len);
+        Ok(values)
+    }
+}

@@ -1,0 +1,26 @@
+use thiserror::Error;
+
+/// What can go wrong opening a device or running a kernel on it.
+#[derive(Debug, Error)]
+pub enum GpuError {
+    /// No device answers to the requested index: neither a CUDA device (not
+    /// built into this binary yet) nor a Vulkan adapter.
+    #[error(
+        "no GPU for gpu:{index}: CUDA: {cuda}; Vulkan: {vulkan} (on a machine without a GPU, \
+         Mesa's lavapipe provides a Vulkan device: apt install mesa-vulkan-drivers)"
+    )]
+    NoDevice {
+        index: usize,
+        cuda: String,
+        vulkan: String,
+    },
+    /// A kernel's inputs do not have the sizes it needs.
+    #[error("{kernel}: {what}")]
+    Shape { kernel: &'static str, what: String },
+    /// The device failed to run a kernel or to return its results.
+    #[error("{kernel} failed on the device: {message}")]
+    Device {
+        kernel: &'static str,
+        message: String,
+    },
+}

@@ -1,0 +1,440 @@
+//! The forward pass's kernels, each a CubeCL kernel and a host function
+//! that checks sizes and launches it. Numerics follow the CPU reference in
+//! `tandem-kernels` where the device allows (same formulas and orders);
+//! the tests state how close each must come.
+
+use cubecl::prelude::*;
+
+use crate::device::{Buffer, GpuDevice};
+use crate::error::GpuError;
+
+/// Units per cube for the row-wise kernels (a power of two).
+const ROW_UNITS: usize = 64;
+/// Units per cube of the element-wise kernels and along a matmul's
+/// output rows.
+const UNITS: usize = 64;
+
+fn shape(kernel: &'static str, what: String) -> GpuError {
+    GpuError::Shape { kernel, what }
+}
+
+/// A buffer as a kernel argument.
+fn arg<T>(b: &Buffer<T>) -> BufferArg {
+    // SAFETY: a `Buffer` is created holding exactly `len` values of `T`
+    // (`GpuDevice::upload`), so the handle covers `len` elements.
+    unsafe { BufferArg::from_raw_parts(b.handle.clone(), b.len()) }
+}
+
+/// Cubes of `units` covering `n` items.
+fn cubes(n: usize, units: usize) -> u32 {
+    u32::try_from(n.div_ceil(units)).unwrap_or(u32::MAX)
+}
+
+#[cube(launch)]
+fn rms_norm_kernel(
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    eps: f32,
+    #[comptime] d: usize,
+    #[comptime] units: usize,
+) {
+    let base = CUBE_POS_X as usize * d;
+    let unit = UNIT_POS_X as usize;
+    let mut ss = 0.0f32;
+    for k in 0..d.div_ceil(units) {
+        let i = unit + k * units;
+        if i < d {
+            let v = x[base + i];
+            ss += v * v;
+        }
+    }
+    let mut sh = Shared::<[f32]>::new_slice(units);
+    sh[unit] = ss;
+    sync_cube();
+    #[unroll]
+    for level in 0..units.trailing_zeros() {
+        let stride = units >> (level + 1);
+        if unit < stride {
+            sh[unit] += sh[unit + stride];
+        }
+        sync_cube();
+    }
+    let scale = 1.0f32 / f32::sqrt(sh[0] / d as f32 + eps);
+    for k in 0..d.div_ceil(units) {
+        let i = unit + k * units;
+        if i < d {
+            out[base + i] = (x[base + i] * scale) * w[i];
+        }
+    }
+}
+
+/// `out[r] = x[r] / rms(x[r]) * w` for each row of `w.len()` values.
+pub fn rms_norm(
+    dev: &GpuDevice,
+    x: &Buffer,
+    w: &Buffer,
+    eps: f32,
+    out: &Buffer,
+) -> Result<(), GpuError> {
+    let d = w.len();
+    if d == 0 || x.len() % d != 0 || out.len() != x.len() {
+        return Err(shape(
+            "rms_norm",
+            format!("x {} and out {} must be rows of {d}", x.len(), out.len()),
+        ));
+    }
+    let rows = x.len() / d;
+    if rows == 0 {
+        return Ok(());
+    }
+    rms_norm_kernel::launch(
+        dev.client(),
+        CubeCount::Static(cubes(rows, 1), 1, 1),
+        CubeDim::new_1d(ROW_UNITS as u32),
+        arg(x),
+        arg(w),
+        arg(out),
+        eps,
+        d,
+        ROW_UNITS,
+    );
+    Ok(())
+}
+
+#[cube(launch)]
+fn silu_mul_kernel(gate: &mut [f32], up: &[f32]) {
+    let i = ABSOLUTE_POS;
+    if i < gate.len() {
+        let g = gate[i];
+        gate[i] = g / (1.0f32 + f32::exp(-g)) * up[i];
+    }
+}
+
+/// SwiGLU in place: `gate[i] = silu(gate[i]) * up[i]`.
+pub fn silu_mul(dev: &GpuDevice, gate: &Buffer, up: &Buffer) -> Result<(), GpuError> {
+    if gate.len() != up.len() {
+        return Err(shape(
+            "silu_mul",
+            format!("gate {} and up {} differ", gate.len(), up.len()),
+        ));
+    }
+    if gate.is_empty() {
+        return Ok(());
+    }
+    silu_mul_kernel::launch(
+        dev.client(),
+        CubeCount::Static(cubes(gate.len(), UNITS), 1, 1),
+        CubeDim::new_1d(UNITS as u32),
+        arg(gate),
+        arg(up),
+    );
+    Ok(())
+}
+
+#[cube(launch)]
+fn rope_kernel(
+    x: &mut [f32],
+    pos: &[u32],
+    cos_sin: &[f32],
+    #[comptime] width: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] pairs: usize,
+    #[comptime] neox: bool,
+) {
+    // One unit per (token, head, pair).
+    let id = ABSOLUTE_POS;
+    let per_token = (width / head_dim) * pairs;
+    let t = id / per_token;
+    if t < pos.len() {
+        let rest = id % per_token;
+        let (head, i) = (rest / pairs, rest % pairs);
+        let row = t * width + head * head_dim;
+        let mut a = row + 2 * i;
+        let mut b = a + 1;
+        if neox {
+            a = row + i;
+            b = row + i + pairs;
+        }
+        let at = (pos[t] as usize * pairs + i) * 2;
+        let (sin, cos) = (cos_sin[at], cos_sin[at + 1]);
+        let (x0, x1) = (x[a], x[b]);
+        x[a] = x0 * cos - x1 * sin;
+        x[b] = x0 * sin + x1 * cos;
+    }
+}
+
+/// Rotary position embedding of `pairs` dimension pairs per head, in
+/// place over tokens' rows of `width = heads * head_dim` values, token `t`
+/// at position `pos[t]`. `sin_cos` holds `(sin, cos)` of every pair's angle
+/// for positions `0..max`, `(pos * pairs + i) * 2` first: computed on the
+/// host once (as the CPU forward does), so both backends rotate by the same
+/// angles. `neox` pairs `i` with `i + pairs`, otherwise `2i` with `2i + 1`.
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    dev: &GpuDevice,
+    x: &Buffer,
+    pos: &Buffer<u32>,
+    sin_cos: &Buffer,
+    width: usize,
+    head_dim: usize,
+    pairs: usize,
+    neox: bool,
+) -> Result<(), GpuError> {
+    if head_dim == 0 || !width.is_multiple_of(head_dim) || 2 * pairs > head_dim || pairs == 0 {
+        return Err(shape(
+            "rope",
+            format!("width {width}, head_dim {head_dim} and {pairs} pairs do not fit"),
+        ));
+    }
+    if x.len() != pos.len() * width || sin_cos.len() % (2 * pairs) != 0 {
+        return Err(shape(
+            "rope",
+            format!(
+                "x {} must be {} rows of {width}, sin_cos whole positions of {pairs} pairs",
+                x.len(),
+                pos.len()
+            ),
+        ));
+    }
+    // Positions are read on the device: their range is the caller's
+    // contract (the scheduler's positions stay below the table's length).
+    let units = pos.len() * (width / head_dim) * pairs;
+    if units == 0 {
+        return Ok(());
+    }
+    rope_kernel::launch(
+        dev.client(),
+        CubeCount::Static(cubes(units, UNITS), 1, 1),
+        CubeDim::new_1d(UNITS as u32),
+        arg(x),
+        arg(pos),
+        arg(sin_cos),
+        width,
+        head_dim,
+        pairs,
+        neox,
+    );
+    Ok(())
+}
+
+#[cube(launch)]
+fn matmul_kernel(x: &[f32], w: &[f32], out: &mut [f32], #[comptime] cols: usize) {
+    let r = ABSOLUTE_POS_X as usize;
+    let t = CUBE_POS_Y as usize;
+    let rows = w.len() / cols;
+    if r < rows {
+        let (xb, wb) = (t * cols, r * cols);
+        let mut acc = 0.0f32;
+        for c in 0..cols {
+            acc += x[xb + c] * w[wb + c];
+        }
+        out[t * rows + r] = acc;
+    }
+}
+
+/// `out[t][r] = x[t] . w[r]` for f32 weights of `cols` columns.
+pub fn matmul(
+    dev: &GpuDevice,
+    x: &Buffer,
+    w: &Buffer,
+    cols: usize,
+    out: &Buffer,
+) -> Result<(), GpuError> {
+    if cols == 0 || w.len() % cols != 0 {
+        return Err(shape(
+            "matmul",
+            format!("w {} is not rows of {cols}", w.len()),
+        ));
+    }
+    let (n_tok, rows) = matmul_shape("matmul", x.len(), w.len() / cols, cols, out.len())?;
+    if n_tok * rows == 0 {
+        return Ok(());
+    }
+    matmul_kernel::launch(
+        dev.client(),
+        CubeCount::Static(cubes(rows, UNITS), cubes(n_tok, 1), 1),
+        CubeDim::new_1d(UNITS as u32),
+        arg(x),
+        arg(w),
+        arg(out),
+        cols,
+    );
+    Ok(())
+}
+
+/// Tokens and rows of a matmul of `rows` weight rows whose `x` holds rows
+/// of `cols` and whose output holds `tokens * rows`.
+fn matmul_shape(
+    kernel: &'static str,
+    x_len: usize,
+    rows: usize,
+    cols: usize,
+    out_len: usize,
+) -> Result<(usize, usize), GpuError> {
+    if cols == 0 || !x_len.is_multiple_of(cols) || out_len != (x_len / cols) * rows {
+        return Err(shape(
+            kernel,
+            format!("x {x_len} must be rows of {cols} and out {out_len} tokens x {rows} rows"),
+        ));
+    }
+    Ok((x_len / cols, rows))
+}
+
+/// `f32` of the IEEE half whose bits are the low 16 of `h`.
+#[cube]
+fn half_to_f32(h: u32) -> f32 {
+    let sign = (h >> 15) & 1;
+    let exp = (h >> 10) & 0x1f;
+    let mant = h & 0x3ff;
+    // Zero or subnormal: mant * 2^-24.
+    let mut out = mant as f32 * 5.960_464_5e-8f32;
+    if exp == 31 {
+        out = f32::reinterpret(0x7f80_0000u32 | (mant << 13));
+    } else if exp != 0 {
+        out = f32::reinterpret(((exp + 112) << 23) | (mant << 13));
+    }
+    if sign == 1 {
+        out = -out;
+    }
+    out
+}
+
+#[cube(launch)]
+fn matmul_q4_1_kernel(x: &[f32], w: &[u32], out: &mut [f32], #[comptime] cols: usize) {
+    // A Q4_1 block is 20 bytes = 5 words: f16 scale and f16 min, then 16
+    // bytes whose low nibbles are elements 0..16 and high nibbles 16..32.
+    let nb = cols / 32;
+    let r = ABSOLUTE_POS_X as usize;
+    let t = CUBE_POS_Y as usize;
+    let rows = w.len() / (nb * 5);
+    if r < rows {
+        let xb = t * cols;
+        let mut acc = 0.0f32;
+        for b in 0..nb {
+            let at = (r * nb + b) * 5;
+            let dm = w[at];
+            let d = half_to_f32(dm & 0xffff);
+            let m = half_to_f32(dm >> 16);
+            let x0 = xb + b * 32;
+            for k in 0..4usize {
+                let q = w[at + 1 + k];
+                for byte in 0..4usize {
+                    let v = (q >> (byte as u32 * 8)) & 0xff;
+                    let j = k * 4 + byte;
+                    acc += (d * (v & 0xf) as f32 + m) * x[x0 + j];
+                    acc += (d * (v >> 4) as f32 + m) * x[x0 + j + 16];
+                }
+            }
+        }
+        out[t * rows + r] = acc;
+    }
+}
+
+/// [`matmul`] for GGUF Q4_1 weights (`rows` rows of `cols / 32` blocks,
+/// as [`GpuDevice::upload_words`] stores them), dequantised on the fly.
+pub fn matmul_q4_1(
+    dev: &GpuDevice,
+    x: &Buffer,
+    w: &Buffer<u32>,
+    rows: usize,
+    cols: usize,
+    out: &Buffer,
+) -> Result<(), GpuError> {
+    if !cols.is_multiple_of(32) || w.len() != rows * (cols / 32) * 5 {
+        return Err(shape(
+            "matmul_q4_1",
+            format!(
+                "{} words are not {rows} rows of {cols} Q4_1 columns",
+                w.len()
+            ),
+        ));
+    }
+    let (n_tok, rows) = matmul_shape("matmul_q4_1", x.len(), rows, cols, out.len())?;
+    if n_tok * rows == 0 {
+        return Ok(());
+    }
+    matmul_q4_1_kernel::launch(
+        dev.client(),
+        CubeCount::Static(cubes(rows, UNITS), cubes(n_tok, 1), 1),
+        CubeDim::new_1d(UNITS as u32),
+        arg(x),
+        arg(w),
+        arg(out),
+        cols,
+    );
+    Ok(())
+}
+
+#[cube(launch)]
+fn argmax_kernel(x: &[f32], out: &mut [u32], #[comptime] n: usize, #[comptime] units: usize) {
+    let base = CUBE_POS_X as usize * n;
+    let unit = UNIT_POS_X as usize;
+    // Each unit's best (first on ties), then a tree keeping the lower index
+    // on ties, so the result is the first maximum, as on the CPU.
+    let mut best = 0.0f32;
+    let mut at = 0usize;
+    let mut found = false;
+    for k in 0..n.div_ceil(units) {
+        let i = unit + k * units;
+        if i < n {
+            let v = x[base + i];
+            if v > best || !found {
+                found = true;
+                best = v;
+                at = i;
+            }
+        }
+    }
+    let mut sv = Shared::<[f32]>::new_slice(units);
+    let mut si = Shared::<[u32]>::new_slice(units);
+    // A unit past the row's end holds no index (u32::MAX), which loses to
+    // every index (WGSL has no infinity literal to use as a value).
+    sv[unit] = best;
+    si[unit] = 0xffff_ffffu32;
+    if found {
+        si[unit] = at as u32;
+    }
+    sync_cube();
+    #[unroll]
+    for level in 0..units.trailing_zeros() {
+        let stride = units >> (level + 1);
+        if unit < stride {
+            let (v, i) = (sv[unit + stride], si[unit + stride]);
+            let mine = si[unit];
+            let wins = i != 0xffff_ffffu32
+                && (mine == 0xffff_ffffu32 || v > sv[unit] || (v == sv[unit] && i < mine));
+            if wins {
+                sv[unit] = v;
+                si[unit] = i;
+            }
+        }
+        sync_cube();
+    }
+    if unit == 0 {
+        out[CUBE_POS_X as usize] = si[0];
+    }
+}
+
+/// Greedy sampling: the index of each row's first maximum (rows of `n`).
+pub fn argmax(dev: &GpuDevice, x: &Buffer, n: usize, out: &Buffer<u32>) -> Result<(), GpuError> {
+    if n == 0 || x.len() % n != 0 || out.len() != x.len() / n {
+        return Err(shape(
+            "argmax",
+            format!("x {} must be {} rows of {n}", x.len(), out.len()),
+        ));
+    }
+    if out.is_empty() {
+        return Ok(());
+    }
+    argmax_kernel::launch(
+        dev.client(),
+        CubeCount::Static(cubes(out.len(), 1), 1, 1),
+        CubeDim::new_1d(ROW_UNITS as u32),
+        arg(x),
+        arg(out),
+        n,
+        ROW_UNITS,
+    );
+    Ok(())
+}

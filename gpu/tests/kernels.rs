@@ -1,0 +1,199 @@
+//! Every GPU kernel against the CPU reference in `tandem-kernels`, on the
+//! first Vulkan device (lavapipe on machines without a GPU; the test
+//! command installs it). Tolerances are stated per kernel.
+
+use std::sync::OnceLock;
+
+use tandem_gpu::{GpuDevice, kernels};
+use tandem_types::rng::SeededRng;
+
+/// The device every test shares (opening one costs ~0.1 s).
+fn dev() -> &'static GpuDevice {
+    static DEV: OnceLock<GpuDevice> = OnceLock::new();
+    DEV.get_or_init(|| match GpuDevice::open(0) {
+        Ok(d) => d,
+        Err(e) => panic!("the GPU tests need a Vulkan device: {e}"),
+    })
+}
+
+fn values(rng: &mut SeededRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.f32(lo, hi)).collect()
+}
+
+/// Largest `|got - want| / (|want| + floor)`.
+fn worst_rel(got: &[f32], want: &[f32], floor: f32) -> f32 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(&g, &w)| (g - w).abs() / (w.abs() + floor))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn rms_norm_matches_the_cpu_within_2e_6_relative() {
+    let d = dev();
+    let mut rng = SeededRng::new(1);
+    for (rows, width) in [(1, 576), (7, 64), (3, 1000)] {
+        let x = values(&mut rng, rows * width, -3.0, 3.0);
+        let w = values(&mut rng, width, 0.5, 1.5);
+        let mut want = vec![0.0; x.len()];
+        for (o, xr) in want.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
+            tandem_kernels::ops::rms_norm(xr, &w, 1e-5, o);
+        }
+        let (xb, wb, ob) = (d.upload(&x), d.upload(&w), d.zeros(x.len()));
+        kernels::rms_norm(d, &xb, &wb, 1e-5, &ob).expect("launch");
+        let got = d.download(&ob).expect("read");
+        let err = worst_rel(&got, &want, 1e-6);
+        assert!(
+            err <= 2e-6,
+            "rows {rows} width {width}: worst relative error {err}"
+        );
+    }
+}
+
+#[test]
+fn silu_mul_matches_the_cpu_within_1e_6_relative() {
+    let d = dev();
+    let mut rng = SeededRng::new(2);
+    for n in [1, 63, 1536 * 3] {
+        let gate = values(&mut rng, n, -8.0, 8.0);
+        let up = values(&mut rng, n, -2.0, 2.0);
+        let mut want = gate.clone();
+        tandem_kernels::ops::silu_mul(&mut want, &up);
+        let (gb, ub) = (d.upload(&gate), d.upload(&up));
+        kernels::silu_mul(d, &gb, &ub).expect("launch");
+        let got = d.download(&gb).expect("read");
+        let err = worst_rel(&got, &want, 1e-6);
+        assert!(err <= 1e-6, "n {n}: worst relative error {err}");
+    }
+}
+
+#[test]
+fn rope_matches_the_cpu_within_1e_6_on_both_styles() {
+    use tandem_kernels::ops::{Rope, RopeStyle};
+    let d = dev();
+    let mut rng = SeededRng::new(3);
+    let (heads, head_dim, max_pos) = (3, 64, 4096);
+    let width = heads * head_dim;
+    for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+        let rope = Rope::new(style, head_dim, 10_000.0);
+        let pairs = head_dim / 2;
+        let table: Vec<f32> = (0..max_pos)
+            .flat_map(|p| {
+                rope.angles(p)
+                    .sin_cos()
+                    .iter()
+                    .flat_map(|&(s, c)| [s, c])
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let pos: Vec<u32> = vec![0, 1, 17, 4095, 1000];
+        let x = values(&mut rng, pos.len() * width, -2.0, 2.0);
+        let mut want = x.clone();
+        for (row, &p) in want.chunks_exact_mut(width).zip(&pos) {
+            rope.apply(row, head_dim, p as usize);
+        }
+        let (xb, pb, tb) = (d.upload(&x), d.upload(&pos), d.upload(&table));
+        let neox = style == RopeStyle::Neox;
+        kernels::rope(d, &xb, &pb, &tb, width, head_dim, pairs, neox).expect("launch");
+        let got = d.download(&xb).expect("read");
+        // The device may fuse `x0 * cos - x1 * sin` into one FMA.
+        let err = worst_rel(&got, &want, 1.0);
+        assert!(err <= 1e-6, "{style:?}: worst error {err}");
+    }
+}
+
+/// `x . w` per token and row in f64: the exact product the kernels round.
+fn reference_matmul(x: &[f32], w: &[f32], cols: usize) -> Vec<f32> {
+    x.chunks_exact(cols)
+        .flat_map(|xt| {
+            w.chunks_exact(cols).map(move |wr| {
+                xt.iter()
+                    .zip(wr)
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum::<f64>() as f32
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn matmul_matches_an_f64_reference_within_1e_5_of_the_row_scale() {
+    let d = dev();
+    let mut rng = SeededRng::new(4);
+    for (n_tok, rows, cols) in [(1, 70, 64), (3, 576, 576), (5, 1, 32)] {
+        let x = values(&mut rng, n_tok * cols, -1.0, 1.0);
+        let w = values(&mut rng, rows * cols, -1.0, 1.0);
+        let want = reference_matmul(&x, &w, cols);
+        let (xb, wb, ob) = (d.upload(&x), d.upload(&w), d.zeros(n_tok * rows));
+        kernels::matmul(d, &xb, &wb, cols, &ob).expect("launch");
+        let got = d.download(&ob).expect("read");
+        // An f32 sum of `cols` terms of magnitude <= 1: relative to sqrt(cols).
+        let err = worst_rel(&got, &want, (cols as f32).sqrt());
+        assert!(err <= 1e-5, "{n_tok}x{rows}x{cols}: worst error {err}");
+    }
+}
+
+#[test]
+fn q4_1_matmul_matches_the_dequantised_weights_within_1e_5() {
+    use tandem_kernels::{GgmlType, dequantize_row, quantize_row};
+    let d = dev();
+    let mut rng = SeededRng::new(5);
+    for (n_tok, rows, cols) in [(1, 48, 576), (4, 130, 64)] {
+        let x = values(&mut rng, n_tok * cols, -1.0, 1.0);
+        let wf = values(&mut rng, rows * cols, -1.0, 1.0);
+        let row_bytes = GgmlType::Q4_1.row_bytes(cols).expect("whole blocks");
+        let mut q = vec![0u8; rows * row_bytes];
+        let mut deq = vec![0.0f32; rows * cols];
+        for ((src, dst), back) in wf
+            .chunks_exact(cols)
+            .zip(q.chunks_exact_mut(row_bytes))
+            .zip(deq.chunks_exact_mut(cols))
+        {
+            quantize_row(GgmlType::Q4_1, src, dst).expect("quantise");
+            dequantize_row(GgmlType::Q4_1, dst, back).expect("dequantise");
+        }
+        let want = reference_matmul(&x, &deq, cols);
+        let (xb, wb, ob) = (d.upload(&x), d.upload_words(&q), d.zeros(n_tok * rows));
+        kernels::matmul_q4_1(d, &xb, &wb, rows, cols, &ob).expect("launch");
+        let got = d.download(&ob).expect("read");
+        let err = worst_rel(&got, &want, (cols as f32).sqrt());
+        assert!(err <= 1e-5, "{n_tok}x{rows}x{cols}: worst error {err}");
+    }
+}
+
+#[test]
+fn argmax_is_the_cpu_greedy_choice_first_maximum_on_ties() {
+    let d = dev();
+    let mut rng = SeededRng::new(6);
+    let n = 49_152;
+    let mut rows: Vec<Vec<f32>> = (0..3).map(|_| values(&mut rng, n, -30.0, 30.0)).collect();
+    // Ties: the first maximum must win, wherever it lies.
+    rows[1][7] = 99.0;
+    rows[1][40_000] = 99.0;
+    rows[2].fill(-1.0);
+    let mut short = values(&mut rng, 5, -30.0, -10.0);
+    short[3] = -5.0;
+    for (i, row) in rows.iter().chain([&short]).enumerate() {
+        let want = tandem_kernels::ops::max(row);
+        let want = row.iter().position(|&v| v == want).expect("a maximum") as u32;
+        let (xb, ob) = (d.upload(row), d.upload(&[0u32]));
+        kernels::argmax(d, &xb, row.len(), &ob).expect("launch");
+        assert_eq!(d.download(&ob).expect("read"), vec![want], "row {i}");
+    }
+}
+
+#[test]
+fn mismatched_shapes_are_errors_not_launches() {
+    let d = dev();
+    let (a, b) = (d.upload(&[1.0f32; 6]), d.upload(&[1.0f32; 4]));
+    let out = d.zeros(6);
+    let err = kernels::rms_norm(d, &a, &b, 1e-5, &out).expect_err("6 is not rows of 4");
+    assert!(err.to_string().contains("rms_norm"), "{err}");
+    assert!(kernels::silu_mul(d, &a, &b).is_err());
+    assert!(kernels::matmul(d, &a, &b, 4, &out).is_err());
+    let w = d.upload(&[0u32; 9]);
+    assert!(kernels::matmul_q4_1(d, &a, &w, 1, 32, &out).is_err());
+    let idx = d.upload(&[0u32; 2]);
+    assert!(kernels::argmax(d, &a, 4, &idx).is_err());
+}

@@ -1,0 +1,24 @@
+//! With no Vulkan driver to load (and no CUDA in this build), opening a
+//! GPU is a clear error naming both, not a panic. Its own test binary: the
+//! Vulkan loader reads its driver list once per process.
+
+use tandem_gpu::{GpuDevice, GpuError};
+
+#[test]
+fn no_vulkan_driver_is_a_clear_error_naming_cuda_and_vulkan() {
+    // SAFETY: the only test in this process, set before any thread reads
+    // the environment (the loader reads it when the device is opened).
+    unsafe {
+        std::env::set_var("VK_ICD_FILENAMES", "/nonexistent/icd.json");
+        std::env::set_var("VK_DRIVER_FILES", "/nonexistent/icd.json");
+    }
+    let err = GpuDevice::open(0).expect_err("no driver, no device");
+    assert!(
+        matches!(err, GpuError::NoDevice { index: 0, .. }),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    for part in ["gpu:0", "CUDA", "Vulkan", "mesa-vulkan-drivers"] {
+        assert!(msg.contains(part), "{part} missing from: {msg}");
+    }
+}
