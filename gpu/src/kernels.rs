@@ -438,3 +438,232 @@ pub fn argmax(dev: &GpuDevice, x: &Buffer, n: usize, out: &Buffer<u32>) -> Resul
     );
     Ok(())
 }
+
+/// `x` rounded to the nearest f16-precision value (ties to even) for
+/// values in f16's normal range, as the CPU rounds attention's queries and
+/// probabilities. Below it (|x| < 2^-14) the f32 precision is kept: those
+/// probabilities weigh under 2^-14 of a value row.
+#[cube]
+fn round_f16_precision(x: f32) -> f32 {
+    let bits = u32::reinterpret(x);
+    let bias = ((bits >> 13) & 1) + 0xfff;
+    f32::reinterpret((bits + bias) & 0xffff_e000u32)
+}
+
+/// Where a head's K and V rows live in a KV pool of f16 pairs (32-bit
+/// words), the CPU pool's layout: block-major, then layer, then K|V, then
+/// head, then `block_size` rows of `head_dim`.
+#[derive(Clone, Copy, Debug)]
+pub struct KvLayout {
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl KvLayout {
+    /// 32-bit words in one block.
+    pub fn block_words(&self) -> usize {
+        self.n_layers * 2 * self.n_kv_heads * self.block_size * self.head_dim / 2
+    }
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn attention_kernel(
+    q: &[f32],
+    pool: &[u32],
+    tables: &[u32],
+    meta: &[u32],
+    scores: &mut [f32],
+    out: &mut [f32],
+    scale: f32,
+    layer: u32,
+    block_words: u32,
+    max_ctx: u32,
+    #[comptime] hd: usize,
+    #[comptime] n_heads: usize,
+    #[comptime] n_kv: usize,
+    #[comptime] bs: usize,
+    #[comptime] units: usize,
+) {
+    // One cube per (token, query head); its units stride over positions
+    // for the scores, then over the head's values for the output.
+    let qi = CUBE_POS_X as usize;
+    let unit = UNIT_POS_X as usize;
+    let t = qi / n_heads;
+    let g = (qi % n_heads) / (n_heads / n_kv);
+    let n = meta[t * 2] as usize;
+    let table = meta[t * 2 + 1] as usize;
+    let half = hd / 2;
+    let head_words = bs * half;
+    let k_off = layer as usize * 2 * n_kv * head_words + g * head_words;
+    let v_off = k_off + n_kv * head_words;
+    let srow = qi * max_ctx as usize;
+    let qrow = qi * hd;
+    let steps = n.div_ceil(units);
+    let mut sh = Shared::<[f32]>::new_slice(units);
+
+    let mut local_max = (-3.402_823_5e38f32).runtime();
+    for k in 0..steps {
+        let p = unit + k * units;
+        if p < n {
+            let base =
+                tables[table + p / bs] as usize * block_words as usize + k_off + (p % bs) * half;
+            let mut dot = 0.0f32;
+            for i in 0..half {
+                let w = pool[base + i];
+                let q0 = round_f16_precision(q[qrow + 2 * i]);
+                let q1 = round_f16_precision(q[qrow + 2 * i + 1]);
+                dot += q0 * half_to_f32(w & 0xffff) + q1 * half_to_f32(w >> 16);
+            }
+            let s = dot * scale;
+            scores[srow + p] = s;
+            local_max = f32::max(local_max, s);
+        }
+    }
+    sh[unit] = local_max;
+    sync_cube();
+    #[unroll]
+    for level in 0..units.trailing_zeros() {
+        let stride = units >> (level + 1);
+        if unit < stride {
+            sh[unit] = f32::max(sh[unit], sh[unit + stride]);
+        }
+        sync_cube();
+    }
+    let max = sh[0];
+    sync_cube();
+
+    let mut local_sum = 0.0f32;
+    for k in 0..steps {
+        let p = unit + k * units;
+        if p < n {
+            let e = f32::exp(scores[srow + p] - max);
+            scores[srow + p] = e;
+            local_sum += e;
+        }
+    }
+    sh[unit] = local_sum;
+    sync_cube();
+    #[unroll]
+    for level in 0..units.trailing_zeros() {
+        let stride = units >> (level + 1);
+        if unit < stride {
+            sh[unit] += sh[unit + stride];
+        }
+        sync_cube();
+    }
+    let inv = 1.0f32 / sh[0];
+    // The exponentials other units wrote must be visible before any unit
+    // reads a whole row of them.
+    sync_storage();
+    sync_cube();
+
+    for j in 0..hd.div_ceil(units) {
+        let d = unit + j * units;
+        if d < hd {
+            let shift = ((d % 2) * 16) as u32;
+            let mut acc = 0.0f32;
+            for p in 0..n {
+                let base = tables[table + p / bs] as usize * block_words as usize
+                    + v_off
+                    + (p % bs) * half;
+                let v = half_to_f32((pool[base + d / 2] >> shift) & 0xffff);
+                acc += round_f16_precision(scores[srow + p] * inv) * v;
+            }
+            out[qrow + d] = acc;
+        }
+    }
+}
+
+/// Causal attention of tokens' query heads over their sequences' paged
+/// KV, in the CPU pool's block layout: `q` holds each token's `n_heads`
+/// heads (`n_heads * head_dim` values per token); token `t` sees positions
+/// `0..meta[2t]` of the sequence whose block table starts at
+/// `tables[meta[2t + 1]]`. `scores` is scratch of `n_heads * max_ctx`
+/// values per token. Block ids and lengths are read on the device: the
+/// caller keeps them in range (the scheduler's block tables are checked
+/// where they are built; out-of-range reads on Vulkan are clamped, never
+/// outside the buffer).
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    dev: &GpuDevice,
+    q: &Buffer,
+    pool: &Buffer<u32>,
+    layout: &KvLayout,
+    layer: usize,
+    n_heads: usize,
+    tables: &Buffer<u32>,
+    meta: &Buffer<u32>,
+    max_ctx: usize,
+    scale: f32,
+    scores: &Buffer,
+    out: &Buffer,
+) -> Result<(), GpuError> {
+    let KvLayout {
+        n_layers,
+        n_kv_heads,
+        head_dim,
+        block_size,
+    } = *layout;
+    let bad = |what: String| Err(shape("attention", what));
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || n_kv_heads == 0 || block_size == 0 {
+        return bad(format!("{layout:?} is not a KV layout"));
+    }
+    if !n_heads.is_multiple_of(n_kv_heads) || layer >= n_layers {
+        return bad(format!(
+            "{n_heads} heads over {n_kv_heads} KV heads, layer {layer} of {n_layers}"
+        ));
+    }
+    let words = layout.block_words();
+    if !pool.len().is_multiple_of(words) {
+        return bad(format!(
+            "pool {} is not whole blocks of {words} words",
+            pool.len()
+        ));
+    }
+    let n_tok = meta.len() / 2;
+    let n_q = n_tok * n_heads;
+    if !meta.len().is_multiple_of(2) || q.len() != n_q * head_dim || out.len() != q.len() {
+        return bad(format!(
+            "q {} and out {} must be {n_tok} tokens of {n_heads} x {head_dim}",
+            q.len(),
+            out.len()
+        ));
+    }
+    if scores.len() < n_q * max_ctx {
+        return bad(format!("scores {} under {n_q} x {max_ctx}", scores.len()));
+    }
+    let (Ok(layer), Ok(words), Ok(max_ctx32)) = (
+        u32::try_from(layer),
+        u32::try_from(words),
+        u32::try_from(max_ctx),
+    ) else {
+        return bad("sizes beyond 32 bits".into());
+    };
+    if n_q == 0 {
+        return Ok(());
+    }
+    attention_kernel::launch(
+        dev.client(),
+        CubeCount::Static(cubes(n_q, 1), 1, 1),
+        CubeDim::new_1d(ROW_UNITS as u32),
+        arg(q),
+        arg(pool),
+        arg(tables),
+        arg(meta),
+        arg(scores),
+        arg(out),
+        scale,
+        layer,
+        words,
+        max_ctx32,
+        head_dim,
+        n_heads,
+        n_kv_heads,
+        block_size,
+        ROW_UNITS,
+    );
+    Ok(())
+}

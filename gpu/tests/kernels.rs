@@ -197,3 +197,82 @@ fn mismatched_shapes_are_errors_not_launches() {
     let idx = d.upload(&[0u32; 2]);
     assert!(kernels::argmax(d, &a, 4, &idx).is_err());
 }
+
+#[test]
+fn paged_attention_matches_the_cpu_kernel_on_the_cpu_pool_layout() {
+    use half::f16;
+    use kernels::KvLayout;
+    let d = dev();
+    let mut rng = SeededRng::new(7);
+    let layout = KvLayout {
+        n_layers: 2,
+        n_kv_heads: 3,
+        head_dim: 64,
+        block_size: 16,
+    };
+    let (n_heads, hd, bs) = (9, layout.head_dim, layout.block_size);
+    let n_blocks = 16;
+    let block_len = layout.block_words() * 2;
+    let pool: Vec<f16> = (0..n_blocks * block_len)
+        .map(|_| f16::from_f32(rng.f32(-2.0, 2.0)))
+        .collect();
+    // Two sequences over shuffled blocks: a prompt's last two tokens (a
+    // causal prefill chunk) and one decoding token with a longer context.
+    let seq_a: Vec<u32> = vec![5, 2, 11];
+    let seq_b: Vec<u32> = vec![0, 7, 3, 14, 9, 1, 12];
+    let tokens = [(&seq_a, 0, 36), (&seq_a, 0, 37), (&seq_b, seq_a.len(), 100)];
+    let (layer, scale) = (1, 0.125);
+    let q = values(&mut rng, tokens.len() * n_heads * hd, -1.0, 1.0);
+
+    // The CPU kernel over the same pool, one head slice per block.
+    let slice = |b: u32, kv: usize, g: usize| {
+        let off =
+            b as usize * block_len + (layer * 2 + kv) * layout.n_kv_heads * bs * hd + g * bs * hd;
+        &pool[off..off + bs * hd]
+    };
+    let mut want = vec![0.0f32; q.len()];
+    let mut scratch = Vec::new();
+    for (t, &(table, _, n)) in tokens.iter().enumerate() {
+        for h in 0..n_heads {
+            let g = h / (n_heads / layout.n_kv_heads);
+            let ks: Vec<&[f16]> = table.iter().map(|&b| slice(b, 0, g)).collect();
+            let vs: Vec<&[f16]> = table.iter().map(|&b| slice(b, 1, g)).collect();
+            let at = (t * n_heads + h) * hd;
+            tandem_kernels::attention::attend(
+                &q[at..at + hd],
+                &ks,
+                &vs,
+                bs,
+                n,
+                scale,
+                &mut scratch,
+                &mut want[at..at + hd],
+            );
+        }
+    }
+
+    let bytes: Vec<u8> = pool.iter().flat_map(|h| h.to_le_bytes()).collect();
+    let tables: Vec<u32> = seq_a.iter().chain(&seq_b).copied().collect();
+    let meta: Vec<u32> = tokens
+        .iter()
+        .flat_map(|&(_, off, n)| [n as u32, off as u32])
+        .collect();
+    let max_ctx = 100;
+    let (qb, pb, tb, mb) = (
+        d.upload(&q),
+        d.upload_words(&bytes),
+        d.upload(&tables),
+        d.upload(&meta),
+    );
+    let (sb, ob) = (d.zeros(q.len() / hd * max_ctx), d.zeros(q.len()));
+    kernels::attention(
+        d, &qb, &pb, &layout, layer, n_heads, &tb, &mb, max_ctx, scale, &sb, &ob,
+    )
+    .expect("launch");
+    let got = d.download(&ob).expect("read");
+    // Same roundings as the CPU (f16 queries and probabilities); the dot
+    // products and sums run in another order, and `exp` is the device's.
+    let err = worst_rel(&got, &want, 1.0);
+
+    assert!(err <= 1e-4, "worst error {err}");
+}
