@@ -667,3 +667,157 @@ pub fn attention(
     );
     Ok(())
 }
+
+#[cube(launch)]
+fn add_kernel(acc: &mut [f32], x: &[f32]) {
+    let i = ABSOLUTE_POS;
+    if i < acc.len() {
+        acc[i] += x[i];
+    }
+}
+
+/// `acc[i] += x[i]` (the residual connections).
+pub fn add(dev: &GpuDevice, acc: &Buffer, x: &Buffer) -> Result<(), GpuError> {
+    if acc.len() != x.len() {
+        return Err(shape(
+            "add",
+            format!("acc {} and x {} differ", acc.len(), x.len()),
+        ));
+    }
+    if acc.is_empty() {
+        return Ok(());
+    }
+    add_kernel::launch(
+        dev.client(),
+        CubeCount::Static(cubes(acc.len(), UNITS), 1, 1),
+        CubeDim::new_1d(UNITS as u32),
+        arg(acc),
+        arg(x),
+    );
+    Ok(())
+}
+
+/// The IEEE half bits (low 16) of `x`, rounded to nearest even, with
+/// overflow to infinity and half subnormals: as `half::f16::from_f32`.
+#[cube]
+fn f32_to_half_bits(x: f32) -> u32 {
+    let b = u32::reinterpret(x);
+    let sign = (b >> 16) & 0x8000;
+    let a = b & 0x7fff_ffff;
+    let mut h = 0u32;
+    if a > 0x7f80_0000 {
+        h = 0x7e00;
+    } else if a >= 0x4780_0000 {
+        // |x| >= 65536 (and infinity): infinity.
+        h = 0x7c00;
+    } else if a >= 0x3880_0000 {
+        // Half normal range (|x| >= 2^-14); rounding may carry into the
+        // exponent, up to infinity at 65520.
+        let base = (a - 0x3800_0000) >> 13;
+        let rem = a & 0x1fff;
+        h = base;
+        if rem > 0x1000 || (rem == 0x1000 && (base & 1) == 1) {
+            h = base + 1;
+        }
+    } else if a >= 0x3300_0000 {
+        // Half subnormals: the 24-bit significand shifted to units of 2^-24.
+        let exp = a >> 23;
+        let m = (a & 0x7f_ffff) | 0x80_0000;
+        let shift = 126 - exp;
+        let base = m >> shift;
+        let rem = m & ((1u32 << shift) - 1);
+        let halfway = 1u32 << (shift - 1);
+        h = base;
+        if rem > halfway || (rem == halfway && (base & 1) == 1) {
+            h = base + 1;
+        }
+    }
+    sign | h
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn kv_write_kernel(
+    k: &[f32],
+    v: &[f32],
+    pool: &mut [u32],
+    slots: &[u32],
+    layer: u32,
+    block_words: u32,
+    #[comptime] hd: usize,
+    #[comptime] n_kv: usize,
+    #[comptime] bs: usize,
+) {
+    // One unit per (token, KV head, value pair), K and V both.
+    let half = hd / 2;
+    let id = ABSOLUTE_POS;
+    let per_token = n_kv * half;
+    let t = id / per_token;
+    if t < slots.len() / 2 {
+        let g = (id % per_token) / half;
+        let i = id % half;
+        let head_words = bs * half;
+        let at = slots[t * 2] as usize * block_words as usize
+            + layer as usize * 2 * n_kv * head_words
+            + g * head_words
+            + slots[t * 2 + 1] as usize * half
+            + i;
+        let src = t * n_kv * hd + g * hd + 2 * i;
+        pool[at] = f32_to_half_bits(k[src]) | (f32_to_half_bits(k[src + 1]) << 16);
+        pool[at + n_kv * head_words] =
+            f32_to_half_bits(v[src]) | (f32_to_half_bits(v[src + 1]) << 16);
+    }
+}
+
+/// Stores tokens' K and V rows (`n_kv_heads * head_dim` values each, f32)
+/// into the pool as f16, token `t` at row `slots[2t + 1]` of block
+/// `slots[2t]` of `layer` (the CPU cache's `write`).
+pub fn kv_write(
+    dev: &GpuDevice,
+    k: &Buffer,
+    v: &Buffer,
+    pool: &Buffer<u32>,
+    layout: &KvLayout,
+    layer: usize,
+    slots: &Buffer<u32>,
+) -> Result<(), GpuError> {
+    let kv_dim = layout.n_kv_heads * layout.head_dim;
+    let n_tok = slots.len() / 2;
+    if !layout.head_dim.is_multiple_of(2)
+        || layer >= layout.n_layers
+        || k.len() != n_tok * kv_dim
+        || v.len() != k.len()
+        || !pool.len().is_multiple_of(layout.block_words().max(1))
+    {
+        return Err(shape(
+            "kv_write",
+            format!(
+                "k {} / v {} must be {n_tok} tokens of {kv_dim} for {layout:?} layer {layer}",
+                k.len(),
+                v.len()
+            ),
+        ));
+    }
+    let (Ok(layer), Ok(words)) = (u32::try_from(layer), u32::try_from(layout.block_words())) else {
+        return Err(shape("kv_write", "sizes beyond 32 bits".into()));
+    };
+    let units = k.len() / 2;
+    if units == 0 {
+        return Ok(());
+    }
+    kv_write_kernel::launch(
+        dev.client(),
+        CubeCount::Static(cubes(units, UNITS), 1, 1),
+        CubeDim::new_1d(UNITS as u32),
+        arg(k),
+        arg(v),
+        arg(pool),
+        arg(slots),
+        layer,
+        words,
+        layout.head_dim,
+        layout.n_kv_heads,
+        layout.block_size,
+    );
+    Ok(())
+}

@@ -276,3 +276,80 @@ fn paged_attention_matches_the_cpu_kernel_on_the_cpu_pool_layout() {
 
     assert!(err <= 1e-4, "worst error {err}");
 }
+
+#[test]
+fn kv_write_stores_rows_as_the_cpu_cache_does_bit_for_bit() {
+    use half::f16;
+    use kernels::KvLayout;
+    let d = dev();
+    let mut rng = SeededRng::new(8);
+    let layout = KvLayout {
+        n_layers: 2,
+        n_kv_heads: 3,
+        head_dim: 64,
+        block_size: 16,
+    };
+    let (kv_dim, bs, hd) = (3 * 64, 16, 64);
+    let block_len = layout.block_words() * 2;
+    let n_blocks = 4;
+    let slots: Vec<u32> = vec![2, 0, 2, 15, 0, 7];
+    let mut k = values(&mut rng, 3 * kv_dim, -3.0, 3.0);
+    let mut v = values(&mut rng, 3 * kv_dim, -3.0, 3.0);
+    // Values at f16's edges: ties, subnormals, overflow, signed zero.
+    let edges = [
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        65504.0,
+        65519.0,
+        65520.0,
+        1e6,
+        -0.0,
+        6.0e-5,
+        3.0e-8,
+        2.98e-8,
+        -1.0e-7,
+        f32::INFINITY,
+        1.0e-40,
+    ];
+    k[..edges.len()].copy_from_slice(&edges);
+    v[kv_dim..kv_dim + edges.len()].copy_from_slice(&edges);
+    let mut want = vec![f16::ZERO; n_blocks * block_len];
+    let layer = 1;
+    for (t, s) in slots.chunks_exact(2).enumerate() {
+        for (kv, src) in [&k, &v].into_iter().enumerate() {
+            for g in 0..3 {
+                let off = s[0] as usize * block_len
+                    + (layer * 2 + kv) * 3 * bs * hd
+                    + g * bs * hd
+                    + s[1] as usize * hd;
+                for i in 0..hd {
+                    want[off + i] = f16::from_f32(src[t * kv_dim + g * hd + i]);
+                }
+            }
+        }
+    }
+    let pool = d.upload(&vec![0u32; n_blocks * layout.block_words()]);
+    let (kb, vb, sb) = (d.upload(&k), d.upload(&v), d.upload(&slots));
+    kernels::kv_write(d, &kb, &vb, &pool, &layout, layer, &sb).expect("launch");
+    let got = d.download(&pool).expect("read");
+    let want: Vec<u32> = want
+        .chunks_exact(2)
+        .map(|p| u32::from(p[0].to_bits()) | (u32::from(p[1].to_bits()) << 16))
+        .collect();
+    let diff = got.iter().zip(&want).position(|(a, b)| a != b);
+    assert_eq!(diff, None, "first differing word");
+}
+
+#[test]
+fn add_is_exact() {
+    let d = dev();
+    let mut rng = SeededRng::new(9);
+    let (a, b) = (
+        values(&mut rng, 1000, -5.0, 5.0),
+        values(&mut rng, 1000, -5.0, 5.0),
+    );
+    let (ab, bb) = (d.upload(&a), d.upload(&b));
+    kernels::add(d, &ab, &bb).expect("launch");
+    let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    assert_eq!(d.download(&ab).expect("read"), want);
+}
