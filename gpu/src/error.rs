@@ -14,6 +14,12 @@ pub enum GpuError {
         cuda: String,
         vulkan: String,
     },
+    /// The model file cannot run on this backend yet.
+    #[error("model not supported on the GPU backend: {0}")]
+    UnsupportedModel(String),
+    /// The model file could not be read.
+    #[error(transparent)]
+    ModelFile(#[from] tandem_modelfile::error::ModelError),
     /// A kernel's inputs do not have the sizes it needs.
     #[error("{kernel}: {what}")]
     Shape { kernel: &'static str, what: String },

@@ -15,6 +15,7 @@
 mod device;
 mod error;
 pub mod kernels;
+pub mod llama;
 
 pub use device::{Buffer, GpuDevice};
 pub use error::GpuError;
