@@ -7,10 +7,18 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use crate::kernel_args::KernelArgs;
-use tandem_engine::generate::{GenerateRequest, generate};
+use tandem_engine::RequestError;
+use tandem_engine::comm::{DeviceSpec, GpuSelection, parse_devices};
+use tandem_engine::generate::{GenerateRequest, SequenceModel, generate, generate_on};
 use tandem_engine::sampler::SamplingParams;
+use tandem_gpu::GpuDevice;
+use tandem_gpu::llama::GpuLlama;
+use tandem_modelfile::ModelText;
 use tandem_modelfile::chat::ChatMessage;
+use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::fetch;
+use tandem_modelfile::gguf::GgufFile;
+use tandem_types::RequestLimits;
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -62,15 +70,63 @@ pub struct GenerateArgs {
     /// Longest prompt slice run in one forward pass.
     #[arg(long, env = "TANDEM_PREFILL_CHUNK", default_value_t = 512)]
     prefill_chunk: usize,
+    /// Where the model runs: `cpu`, or one GPU `gpu:N` (a Vulkan device;
+    /// Mesa's lavapipe where there is no GPU). The GPU runs GGUF files
+    /// with Q4_1 layer weights (SmolLM2) for now.
+    #[arg(long, env = "TANDEM_DEVICES", default_value = "cpu")]
+    devices: String,
+}
+
+/// Which device `generate` runs on.
+enum Placement {
+    Cpu,
+    Gpu(usize),
+}
+
+impl GenerateArgs {
+    fn placement(&self) -> Result<Placement> {
+        match parse_devices(&self.devices)? {
+            DeviceSpec::Cpu { ranks: 1 } => Ok(Placement::Cpu),
+            DeviceSpec::Cpu { ranks } => bail!(
+                "--devices {}: generate runs one rank ({ranks} given; `serve --tp` shards)",
+                self.devices
+            ),
+            DeviceSpec::Gpu(GpuSelection::All) => Ok(Placement::Gpu(0)),
+            DeviceSpec::Gpu(GpuSelection::Ids(ids)) => match ids[..] {
+                [id] => Ok(Placement::Gpu(id)),
+                _ => bail!("--devices {}: generate runs on one GPU", self.devices),
+            },
+        }
+    }
+}
+
+/// [`GpuLlama`] as `generate`'s model: prompts run a token at a time.
+struct GpuSequence(GpuLlama);
+
+impl SequenceModel for GpuSequence {
+    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>, RequestError> {
+        let mut logits = Vec::new();
+        for (i, &t) in tokens.iter().enumerate() {
+            logits = self
+                .0
+                .step(t, start_pos + i)
+                .map_err(|e| RequestError::Device(e.to_string()))?;
+        }
+        Ok(logits)
+    }
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
+    let placement = args.placement()?;
     args.kernels.apply()?;
     let cache = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
     let path = crate::fetch::resolve_model(&args.model, &cache)?;
+    if let Placement::Gpu(id) = placement {
+        return run_on_gpu(&args, &path, id);
+    }
     let m = tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?;
     eprintln!(
         "tandem: loaded {} ({} layers) in {:.0} ms; kernels: {}, {} threads",
@@ -81,9 +137,22 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         tandem_kernels::num_threads()
     );
 
+    let req = request(&args, &m.text)?;
+    let mut stdout = std::io::stdout().lock();
+    let out = generate(&m, &req, |piece| {
+        // A closed stdout (e.g. piped into `head`) just ends the output.
+        let _ = stdout.write_all(piece.as_bytes());
+        let _ = stdout.flush();
+    })?;
+    let _ = writeln!(stdout);
+    report(&req, &out);
+    Ok(())
+}
+
+/// The request `args` describe, the prompt tokenized by `text`.
+fn request(args: &GenerateArgs, model: &ModelText) -> Result<GenerateRequest> {
     let text = if args.chat {
-        let template = m
-            .text
+        let template = model
             .chat_template
             .as_ref()
             .context("--chat: this model has no chat template")?;
@@ -97,7 +166,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         args.prompt.clone()
     };
     // A chat template writes its own BOS where the model wants one.
-    let prompt = m.text.tokenizer.encode(&text, !args.chat)?;
+    let prompt = model.tokenizer.encode(&text, !args.chat)?;
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -109,25 +178,22 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         repetition_penalty: args.repetition_penalty,
         ..SamplingParams::default()
     };
-    let req = GenerateRequest {
+    Ok(GenerateRequest {
         prompt,
         sampling,
         max_tokens: args.max_tokens,
         stop_token_ids: if args.ignore_eos {
             Vec::new()
         } else {
-            m.text.tokenizer.stop_ids()
+            model.tokenizer.stop_ids()
         },
         stop_strings: args.stop.clone(),
         prefill_chunk: args.prefill_chunk,
-    };
-    let mut stdout = std::io::stdout().lock();
-    let out = generate(&m, &req, |piece| {
-        // A closed stdout (e.g. piped into `head`) just ends the output.
-        let _ = stdout.write_all(piece.as_bytes());
-        let _ = stdout.flush();
-    })?;
-    let _ = writeln!(stdout);
+    })
+}
+
+/// The speed line on stderr.
+fn report(req: &GenerateRequest, out: &tandem_engine::generate::GenerateOutput) {
     let n_prompt = req.prompt.len();
     let n_gen = out.tokens.len();
     let rate = |n: usize, d: std::time::Duration| n as f64 / d.as_secs_f64().max(1e-9);
@@ -140,5 +206,43 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         rate(n_gen.saturating_sub(1), out.decode_time),
         out.finish
     );
+}
+
+/// `generate` on GPU `id`: the tokenizer from the GGUF's metadata, the
+/// weights on the device (nothing of the CPU engine is loaded).
+fn run_on_gpu(args: &GenerateArgs, path: &std::path::Path, id: usize) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    let g = GgufFile::open(path)
+        .with_context(|| format!("--devices gpu:{id} needs a GGUF file: {}", path.display()))?;
+    let config = ModelConfig::from_gguf(&g)?;
+    let (tokenizer, chat_template) = tandem_modelfile::meta::gguf_text(&g, &config)?;
+    let text = ModelText {
+        name: tandem_modelfile::meta::gguf_name(&g, path),
+        tokenizer,
+        chat_template,
+    };
+    let req = request(args, &text)?;
+    let limits = RequestLimits {
+        max_length: config.context_length,
+        vocab_size: config.vocab_size,
+    };
+    let max_tokens = limits.check(&req.prompt, Some(req.max_tokens), &req.sampling)?;
+    let dev = GpuDevice::open(id)?;
+    let adapter = dev.name().to_string();
+    let model = GpuLlama::load(dev, &g, req.prompt.len() + max_tokens)?;
+    eprintln!(
+        "tandem: loaded {} ({} layers) on gpu:{id}, {adapter}, in {:.0} ms",
+        text.name,
+        config.n_layers,
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    let mut stdout = std::io::stdout().lock();
+    let mut seq = GpuSequence(model);
+    let out = generate_on(&mut seq, &text.tokenizer, limits, &req, |piece| {
+        let _ = stdout.write_all(piece.as_bytes());
+        let _ = stdout.flush();
+    })?;
+    let _ = writeln!(stdout);
+    report(&req, &out);
     Ok(())
 }

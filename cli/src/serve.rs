@@ -254,8 +254,9 @@ impl EngineArgs {
                 self.tp
             ),
             DeviceSpec::Gpu(_) => bail!(
-                "--devices {}: GPU ranks are not available in this build: the forward pass has \
-                 CPU kernels only (the NCCL communicator builds with --features nccl)",
+                "--devices {}: the serving scheduler runs on CPU ranks only so far; one \
+                 sequence runs on a GPU with `tandem generate --devices gpu:N` (the NCCL \
+                 communicator builds with --features nccl)",
                 self.devices
             ),
         }

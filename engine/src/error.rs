@@ -27,6 +27,9 @@ pub enum RequestError {
     /// A tensor-parallel collective failed (a peer rank is gone).
     #[error("collective failed: {0}")]
     Collective(String),
+    /// A device backend (a GPU) failed to run the step.
+    #[error("device failure: {0}")]
+    Device(String),
     /// The mock engine found KV it did not write (a broken handoff).
     #[error("mock engine: {0}")]
     Mock(String),

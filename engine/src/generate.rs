@@ -1,10 +1,11 @@
 //! Single-sequence generation: chunked prefill, then token-by-token decode
-//! with streaming text, stop tokens and stop strings. Used by
-//! `tandem generate`.
+//! with streaming text, stop tokens and stop strings, over any
+//! [`SequenceModel`]. Used by `tandem generate`.
 
 use std::time::{Duration, Instant};
 
 use tandem_modelfile::stop::StopStrings;
+use tandem_modelfile::tokenizer::Tokenizer;
 use tandem_types::{FinishReason, RequestLimits};
 
 use crate::error::RequestError;
@@ -43,24 +44,76 @@ pub struct GenerateOutput {
     pub prompt_logits: Vec<f32>,
 }
 
-/// Runs `req` to completion, calling `on_text` with each new piece of text.
+/// What `generate` runs: one sequence's forward passes. The CPU engine over
+/// its own KV cache ([`generate`]), or a device backend (`tandem generate
+/// --devices gpu:N`).
+pub trait SequenceModel {
+    /// Runs `tokens` from position `start_pos` (every earlier position has
+    /// run) and returns the logits after the last of them.
+    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>, RequestError>;
+}
+
+/// The CPU engine as a [`SequenceModel`]: a KV cache sized for `tokens`.
+struct CpuSequence<'a> {
+    m: &'a LoadedModel,
+    cache: KvCache,
+    table: Vec<crate::block_allocator::BlockId>,
+}
+
+impl SequenceModel for CpuSequence<'_> {
+    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>, RequestError> {
+        self.cache
+            .reserve(&mut self.table, start_pos + tokens.len())?;
+        self.m.model.forward(
+            &[SeqChunk {
+                tokens,
+                start_pos,
+                block_table: &self.table,
+                want_logits: true,
+            }],
+            &mut self.cache,
+        )
+    }
+}
+
+/// Runs `req` on the CPU engine to completion, calling `on_text` with each
+/// new piece of text.
 pub fn generate(
     m: &LoadedModel,
     req: &GenerateRequest,
-    mut on_text: impl FnMut(&str),
+    on_text: impl FnMut(&str),
 ) -> Result<GenerateOutput, RequestError> {
     let cfg = m.model.config();
     let limits = RequestLimits {
         max_length: cfg.context_length,
         vocab_size: cfg.vocab_size,
     };
+    // Checked before sizing the cache by it.
     let max_tokens = limits.check(&req.prompt, Some(req.max_tokens), &req.sampling)?;
     let total = req.prompt.len() + max_tokens;
     let kv_cfg = m
         .model
         .kv_cache_config(BLOCK_SIZE, total.div_ceil(BLOCK_SIZE).max(1));
-    let mut cache = KvCache::new(kv_cfg)?;
-    let mut table = Vec::new();
+    let mut seq = CpuSequence {
+        m,
+        cache: KvCache::new(kv_cfg)?,
+        table: Vec::new(),
+    };
+    let out = generate_on(&mut seq, &m.text.tokenizer, limits, req, on_text);
+    seq.cache.blocks_mut().release(&mut seq.table)?;
+    out
+}
+
+/// Runs `req` on `model` to completion: chunked prefill, then sampling,
+/// streaming text through `on_text`, stop tokens and stop strings.
+pub fn generate_on(
+    model: &mut dyn SequenceModel,
+    tokenizer: &Tokenizer,
+    limits: RequestLimits,
+    req: &GenerateRequest,
+    mut on_text: impl FnMut(&str),
+) -> Result<GenerateOutput, RequestError> {
+    let max_tokens = limits.check(&req.prompt, Some(req.max_tokens), &req.sampling)?;
     let mut sampler = Sampler::new(req.sampling.clone(), &req.prompt)?;
 
     let t0 = Instant::now();
@@ -68,24 +121,14 @@ pub fn generate(
     let mut logits = Vec::new();
     let mut pos = 0;
     for piece in req.prompt.chunks(chunk) {
-        cache.reserve(&mut table, pos + piece.len())?;
-        let last = pos + piece.len() == req.prompt.len();
-        logits = m.model.forward(
-            &[SeqChunk {
-                tokens: piece,
-                start_pos: pos,
-                block_table: &table,
-                want_logits: last,
-            }],
-            &mut cache,
-        )?;
+        logits = model.forward(piece, pos)?;
         pos += piece.len();
     }
     let prefill_time = t0.elapsed();
     let prompt_logits = logits.clone();
 
     let t1 = Instant::now();
-    let mut decoder = m.text.tokenizer.stream_decoder(true);
+    let mut decoder = tokenizer.stream_decoder(true);
     let mut stops = StopStrings::new(&req.stop_strings);
     let mut out = GenerateOutput {
         tokens: Vec::new(),
@@ -116,19 +159,7 @@ pub fn generate(
         if out.tokens.len() == max_tokens {
             break;
         }
-        if let Err(e) = cache.reserve(&mut table, pos + 1) {
-            // Sized for prompt + max_tokens up front, so this cannot run out.
-            return Err(RequestError::KvCache(e));
-        }
-        logits = m.model.forward(
-            &[SeqChunk {
-                tokens: &[token],
-                start_pos: pos,
-                block_table: &table,
-                want_logits: true,
-            }],
-            &mut cache,
-        )?;
+        logits = model.forward(&[token], pos)?;
         pos += 1;
     }
     if out.finish == FinishReason::Length {
@@ -137,6 +168,5 @@ pub fn generate(
         on_text(&rest);
     }
     out.decode_time = t1.elapsed();
-    cache.blocks_mut().release(&mut table)?;
     Ok(out)
 }

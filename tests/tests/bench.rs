@@ -205,9 +205,10 @@ fn bench_engine_writes_profiles_the_planner_reads() {
         assert!(!candidates.is_empty(), "{v}");
         for c in candidates {
             // A node that steps in milliseconds sustains some requests per
-            // second, not an unbounded rate.
+            // second, not an unbounded rate. (How many depends on how fast
+            // this machine ran the profile: a loaded machine gave 0.25.)
             let r = c["max_good_rate"].as_f64().unwrap();
-            assert!(r > 0.5 && r < 1e4, "{}: {r} req/s", c["topology"]);
+            assert!(r > 0.0 && r < 1e4, "{}: {r} req/s", c["topology"]);
         }
     }
 }

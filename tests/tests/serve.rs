@@ -968,7 +968,10 @@ fn metrics_endpoint_reports_engine_and_request_metrics() {
 #[test]
 fn device_flags_that_cannot_run_are_refused_at_startup() {
     for (args, want) in [
-        (&["--devices", "gpu:0"][..], "GPU ranks are not available"),
+        (
+            &["--devices", "gpu:0"][..],
+            "the serving scheduler runs on CPU ranks only",
+        ),
         (
             &["--devices", "cpu:3", "--tp", "2"][..],
             "gives 3 ranks but --tp is 2",
@@ -991,6 +994,51 @@ fn device_flags_that_cannot_run_are_refused_at_startup() {
         assert!(!out.status.success(), "{args:?} started");
         assert!(err.contains(want), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn generate_on_a_gpu_names_the_adapter_and_follows_the_cpu() {
+    // On machines without a GPU, gpu:0 is Mesa's lavapipe (scripts/test.sh
+    // installs it). This prompt's greedy tokens are the GPU's own choices
+    // at every step (gpu/tests/llama.rs), so the texts are equal.
+    let text = "def fibonacci(n):";
+    let run = |devices: &str, no_driver: bool| {
+        let mut cmd = Command::new(tandem_tests::binary());
+        cmd.args(["generate", "--model"])
+            .arg(gguf_path())
+            .args(["--prompt", text, "--max-tokens", "12", "--temperature", "0"])
+            .args(["--devices", devices]);
+        if no_driver {
+            cmd.env("VK_ICD_FILENAMES", "/nonexistent/icd.json")
+                .env("VK_DRIVER_FILES", "/nonexistent/icd.json");
+        }
+        cmd.output().unwrap()
+    };
+    let cpu = run("cpu", false);
+    assert!(
+        cpu.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cpu.stderr)
+    );
+    let gpu = run("gpu:0", false);
+    let err = String::from_utf8_lossy(&gpu.stderr);
+    assert!(gpu.status.success(), "{err}");
+    assert!(err.contains("on gpu:0,") && err.contains("Vulkan"), "{err}");
+    assert_eq!(
+        String::from_utf8_lossy(&gpu.stdout),
+        String::from_utf8_lossy(&cpu.stdout)
+    );
+    // No GPU and no Vulkan driver: a startup error naming both.
+    let none = run("gpu:0", true);
+    let err = String::from_utf8_lossy(&none.stderr);
+    assert!(!none.status.success(), "ran without a device: {err}");
+    for part in ["no GPU for gpu:0", "CUDA", "Vulkan"] {
+        assert!(err.contains(part), "{part}: {err}");
+    }
+    // One sequence runs on one device.
+    let two = run("gpu:0,1", false);
+    assert!(!two.status.success());
+    assert!(String::from_utf8_lossy(&two.stderr).contains("generate runs on one GPU"));
 }
 
 #[test]

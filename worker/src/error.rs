@@ -45,6 +45,7 @@ impl From<WorkerError> for Status {
                 | RequestError::Tokenizer(_)
                 | RequestError::Kernel(_)
                 | RequestError::Collective(_)
+                | RequestError::Device(_)
                 | RequestError::Mock(_),
             ) => Code::Internal,
             WorkerError::Transfer(DkvError::OutOfBounds(_) | DkvError::InvalidDescriptor(_)) => {
