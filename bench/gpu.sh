@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Tandem on a GPU against Tandem on the CPU, same GGUF, one run.
+#   usage: bench/gpu.sh [DEVICE]        (default gpu:0)
+# Environment:
+#   GGUF=path / MODEL=alias  the model (default: SmolLM2-135M-Instruct Q4_1)
+#   ROUNDS=n          alternating CPU/GPU rounds (default 2); best wins
+#   PROMPT_WORDS=n    prompt length in words (default 200)
+#   GEN_TOKENS=n      generated tokens (default 128)
+#   GPU_BW_GBS=x      the device's memory bandwidth in GB/s, for the share of
+#                     the bandwidth bound (default: looked up from the name
+#                     nvidia-smi reports: H100 3350, H200 4800; else none)
+#   BENCH_OUT=dir     raw outputs (default: a new /tmp/tandem-gpu-bench.*)
+# What runs: `tandem generate --devices DEVICE` (GpuLlama: one sequence, the
+# prompt a token at a time, greedy on the device) and the same command on
+# the CPU. TP=2 scaling is not measured: the GPU path has no sharded ranks
+# yet, and the script says so.
+set -euo pipefail
+
+device=${1:-gpu:0}
+rounds=${ROUNDS:-2}
+words=${PROMPT_WORDS:-200}
+gen=${GEN_TOKENS:-128}
+for v in rounds words gen; do
+  [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "$v must be a positive integer" >&2; exit 2; }
+done
+repo=$(git -C "$(dirname "${BASH_SOURCE[0]}")" rev-parse --show-toplevel)
+out=${BENCH_OUT:-$(mktemp -d /tmp/tandem-gpu-bench.XXXXXX)}
+mkdir -p "$out"
+# shellcheck source=bench/lib.sh
+source "$repo/bench/lib.sh"
+bench_build_tandem
+bench_resolve_gguf
+export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-$(mktemp -d)}
+
+prompt=$(python3 -c "import sys; w='the quick brown fox jumps over the lazy dog'.split(); n=int(sys.argv[1]); print(' '.join((w * (n // len(w) + 1))[:n]))" "$words")
+say "model $gguf; $device vs cpu; $rounds rounds; prompt $words words, $gen generated; raw output in $out"
+
+run() { # where round
+  "$tandem" generate --model "$gguf" --devices "$1" --prompt "$prompt" --max-tokens "$gen" \
+    --temperature 0 --ignore-eos >"$out/$2.out" 2>"$out/$2.err" ||
+    { echo "tandem generate --devices $1 failed:" >&2; cat "$out/$2.err" >&2; exit 1; }
+}
+for r in $(seq 1 "$rounds"); do
+  say "round $r/$rounds: cpu"
+  run cpu "cpu.$r"
+  say "round $r/$rounds: $device"
+  run "$device" "gpu.$r"
+done
+
+bw=${GPU_BW_GBS:-}
+if [[ -z $bw ]] && command -v nvidia-smi >/dev/null; then
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  case $name in
+    *H200*) bw=4800 ;;
+    *H100*) bw=3350 ;;
+  esac
+fi
+
+python3 - "$out" "$rounds" "$gguf" "${bw:-}" "$device" <<'PY'
+import glob, re, struct, sys
+
+out, rounds, gguf, bw, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+line = re.compile(r"prompt (\d+) tokens in ([\d.]+) ms \(([\d.]+) tok/s\); "
+                  r"generated (\d+) tokens in ([\d.]+) ms \(([\d.]+) tok/s\)")
+best = {}
+adapter = ""
+for path in sorted(glob.glob(f"{out}/*.err")):
+    kind = path.rsplit("/", 1)[1].split(".")[0]
+    text = open(path).read()
+    m = line.search(text)
+    if not m:
+        sys.exit(f"no speed line in {path}")
+    a = re.search(r"on gpu:\d+, (.*), in [\d.]+ ms", text)
+    if a:
+        adapter = a.group(1)
+    pp, tg = float(m.group(3)), float(m.group(6))
+    b = best.setdefault(kind, [0.0, 0.0])
+    b[0], b[1] = max(b[0], pp), max(b[1], tg)
+
+def tensor_bytes(path):
+    """Bytes of each tensor of a GGUF file, by name."""
+    blk = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34),
+           12: (256, 144), 14: (256, 210)}
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    with open(path, "rb") as f:
+        rd = lambda fmt: struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
+        rstr = lambda: f.read(rd("Q")).decode("utf-8", "replace")
+        def skip(t):
+            if t == 8:
+                rstr()
+            elif t == 9:
+                et, n = rd("I"), rd("Q")
+                if et in sizes:
+                    f.seek(n * sizes[et], 1)
+                else:
+                    for _ in range(n):
+                        skip(et)
+            else:
+                f.seek(sizes[t], 1)
+        assert f.read(4) == b"GGUF"
+        rd("I")
+        n_t, n_kv = rd("Q"), rd("Q")
+        for _ in range(n_kv):
+            rstr()
+            skip(rd("I"))
+        out = {}
+        for _ in range(n_t):
+            name = rstr()
+            dims = [rd("Q") for _ in range(rd("I"))]
+            ty = rd("I")
+            rd("Q")
+            n = 1
+            for d in dims:
+                n *= d
+            e, b = blk.get(ty, (1, 4))
+            out[name] = (n, n // e * b)
+        return out
+
+t = tensor_bytes(gguf)
+# A GPU decode step reads every layer tensor as stored and the output head
+# as f32 (GpuLlama dequantises a tied Q8_0 head); the embedding row is
+# uploaded from the host.
+head = "output.weight" if "output.weight" in t else "token_embd.weight"
+per_tok = sum(b for name, (_, b) in t.items() if name.startswith("blk.")) + t[head][0] * 4
+print()
+print(f"# Tandem on {device} ({adapter or 'adapter not reported'}) vs the CPU: best of {rounds} rounds")
+print()
+print("| metric | cpu best tok/s | gpu best tok/s | gpu/cpu |")
+print("| --- | --- | --- | --- |")
+for i, metric in enumerate(["prompt (a token per forward on the GPU)", "decode"]):
+    c, g = best["cpu"][i], best["gpu"][i]
+    print(f"| {metric} | {c:.1f} | {g:.1f} | {g / c:.2f}x |")
+print()
+if bw:
+    bound = float(bw) * 1e9 / per_tok
+    share = best["gpu"][1] / bound
+    print(f"decode: {per_tok / 1e6:.1f} MB read per token at {float(bw):.0f} GB/s bounds it at "
+          f"{bound:.0f} tok/s; measured {best['gpu'][1]:.1f} tok/s = {100 * share:.1f}% of the bound")
+else:
+    print(f"decode reads {per_tok / 1e6:.1f} MB per token; set GPU_BW_GBS for the share of the "
+          "device's bandwidth bound")
+print("TP=2 scaling: not measured (the GPU path has no sharded ranks yet)")
+PY
