@@ -56,8 +56,10 @@ if [[ -z $bw ]] && command -v nvidia-smi >/dev/null; then
   esac
 fi
 
-python3 - "$out" "$rounds" "$gguf" "${bw:-}" "$device" <<'PY'
-import glob, re, struct, sys
+PYTHONPATH="$repo/bench" python3 - "$out" "$rounds" "$gguf" "${bw:-}" "$device" <<'PY'
+import glob, re, sys
+
+from gguf_stats import read_tensors  # bench/gguf_stats.py
 
 out, rounds, gguf, bw, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 line = re.compile(r"prompt (\d+) tokens in ([\d.]+) ms \(([\d.]+) tok/s\); "
@@ -77,46 +79,8 @@ for path in sorted(glob.glob(f"{out}/*.err")):
     b = best.setdefault(kind, [0.0, 0.0])
     b[0], b[1] = max(b[0], pp), max(b[1], tg)
 
-def tensor_bytes(path):
-    """Bytes of each tensor of a GGUF file, by name."""
-    blk = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34),
-           12: (256, 144), 14: (256, 210)}
-    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-    with open(path, "rb") as f:
-        rd = lambda fmt: struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
-        rstr = lambda: f.read(rd("Q")).decode("utf-8", "replace")
-        def skip(t):
-            if t == 8:
-                rstr()
-            elif t == 9:
-                et, n = rd("I"), rd("Q")
-                if et in sizes:
-                    f.seek(n * sizes[et], 1)
-                else:
-                    for _ in range(n):
-                        skip(et)
-            else:
-                f.seek(sizes[t], 1)
-        assert f.read(4) == b"GGUF"
-        rd("I")
-        n_t, n_kv = rd("Q"), rd("Q")
-        for _ in range(n_kv):
-            rstr()
-            skip(rd("I"))
-        out = {}
-        for _ in range(n_t):
-            name = rstr()
-            dims = [rd("Q") for _ in range(rd("I"))]
-            ty = rd("I")
-            rd("Q")
-            n = 1
-            for d in dims:
-                n *= d
-            e, b = blk.get(ty, (1, 4))
-            out[name] = (n, n // e * b)
-        return out
-
-t = tensor_bytes(gguf)
+_, tensors = read_tensors(gguf)
+t = {name: (n, b) for name, _, n, b in tensors}
 # A GPU decode step reads every layer tensor as stored and the output head
 # as f32 (GpuLlama dequantises a tied Q8_0 head); the embedding row is
 # uploaded from the host.

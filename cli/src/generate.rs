@@ -9,7 +9,9 @@ use clap::Args;
 use crate::kernel_args::KernelArgs;
 use tandem_engine::RequestError;
 use tandem_engine::comm::{DeviceSpec, GpuSelection, parse_devices};
-use tandem_engine::generate::{GenerateRequest, SequenceModel, generate, generate_on};
+use tandem_engine::generate::{
+    GenerateOutput, GenerateRequest, SequenceModel, generate, generate_on,
+};
 use tandem_engine::sampler::SamplingParams;
 use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::GpuLlama;
@@ -138,14 +140,22 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     );
 
     let req = request(&args, &m.text)?;
+    stream(&req, |on_text| generate(&m, &req, on_text))
+}
+
+/// Runs a generation, its text streamed to stdout, then the speed line.
+fn stream(
+    req: &GenerateRequest,
+    run: impl FnOnce(&mut dyn FnMut(&str)) -> Result<GenerateOutput, RequestError>,
+) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
-    let out = generate(&m, &req, |piece| {
+    let out = run(&mut |piece: &str| {
         // A closed stdout (e.g. piped into `head`) just ends the output.
         let _ = stdout.write_all(piece.as_bytes());
         let _ = stdout.flush();
     })?;
     let _ = writeln!(stdout);
-    report(&req, &out);
+    report(req, &out);
     Ok(())
 }
 
@@ -193,7 +203,7 @@ fn request(args: &GenerateArgs, model: &ModelText) -> Result<GenerateRequest> {
 }
 
 /// The speed line on stderr.
-fn report(req: &GenerateRequest, out: &tandem_engine::generate::GenerateOutput) {
+fn report(req: &GenerateRequest, out: &GenerateOutput) {
     let n_prompt = req.prompt.len();
     let n_gen = out.tokens.len();
     let rate = |n: usize, d: std::time::Duration| n as f64 / d.as_secs_f64().max(1e-9);
@@ -236,13 +246,8 @@ fn run_on_gpu(args: &GenerateArgs, path: &std::path::Path, id: usize) -> Result<
         config.n_layers,
         t0.elapsed().as_secs_f64() * 1e3
     );
-    let mut stdout = std::io::stdout().lock();
     let mut seq = GpuSequence(model);
-    let out = generate_on(&mut seq, &text.tokenizer, limits, &req, |piece| {
-        let _ = stdout.write_all(piece.as_bytes());
-        let _ = stdout.flush();
-    })?;
-    let _ = writeln!(stdout);
-    report(&req, &out);
-    Ok(())
+    stream(&req, |on_text| {
+        generate_on(&mut seq, &text.tokenizer, limits, &req, on_text)
+    })
 }

@@ -30,6 +30,30 @@ fn cubes(n: usize, units: usize) -> u32 {
     u32::try_from(n.div_ceil(units)).unwrap_or(u32::MAX)
 }
 
+/// A grid of one unit per item for `n` items, in cubes of [`UNITS`].
+fn line(n: usize) -> (CubeCount, CubeDim) {
+    (
+        CubeCount::Static(cubes(n, UNITS), 1, 1),
+        CubeDim::new_1d(UNITS as u32),
+    )
+}
+
+/// An element-wise kernel's grid over `a` and `b`, which must hold as many
+/// values; `None` when they are empty.
+fn elementwise(
+    kernel: &'static str,
+    a: &Buffer,
+    b: &Buffer,
+) -> Result<Option<(CubeCount, CubeDim)>, GpuError> {
+    if a.len() != b.len() {
+        return Err(shape(
+            kernel,
+            format!("{} and {} values differ", a.len(), b.len()),
+        ));
+    }
+    Ok((!a.is_empty()).then(|| line(a.len())))
+}
+
 #[cube(launch)]
 fn rms_norm_kernel(
     x: &[f32],
@@ -113,22 +137,9 @@ fn silu_mul_kernel(gate: &mut [f32], up: &[f32]) {
 
 /// SwiGLU in place: `gate[i] = silu(gate[i]) * up[i]`.
 pub fn silu_mul(dev: &GpuDevice, gate: &Buffer, up: &Buffer) -> Result<(), GpuError> {
-    if gate.len() != up.len() {
-        return Err(shape(
-            "silu_mul",
-            format!("gate {} and up {} differ", gate.len(), up.len()),
-        ));
+    if let Some((count, dim)) = elementwise("silu_mul", gate, up)? {
+        silu_mul_kernel::launch(dev.client(), count, dim, arg(gate), arg(up));
     }
-    if gate.is_empty() {
-        return Ok(());
-    }
-    silu_mul_kernel::launch(
-        dev.client(),
-        CubeCount::Static(cubes(gate.len(), UNITS), 1, 1),
-        CubeDim::new_1d(UNITS as u32),
-        arg(gate),
-        arg(up),
-    );
     Ok(())
 }
 
@@ -203,10 +214,11 @@ pub fn rope(
     if units == 0 {
         return Ok(());
     }
+    let (count, dim) = line(units);
     rope_kernel::launch(
         dev.client(),
-        CubeCount::Static(cubes(units, UNITS), 1, 1),
-        CubeDim::new_1d(UNITS as u32),
+        count,
+        dim,
         arg(x),
         arg(pos),
         arg(sin_cos),
@@ -678,22 +690,9 @@ fn add_kernel(acc: &mut [f32], x: &[f32]) {
 
 /// `acc[i] += x[i]` (the residual connections).
 pub fn add(dev: &GpuDevice, acc: &Buffer, x: &Buffer) -> Result<(), GpuError> {
-    if acc.len() != x.len() {
-        return Err(shape(
-            "add",
-            format!("acc {} and x {} differ", acc.len(), x.len()),
-        ));
+    if let Some((count, dim)) = elementwise("add", acc, x)? {
+        add_kernel::launch(dev.client(), count, dim, arg(acc), arg(x));
     }
-    if acc.is_empty() {
-        return Ok(());
-    }
-    add_kernel::launch(
-        dev.client(),
-        CubeCount::Static(cubes(acc.len(), UNITS), 1, 1),
-        CubeDim::new_1d(UNITS as u32),
-        arg(acc),
-        arg(x),
-    );
     Ok(())
 }
 
@@ -805,10 +804,11 @@ pub fn kv_write(
     if units == 0 {
         return Ok(());
     }
+    let (count, dim) = line(units);
     kv_write_kernel::launch(
         dev.client(),
-        CubeCount::Static(cubes(units, UNITS), 1, 1),
-        CubeDim::new_1d(UNITS as u32),
+        count,
+        dim,
         arg(k),
         arg(v),
         arg(pool),

@@ -10,9 +10,8 @@
 
 use std::path::PathBuf;
 
-use tandem_engine::kv_cache::KvCache;
-use tandem_engine::model::SeqChunk;
-use tandem_engine::sampler::argmax;
+use tandem_engine::generate::{GenerateRequest, generate};
+use tandem_engine::sampler::{SamplingParams, argmax};
 use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::GpuLlama;
 use tandem_modelfile::gguf::GgufFile;
@@ -33,41 +32,20 @@ fn gguf_path() -> PathBuf {
     ))
 }
 
-/// The CPU engine's greedy continuation of `prompt`.
+/// The CPU engine's greedy continuation of `prompt` (no stop tokens).
 fn cpu_greedy(loaded: &tandem_engine::LoadedModel, prompt: &[u32], steps: usize) -> Vec<u32> {
-    let m = &loaded.model;
-    let total = prompt.len() + steps;
-    let mut cache = KvCache::new(m.kv_cache_config(16, total.div_ceil(16))).expect("cache");
-    let mut table = Vec::new();
-    cache.reserve(&mut table, total).expect("space");
-    let mut out = Vec::new();
-    let mut logits = m
-        .forward(
-            &[SeqChunk {
-                tokens: prompt,
-                start_pos: 0,
-                block_table: &table,
-                want_logits: true,
-            }],
-            &mut cache,
-        )
-        .expect("prefill");
-    for i in 0..steps {
-        let next = argmax(&logits);
-        out.push(next);
-        logits = m
-            .forward(
-                &[SeqChunk {
-                    tokens: &[next],
-                    start_pos: prompt.len() + i,
-                    block_table: &table,
-                    want_logits: true,
-                }],
-                &mut cache,
-            )
-            .expect("decode");
-    }
-    out
+    let req = GenerateRequest {
+        prompt: prompt.to_vec(),
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        max_tokens: steps,
+        stop_token_ids: Vec::new(),
+        stop_strings: Vec::new(),
+        prefill_chunk: 512,
+    };
+    generate(loaded, &req, |_| {}).expect("generates").tokens
 }
 
 #[test]

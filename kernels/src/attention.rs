@@ -317,15 +317,8 @@ fn tile<const D: usize>(
     for batch in context_batches::<D>(c.k_blocks, c.block_size, max_ctx) {
         // SAFETY: AVX2/F16C support checked by the caller.
         unsafe { avx2::convert_rows_t(&batch.rows, &mut kt) };
-        let mut i = 0;
-        while i < nq {
-            let g = (nq - i).min(TILE_RUN);
-            let run = TileRun {
-                n_ctx: &c.n_ctx[i..i + g],
-                p0,
-                len: batch.len,
-                max_ctx,
-            };
+        for (i, g) in tile_runs(nq) {
+            let run = TileRun::new(c, i..i + g, p0, batch.len);
             let sc = &mut scores[i * max_ctx..(i + g) * max_ctx];
             match g {
                 1 => run.scores::<D, 1>(&qh[i..i + 1], &kt, c.scale, sc),
@@ -333,7 +326,6 @@ fn tile<const D: usize>(
                 3 => run.scores::<D, 3>(&qh[i..i + 3], &kt, c.scale, sc),
                 _ => run.scores::<D, 4>(&qh[i..i + 4], &kt, c.scale, sc),
             }
-            i += g;
         }
         p0 += batch.len;
     }
@@ -349,15 +341,8 @@ fn tile<const D: usize>(
     for batch in context_batches::<D>(c.v_blocks, c.block_size, max_ctx) {
         // SAFETY: AVX2/F16C support checked by the caller.
         unsafe { avx2::convert_rows(&batch.rows[..batch.len], &mut rows) };
-        let mut i = 0;
-        while i < nq {
-            let g = (nq - i).min(TILE_RUN);
-            let run = TileRun {
-                n_ctx: &c.n_ctx[i..i + g],
-                p0,
-                len: batch.len,
-                max_ctx,
-            };
+        for (i, g) in tile_runs(nq) {
+            let run = TileRun::new(c, i..i + g, p0, batch.len);
             let sc = &scores[i * max_ctx..(i + g) * max_ctx];
             let o = &mut out[i..i + g];
             match g {
@@ -366,7 +351,6 @@ fn tile<const D: usize>(
                 3 => run.weighted::<D, 3>(sc, &rows, o),
                 _ => run.weighted::<D, 4>(sc, &rows, o),
             }
-            i += g;
         }
         p0 += batch.len;
     }
@@ -385,7 +369,24 @@ struct TileRun<'a> {
     max_ctx: usize,
 }
 
-impl TileRun<'_> {
+/// `(first query, count)` of each run of [`TILE_RUN`] (the last shorter).
+fn tile_runs(nq: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..nq)
+        .step_by(TILE_RUN)
+        .map(move |i| (i, (nq - i).min(TILE_RUN)))
+}
+
+impl<'a> TileRun<'a> {
+    /// Queries `queries` of the tile against the batch of `len` rows from `p0`.
+    fn new(c: &TileCtx<'a>, queries: std::ops::Range<usize>, p0: usize, len: usize) -> Self {
+        TileRun {
+            n_ctx: &c.n_ctx[queries],
+            p0,
+            len,
+            max_ctx: c.max_ctx,
+        }
+    }
+
     /// Rows of the batch query `g` of the run sees.
     fn seen(&self, g: usize) -> usize {
         self.n_ctx[g].saturating_sub(self.p0).min(self.len)
