@@ -260,19 +260,21 @@ pub fn matmul(
         ));
     }
     let (n_tok, rows) = matmul_shape("matmul", x.len(), w.len() / cols, cols, out.len())?;
-    if n_tok * rows == 0 {
-        return Ok(());
+    if let Some((count, dim)) = matmul_grid(n_tok, rows) {
+        matmul_kernel::launch(dev.client(), count, dim, arg(x), arg(w), arg(out), cols);
     }
-    matmul_kernel::launch(
-        dev.client(),
-        CubeCount::Static(cubes(rows, UNITS), cubes(n_tok, 1), 1),
-        CubeDim::new_1d(UNITS as u32),
-        arg(x),
-        arg(w),
-        arg(out),
-        cols,
-    );
     Ok(())
+}
+
+/// A matmul's grid: one unit per output row, a row of cubes per token;
+/// `None` when the output is empty.
+fn matmul_grid(n_tok: usize, rows: usize) -> Option<(CubeCount, CubeDim)> {
+    (n_tok * rows > 0).then(|| {
+        (
+            CubeCount::Static(cubes(rows, UNITS), cubes(n_tok, 1), 1),
+            CubeDim::new_1d(UNITS as u32),
+        )
+    })
 }
 
 /// Tokens and rows of a matmul of `rows` weight rows whose `x` holds rows
@@ -363,18 +365,9 @@ pub fn matmul_q4_1(
         ));
     }
     let (n_tok, rows) = matmul_shape("matmul_q4_1", x.len(), rows, cols, out.len())?;
-    if n_tok * rows == 0 {
-        return Ok(());
+    if let Some((count, dim)) = matmul_grid(n_tok, rows) {
+        matmul_q4_1_kernel::launch(dev.client(), count, dim, arg(x), arg(w), arg(out), cols);
     }
-    matmul_q4_1_kernel::launch(
-        dev.client(),
-        CubeCount::Static(cubes(rows, UNITS), cubes(n_tok, 1), 1),
-        CubeDim::new_1d(UNITS as u32),
-        arg(x),
-        arg(w),
-        arg(out),
-        cols,
-    );
     Ok(())
 }
 
