@@ -1,4 +1,5 @@
 use std::marker::PhantomData;
+use std::sync::Mutex;
 
 use cubecl::prelude::{Client, CubeElement};
 use cubecl::server::Handle;
@@ -44,12 +45,24 @@ impl<T> Buffer<T> {
     }
 }
 
+/// Devices opened so far: `gpu:N`'s index, its registered selector, its name.
+static OPENED: Mutex<Vec<(usize, WgpuDevice, String)>> = Mutex::new(Vec::new());
+
 impl GpuDevice {
     /// Opens GPU `index` (`gpu:index` on the command line): the index-th
     /// discrete, integrated or virtual Vulkan GPU, in that order of
     /// preference, and for index 0 a CPU Vulkan device (lavapipe) when
     /// there is no GPU at all.
+    /// A device opened before in this process is shared: CubeCL registers
+    /// each adapter once per process.
     pub fn open(index: usize) -> Result<GpuDevice, GpuError> {
+        let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, device, name)) = opened.iter().find(|(i, ..)| *i == index) {
+            return Ok(GpuDevice {
+                client: <WgpuRuntime>::client(device),
+                name: name.clone(),
+            });
+        }
         let mut kinds = vec![
             WgpuDeviceKind::DiscreteGpu(index),
             WgpuDeviceKind::IntegratedGpu(index),
@@ -68,6 +81,7 @@ impl GpuDevice {
                 Ok(setup) => {
                     let info = setup.adapter.get_info();
                     let name = format!("{} ({:?}, Vulkan)", info.name, info.device_type);
+                    opened.push((index, device.clone(), name.clone()));
                     return Ok(GpuDevice {
                         client: <WgpuRuntime>::client(&device),
                         name,

@@ -353,3 +353,13 @@ fn add_is_exact() {
     let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
     assert_eq!(d.download(&ab).expect("read"), want);
 }
+
+#[test]
+fn opening_a_device_again_shares_it() {
+    let first = dev();
+    let again = GpuDevice::open(0).expect("the same device, a second time");
+    assert_eq!(again.name(), first.name());
+    let (a, b) = (again.upload(&[1.0f32, 2.0]), again.upload(&[3.0f32, 4.0]));
+    kernels::add(&again, &a, &b).expect("launch");
+    assert_eq!(again.download(&a).expect("read"), vec![4.0, 6.0]);
+}
