@@ -106,15 +106,25 @@ impl GenerateArgs {
 struct GpuSequence(GpuLlama);
 
 impl SequenceModel for GpuSequence {
-    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>, RequestError> {
-        let mut logits = Vec::new();
-        for (i, &t) in tokens.iter().enumerate() {
-            logits = self
-                .0
-                .step(t, start_pos + i)
-                .map_err(|e| RequestError::Device(e.to_string()))?;
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        want_logits: bool,
+    ) -> Result<Vec<f32>, RequestError> {
+        let device = |e: tandem_gpu::GpuError| RequestError::Device(e.to_string());
+        let Some((&last, rest)) = tokens.split_last() else {
+            return Ok(Vec::new());
+        };
+        for (i, &t) in rest.iter().enumerate() {
+            self.0.feed(t, start_pos + i).map_err(device)?;
         }
-        Ok(logits)
+        let pos = start_pos + rest.len();
+        if want_logits {
+            self.0.step(last, pos).map_err(device)
+        } else {
+            self.0.feed(last, pos).map_err(device).map(|()| Vec::new())
+        }
     }
 }
 

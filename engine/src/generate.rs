@@ -49,8 +49,14 @@ pub struct GenerateOutput {
 /// --devices gpu:N`).
 pub trait SequenceModel {
     /// Runs `tokens` from position `start_pos` (every earlier position has
-    /// run) and returns the logits after the last of them.
-    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>, RequestError>;
+    /// run) and returns the logits after the last of them, or nothing when
+    /// `want_logits` is false (a prompt chunk before the last).
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        want_logits: bool,
+    ) -> Result<Vec<f32>, RequestError>;
 }
 
 /// The CPU engine as a [`SequenceModel`]: a KV cache sized for `tokens`.
@@ -61,7 +67,12 @@ struct CpuSequence<'a> {
 }
 
 impl SequenceModel for CpuSequence<'_> {
-    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>, RequestError> {
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        want_logits: bool,
+    ) -> Result<Vec<f32>, RequestError> {
         self.cache
             .reserve(&mut self.table, start_pos + tokens.len())?;
         self.m.model.forward(
@@ -69,7 +80,7 @@ impl SequenceModel for CpuSequence<'_> {
                 tokens,
                 start_pos,
                 block_table: &self.table,
-                want_logits: true,
+                want_logits,
             }],
             &mut self.cache,
         )
@@ -121,7 +132,8 @@ pub fn generate_on(
     let mut logits = Vec::new();
     let mut pos = 0;
     for piece in req.prompt.chunks(chunk) {
-        logits = model.forward(piece, pos)?;
+        let last = pos + piece.len() == req.prompt.len();
+        logits = model.forward(piece, pos, last)?;
         pos += piece.len();
     }
     let prefill_time = t0.elapsed();
@@ -159,7 +171,7 @@ pub fn generate_on(
         if out.tokens.len() == max_tokens {
             break;
         }
-        logits = model.forward(&[token], pos)?;
+        logits = model.forward(&[token], pos, true)?;
         pos += 1;
     }
     if out.finish == FinishReason::Length {

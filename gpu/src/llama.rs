@@ -223,14 +223,23 @@ impl GpuLlama {
     /// Runs token `token` at position `pos` (every earlier position of the
     /// sequence must have run) and returns the next token's logits.
     pub fn step(&self, token: u32, pos: usize) -> Result<Vec<f32>, GpuError> {
-        self.forward(token, pos)?;
+        let x = self.forward(token, pos)?;
+        self.logits(&x)?;
         self.dev.download(&self.s.logits)
+    }
+
+    /// Runs token `token` at position `pos` into the KV pool only: a
+    /// prompt token whose logits nobody reads (no output head, no copy
+    /// back).
+    pub fn feed(&self, token: u32, pos: usize) -> Result<(), GpuError> {
+        self.forward(token, pos).map(drop)
     }
 
     /// [`GpuLlama::step`], sampling greedily on the device: only the chosen
     /// token comes back.
     pub fn step_greedy(&self, token: u32, pos: usize) -> Result<u32, GpuError> {
-        self.forward(token, pos)?;
+        let x = self.forward(token, pos)?;
+        self.logits(&x)?;
         let s = &self.s;
         kernels::argmax(&self.dev, &s.logits, self.c.vocab_size, &s.next)?;
         let next = self.dev.download(&s.next)?;
@@ -240,8 +249,9 @@ impl GpuLlama {
         })
     }
 
-    /// The forward pass of one token, leaving its logits in `s.logits`.
-    fn forward(&self, token: u32, pos: usize) -> Result<(), GpuError> {
+    /// The forward pass of one token through the layers: its K and V go to
+    /// the pool, its hidden state is returned.
+    fn forward(&self, token: u32, pos: usize) -> Result<Buffer, GpuError> {
         let c = &self.c;
         let (d, hd) = (c.d_model, c.head_dim);
         let t = token as usize;
@@ -296,7 +306,13 @@ impl GpuLlama {
             kernels::matmul_q4_1(dev, &s.gate, &l.down, d, c.ffn_dim, &s.ffn_out)?;
             kernels::add(dev, &x, &s.ffn_out)?;
         }
-        kernels::rms_norm(dev, &x, &self.out_norm, c.rms_eps, &s.xn)?;
-        kernels::matmul(dev, &s.xn, &self.head, d, &s.logits)
+        Ok(x)
+    }
+
+    /// The output head over a hidden state `x`, into `s.logits`.
+    fn logits(&self, x: &Buffer) -> Result<(), GpuError> {
+        let s = &self.s;
+        kernels::rms_norm(&self.dev, x, &self.out_norm, self.c.rms_eps, &s.xn)?;
+        kernels::matmul(&self.dev, &s.xn, &self.head, self.c.d_model, &s.logits)
     }
 }
