@@ -38,6 +38,14 @@ fn line(n: usize) -> (CubeCount, CubeDim) {
     )
 }
 
+/// A grid of one cube of [`ROW_UNITS`] per row, for `n` rows.
+fn rows_grid(n: usize) -> (CubeCount, CubeDim) {
+    (
+        CubeCount::Static(cubes(n, 1), 1, 1),
+        CubeDim::new_1d(ROW_UNITS as u32),
+    )
+}
+
 /// An element-wise kernel's grid over `a` and `b`, which must hold as many
 /// values; `None` when they are empty.
 fn elementwise(
@@ -52,6 +60,37 @@ fn elementwise(
         ));
     }
     Ok((!a.is_empty()).then(|| line(a.len())))
+}
+
+/// The sum (`max` false) or maximum of every unit's `value` across the
+/// cube, through `sh` (`units` slots) in a fixed pairwise tree, so every
+/// run gives the same result. Every unit must call it (it synchronises).
+#[cube]
+fn cube_reduce(
+    sh: &mut Shared<[f32]>,
+    value: f32,
+    unit: usize,
+    #[comptime] units: usize,
+    #[comptime] max: bool,
+) -> f32 {
+    sh[unit] = value;
+    sync_cube();
+    #[unroll]
+    for level in 0..units.trailing_zeros() {
+        let stride = units >> (level + 1);
+        if unit < stride {
+            if max {
+                sh[unit] = f32::max(sh[unit], sh[unit + stride]);
+            } else {
+                sh[unit] += sh[unit + stride];
+            }
+        }
+        sync_cube();
+    }
+    let total = sh[0];
+    // Nobody overwrites `sh` before every unit has read the total.
+    sync_cube();
+    total
 }
 
 #[cube(launch)]
@@ -74,17 +113,8 @@ fn rms_norm_kernel(
         }
     }
     let mut sh = Shared::<[f32]>::new_slice(units);
-    sh[unit] = ss;
-    sync_cube();
-    #[unroll]
-    for level in 0..units.trailing_zeros() {
-        let stride = units >> (level + 1);
-        if unit < stride {
-            sh[unit] += sh[unit + stride];
-        }
-        sync_cube();
-    }
-    let scale = 1.0f32 / f32::sqrt(sh[0] / d as f32 + eps);
+    let ss = cube_reduce(&mut sh, ss, unit, units, false);
+    let scale = 1.0f32 / f32::sqrt(ss / d as f32 + eps);
     for k in 0..d.div_ceil(units) {
         let i = unit + k * units;
         if i < d {
@@ -112,10 +142,11 @@ pub fn rms_norm(
     if rows == 0 {
         return Ok(());
     }
+    let (count, dim) = rows_grid(rows);
     rms_norm_kernel::launch(
         dev.client(),
-        CubeCount::Static(cubes(rows, 1), 1, 1),
-        CubeDim::new_1d(ROW_UNITS as u32),
+        count,
+        dim,
         arg(x),
         arg(w),
         arg(out),
@@ -432,15 +463,8 @@ pub fn argmax(dev: &GpuDevice, x: &Buffer, n: usize, out: &Buffer<u32>) -> Resul
     if out.is_empty() {
         return Ok(());
     }
-    argmax_kernel::launch(
-        dev.client(),
-        CubeCount::Static(cubes(out.len(), 1), 1, 1),
-        CubeDim::new_1d(ROW_UNITS as u32),
-        arg(x),
-        arg(out),
-        n,
-        ROW_UNITS,
-    );
+    let (count, dim) = rows_grid(out.len());
+    argmax_kernel::launch(dev.client(), count, dim, arg(x), arg(out), n, ROW_UNITS);
     Ok(())
 }
 
@@ -527,18 +551,7 @@ fn attention_kernel(
             local_max = f32::max(local_max, s);
         }
     }
-    sh[unit] = local_max;
-    sync_cube();
-    #[unroll]
-    for level in 0..units.trailing_zeros() {
-        let stride = units >> (level + 1);
-        if unit < stride {
-            sh[unit] = f32::max(sh[unit], sh[unit + stride]);
-        }
-        sync_cube();
-    }
-    let max = sh[0];
-    sync_cube();
+    let max = cube_reduce(&mut sh, local_max, unit, units, true);
 
     let mut local_sum = 0.0f32;
     for k in 0..steps {
@@ -549,17 +562,7 @@ fn attention_kernel(
             local_sum += e;
         }
     }
-    sh[unit] = local_sum;
-    sync_cube();
-    #[unroll]
-    for level in 0..units.trailing_zeros() {
-        let stride = units >> (level + 1);
-        if unit < stride {
-            sh[unit] += sh[unit + stride];
-        }
-        sync_cube();
-    }
-    let inv = 1.0f32 / sh[0];
+    let inv = 1.0f32 / cube_reduce(&mut sh, local_sum, unit, units, false);
     // The exponentials other units wrote must be visible before any unit
     // reads a whole row of them.
     sync_storage();
@@ -650,10 +653,11 @@ pub fn attention(
     if n_q == 0 {
         return Ok(());
     }
+    let (count, dim) = rows_grid(n_q);
     attention_kernel::launch(
         dev.client(),
-        CubeCount::Static(cubes(n_q, 1), 1, 1),
-        CubeDim::new_1d(ROW_UNITS as u32),
+        count,
+        dim,
         arg(q),
         arg(pool),
         arg(tables),
