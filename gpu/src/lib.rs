@@ -1,9 +1,10 @@
 //! GPU kernels for Tandem, written once in CubeCL's Rust dialect.
 //!
-//! One kernel source serves every GPU target: CubeCL compiles it to SPIR-V
-//! for Vulkan (through wgpu; on machines without a GPU, Mesa's lavapipe is
-//! a Vulkan device on the CPU, which is how CI runs these kernels) and to
-//! CUDA C++ for NVIDIA devices. This crate holds the device handle
+//! One kernel source serves every GPU target: CubeCL compiles it for
+//! Vulkan through wgpu (WGSL in this build; on machines without a GPU,
+//! Mesa's lavapipe is a Vulkan device on the CPU, which is how CI runs
+//! these kernels), and its CUDA runtime compiles the same source to CUDA
+//! C++ (not built into this crate yet). This crate holds the device handle
 //! ([`GpuDevice`]), device buffers ([`Buffer`]) and the kernels the
 //! forward pass needs ([`kernels`]), each checked against the CPU
 //! reference in `tandem-kernels` by this crate's tests.

@@ -1,5 +1,6 @@
-//! Decode-step attention (one token, a GQA group of query heads over a
-//! paged f16 context), single thread, best of many runs (contention-robust).
+//! Attention over a paged f16 context: decode steps (one token, a GQA
+//! group of query heads) and prompt tiles (8 or 16 tokens x the group),
+//! single thread, best of many runs (contention-robust).
 //!
 //! `cargo bench -p tandem-kernels --bench attention`
 
