@@ -45,8 +45,14 @@ impl<T> Buffer<T> {
     }
 }
 
-/// Devices opened so far: `gpu:N`'s index, its registered selector, its name.
-static OPENED: Mutex<Vec<(usize, WgpuDevice, String)>> = Mutex::new(Vec::new());
+/// Why no CUDA device is opened. CubeCL's CUDA runtime (cubecl-cuda 0.11)
+/// cannot be built offline: it depends on cubecl-llvm, whose build script
+/// downloads an LLVM 23 bundle. Until it is built in, NVIDIA GPUs are
+/// reached through their Vulkan driver.
+const NO_CUDA: &str = "this build has no CUDA runtime (NVIDIA GPUs run through Vulkan)";
+
+/// Devices opened so far: `gpu:N`'s index, its client, its name.
+static OPENED: Mutex<Vec<(usize, Client, String)>> = Mutex::new(Vec::new());
 
 impl GpuDevice {
     /// Opens GPU `index` (`gpu:index` on the command line): the index-th
@@ -54,55 +60,22 @@ impl GpuDevice {
     /// preference, and for index 0 a CPU Vulkan device (lavapipe) when
     /// there is no GPU at all.
     /// A device opened before in this process is shared: CubeCL registers
-    /// each adapter once per process.
+    /// each device once per process.
     pub fn open(index: usize) -> Result<GpuDevice, GpuError> {
         let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, device, name)) = opened.iter().find(|(i, ..)| *i == index) {
+        if let Some((_, client, name)) = opened.iter().find(|(i, ..)| *i == index) {
             return Ok(GpuDevice {
-                client: <WgpuRuntime>::client(device),
+                client: client.clone(),
                 name: name.clone(),
             });
         }
-        let mut kinds = vec![
-            WgpuDeviceKind::DiscreteGpu(index),
-            WgpuDeviceKind::IntegratedGpu(index),
-            WgpuDeviceKind::VirtualGpu(index),
-        ];
-        if index == 0 {
-            kinds.push(WgpuDeviceKind::Cpu);
-        }
-        let mut tried = Vec::new();
-        for kind in kinds {
-            let device = WgpuDevice {
-                kind,
-                backend: WgpuBackend::Vulkan,
-            };
-            match try_init_setup::<Vulkan>(&device, RuntimeOptions::default()) {
-                Ok(setup) => {
-                    let info = setup.adapter.get_info();
-                    let name = format!("{} ({:?}, Vulkan)", info.name, info.device_type);
-                    opened.push((index, device.clone(), name.clone()));
-                    return Ok(GpuDevice {
-                        client: <WgpuRuntime>::client(&device),
-                        name,
-                    });
-                }
-                // "No adapter of this kind" is the expected miss; anything
-                // else (a driver failing to start) is worth reporting.
-                Err(WgpuInitError::AdapterUnavailable { .. }) => {}
-                Err(e) => tried.push(e.to_string()),
-            }
-        }
-        let vulkan = if tried.is_empty() {
-            "no discrete, integrated, virtual or CPU adapter".to_string()
-        } else {
-            tried.join("; ")
-        };
-        Err(GpuError::NoDevice {
+        let (client, name) = open_vulkan(index).map_err(|vulkan| GpuError::NoDevice {
             index,
-            cuda: "this build has no CUDA runtime".into(),
+            cuda: NO_CUDA.into(),
             vulkan,
-        })
+        })?;
+        opened.push((index, client.clone(), name.clone()));
+        Ok(GpuDevice { client, name })
     }
 
     /// The adapter, as the startup line names it.
@@ -155,4 +128,39 @@ impl GpuDevice {
         values.truncate(buf.len);
         Ok(values)
     }
+}
+
+/// The index-th Vulkan adapter, or why there is none.
+fn open_vulkan(index: usize) -> Result<(Client, String), String> {
+    let mut kinds = vec![
+        WgpuDeviceKind::DiscreteGpu(index),
+        WgpuDeviceKind::IntegratedGpu(index),
+        WgpuDeviceKind::VirtualGpu(index),
+    ];
+    if index == 0 {
+        kinds.push(WgpuDeviceKind::Cpu);
+    }
+    let mut failed = Vec::new();
+    for kind in kinds {
+        let device = WgpuDevice {
+            kind,
+            backend: WgpuBackend::Vulkan,
+        };
+        match try_init_setup::<Vulkan>(&device, RuntimeOptions::default()) {
+            Ok(setup) => {
+                let info = setup.adapter.get_info();
+                let name = format!("{} ({:?}, Vulkan)", info.name, info.device_type);
+                return Ok((<WgpuRuntime>::client(&device), name));
+            }
+            // "No adapter of this kind" is the expected miss; anything
+            // else (a driver failing to start) is worth reporting.
+            Err(WgpuInitError::AdapterUnavailable { .. }) => {}
+            Err(e) => failed.push(e.to_string()),
+        }
+    }
+    Err(if failed.is_empty() {
+        "no discrete, integrated, virtual or CPU adapter".to_string()
+    } else {
+        failed.join("; ")
+    })
 }

@@ -3,8 +3,8 @@ use thiserror::Error;
 /// What can go wrong opening a device or running a kernel on it.
 #[derive(Debug, Error)]
 pub enum GpuError {
-    /// No device answers to the requested index: neither a CUDA device (not
-    /// built into this binary yet) nor a Vulkan adapter.
+    /// No device answers to the requested index: neither a CUDA device nor
+    /// a Vulkan adapter.
     #[error(
         "no GPU for gpu:{index}: CUDA: {cuda}; Vulkan: {vulkan} (on a machine without a GPU, \
          Mesa's lavapipe provides a Vulkan device: apt install mesa-vulkan-drivers)"
