@@ -10,9 +10,9 @@ use crate::error::GpuError;
 
 /// Units per cube for the row-wise kernels (a power of two).
 const ROW_UNITS: usize = 64;
-/// Units per cube of the element-wise kernels and along a matmul's
-/// output rows.
-const UNITS: usize = 64;
+/// Units per cube of the element-wise kernels (large: see
+/// [`MATMUL_ROWS`]).
+const UNITS: usize = 256;
 
 fn shape(kernel: &'static str, what: String) -> GpuError {
     GpuError::Shape { kernel, what }
@@ -30,10 +30,14 @@ fn cubes(n: usize, units: usize) -> u32 {
     u32::try_from(n.div_ceil(units)).unwrap_or(u32::MAX)
 }
 
-/// A grid of one unit per item for `n` items, in cubes of [`UNITS`].
+/// A grid of one unit per item for `n` items, in cubes of [`UNITS`]
+/// (along x, then y: kernels index it by `ABSOLUTE_POS`, which counts
+/// across both).
 fn line(n: usize) -> (CubeCount, CubeDim) {
+    let total = n.div_ceil(UNITS);
+    let x = total.clamp(1, MAX_CUBES_X);
     (
-        CubeCount::Static(cubes(n, UNITS), 1, 1),
+        CubeCount::Static(x as u32, cubes(total, x), 1),
         CubeDim::new_1d(UNITS as u32),
     )
 }
@@ -73,12 +77,26 @@ fn cube_reduce(
     #[comptime] units: usize,
     #[comptime] max: bool,
 ) -> f32 {
+    segment_reduce(sh, value, unit, units, max)
+}
+
+/// [`cube_reduce`] within each run of `width` consecutive units (a power
+/// of two dividing the cube): each unit gets its own segment's result.
+#[cube]
+fn segment_reduce(
+    sh: &mut Shared<[f32]>,
+    value: f32,
+    unit: usize,
+    #[comptime] width: usize,
+    #[comptime] max: bool,
+) -> f32 {
+    let lane = unit % width;
     sh[unit] = value;
     sync_cube();
     #[unroll]
-    for level in 0..units.trailing_zeros() {
-        let stride = units >> (level + 1);
-        if unit < stride {
+    for level in 0..width.trailing_zeros() {
+        let stride = width >> (level + 1);
+        if lane < stride {
             if max {
                 sh[unit] = f32::max(sh[unit], sh[unit + stride]);
             } else {
@@ -87,8 +105,8 @@ fn cube_reduce(
         }
         sync_cube();
     }
-    let total = sh[0];
-    // Nobody overwrites `sh` before every unit has read the total.
+    let total = sh[unit - lane];
+    // Nobody overwrites `sh` before every unit has read its total.
     sync_cube();
     total
 }
@@ -262,17 +280,32 @@ pub fn rope(
 }
 
 #[cube(launch)]
-fn matmul_kernel(x: &[f32], w: &[f32], out: &mut [f32], #[comptime] cols: usize) {
-    let r = ABSOLUTE_POS_X as usize;
-    let t = CUBE_POS_Y as usize;
+fn matmul_kernel(
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    #[comptime] cols: usize,
+    #[comptime] units: usize,
+) {
     let rows = w.len() / cols;
+    let r = matmul_row(rows);
+    let t = CUBE_POS_Z as usize;
+    let unit = UNIT_POS_X as usize % units;
+    let (xb, wb) = (t * cols, r * cols);
+    let mut acc = 0.0f32;
     if r < rows {
-        let (xb, wb) = (t * cols, r * cols);
-        let mut acc = 0.0f32;
-        for c in 0..cols {
-            acc += x[xb + c] * w[wb + c];
+        // Neighbouring units read neighbouring columns: coalesced.
+        for k in 0..cols.div_ceil(units) {
+            let c = unit + k * units;
+            if c < cols {
+                acc += x[xb + c] * w[wb + c];
+            }
         }
-        out[t * rows + r] = acc;
+    }
+    let mut sh = Shared::<[f32]>::new_slice(units * MATMUL_ROWS);
+    let total = segment_reduce(&mut sh, acc, UNIT_POS_X as usize, units, false);
+    if r < rows && unit == 0 {
+        out[t * rows + r] = total;
     }
 }
 
@@ -291,21 +324,65 @@ pub fn matmul(
         ));
     }
     let (n_tok, rows) = matmul_shape("matmul", x.len(), w.len() / cols, cols, out.len())?;
-    if let Some((count, dim)) = matmul_grid(n_tok, rows) {
-        matmul_kernel::launch(dev.client(), count, dim, arg(x), arg(w), arg(out), cols);
+    if let Some((count, dim)) = matmul_grid("matmul", n_tok, rows)? {
+        matmul_kernel::launch(
+            dev.client(),
+            count,
+            dim,
+            arg(x),
+            arg(w),
+            arg(out),
+            cols,
+            MATMUL_UNITS,
+        );
     }
     Ok(())
 }
 
-/// A matmul's grid: one unit per output row, a row of cubes per token;
-/// `None` when the output is empty.
-fn matmul_grid(n_tok: usize, rows: usize) -> Option<(CubeCount, CubeDim)> {
-    (n_tok * rows > 0).then(|| {
-        (
-            CubeCount::Static(cubes(rows, UNITS), cubes(n_tok, 1), 1),
-            CubeDim::new_1d(UNITS as u32),
-        )
-    })
+/// Units per output row of a matmul, striding along the row (one
+/// subgroup on most GPUs).
+const MATMUL_UNITS: usize = 32;
+/// Output rows per cube: large cubes, since cubes are not free (measured
+/// on an H200 through Vulkan: ~4.5 ns each, the bound of a one-row cube
+/// over a 14336-row matrix).
+const MATMUL_ROWS: usize = 8;
+/// Cubes along a grid's x axis, Vulkan's guaranteed minimum per axis;
+/// more rows continue on the y axis.
+const MAX_CUBES_X: usize = 65_535;
+
+/// A matmul's grid: one cube of [`MATMUL_UNITS`] units for each of
+/// [`MATMUL_ROWS`] output rows (cubes laid along x, then y), a layer of
+/// cubes per token (z); `None` when the output is empty.
+fn matmul_grid(
+    kernel: &'static str,
+    n_tok: usize,
+    rows: usize,
+) -> Result<Option<(CubeCount, CubeDim)>, GpuError> {
+    if n_tok * rows == 0 {
+        return Ok(None);
+    }
+    let cubes = rows.div_ceil(MATMUL_ROWS);
+    let x = cubes.min(MAX_CUBES_X);
+    let y = cubes.div_ceil(x);
+    if y > MAX_CUBES_X || n_tok > MAX_CUBES_X {
+        return Err(shape(
+            kernel,
+            format!("{rows} rows x {n_tok} tokens exceed the launch grid"),
+        ));
+    }
+    Ok(Some((
+        CubeCount::Static(x as u32, y as u32, n_tok as u32),
+        CubeDim::new_1d((MATMUL_UNITS * MATMUL_ROWS) as u32),
+    )))
+}
+
+/// This unit's output row in a [`matmul_grid`] (`rows` or more past the
+/// end, for the last cubes' spare units).
+#[cube]
+fn matmul_row(rows: usize) -> usize {
+    let x = rows.div_ceil(MATMUL_ROWS).min(MAX_CUBES_X);
+    let cube = CUBE_POS_Y as usize * x + CUBE_POS_X as usize;
+    cube * MATMUL_ROWS + UNIT_POS_X as usize / MATMUL_UNITS
 }
 
 /// Tokens and rows of a matmul of `rows` weight rows whose `x` holds rows
@@ -346,33 +423,49 @@ fn half_to_f32(h: u32) -> f32 {
 }
 
 #[cube(launch)]
-fn matmul_q4_1_kernel(x: &[f32], w: &[u32], out: &mut [f32], #[comptime] cols: usize) {
+fn matmul_q4_1_kernel(
+    x: &[f32],
+    w: &[u32],
+    out: &mut [f32],
+    #[comptime] cols: usize,
+    #[comptime] units: usize,
+) {
     // A Q4_1 block is 20 bytes = 5 words: f16 scale and f16 min, then 16
     // bytes whose low nibbles are elements 0..16 and high nibbles 16..32.
     let nb = cols / 32;
-    let r = ABSOLUTE_POS_X as usize;
-    let t = CUBE_POS_Y as usize;
     let rows = w.len() / (nb * 5);
+    let r = matmul_row(rows);
+    let t = CUBE_POS_Z as usize;
+    let unit = UNIT_POS_X as usize % units;
+    let xb = t * cols;
+    let mut acc = 0.0f32;
     if r < rows {
-        let xb = t * cols;
-        let mut acc = 0.0f32;
-        for b in 0..nb {
-            let at = (r * nb + b) * 5;
-            let dm = w[at];
-            let d = half_to_f32(dm & 0xffff);
-            let m = half_to_f32(dm >> 16);
-            let x0 = xb + b * 32;
-            for k in 0..4usize {
-                let q = w[at + 1 + k];
+        // Four units share a block, each taking one word of its nibbles
+        // (elements 4q..4q+4 and 16+4q..16+4q+4), so a cube's loads of
+        // both the weights and `x` run along memory in order.
+        let q = unit % 4;
+        let per_pass = units / 4;
+        for i in 0..nb.div_ceil(per_pass) {
+            let b = i * per_pass + unit / 4;
+            if b < nb {
+                let at = (r * nb + b) * 5;
+                let dm = w[at];
+                let d = half_to_f32(dm & 0xffff);
+                let m = half_to_f32(dm >> 16);
+                let word = w[at + 1 + q];
+                let x0 = xb + b * 32 + q * 4;
                 for byte in 0..4usize {
-                    let v = (q >> (byte as u32 * 8)) & 0xff;
-                    let j = k * 4 + byte;
-                    acc += (d * (v & 0xf) as f32 + m) * x[x0 + j];
-                    acc += (d * (v >> 4) as f32 + m) * x[x0 + j + 16];
+                    let v = (word >> (byte as u32 * 8)) & 0xff;
+                    acc += (d * (v & 0xf) as f32 + m) * x[x0 + byte];
+                    acc += (d * (v >> 4) as f32 + m) * x[x0 + byte + 16];
                 }
             }
         }
-        out[t * rows + r] = acc;
+    }
+    let mut sh = Shared::<[f32]>::new_slice(units * MATMUL_ROWS);
+    let total = segment_reduce(&mut sh, acc, UNIT_POS_X as usize, units, false);
+    if r < rows && unit == 0 {
+        out[t * rows + r] = total;
     }
 }
 
@@ -396,8 +489,17 @@ pub fn matmul_q4_1(
         ));
     }
     let (n_tok, rows) = matmul_shape("matmul_q4_1", x.len(), rows, cols, out.len())?;
-    if let Some((count, dim)) = matmul_grid(n_tok, rows) {
-        matmul_q4_1_kernel::launch(dev.client(), count, dim, arg(x), arg(w), arg(out), cols);
+    if let Some((count, dim)) = matmul_grid("matmul_q4_1", n_tok, rows)? {
+        matmul_q4_1_kernel::launch(
+            dev.client(),
+            count,
+            dim,
+            arg(x),
+            arg(w),
+            arg(out),
+            cols,
+            MATMUL_UNITS,
+        );
     }
     Ok(())
 }
@@ -683,6 +785,22 @@ fn add_kernel(acc: &mut [f32], x: &[f32]) {
     if i < acc.len() {
         acc[i] += x[i];
     }
+}
+
+#[cube(launch)]
+fn copy_kernel(src: &[f32], dst: &mut [f32]) {
+    let i = ABSOLUTE_POS;
+    if i < dst.len() {
+        dst[i] = src[i];
+    }
+}
+
+/// `dst[i] = src[i]`.
+pub fn copy(dev: &GpuDevice, src: &Buffer, dst: &Buffer) -> Result<(), GpuError> {
+    if let Some((count, dim)) = elementwise("copy", dst, src)? {
+        copy_kernel::launch(dev.client(), count, dim, arg(src), arg(dst));
+    }
+    Ok(())
 }
 
 /// `acc[i] += x[i]` (the residual connections).

@@ -121,7 +121,8 @@ fn reference_matmul(x: &[f32], w: &[f32], cols: usize) -> Vec<f32> {
 fn matmul_matches_an_f64_reference_within_1e_5_of_the_row_scale() {
     let d = dev();
     let mut rng = SeededRng::new(4);
-    for (n_tok, rows, cols) in [(1, 70, 64), (3, 576, 576), (5, 1, 32)] {
+    // 70_000 rows run past one grid axis (65_535 cubes) onto the next.
+    for (n_tok, rows, cols) in [(1, 70, 64), (3, 576, 576), (5, 1, 32), (1, 70_000, 8)] {
         let x = values(&mut rng, n_tok * cols, -1.0, 1.0);
         let w = values(&mut rng, rows * cols, -1.0, 1.0);
         let want = reference_matmul(&x, &w, cols);
@@ -163,6 +164,24 @@ fn q4_1_matmul_matches_the_dequantised_weights_within_1e_5() {
 }
 
 #[test]
+fn copy_and_add_cover_buffers_past_one_grid_axis() {
+    let d = dev();
+    let mut rng = SeededRng::new(12);
+    // 65_535 cubes of 64 units cover 4_194_240 values; these need a second
+    // row of cubes.
+    let n = 4_200_000;
+    let a = values(&mut rng, n, -1.0, 1.0);
+    let b = values(&mut rng, n, -1.0, 1.0);
+    let (ab, bb, cb) = (d.upload(&a), d.upload(&b), d.zeros(n));
+    kernels::copy(d, &ab, &cb).expect("launch");
+    assert_eq!(d.download(&cb).expect("read"), a, "copy");
+    kernels::add(d, &cb, &bb).expect("launch");
+    let got = d.download(&cb).expect("read");
+    let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    assert_eq!(got, want, "add");
+}
+
+#[test]
 fn argmax_is_the_cpu_greedy_choice_first_maximum_on_ties() {
     let d = dev();
     let mut rng = SeededRng::new(6);
@@ -191,6 +210,7 @@ fn mismatched_shapes_are_errors_not_launches() {
     let err = kernels::rms_norm(d, &a, &b, 1e-5, &out).expect_err("6 is not rows of 4");
     assert!(err.to_string().contains("rms_norm"), "{err}");
     assert!(kernels::silu_mul(d, &a, &b).is_err());
+    assert!(kernels::copy(d, &a, &b).is_err());
     assert!(kernels::matmul(d, &a, &b, 4, &out).is_err());
     let w = d.upload(&[0u32; 9]);
     assert!(kernels::matmul_q4_1(d, &a, &w, 1, 32, &out).is_err());
