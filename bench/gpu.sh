@@ -23,7 +23,7 @@ gen=${GEN_TOKENS:-128}
 for v in rounds words gen; do
   [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "$v must be a positive integer" >&2; exit 2; }
 done
-repo=$(git -C "$(dirname "${BASH_SOURCE[0]}")" rev-parse --show-toplevel)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${BENCH_OUT:-$(mktemp -d /tmp/tandem-gpu-bench.XXXXXX)}
 mkdir -p "$out"
 # shellcheck source=bench/lib.sh
