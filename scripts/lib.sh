@@ -1,6 +1,8 @@
 # Shared by the project's scripts (sourced, not run).
 
-log() { printf '\n== %s\n' "$*" >&2; }
+# Each step is stamped with the time since the script started, so a slow CI
+# run shows where its minutes went.
+log() { printf '\n== [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
 
 # ensure_packages PKG...: installs the Debian packages that are missing
 # (apt-get update first; sudo when not root).
