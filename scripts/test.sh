@@ -70,6 +70,12 @@ export TANDEM_LLAMA_VOCAB_DIR=$(scripts/fetch-llama-vocab.sh "$TANDEM_CACHE/llam
 log "client libraries"
 export TANDEM_CLIENTS_PYTHON=$(scripts/clients-venv.sh "$TANDEM_CACHE/clients-venv")
 
+# NVRTC (CUDA's run-time C++ compiler, from PyPI; no GPU or driver needed)
+# for tandem-gpu's check that every kernel's CUDA form compiles to PTX.
+log "NVRTC"
+nvrtc=$(scripts/fetch-nvrtc.sh "$TANDEM_CACHE/nvrtc")
+export LD_LIBRARY_PATH=$nvrtc${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
 # A hang must fail the run, not eat CI's whole time budget.
 log "tests"
 timeout 1800 cargo test --workspace --release

@@ -111,7 +111,7 @@ fn segment_reduce(
     total
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn rms_norm_kernel(
     x: &[f32],
     w: &[f32],
@@ -175,7 +175,7 @@ pub fn rms_norm(
     Ok(())
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn silu_mul_kernel(gate: &mut [f32], up: &[f32]) {
     let i = ABSOLUTE_POS;
     if i < gate.len() {
@@ -192,7 +192,7 @@ pub fn silu_mul(dev: &GpuDevice, gate: &Buffer, up: &Buffer) -> Result<(), GpuEr
     Ok(())
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn rope_kernel(
     x: &mut [f32],
     pos: &[u32],
@@ -279,7 +279,7 @@ pub fn rope(
     Ok(())
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn matmul_kernel(
     x: &[f32],
     w: &[f32],
@@ -422,7 +422,7 @@ fn half_to_f32(h: u32) -> f32 {
     out
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn matmul_q4_1_kernel(
     x: &[f32],
     w: &[u32],
@@ -504,7 +504,7 @@ pub fn matmul_q4_1(
     Ok(())
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn argmax_kernel(x: &[f32], out: &mut [u32], #[comptime] n: usize, #[comptime] units: usize) {
     let base = CUBE_POS_X as usize * n;
     let unit = UNIT_POS_X as usize;
@@ -599,7 +599,7 @@ impl KvLayout {
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 fn attention_kernel(
     q: &[f32],
@@ -779,7 +779,7 @@ pub fn attention(
     Ok(())
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn add_kernel(acc: &mut [f32], x: &[f32]) {
     let i = ABSOLUTE_POS;
     if i < acc.len() {
@@ -787,7 +787,7 @@ fn add_kernel(acc: &mut [f32], x: &[f32]) {
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn copy_kernel(src: &[f32], dst: &mut [f32]) {
     let i = ABSOLUTE_POS;
     if i < dst.len() {
@@ -849,7 +849,7 @@ fn f32_to_half_bits(x: f32) -> u32 {
     sign | h
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 fn kv_write_kernel(
     k: &[f32],
@@ -936,3 +936,6 @@ pub fn kv_write(
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod cuda_form;

@@ -1,0 +1,172 @@
+//! The CUDA form of every kernel: each one is expanded as a launch would
+//! expand it, compiled to CUDA C++ by CubeCL's C++ backend, and the C++ to
+//! PTX for Hopper (sm_90) by NVRTC. No GPU or driver is needed, only
+//! libnvrtc (`scripts/test.sh` installs it from PyPI's
+//! `nvidia-cuda-nvrtc-cu12` wheel and puts it on `LD_LIBRARY_PATH`).
+//!
+//! The expansion borrows the Vulkan device's properties (lavapipe here):
+//! none of these kernels branch on them.
+
+use cubecl::prelude::*;
+use cubecl::{Compiler, CubeKernel};
+use cubecl_cpp::shared::{CompilationOptions, CppCompiler};
+use cubecl_cpp::target::Cuda;
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+
+use super::*;
+
+/// CUDA C++ for `kernel`, or why CubeCL's C++ backend refused it.
+fn cuda_source(kernel: impl CubeKernel) -> Result<String, String> {
+    let mut compiler = CppCompiler::<Cuda>::default();
+    let options = CompilationOptions {
+        warp_size: 32,
+        ..Default::default()
+    };
+    compiler
+        .compile(kernel.define(), &options)
+        .map(|k| k.to_string())
+        .map_err(|e| format!("{e:?}"))
+}
+
+/// PTX for sm_90 from `source`, or NVRTC's log.
+fn ptx(source: &str) -> Result<String, String> {
+    let opts = CompileOptions {
+        arch: Some("sm_90"),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(source, opts)
+        .map(|p| p.to_src())
+        .map_err(|e| format!("{e:?}"))
+}
+
+fn dev() -> GpuDevice {
+    GpuDevice::open(0).unwrap_or_else(|e| panic!("the expansion needs a Vulkan device: {e}"))
+}
+
+#[test]
+fn every_kernel_compiles_to_ptx_for_sm_90() {
+    // SAFETY (of `is_culib_present`): only tries to `dlopen` libnvrtc.
+    assert!(
+        unsafe { cudarc::nvrtc::sys::is_culib_present() },
+        "libnvrtc not found: scripts/test.sh installs the nvidia-cuda-nvrtc-cu12 wheel and \
+         puts its lib directory on LD_LIBRARY_PATH"
+    );
+    let dev = dev();
+    let c = dev.client();
+    let (p, t) = (c.properties_shared(), c.target_properties_shared());
+    let f = dev.zeros(64);
+    let u = dev.upload(&[0u32; 64]);
+    let grid = || (CubeCount::Static(1, 1, 1), CubeDim::new_1d(64));
+    let mut kernels: Vec<(&str, Result<String, String>)> = Vec::new();
+    macro_rules! kernel {
+        ($name:ident, $dim:expr, $($arg:expr),* $(,)?) => {{
+            let (count, dim): (CubeCount, CubeDim) = $dim;
+            let k = $name::create_dummy_kernel(p.clone(), t.clone(), count, dim, $($arg),*);
+            kernels.push((stringify!($name), cuda_source(k)));
+        }};
+    }
+    kernel!(
+        rms_norm_kernel,
+        rows_grid(2),
+        arg(&f),
+        arg(&f),
+        arg(&f),
+        1e-5,
+        576,
+        ROW_UNITS
+    );
+    kernel!(silu_mul_kernel, grid(), arg(&f), arg(&f));
+    kernel!(
+        rope_kernel,
+        grid(),
+        arg(&f),
+        arg(&u),
+        arg(&f),
+        576,
+        64,
+        32,
+        false
+    );
+    kernel!(
+        rope_kernel,
+        grid(),
+        arg(&f),
+        arg(&u),
+        arg(&f),
+        576,
+        64,
+        32,
+        true
+    );
+    let mm = matmul_grid("cuda", 1, 576).ok().flatten().expect("a grid");
+    kernel!(
+        matmul_kernel,
+        mm.clone(),
+        arg(&f),
+        arg(&f),
+        arg(&f),
+        576,
+        MATMUL_UNITS
+    );
+    kernel!(
+        matmul_q4_1_kernel,
+        mm,
+        arg(&f),
+        arg(&u),
+        arg(&f),
+        576,
+        MATMUL_UNITS
+    );
+    kernel!(
+        argmax_kernel,
+        rows_grid(1),
+        arg(&f),
+        arg(&u),
+        49_152,
+        ROW_UNITS
+    );
+    kernel!(
+        attention_kernel,
+        rows_grid(9),
+        arg(&f),
+        arg(&u),
+        arg(&u),
+        arg(&u),
+        arg(&f),
+        arg(&f),
+        0.125,
+        0,
+        4096,
+        512,
+        64,
+        9,
+        3,
+        16,
+        ROW_UNITS,
+    );
+    kernel!(
+        kv_write_kernel,
+        grid(),
+        arg(&f),
+        arg(&f),
+        arg(&u),
+        arg(&u),
+        0,
+        4096,
+        64,
+        3,
+        16
+    );
+    kernel!(add_kernel, grid(), arg(&f), arg(&f));
+    kernel!(copy_kernel, grid(), arg(&f), arg(&f));
+
+    let mut failed = Vec::new();
+    for (name, source) in &kernels {
+        match source.as_deref().map_err(String::clone).and_then(ptx) {
+            Ok(ptx) if ptx.contains(".entry") => {}
+            Ok(_) => failed.push(format!("{name}: PTX without an entry point")),
+            Err(e) => failed.push(format!("{name}: {e}")),
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n\n"));
+}
