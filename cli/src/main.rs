@@ -5,6 +5,7 @@ mod bench_engine;
 mod cluster;
 mod fetch;
 mod generate;
+mod gpu_backend;
 mod hub;
 mod kernel_args;
 mod local;

@@ -25,7 +25,15 @@ use tandem_frontend::{AppState, ServerConfig};
 use tandem_modelfile::{ModelMeta, fetch};
 use tandem_perfmodel::EngineProfile;
 
+use crate::gpu_backend::{GpuBackend, GpuWorker};
 use crate::local::LocalBackend;
+use tandem_engine::comm::GpuSelection;
+use tandem_gpu::GpuDevice;
+use tandem_gpu::llama::GpuLlama;
+use tandem_modelfile::ModelText;
+use tandem_modelfile::config::ModelConfig;
+use tandem_modelfile::gguf::GgufFile;
+use tandem_types::RequestLimits;
 
 /// How long in-flight requests may run on after SIGINT/SIGTERM.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -254,9 +262,8 @@ impl EngineArgs {
                 self.tp
             ),
             DeviceSpec::Gpu(_) => bail!(
-                "--devices {}: the serving scheduler runs on CPU ranks only so far; one \
-                 sequence runs on a GPU with `tandem generate --devices gpu:N` (the NCCL \
-                 communicator builds with --features nccl)",
+                "--devices {}: the batch scheduler runs on CPU ranks only so far; `tandem \
+                 serve --devices gpu:N` runs one sequence at a time on a GPU",
                 self.devices
             ),
         }
@@ -496,13 +503,22 @@ pub fn run(args: ServeArgs) -> Result<()> {
         Telemetry::install("serve", &args.telemetry)?
     };
     let mut scheduler = None;
-    let result = serve_loaded(&args, &runtime, &telemetry, &mut scheduler);
+    let mut gpu = None;
+    let result = match parse_devices(&args.engine.devices) {
+        Ok(DeviceSpec::Gpu(selection)) => {
+            serve_on_gpu(&args, &runtime, &telemetry, &selection, &mut gpu)
+        }
+        _ => serve_loaded(&args, &runtime, &telemetry, &mut scheduler),
+    };
     telemetry.shutdown();
     // Dropping the runtime drops every task still holding a scheduler
     // handle, so the scheduler can stop.
     runtime.shutdown_timeout(Duration::from_secs(1));
     if let Some(s) = scheduler {
         s.shutdown();
+    }
+    if let Some(g) = gpu {
+        g.shutdown();
     }
     eprintln!("tandem: stopped");
     result
@@ -546,26 +562,110 @@ fn serve_loaded(
         config.server.clone(),
     );
     state.set_metrics_renderer(telemetry.render());
+    let name = config.server.model_name.clone();
+    listen(args, runtime, state, config.addr, config.tls.clone(), &name)
+}
+
+/// Binds `addr`, prints the serving line and serves `state` until a signal.
+fn listen(
+    args: &ServeArgs,
+    runtime: &tokio::runtime::Runtime,
+    state: AppState,
+    addr: SocketAddr,
+    tls: Option<HttpTls>,
+    model_name: &str,
+) -> Result<()> {
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(config.addr)
+        let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .with_context(|| format!("binding {}", config.addr))?;
+            .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
         let mut stdout = std::io::stdout().lock();
-        let scheme = if config.tls.is_some() {
-            "https"
-        } else {
-            "http"
-        };
-        writeln!(
-            stdout,
-            "tandem: serving {} on {scheme}://{local}",
-            config.server.model_name
-        )?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        writeln!(stdout, "tandem: serving {model_name} on {scheme}://{local}")?;
         stdout.flush()?;
         drop(stdout);
-        args.http.serve(listener, state, config.tls.clone()).await
+        args.http.serve(listener, state, tls).await
     })
+}
+
+/// `serve` on one GPU: the weights, KV pool and activations on the device,
+/// requests one at a time ([`GpuBackend`]); the CPU engine is not loaded.
+fn serve_on_gpu(
+    args: &ServeArgs,
+    runtime: &tokio::runtime::Runtime,
+    telemetry: &Telemetry,
+    selection: &GpuSelection,
+    worker_slot: &mut Option<GpuWorker>,
+) -> Result<()> {
+    let id = match selection {
+        GpuSelection::All => 0,
+        GpuSelection::Ids(ids) => match ids[..] {
+            [id] => id,
+            _ => bail!(
+                "--devices {}: serve runs one GPU so far (TP over GPUs is not built yet)",
+                args.engine.devices
+            ),
+        },
+    };
+    if args.engine.tp != 1 {
+        bail!("--tp {}: serve runs one GPU so far", args.engine.tp);
+    }
+    if args.engine.engine == "mock" {
+        bail!("--engine mock runs on the CPU (drop --devices gpu:N)");
+    }
+    let addr = args.http.addr()?;
+    let tls = args.http.tls()?;
+    let t0 = std::time::Instant::now();
+    let cache = args
+        .engine
+        .cache_dir
+        .clone()
+        .unwrap_or_else(fetch::cache_dir);
+    let path = crate::fetch::resolve_model(&args.engine.model, &cache)?;
+    let g = GgufFile::open(&path)
+        .with_context(|| format!("--devices gpu:{id} needs a GGUF file: {}", path.display()))?;
+    let config = ModelConfig::from_gguf(&g)?;
+    let context = config.context_length;
+    let max_length = args
+        .engine
+        .max_length
+        .unwrap_or(context.min(DEFAULT_MAX_LENGTH));
+    if max_length == 0 || max_length > context {
+        bail!(
+            "--max-length {max_length} must be between 1 and the model's context length of {context} tokens"
+        );
+    }
+    let server = args
+        .http
+        .server_config(served_name(&args.engine.model, &path))?;
+    let (tokenizer, chat_template) = tandem_modelfile::meta::gguf_text(&g, &config)?;
+    let text = ModelText {
+        name: tandem_modelfile::meta::gguf_name(&g, &path),
+        tokenizer,
+        chat_template,
+    };
+    let dev = GpuDevice::open(id)?;
+    let adapter = dev.name().to_string();
+    let model = GpuLlama::load(dev, &g, max_length)?;
+    eprintln!(
+        "tandem: loaded {} ({} layers) on gpu:{id}, {adapter}, in {:.0} ms; max length \
+         {max_length}, one sequence at a time",
+        text.name,
+        config.n_layers,
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    let limits = RequestLimits {
+        max_length,
+        vocab_size: config.vocab_size,
+    };
+    let (backend, worker) =
+        GpuBackend::spawn(model, limits).context("starting the GPU device thread")?;
+    *worker_slot = Some(worker);
+    let name = server.model_name.clone();
+    let state = AppState::new(Arc::new(text), Arc::new(backend), server);
+    state.set_metrics_renderer(telemetry.render());
+    listen(args, runtime, state, addr, tls, &name)
 }
 
 /// Resolves on SIGINT or SIGTERM.
