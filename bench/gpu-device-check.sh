@@ -10,7 +10,8 @@
 # teacher-forced against the CPU engine and bench/gpu.sh (CPU vs GPU).
 # The GPU is reached through Vulkan (NVIDIA's ICD); libvulkan1 must be
 # installed (the device tool's notes say how to carry it).
-# CHECKS=kernels,model (default both) picks the parts to run.
+# CHECKS=kernels,model,serve (default all) picks the parts to run; serve
+# starts `tandem serve --devices gpu:0` and sends it a few requests.
 set -uo pipefail
 bin=$(realpath "$1")
 gguf=${2:-}
@@ -23,7 +24,7 @@ status=0
 step() { echo; echo "== $*"; }
 check() { "$@" || { echo "FAILED ($?): $*"; status=1; }; }
 
-checks=${CHECKS:-kernels,model}
+checks=${CHECKS:-kernels,model,serve}
 step device
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
 if [[ $checks == *kernels* ]]; then
@@ -42,5 +43,39 @@ if [[ -n $gguf && $checks == *model* ]]; then
   TANDEM_TEST_GGUF=$gguf check "$bin/test-llama" --nocapture
   step "bench/gpu.sh"
   TANDEM_BIN="$bin/tandem" GGUF=$gguf ROUNDS=${ROUNDS:-2} check "$repo/bench/gpu.sh" gpu:0
+fi
+if [[ -n $gguf && $checks == *serve* ]]; then
+  step "tandem serve --devices gpu:0"
+  log=$(mktemp)
+  "$bin/tandem" serve --model "$gguf" --devices gpu:0 --port 0 --max-length 1024 >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 120); do grep -q "tandem: serving" "$log" && break; sleep 0.5; done
+  cat "$log"
+  port=$(grep -o 'http://127.0.0.1:[0-9]*' "$log" | head -1 | cut -d: -f3)
+  if [[ -z $port ]]; then
+    echo "FAILED: serve did not start"; status=1
+  else
+    check python3 - "$port" <<'PY'
+import json, sys, time, urllib.request
+port = sys.argv[1]
+def call(path, body=None):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        return json.load(r)
+print("health:", call("/health"))
+name = call("/v1/models")["data"][0]["id"]
+for prompt, n in [("The capital of France is", 12), ("def fibonacci(n):", 128)]:
+    t = time.time()
+    v = call("/v1/completions", {"model": name, "prompt": prompt, "max_tokens": n,
+                                 "temperature": 0, "ignore_eos": True})
+    dt = time.time() - t
+    u = v["usage"]
+    print(f"{prompt!r}: {u['completion_tokens']} tokens in {dt:.2f} s "
+          f"({u['completion_tokens'] / dt:.1f} tok/s end to end): {v['choices'][0]['text'][:80]!r}")
+PY
+  fi
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
 fi
 exit $status
