@@ -36,7 +36,8 @@ scripts/check-deploy.sh
 export TANDEM_HELM=${TANDEM_HELM:-${TANDEM_TOOLS:-$HOME/.cache/tandem/tools}/bin/helm}
 
 log "building"
-cargo build --workspace --release
+# --timings writes target/cargo-timings/: where a slow build's minutes went.
+cargo build --workspace --release --timings
 
 # Fetch the default model through the same code path users hit (cached after
 # the first run), and smoke-test the binary on it.
@@ -81,9 +82,10 @@ log "tests"
 timeout 1800 cargo test --workspace --release
 
 # dkv without UCX (a laptop without libucx-dev): it must build and report
-# UCX as unavailable cleanly. Its own target dir keeps the main build warm.
+# UCX as unavailable cleanly. In the main target dir, so only dkv rebuilds
+# (its build script watches TANDEM_DKV_NO_UCX; the next build restores it).
 log "dkv without UCX"
-CARGO_TARGET_DIR=target/no-ucx TANDEM_DKV_NO_UCX=1 timeout 600 cargo test --release -p tandem-dkv
+TANDEM_DKV_NO_UCX=1 timeout 600 cargo test --release -p tandem-dkv
 
 # The fuzz targets (run with scripts/fuzz.sh) live outside the workspace:
 # check that they still compile against today's APIs.
@@ -91,7 +93,9 @@ log "fuzz targets compile"
 # libfuzzer-sys builds libFuzzer's C++: use clang++ (installed above) where
 # the machine has no default C++ compiler.
 command -v c++ >/dev/null || export CXX=clang++
-CARGO_TARGET_DIR=target/fuzz-check timeout 900 cargo check --release --quiet \
+# The main target dir, whose dependencies (checked by clippy above, same
+# profile) it can reuse where versions and features agree.
+CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target} timeout 900 cargo check --release --quiet \
   --manifest-path fuzz/Cargo.toml --bins
 
 # The NCCL communicator is behind a feature (no GPU here): it must still
