@@ -176,6 +176,82 @@ pub fn rms_norm(
 }
 
 #[cube(launch, create_dummy_kernel)]
+fn add_rms_norm_kernel(
+    x: &mut [f32],
+    delta: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    eps: f32,
+    #[comptime] d: usize,
+    #[comptime] units: usize,
+) {
+    let base = CUBE_POS_X as usize * d;
+    let unit = UNIT_POS_X as usize;
+    let mut ss = 0.0f32;
+    for k in 0..d.div_ceil(units) {
+        let i = unit + k * units;
+        if i < d {
+            let v = x[base + i] + delta[base + i];
+            x[base + i] = v;
+            ss += v * v;
+        }
+    }
+    let mut sh = Shared::<[f32]>::new_slice(units);
+    let ss = cube_reduce(&mut sh, ss, unit, units, false);
+    let scale = 1.0f32 / f32::sqrt(ss / d as f32 + eps);
+    // Each unit reads back only the values it wrote itself.
+    for k in 0..d.div_ceil(units) {
+        let i = unit + k * units;
+        if i < d {
+            out[base + i] = (x[base + i] * scale) * w[i];
+        }
+    }
+}
+
+/// The residual connection and the next norm in one launch:
+/// `x += delta`, then `out = rms_norm(x) * w`, as [`add`] then
+/// [`rms_norm`] compute them (the same operations in the same order).
+pub fn add_rms_norm(
+    dev: &GpuDevice,
+    x: &Buffer,
+    delta: &Buffer,
+    w: &Buffer,
+    eps: f32,
+    out: &Buffer,
+) -> Result<(), GpuError> {
+    let d = w.len();
+    if d == 0 || x.len() % d != 0 || out.len() != x.len() || delta.len() != x.len() {
+        return Err(shape(
+            "add_rms_norm",
+            format!(
+                "x {}, delta {} and out {} must be rows of {d}",
+                x.len(),
+                delta.len(),
+                out.len()
+            ),
+        ));
+    }
+    let rows = x.len() / d;
+    if rows == 0 {
+        return Ok(());
+    }
+    let (count, dim) = rows_grid(rows);
+    add_rms_norm_kernel::launch(
+        dev.client(),
+        count,
+        dim,
+        arg(x),
+        arg(delta),
+        arg(w),
+        arg(out),
+        eps,
+        d,
+        ROW_UNITS,
+    );
+    Ok(())
+}
+
+#[cube(launch, create_dummy_kernel)]
 fn silu_mul_kernel(gate: &mut [f32], up: &[f32]) {
     let i = ABSOLUTE_POS;
     if i < gate.len() {

@@ -223,8 +223,8 @@ impl GpuLlama {
     /// Runs token `token` at position `pos` (every earlier position of the
     /// sequence must have run) and returns the next token's logits.
     pub fn step(&self, token: u32, pos: usize) -> Result<Vec<f32>, GpuError> {
-        let x = self.forward(token, pos)?;
-        self.logits(&x)?;
+        self.forward(token, pos)?;
+        self.logits()?;
         self.dev.download(&self.s.logits)
     }
 
@@ -232,14 +232,14 @@ impl GpuLlama {
     /// prompt token whose logits nobody reads (no output head, no copy
     /// back).
     pub fn feed(&self, token: u32, pos: usize) -> Result<(), GpuError> {
-        self.forward(token, pos).map(drop)
+        self.forward(token, pos)
     }
 
     /// [`GpuLlama::step`], sampling greedily on the device: only the chosen
     /// token comes back.
     pub fn step_greedy(&self, token: u32, pos: usize) -> Result<u32, GpuError> {
-        let x = self.forward(token, pos)?;
-        self.logits(&x)?;
+        self.forward(token, pos)?;
+        self.logits()?;
         let s = &self.s;
         kernels::argmax(&self.dev, &s.logits, self.c.vocab_size, &s.next)?;
         let next = self.dev.download(&s.next)?;
@@ -250,8 +250,9 @@ impl GpuLlama {
     }
 
     /// The forward pass of one token through the layers: its K and V go to
-    /// the pool, its hidden state is returned.
-    fn forward(&self, token: u32, pos: usize) -> Result<Buffer, GpuError> {
+    /// the pool, its final hidden state, normalised for the output head,
+    /// to `s.xn`. Each residual add runs with the norm after it.
+    fn forward(&self, token: u32, pos: usize) -> Result<(), GpuError> {
         let c = &self.c;
         let (d, hd) = (c.d_model, c.head_dim);
         let t = token as usize;
@@ -274,8 +275,10 @@ impl GpuLlama {
         let neox = c.rope_style == RopeStyle::Neox;
         let pairs = c.rope_dims / 2;
         let scale = 1.0 / (hd as f32).sqrt();
+        if let Some(first) = self.layers.first() {
+            kernels::rms_norm(dev, &x, &first.attn_norm, c.rms_eps, &s.xn)?;
+        }
         for (li, l) in self.layers.iter().enumerate() {
-            kernels::rms_norm(dev, &x, &l.attn_norm, c.rms_eps, &s.xn)?;
             kernels::matmul_q4_1(dev, &s.xn, &l.wq, c.q_dim(), d, &s.q)?;
             kernels::matmul_q4_1(dev, &s.xn, &l.wk, c.kv_dim(), d, &s.k)?;
             kernels::matmul_q4_1(dev, &s.xn, &l.wv, c.kv_dim(), d, &s.v)?;
@@ -298,21 +301,27 @@ impl GpuLlama {
                 &s.att,
             )?;
             kernels::matmul_q4_1(dev, &s.att, &l.wo, d, c.q_dim(), &s.o)?;
-            kernels::add(dev, &x, &s.o)?;
-            kernels::rms_norm(dev, &x, &l.ffn_norm, c.rms_eps, &s.xn)?;
+            kernels::add_rms_norm(dev, &x, &s.o, &l.ffn_norm, c.rms_eps, &s.xn)?;
             kernels::matmul_q4_1(dev, &s.xn, &l.gate, c.ffn_dim, d, &s.gate)?;
             kernels::matmul_q4_1(dev, &s.xn, &l.up, c.ffn_dim, d, &s.up)?;
             kernels::silu_mul(dev, &s.gate, &s.up)?;
             kernels::matmul_q4_1(dev, &s.gate, &l.down, d, c.ffn_dim, &s.ffn_out)?;
-            kernels::add(dev, &x, &s.ffn_out)?;
+            let next_norm = self
+                .layers
+                .get(li + 1)
+                .map_or(&self.out_norm, |n| &n.attn_norm);
+            kernels::add_rms_norm(dev, &x, &s.ffn_out, next_norm, c.rms_eps, &s.xn)?;
         }
-        Ok(x)
+        if self.layers.is_empty() {
+            kernels::rms_norm(dev, &x, &self.out_norm, c.rms_eps, &s.xn)?;
+        }
+        Ok(())
     }
 
-    /// The output head over a hidden state `x`, into `s.logits`.
-    fn logits(&self, x: &Buffer) -> Result<(), GpuError> {
+    /// The output head over the normalised final state in `s.xn`, into
+    /// `s.logits`.
+    fn logits(&self) -> Result<(), GpuError> {
         let s = &self.s;
-        kernels::rms_norm(&self.dev, x, &self.out_norm, self.c.rms_eps, &s.xn)?;
         kernels::matmul(&self.dev, &s.xn, &self.head, self.c.d_model, &s.logits)
     }
 }

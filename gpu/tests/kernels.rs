@@ -52,6 +52,43 @@ fn rms_norm_matches_the_cpu_within_2e_6_relative() {
 }
 
 #[test]
+fn add_rms_norm_is_add_then_rms_norm() {
+    let d = dev();
+    let mut rng = SeededRng::new(13);
+    for (rows, width) in [(1, 576), (3, 1000)] {
+        let x = values(&mut rng, rows * width, -3.0, 3.0);
+        let delta = values(&mut rng, rows * width, -1.0, 1.0);
+        let w = values(&mut rng, width, 0.5, 1.5);
+        let sum: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
+        let mut want = vec![0.0; x.len()];
+        for (o, xr) in want.chunks_exact_mut(width).zip(sum.chunks_exact(width)) {
+            tandem_kernels::ops::rms_norm(xr, &w, 1e-5, o);
+        }
+        let (xb, db, wb, ob) = (
+            d.upload(&x),
+            d.upload(&delta),
+            d.upload(&w),
+            d.zeros(x.len()),
+        );
+        kernels::add_rms_norm(d, &xb, &db, &wb, 1e-5, &ob).expect("launch");
+        assert_eq!(d.download(&xb).expect("read"), sum, "the residual");
+        let err = worst_rel(&d.download(&ob).expect("read"), &want, 1e-6);
+        assert!(
+            err <= 2e-6,
+            "rows {rows} width {width}: worst relative error {err}"
+        );
+        // Bit for bit what the two kernels it replaces give.
+        let (xb2, ob2) = (d.upload(&x), d.zeros(x.len()));
+        kernels::add(d, &xb2, &db).expect("launch");
+        kernels::rms_norm(d, &xb2, &wb, 1e-5, &ob2).expect("launch");
+        assert_eq!(
+            d.download(&ob).expect("read"),
+            d.download(&ob2).expect("read")
+        );
+    }
+}
+
+#[test]
 fn silu_mul_matches_the_cpu_within_1e_6_relative() {
     let d = dev();
     let mut rng = SeededRng::new(2);

@@ -75,6 +75,17 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         576,
         ROW_UNITS
     );
+    kernel!(
+        add_rms_norm_kernel,
+        rows_grid(2),
+        arg(&f),
+        arg(&f),
+        arg(&f),
+        arg(&f),
+        1e-5,
+        576,
+        ROW_UNITS
+    );
     kernel!(silu_mul_kernel, grid(), arg(&f), arg(&f));
     kernel!(
         rope_kernel,
