@@ -77,7 +77,10 @@ log "NVRTC"
 nvrtc=$(scripts/fetch-nvrtc.sh "$TANDEM_CACHE/nvrtc")
 export LD_LIBRARY_PATH=$nvrtc${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
-# A hang must fail the run, not eat CI's whole time budget.
+# The test binaries are built first, so the time limit below is the tests'
+# own: a hang must fail the run, not eat CI's whole time budget.
+log "building the tests"
+cargo test --workspace --release --no-run
 log "tests"
 timeout 1800 cargo test --workspace --release
 
