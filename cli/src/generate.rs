@@ -9,12 +9,12 @@ use clap::Args;
 use crate::kernel_args::KernelArgs;
 use tandem_engine::RequestError;
 use tandem_engine::comm::{DeviceSpec, GpuSelection, parse_devices};
-use tandem_engine::generate::{
-    GenerateOutput, GenerateRequest, SequenceModel, generate, generate_on,
-};
+use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate, generate_on};
 use tandem_engine::sampler::SamplingParams;
 use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::GpuLlama;
+
+use crate::gpu_backend::GpuSequence;
 use tandem_modelfile::ModelText;
 use tandem_modelfile::chat::ChatMessage;
 use tandem_modelfile::config::ModelConfig;
@@ -98,32 +98,6 @@ impl GenerateArgs {
                 [id] => Ok(Placement::Gpu(id)),
                 _ => bail!("--devices {}: generate runs on one GPU", self.devices),
             },
-        }
-    }
-}
-
-/// [`GpuLlama`] as `generate`'s model: prompts run a token at a time.
-struct GpuSequence(GpuLlama);
-
-impl SequenceModel for GpuSequence {
-    fn forward(
-        &mut self,
-        tokens: &[u32],
-        start_pos: usize,
-        want_logits: bool,
-    ) -> Result<Vec<f32>, RequestError> {
-        let device = |e: tandem_gpu::GpuError| RequestError::Device(e.to_string());
-        let Some((&last, rest)) = tokens.split_last() else {
-            return Ok(Vec::new());
-        };
-        for (i, &t) in rest.iter().enumerate() {
-            self.0.feed(t, start_pos + i).map_err(device)?;
-        }
-        let pos = start_pos + rest.len();
-        if want_logits {
-            self.0.step(last, pos).map_err(device)
-        } else {
-            self.0.feed(last, pos).map_err(device).map(|()| Vec::new())
         }
     }
 }

@@ -25,7 +25,7 @@ use tandem_frontend::{AppState, ServerConfig};
 use tandem_modelfile::{ModelMeta, fetch};
 use tandem_perfmodel::EngineProfile;
 
-use crate::gpu_backend::{GpuBackend, GpuWorker};
+use crate::gpu_backend::{GpuBackend, GpuSequence, GpuWorker};
 use crate::local::LocalBackend;
 use tandem_engine::comm::GpuSelection;
 use tandem_gpu::GpuDevice;
@@ -659,8 +659,8 @@ fn serve_on_gpu(
         max_length,
         vocab_size: config.vocab_size,
     };
-    let (backend, worker) =
-        GpuBackend::spawn(model, limits).context("starting the GPU device thread")?;
+    let (backend, worker) = GpuBackend::spawn(Box::new(GpuSequence(model)), adapter, limits)
+        .context("starting the GPU device thread")?;
     *worker_slot = Some(worker);
     let name = server.model_name.clone();
     let state = AppState::new(Arc::new(text), Arc::new(backend), server);
