@@ -111,6 +111,15 @@ fn segment_reduce(
     total
 }
 
+/// An RMSNorm row's scale, `1 / rms`, once every unit holds its share
+/// `ss` of the row's sum of squares.
+#[cube]
+fn rms_scale(ss: f32, eps: f32, #[comptime] d: usize, #[comptime] units: usize) -> f32 {
+    let mut sh = Shared::<[f32]>::new_slice(units);
+    let ss = cube_reduce(&mut sh, ss, UNIT_POS_X as usize, units, false);
+    1.0f32 / f32::sqrt(ss / d as f32 + eps)
+}
+
 #[cube(launch, create_dummy_kernel)]
 fn rms_norm_kernel(
     x: &[f32],
@@ -130,49 +139,13 @@ fn rms_norm_kernel(
             ss += v * v;
         }
     }
-    let mut sh = Shared::<[f32]>::new_slice(units);
-    let ss = cube_reduce(&mut sh, ss, unit, units, false);
-    let scale = 1.0f32 / f32::sqrt(ss / d as f32 + eps);
+    let scale = rms_scale(ss, eps, d, units);
     for k in 0..d.div_ceil(units) {
         let i = unit + k * units;
         if i < d {
             out[base + i] = (x[base + i] * scale) * w[i];
         }
     }
-}
-
-/// `out[r] = x[r] / rms(x[r]) * w` for each row of `w.len()` values.
-pub fn rms_norm(
-    dev: &GpuDevice,
-    x: &Buffer,
-    w: &Buffer,
-    eps: f32,
-    out: &Buffer,
-) -> Result<(), GpuError> {
-    let d = w.len();
-    if d == 0 || x.len() % d != 0 || out.len() != x.len() {
-        return Err(shape(
-            "rms_norm",
-            format!("x {} and out {} must be rows of {d}", x.len(), out.len()),
-        ));
-    }
-    let rows = x.len() / d;
-    if rows == 0 {
-        return Ok(());
-    }
-    let (count, dim) = rows_grid(rows);
-    rms_norm_kernel::launch(
-        dev.client(),
-        count,
-        dim,
-        arg(x),
-        arg(w),
-        arg(out),
-        eps,
-        d,
-        ROW_UNITS,
-    );
-    Ok(())
 }
 
 #[cube(launch, create_dummy_kernel)]
@@ -196,9 +169,7 @@ fn add_rms_norm_kernel(
             ss += v * v;
         }
     }
-    let mut sh = Shared::<[f32]>::new_slice(units);
-    let ss = cube_reduce(&mut sh, ss, unit, units, false);
-    let scale = 1.0f32 / f32::sqrt(ss / d as f32 + eps);
+    let scale = rms_scale(ss, eps, d, units);
     // Each unit reads back only the values it wrote itself.
     for k in 0..d.div_ceil(units) {
         let i = unit + k * units;
@@ -206,6 +177,57 @@ fn add_rms_norm_kernel(
             out[base + i] = (x[base + i] * scale) * w[i];
         }
     }
+}
+
+/// Rows of an RMSNorm over `x` (into `out`, with `delta` added first when
+/// given) with weights `w`, or why the sizes do not fit.
+fn norm_rows(
+    kernel: &'static str,
+    x: &Buffer,
+    delta: Option<&Buffer>,
+    w: &Buffer,
+    out: &Buffer,
+) -> Result<usize, GpuError> {
+    let d = w.len();
+    let delta_fits = delta.is_none_or(|b| b.len() == x.len());
+    if d == 0 || x.len() % d != 0 || out.len() != x.len() || !delta_fits {
+        return Err(shape(
+            kernel,
+            format!(
+                "x {}, out {}{} must be rows of {d}",
+                x.len(),
+                out.len(),
+                delta.map_or(String::new(), |b| format!(" and delta {}", b.len()))
+            ),
+        ));
+    }
+    Ok(x.len() / d)
+}
+
+/// `out[r] = x[r] / rms(x[r]) * w` for each row of `w.len()` values.
+pub fn rms_norm(
+    dev: &GpuDevice,
+    x: &Buffer,
+    w: &Buffer,
+    eps: f32,
+    out: &Buffer,
+) -> Result<(), GpuError> {
+    let rows = norm_rows("rms_norm", x, None, w, out)?;
+    if rows > 0 {
+        let (count, dim) = rows_grid(rows);
+        rms_norm_kernel::launch(
+            dev.client(),
+            count,
+            dim,
+            arg(x),
+            arg(w),
+            arg(out),
+            eps,
+            w.len(),
+            ROW_UNITS,
+        );
+    }
+    Ok(())
 }
 
 /// The residual connection and the next norm in one launch:
@@ -219,35 +241,22 @@ pub fn add_rms_norm(
     eps: f32,
     out: &Buffer,
 ) -> Result<(), GpuError> {
-    let d = w.len();
-    if d == 0 || x.len() % d != 0 || out.len() != x.len() || delta.len() != x.len() {
-        return Err(shape(
-            "add_rms_norm",
-            format!(
-                "x {}, delta {} and out {} must be rows of {d}",
-                x.len(),
-                delta.len(),
-                out.len()
-            ),
-        ));
+    let rows = norm_rows("add_rms_norm", x, Some(delta), w, out)?;
+    if rows > 0 {
+        let (count, dim) = rows_grid(rows);
+        add_rms_norm_kernel::launch(
+            dev.client(),
+            count,
+            dim,
+            arg(x),
+            arg(delta),
+            arg(w),
+            arg(out),
+            eps,
+            w.len(),
+            ROW_UNITS,
+        );
     }
-    let rows = x.len() / d;
-    if rows == 0 {
-        return Ok(());
-    }
-    let (count, dim) = rows_grid(rows);
-    add_rms_norm_kernel::launch(
-        dev.client(),
-        count,
-        dim,
-        arg(x),
-        arg(delta),
-        arg(w),
-        arg(out),
-        eps,
-        d,
-        ROW_UNITS,
-    );
     Ok(())
 }
 
