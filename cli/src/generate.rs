@@ -11,15 +11,11 @@ use tandem_engine::RequestError;
 use tandem_engine::comm::{DeviceSpec, GpuSelection, parse_devices};
 use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate, generate_on};
 use tandem_engine::sampler::SamplingParams;
-use tandem_gpu::GpuDevice;
-use tandem_gpu::llama::GpuLlama;
 
-use crate::gpu_backend::GpuSequence;
+use crate::gpu_backend::{load_on_gpu, open_gguf};
 use tandem_modelfile::ModelText;
 use tandem_modelfile::chat::ChatMessage;
-use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::fetch;
-use tandem_modelfile::gguf::GgufFile;
 use tandem_types::RequestLimits;
 
 #[derive(Debug, Args)]
@@ -206,31 +202,20 @@ fn report(req: &GenerateRequest, out: &GenerateOutput) {
 /// weights on the device (nothing of the CPU engine is loaded).
 fn run_on_gpu(args: &GenerateArgs, path: &std::path::Path, id: usize) -> Result<()> {
     let t0 = std::time::Instant::now();
-    let g = GgufFile::open(path)
-        .with_context(|| format!("--devices gpu:{id} needs a GGUF file: {}", path.display()))?;
-    let config = ModelConfig::from_gguf(&g)?;
-    let (tokenizer, chat_template) = tandem_modelfile::meta::gguf_text(&g, &config)?;
-    let text = ModelText {
-        name: tandem_modelfile::meta::gguf_name(&g, path),
-        tokenizer,
-        chat_template,
-    };
+    let (g, config, text) = open_gguf(path, id)?;
     let req = request(args, &text)?;
     let limits = RequestLimits {
         max_length: config.context_length,
         vocab_size: config.vocab_size,
     };
     let max_tokens = limits.check(&req.prompt, Some(req.max_tokens), &req.sampling)?;
-    let dev = GpuDevice::open(id)?;
-    let adapter = dev.name().to_string();
-    let model = GpuLlama::load(dev, &g, req.prompt.len() + max_tokens)?;
+    let (mut seq, adapter) = load_on_gpu(&g, id, req.prompt.len() + max_tokens)?;
     eprintln!(
         "tandem: loaded {} ({} layers) on gpu:{id}, {adapter}, in {:.0} ms",
         text.name,
         config.n_layers,
         t0.elapsed().as_secs_f64() * 1e3
     );
-    let mut seq = GpuSequence(model);
     stream(&req, |on_text| {
         generate_on(&mut seq, &text.tokenizer, limits, &req, on_text)
     })

@@ -4,17 +4,23 @@
 //! at a time, in arrival order. No batching and no prefix cache yet (the
 //! CPU scheduler has both); a request waits for the one ahead of it.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use anyhow::Context;
 use futures_util::future::BoxFuture;
 use tandem_engine::RequestError;
 use tandem_engine::generate::SequenceModel;
 use tandem_engine::sampler::Sampler;
 use tandem_frontend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
+use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::GpuLlama;
+use tandem_modelfile::ModelText;
+use tandem_modelfile::config::ModelConfig;
+use tandem_modelfile::gguf::GgufFile;
 use tandem_types::{FinishReason, GenEvent, GenFailure, InvalidRequest, RequestLimits, Usage};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
@@ -48,6 +54,33 @@ impl SequenceModel for GpuSequence {
             self.0.feed(last, pos).map_err(device).map(|()| Vec::new())
         }
     }
+}
+
+/// A GGUF file for a GPU run: the file, its config and its text side
+/// (tokenizer, chat template). Nothing of the CPU engine is loaded.
+pub fn open_gguf(path: &Path, id: usize) -> anyhow::Result<(GgufFile, ModelConfig, ModelText)> {
+    let g = GgufFile::open(path)
+        .with_context(|| format!("--devices gpu:{id} needs a GGUF file: {}", path.display()))?;
+    let config = ModelConfig::from_gguf(&g)?;
+    let (tokenizer, chat_template) = tandem_modelfile::meta::gguf_text(&g, &config)?;
+    let text = ModelText {
+        name: tandem_modelfile::meta::gguf_name(&g, path),
+        tokenizer,
+        chat_template,
+    };
+    Ok((g, config, text))
+}
+
+/// `g`'s weights on GPU `id` with a KV pool of `max_ctx` positions, and
+/// the adapter's name for the startup line.
+pub fn load_on_gpu(
+    g: &GgufFile,
+    id: usize,
+    max_ctx: usize,
+) -> anyhow::Result<(GpuSequence, String)> {
+    let dev = GpuDevice::open(id)?;
+    let adapter = dev.name().to_string();
+    Ok((GpuSequence(GpuLlama::load(dev, g, max_ctx)?), adapter))
 }
 
 /// The model the device thread owns.
@@ -157,13 +190,10 @@ impl Backend for GpuBackend {
         ] {
             details.insert(k.into(), v.load(Ordering::Relaxed).into());
         }
+        let stopping = self.shared.stop.load(Ordering::Relaxed);
         BackendHealth {
-            ready: !self.shared.stop.load(Ordering::Relaxed),
-            reason: if self.shared.stop.load(Ordering::Relaxed) {
-                "shutting down"
-            } else {
-                "ok"
-            },
+            ready: !stopping,
+            reason: if stopping { "shutting down" } else { "ok" },
             details,
         }
     }

@@ -25,14 +25,9 @@ use tandem_frontend::{AppState, ServerConfig};
 use tandem_modelfile::{ModelMeta, fetch};
 use tandem_perfmodel::EngineProfile;
 
-use crate::gpu_backend::{GpuBackend, GpuSequence, GpuWorker};
+use crate::gpu_backend::{GpuBackend, GpuWorker, load_on_gpu, open_gguf};
 use crate::local::LocalBackend;
 use tandem_engine::comm::GpuSelection;
-use tandem_gpu::GpuDevice;
-use tandem_gpu::llama::GpuLlama;
-use tandem_modelfile::ModelText;
-use tandem_modelfile::config::ModelConfig;
-use tandem_modelfile::gguf::GgufFile;
 use tandem_types::RequestLimits;
 
 /// How long in-flight requests may run on after SIGINT/SIGTERM.
@@ -77,8 +72,8 @@ pub struct EngineArgs {
     #[arg(long, env = "TANDEM_TP", default_value_t = 1)]
     pub tp: usize,
     /// Devices the ranks run on: `cpu` (one rank), `cpu:N` (N thread ranks,
-    /// the same as --tp N), `gpu:0,1` or `gpu:all` (NCCL ranks, which need
-    /// CUDA kernels this build does not have: refused at startup).
+    /// the same as --tp N), or one GPU, `gpu:N` (`tandem serve` only: one
+    /// sequence at a time; several GPUs are refused at startup).
     #[arg(long, env = "TANDEM_DEVICES", default_value = "cpu")]
     pub devices: String,
     /// How a mixture-of-experts model combines experts across ranks:
@@ -623,9 +618,7 @@ fn serve_on_gpu(
         .clone()
         .unwrap_or_else(fetch::cache_dir);
     let path = crate::fetch::resolve_model(&args.engine.model, &cache)?;
-    let g = GgufFile::open(&path)
-        .with_context(|| format!("--devices gpu:{id} needs a GGUF file: {}", path.display()))?;
-    let config = ModelConfig::from_gguf(&g)?;
+    let (g, config, text) = open_gguf(&path, id)?;
     let context = config.context_length;
     let max_length = args
         .engine
@@ -639,15 +632,7 @@ fn serve_on_gpu(
     let server = args
         .http
         .server_config(served_name(&args.engine.model, &path))?;
-    let (tokenizer, chat_template) = tandem_modelfile::meta::gguf_text(&g, &config)?;
-    let text = ModelText {
-        name: tandem_modelfile::meta::gguf_name(&g, &path),
-        tokenizer,
-        chat_template,
-    };
-    let dev = GpuDevice::open(id)?;
-    let adapter = dev.name().to_string();
-    let model = GpuLlama::load(dev, &g, max_length)?;
+    let (model, adapter) = load_on_gpu(&g, id, max_length)?;
     eprintln!(
         "tandem: loaded {} ({} layers) on gpu:{id}, {adapter}, in {:.0} ms; max length \
          {max_length}, one sequence at a time",
@@ -659,7 +644,7 @@ fn serve_on_gpu(
         max_length,
         vocab_size: config.vocab_size,
     };
-    let (backend, worker) = GpuBackend::spawn(Box::new(GpuSequence(model)), adapter, limits)
+    let (backend, worker) = GpuBackend::spawn(Box::new(model), adapter, limits)
         .context("starting the GPU device thread")?;
     *worker_slot = Some(worker);
     let name = server.model_name.clone();
