@@ -25,6 +25,18 @@ if [[ -z ${XDG_RUNTIME_DIR:-} ]]; then
   export XDG_RUNTIME_DIR
 fi
 
+# A cold build and its tests write about 6 GB under target/ and 4 GB of
+# models and tools under the cache; say so up front rather than fail deep
+# in the build with "No space left on device".
+need_gb=12
+[[ -d target/release ]] && need_gb=3
+free_gb=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
+log "disk: ${free_gb} GB free here, about ${need_gb} GB needed"
+if ((free_gb < need_gb)); then
+  echo "error: only ${free_gb} GB free on $(df -P . | awk 'NR == 2 { print $6 }'); the build and tests need about ${need_gb} GB" >&2
+  exit 1
+fi
+
 log "formatting and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --release -- -D warnings
