@@ -4,7 +4,8 @@
 //!
 //! [`LoadedModel`] is the real model, run by [`TpExecutor`] on one thread or
 //! as a tensor-parallel group; `mock::MockModel` times steps from a measured
-//! profile instead. A GPU backend is a third [`StepRunner`].
+//! profile instead. `tandem-gpu`'s `GpuRunner` is a third, over device
+//! memory.
 
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -74,6 +75,13 @@ pub trait StepRunner: Send {
         layer_done: &mut dyn FnMut(usize),
         logits: &mut Vec<f32>,
     ) -> Result<(), RequestError>;
+    /// `blocks` of `cache`'s pool were written from outside the runner (a
+    /// KV import landed in them) and are read from the next step on. A
+    /// runner that computes over the host pool has nothing to do; one that
+    /// keeps KV in device memory copies them in.
+    fn kv_written(&self, _cache: &KvCache, _blocks: &[BlockId]) -> Result<(), RequestError> {
+        Ok(())
+    }
 }
 
 impl ServedModel for LoadedModel {

@@ -345,6 +345,13 @@ impl KvCache {
         let start = block as usize * len;
         bytemuck::cast_slice(self.pool.slice(start, len))
     }
+
+    /// [`KvCache::block_bytes`], writable (a device runner's copy back).
+    pub fn block_bytes_mut(&mut self, block: BlockId) -> &mut [u8] {
+        let len = self.config.block_len();
+        let start = block as usize * len;
+        bytemuck::cast_slice_mut(self.pool.slice_mut(start, len))
+    }
 }
 
 #[cfg(test)]

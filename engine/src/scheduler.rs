@@ -743,6 +743,18 @@ impl Actor {
                 remote_cached_tokens,
             } => (first, remote_cached_tokens),
         };
+        // What the prefill node wrote must reach the runner's own KV
+        // memory (a device's) before the sequence's next step reads it.
+        let landed = &s.table[(s.computed / self.config.block_size).min(s.table.len())..];
+        if let Err(e) = self.exec.kv_written(&self.cache, landed) {
+            tracing::warn!(request = id, error = %e, "imported KV did not reach the runner");
+            emit(
+                &s.events,
+                Event::Failed(GenFailure::Internal(e.to_string())),
+            );
+            self.free(&mut s);
+            return;
+        }
         s.computed = s.prompt_len;
         // Tokens computed by nobody: cached here or on the prefill node.
         s.cached_tokens = s.cached_tokens.max(remote_cached.min(s.prompt_len));
