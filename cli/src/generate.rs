@@ -1,7 +1,7 @@
 //! `tandem generate`: one prompt, streamed to stdout, speed to stderr.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -11,11 +11,13 @@ use tandem_engine::RequestError;
 use tandem_engine::comm::{DeviceSpec, GpuSelection, parse_devices};
 use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate, generate_on};
 use tandem_engine::sampler::SamplingParams;
-
-use crate::gpu_backend::{load_on_gpu, open_gguf};
+use tandem_gpu::GpuDevice;
+use tandem_gpu::llama::GpuLlama;
 use tandem_modelfile::ModelText;
 use tandem_modelfile::chat::ChatMessage;
+use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::fetch;
+use tandem_modelfile::gguf::GgufFile;
 use tandem_types::RequestLimits;
 
 #[derive(Debug, Args)]
@@ -200,7 +202,7 @@ fn report(req: &GenerateRequest, out: &GenerateOutput) {
 
 /// `generate` on GPU `id`: the tokenizer from the GGUF's metadata, the
 /// weights on the device (nothing of the CPU engine is loaded).
-fn run_on_gpu(args: &GenerateArgs, path: &std::path::Path, id: usize) -> Result<()> {
+fn run_on_gpu(args: &GenerateArgs, path: &Path, id: usize) -> Result<()> {
     let t0 = std::time::Instant::now();
     let (g, config, text) = open_gguf(path, id)?;
     let req = request(args, &text)?;
@@ -219,4 +221,27 @@ fn run_on_gpu(args: &GenerateArgs, path: &std::path::Path, id: usize) -> Result<
     stream(&req, |on_text| {
         generate_on(&mut seq, &text.tokenizer, limits, &req, on_text)
     })
+}
+
+/// A GGUF file for a GPU run: the file, its config and its text side
+/// (tokenizer, chat template). Nothing of the CPU engine is loaded.
+fn open_gguf(path: &Path, id: usize) -> Result<(GgufFile, ModelConfig, ModelText)> {
+    let g = GgufFile::open(path)
+        .with_context(|| format!("--devices gpu:{id} needs a GGUF file: {}", path.display()))?;
+    let config = ModelConfig::from_gguf(&g)?;
+    let (tokenizer, chat_template) = tandem_modelfile::meta::gguf_text(&g, &config)?;
+    let text = ModelText {
+        name: tandem_modelfile::meta::gguf_name(&g, path),
+        tokenizer,
+        chat_template,
+    };
+    Ok((g, config, text))
+}
+
+/// `g`'s weights on GPU `id` with a KV pool of `max_ctx` positions, and
+/// the adapter's name for the startup line.
+fn load_on_gpu(g: &GgufFile, id: usize, max_ctx: usize) -> Result<(GpuLlama, String)> {
+    let dev = GpuDevice::open(id)?;
+    let adapter = dev.name().to_string();
+    Ok((GpuLlama::load(dev, g, max_ctx)?, adapter))
 }

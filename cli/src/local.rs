@@ -13,13 +13,16 @@ use tandem_types::{GenEvent, GenFailure, RequestLimits};
 pub struct LocalBackend {
     scheduler: SchedulerHandle,
     vocab_size: usize,
+    /// What runs the steps, for `/health` ("cpu", "gpu:0 (...)", "mock").
+    device: String,
 }
 
 impl LocalBackend {
-    pub fn new(scheduler: SchedulerHandle, vocab_size: usize) -> Self {
+    pub fn new(scheduler: SchedulerHandle, vocab_size: usize, device: String) -> Self {
         Self {
             scheduler,
             vocab_size,
+            device,
         }
     }
 }
@@ -66,6 +69,7 @@ impl Backend for LocalBackend {
         ] {
             details.insert(k.into(), v.load(Ordering::Relaxed).into());
         }
+        details.insert("device".into(), self.device.clone().into());
         BackendHealth {
             ready: true,
             reason: "ok",

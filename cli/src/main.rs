@@ -5,7 +5,6 @@ mod bench_engine;
 mod cluster;
 mod fetch;
 mod generate;
-mod gpu_backend;
 mod hub;
 mod kernel_args;
 mod local;

@@ -25,10 +25,9 @@ use tandem_frontend::{AppState, ServerConfig};
 use tandem_modelfile::{ModelMeta, fetch};
 use tandem_perfmodel::EngineProfile;
 
-use crate::gpu_backend::{GpuBackend, GpuWorker, load_on_gpu, open_gguf};
 use crate::local::LocalBackend;
 use tandem_engine::comm::GpuSelection;
-use tandem_types::RequestLimits;
+use tandem_gpu::runner::GpuServed;
 
 /// How long in-flight requests may run on after SIGINT/SIGTERM.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -106,6 +105,8 @@ pub struct Served {
     pub path: PathBuf,
     /// "model (avx512vnni, 2 threads), loaded in 312 ms" or "mock (profile ...)".
     pub summary: String,
+    /// What runs the steps: "cpu", "gpu:0 (<adapter>)" or "mock".
+    pub device: String,
 }
 
 /// Flags of the OpenAI HTTP front end, shared by `serve` and `router`.
@@ -205,6 +206,9 @@ impl EngineArgs {
     /// Loads what `--engine` names: the model, or the mock engine over the
     /// model's metadata (no weights are mapped).
     pub fn load_served(&self) -> Result<Served> {
+        if let Some(id) = self.gpu()? {
+            return self.load_on_gpu(id);
+        }
         if self.engine != "mock" {
             if self.engine_profile.is_some() {
                 bail!("--engine-profile is for --engine mock");
@@ -220,6 +224,7 @@ impl EngineArgs {
                 model: Arc::new(m),
                 path,
                 summary,
+                device: "cpu".into(),
             });
         }
         let Some(profile_path) = &self.engine_profile else {
@@ -242,6 +247,56 @@ impl EngineArgs {
             model: Arc::new(mock),
             path,
             summary,
+            device: "mock".into(),
+        })
+    }
+
+    /// The GPU `--devices` names, if any (one per process so far).
+    fn gpu(&self) -> Result<Option<usize>> {
+        match parse_devices(&self.devices)? {
+            DeviceSpec::Cpu { .. } => Ok(None),
+            DeviceSpec::Gpu(GpuSelection::All) => Ok(Some(0)),
+            DeviceSpec::Gpu(GpuSelection::Ids(ids)) => match ids[..] {
+                [id] => Ok(Some(id)),
+                _ => bail!(
+                    "--devices {}: a process runs one GPU so far (tensor parallelism over \
+                     GPUs is not built yet)",
+                    self.devices
+                ),
+            },
+        }
+    }
+
+    /// The model on GPU `id`, driven by the scheduler like the CPU engine;
+    /// nothing of the CPU engine is loaded.
+    fn load_on_gpu(&self, id: usize) -> Result<Served> {
+        if self.engine == "mock" {
+            bail!("--engine mock runs on the CPU (drop --devices gpu:N)");
+        }
+        if self.engine_profile.is_some() {
+            bail!("--engine-profile is for --engine mock");
+        }
+        if self.kv_cache_page_size == 0 {
+            bail!("--kv-cache-page-size must be at least 1");
+        }
+        let t0 = std::time::Instant::now();
+        let cache = self.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
+        let path = crate::fetch::resolve_model(&self.model, &cache)?;
+        let meta = ModelMeta::load(&path).with_context(|| format!("reading {}", path.display()))?;
+        let context = meta.config.context_length;
+        let max_length = self.max_length.unwrap_or(context.min(DEFAULT_MAX_LENGTH));
+        let served = GpuServed::load(meta, id, max_length, self.kv_cache_page_size)
+            .with_context(|| format!("loading {} on gpu:{id}", path.display()))?;
+        let device = format!("gpu:{id} ({})", served.device_name());
+        let summary = format!(
+            "{device}, loaded in {:.0} ms",
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(Served {
+            model: Arc::new(served),
+            path,
+            summary,
+            device,
         })
     }
 
@@ -256,10 +311,11 @@ impl EngineArgs {
                 self.devices,
                 self.tp
             ),
+            DeviceSpec::Gpu(_) if self.tp == 1 => Ok(1),
             DeviceSpec::Gpu(_) => bail!(
-                "--devices {}: the batch scheduler runs on CPU ranks only so far; `tandem \
-                 serve --devices gpu:N` runs one sequence at a time on a GPU",
-                self.devices
+                "--devices {} with --tp {}: tensor parallelism over GPUs is not built yet",
+                self.devices,
+                self.tp
             ),
         }
     }
@@ -498,22 +554,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
         Telemetry::install("serve", &args.telemetry)?
     };
     let mut scheduler = None;
-    let mut gpu = None;
-    let result = match parse_devices(&args.engine.devices) {
-        Ok(DeviceSpec::Gpu(selection)) => {
-            serve_on_gpu(&args, &runtime, &telemetry, &selection, &mut gpu)
-        }
-        _ => serve_loaded(&args, &runtime, &telemetry, &mut scheduler),
-    };
+    let result = serve_loaded(&args, &runtime, &telemetry, &mut scheduler);
     telemetry.shutdown();
     // Dropping the runtime drops every task still holding a scheduler
     // handle, so the scheduler can stop.
     runtime.shutdown_timeout(Duration::from_secs(1));
     if let Some(s) = scheduler {
         s.shutdown();
-    }
-    if let Some(g) = gpu {
-        g.shutdown();
     }
     eprintln!("tandem: stopped");
     result
@@ -529,6 +576,7 @@ fn serve_loaded(
         model,
         path,
         summary,
+        device,
     } = args.engine.load_served()?;
     let context = model.config().context_length;
     let config = ServeConfig::new(args, context, served_name(&args.engine.model, &path))?;
@@ -550,7 +598,11 @@ fn serve_loaded(
         Arc::clone(&model),
         config.scheduler.clone(),
     )?);
-    let backend = LocalBackend::new(scheduler.handle().clone(), model.config().vocab_size);
+    let backend = LocalBackend::new(
+        scheduler.handle().clone(),
+        model.config().vocab_size,
+        device,
+    );
     let state = AppState::new(
         Arc::clone(model.text()),
         Arc::new(backend),
@@ -582,75 +634,6 @@ fn listen(
         drop(stdout);
         args.http.serve(listener, state, tls).await
     })
-}
-
-/// `serve` on one GPU: the weights, KV pool and activations on the device,
-/// requests one at a time ([`GpuBackend`]); the CPU engine is not loaded.
-fn serve_on_gpu(
-    args: &ServeArgs,
-    runtime: &tokio::runtime::Runtime,
-    telemetry: &Telemetry,
-    selection: &GpuSelection,
-    worker_slot: &mut Option<GpuWorker>,
-) -> Result<()> {
-    let id = match selection {
-        GpuSelection::All => 0,
-        GpuSelection::Ids(ids) => match ids[..] {
-            [id] => id,
-            _ => bail!(
-                "--devices {}: serve runs one GPU so far (TP over GPUs is not built yet)",
-                args.engine.devices
-            ),
-        },
-    };
-    if args.engine.tp != 1 {
-        bail!("--tp {}: serve runs one GPU so far", args.engine.tp);
-    }
-    if args.engine.engine == "mock" {
-        bail!("--engine mock runs on the CPU (drop --devices gpu:N)");
-    }
-    let addr = args.http.addr()?;
-    let tls = args.http.tls()?;
-    let t0 = std::time::Instant::now();
-    let cache = args
-        .engine
-        .cache_dir
-        .clone()
-        .unwrap_or_else(fetch::cache_dir);
-    let path = crate::fetch::resolve_model(&args.engine.model, &cache)?;
-    let (g, config, text) = open_gguf(&path, id)?;
-    let context = config.context_length;
-    let max_length = args
-        .engine
-        .max_length
-        .unwrap_or(context.min(DEFAULT_MAX_LENGTH));
-    if max_length == 0 || max_length > context {
-        bail!(
-            "--max-length {max_length} must be between 1 and the model's context length of {context} tokens"
-        );
-    }
-    let server = args
-        .http
-        .server_config(served_name(&args.engine.model, &path))?;
-    let (model, adapter) = load_on_gpu(&g, id, max_length)?;
-    eprintln!(
-        "tandem: loaded {} ({} layers) on gpu:{id}, {adapter}, in {:.0} ms; max length \
-         {max_length}, one sequence at a time",
-        text.name,
-        config.n_layers,
-        t0.elapsed().as_secs_f64() * 1e3
-    );
-    let limits = RequestLimits {
-        max_length,
-        vocab_size: config.vocab_size,
-    };
-    let (backend, worker) = GpuBackend::spawn(Box::new(model), adapter, limits)
-        .context("starting the GPU device thread")?;
-    *worker_slot = Some(worker);
-    let name = server.model_name.clone();
-    let state = AppState::new(Arc::new(text), Arc::new(backend), server);
-    state.set_metrics_renderer(telemetry.render());
-    listen(args, runtime, state, addr, tls, &name)
 }
 
 /// Resolves on SIGINT or SIGTERM.

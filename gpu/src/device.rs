@@ -1,6 +1,7 @@
 use std::marker::PhantomData;
 use std::sync::Mutex;
 
+use cubecl::bytes::Bytes;
 use cubecl::prelude::{Client, CubeElement};
 use cubecl::server::Handle;
 use cubecl::wgpu::{
@@ -113,6 +114,82 @@ impl GpuDevice {
     /// A new buffer of `len` zeros.
     pub fn zeros(&self, len: usize) -> Buffer<f32> {
         self.upload(&vec![0.0f32; len])
+    }
+
+    /// A new buffer of `len` values that kernels write before they read
+    /// (nothing is copied to the device).
+    pub fn empty<T: CubeElement>(&self, len: usize) -> Buffer<T> {
+        Buffer {
+            handle: self.client.empty(len.max(1) * size_of::<T>()),
+            len,
+            _t: PhantomData,
+        }
+    }
+
+    /// Copies `data` into `buf` from value `at` on.
+    pub fn write_at<T: CubeElement>(
+        &self,
+        buf: &Buffer<T>,
+        at: usize,
+        data: &[T],
+    ) -> Result<(), GpuError> {
+        self.write_bytes(buf, at, T::as_bytes(data))
+    }
+
+    /// Copies raw bytes, whole values of `T`, into `buf` from value `at` on
+    /// (a KV block from the host pool).
+    pub fn write_bytes<T>(&self, buf: &Buffer<T>, at: usize, bytes: &[u8]) -> Result<(), GpuError> {
+        let elem = size_of::<T>();
+        if !bytes.len().is_multiple_of(elem) {
+            return Err(GpuError::Shape {
+                kernel: "write",
+                what: format!("{} bytes are not whole values of {elem}", bytes.len()),
+            });
+        }
+        let range = self.range(buf, at, bytes.len() / elem, "write")?;
+        self.client
+            .write(&range, Bytes::from_bytes_vec(bytes.to_vec()));
+        Ok(())
+    }
+
+    /// The raw bytes of values `at..at + len` of each buffer, with one wait
+    /// for the kernels that write them.
+    pub fn download_bytes<T>(
+        &self,
+        ranges: &[(&Buffer<T>, usize, usize)],
+    ) -> Result<Vec<Vec<u8>>, GpuError> {
+        let handles = ranges
+            .iter()
+            .map(|&(buf, at, len)| self.range(buf, at, len, "read"))
+            .collect::<Result<Vec<_>, _>>()?;
+        let bytes = self.client.read(handles).map_err(|e| GpuError::Device {
+            kernel: "read",
+            message: e.to_string(),
+        })?;
+        Ok(bytes.iter().map(|b| b.to_vec()).collect())
+    }
+
+    /// The handle of values `at..at + len` of `buf`, checked against its
+    /// length (the device would otherwise clamp or fault).
+    fn range<T>(
+        &self,
+        buf: &Buffer<T>,
+        at: usize,
+        len: usize,
+        what: &'static str,
+    ) -> Result<Handle, GpuError> {
+        let elem = size_of::<T>() as u64;
+        match at.checked_add(len) {
+            Some(end) if end <= buf.len && len > 0 => Ok(buf
+                .handle
+                .clone()
+                .offset_start(at as u64 * elem)
+                .offset_end(buf.handle.size() - end as u64 * elem)),
+            _ => Err(GpuError::Shape {
+                kernel: what,
+                what: format!("values {at}..+{len} of a buffer of {}", buf.len),
+            }),
+        }
     }
 
     /// Reads a buffer back (waiting for the kernels that write it).

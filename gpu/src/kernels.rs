@@ -888,6 +888,57 @@ pub fn copy(dev: &GpuDevice, src: &Buffer, dst: &Buffer) -> Result<(), GpuError>
     Ok(())
 }
 
+#[cube(launch, create_dummy_kernel)]
+fn gather_rows_kernel(src: &[f32], rows: &[u32], dst: &mut [f32], #[comptime] width: usize) {
+    let i = ABSOLUTE_POS;
+    if i < dst.len() {
+        // A row index past `src` reads nothing: the host cannot check
+        // indices that live on the device.
+        let at = rows[i / width] as usize * width + i % width;
+        if at < src.len() {
+            dst[i] = src[at];
+        } else {
+            dst[i] = 0.0f32;
+        }
+    }
+}
+
+/// `dst[i] = src[rows[i]]` for rows of `width` values: token embeddings
+/// by token id, the hidden states of the tokens whose logits are wanted.
+pub fn gather_rows(
+    dev: &GpuDevice,
+    src: &Buffer,
+    rows: &Buffer<u32>,
+    width: usize,
+    dst: &Buffer,
+) -> Result<(), GpuError> {
+    if width == 0 || !src.len().is_multiple_of(width) || dst.len() != rows.len() * width {
+        return Err(shape(
+            "gather_rows",
+            format!(
+                "src {} and dst {} are not rows of {width} ({} rows wanted)",
+                src.len(),
+                dst.len(),
+                rows.len()
+            ),
+        ));
+    }
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let (count, dim) = line(dst.len());
+    gather_rows_kernel::launch(
+        dev.client(),
+        count,
+        dim,
+        arg(src),
+        arg(rows),
+        arg(dst),
+        width,
+    );
+    Ok(())
+}
+
 /// `acc[i] += x[i]` (the residual connections).
 pub fn add(dev: &GpuDevice, acc: &Buffer, x: &Buffer) -> Result<(), GpuError> {
     if let Some((count, dim)) = elementwise("add", acc, x)? {

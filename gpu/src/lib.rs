@@ -11,14 +11,17 @@
 //! forward pass needs ([`kernels`]), each checked against the CPU
 //! reference in `tandem-kernels` by this crate's tests.
 //!
-//! Deliberately absent so far: the engine's device backend (weights, KV
-//! pool and activations resident on the device, driven by the scheduler),
-//! the CUDA runtime and NCCL wiring. See ARCHITECTURE.md.
+//! [`llama::GpuModel`] runs a Llama-family model's batch steps on the
+//! device over a paged KV pool there; [`runner`] puts it under the
+//! engine's scheduler. Deliberately absent so far: the CUDA runtime,
+//! tensor parallelism over GPUs (NCCL) and KV pools registered with the
+//! transport. See ARCHITECTURE.md.
 
 mod device;
 mod error;
 pub mod kernels;
 pub mod llama;
+pub mod runner;
 
 pub use device::{Buffer, GpuDevice};
 pub use error::GpuError;

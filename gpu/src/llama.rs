@@ -1,22 +1,28 @@
-//! A Llama-family forward pass on the device for one sequence, greedy:
-//! SmolLM2's shape (GGUF Q4_1 layer weights, tied Q8_0 or f32 embeddings,
-//! no biases, no sliding windows). It is the kernels' first consumer and
-//! the end-to-end check that they compose into the CPU model's results;
-//! the engine's device backend (batches, the scheduler, dKV) is to run the
-//! same kernels. Weights, the KV pool and activations stay on the device;
-//! per step the host uploads the token's embedding row and position data
-//! and reads back the logits.
+//! Llama-family models on the device: SmolLM2's shape (GGUF Q4_1 layer
+//! weights, tied Q8_0 or f32 embeddings, no biases, no sliding windows).
+//! [`GpuModel`] holds the weights and runs the forward pass of a batch of
+//! chunks (prompt pieces and decode tokens of several sequences) over a
+//! paged KV pool in device memory, laid out as the CPU engine's pool, so a
+//! block's bytes are the same on both sides. The engine's scheduler drives
+//! it through `runner::GpuRunner`; [`GpuLlama`] is one greedy sequence over
+//! a pool of its own (`tandem generate --devices gpu:N`, and the check
+//! against the CPU engine). Weights, the KV pool and activations stay on
+//! the device; per step the host uploads token ids and position data and
+//! reads back the logits of the tokens that want them.
 
 use tandem_kernels::ops::{Rope, RopeStyle};
 use tandem_kernels::{GgmlType, dequantize_row};
 use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::gguf::GgufFile;
 
+use tandem_engine::error::RequestError;
+use tandem_engine::generate::SequenceModel;
+
 use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
 use crate::kernels::{self, KvLayout};
 
-/// KV rows per block of the device pool.
+/// KV rows per block of [`GpuLlama`]'s pool.
 const BLOCK_SIZE: usize = 16;
 
 struct Layer {
@@ -31,48 +37,153 @@ struct Layer {
     down: Buffer<u32>,
 }
 
-/// One step's activations, allocated once (a step is one token).
-struct Scratch {
-    xn: Buffer,
-    q: Buffer,
-    k: Buffer,
-    v: Buffer,
-    att: Buffer,
-    o: Buffer,
-    gate: Buffer,
-    up: Buffer,
-    ffn_out: Buffer,
-    scores: Buffer,
-    logits: Buffer,
-    next: Buffer<u32>,
+/// One sequence's share of a batch step: `tokens` at positions
+/// `start_pos..`, whose KV goes to (and attention reads from) the pool
+/// blocks `blocks` (the sequence's block table, in position order).
+#[derive(Debug, Clone, Copy)]
+pub struct Chunk<'a> {
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+    pub blocks: &'a [u32],
+    /// Whether the last token's logits are wanted.
+    pub want_logits: bool,
 }
 
-/// A loaded model on a device, with a KV pool for one sequence of up to
-/// `max_ctx` positions.
-pub struct GpuLlama {
+/// A paged KV pool in device memory: a buffer per layer, each holding that
+/// layer's K and V of every block in the CPU pool's order (KV head, row,
+/// value), so a host block is the concatenation of its layers' device
+/// blocks. A buffer per layer, not one for the pool, because a device
+/// binds at most `maxStorageBufferRange` bytes per buffer (128 MiB on
+/// lavapipe, 4 GiB on NVIDIA's Vulkan driver).
+#[derive(Debug)]
+pub struct DevicePool {
+    layers: Vec<Buffer<u32>>,
+    blocks: usize,
+    /// 32-bit words of one layer of one block.
+    words: usize,
+}
+
+impl DevicePool {
+    /// Blocks held.
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// Bytes of one whole block (every layer), as the host pool holds it.
+    pub fn block_bytes(&self) -> usize {
+        self.layers.len() * self.words * 4
+    }
+
+    fn check(&self, block: usize) -> Result<(), GpuError> {
+        if block < self.blocks {
+            Ok(())
+        } else {
+            Err(GpuError::Shape {
+                kernel: "kv pool",
+                what: format!("block {block} of a pool of {}", self.blocks),
+            })
+        }
+    }
+
+    /// Copies one block, in the host pool's layout, to the device.
+    pub fn upload_block(
+        &self,
+        dev: &GpuDevice,
+        block: usize,
+        bytes: &[u8],
+    ) -> Result<(), GpuError> {
+        self.check(block)?;
+        if bytes.len() != self.block_bytes() {
+            return Err(GpuError::Shape {
+                kernel: "kv upload",
+                what: format!(
+                    "{} bytes for a block of {}",
+                    bytes.len(),
+                    self.block_bytes()
+                ),
+            });
+        }
+        for (layer, part) in self.layers.iter().zip(bytes.chunks_exact(self.words * 4)) {
+            dev.write_bytes(layer, block * self.words, part)?;
+        }
+        Ok(())
+    }
+
+    /// Reads `count` blocks from `first` on, each in the host pool's
+    /// layout, with one wait.
+    pub fn download_blocks(
+        &self,
+        dev: &GpuDevice,
+        runs: &[(usize, usize)],
+    ) -> Result<Vec<Vec<u8>>, GpuError> {
+        let mut ranges = Vec::with_capacity(runs.len() * self.layers.len());
+        for &(first, count) in runs {
+            if count > 0 {
+                self.check(first + count - 1)?;
+            }
+            for layer in &self.layers {
+                ranges.push((layer, first * self.words, count * self.words));
+            }
+        }
+        let mut parts = dev.download_bytes(&ranges)?.into_iter();
+        let layer_bytes = self.words * 4;
+        let mut out = Vec::new();
+        for &(_, count) in runs {
+            let mut blocks = vec![Vec::with_capacity(self.block_bytes()); count];
+            for _ in &self.layers {
+                let part = parts.next().unwrap_or_default();
+                for (b, piece) in blocks.iter_mut().zip(part.chunks_exact(layer_bytes)) {
+                    b.extend_from_slice(piece);
+                }
+            }
+            out.extend(blocks);
+        }
+        Ok(out)
+    }
+}
+
+/// A model's weights on a device, and the forward pass of a batch over a
+/// paged KV pool of `block_size`-token blocks.
+pub struct GpuModel {
     dev: GpuDevice,
     c: ModelConfig,
     layers: Vec<Layer>,
-    /// Host copy of the token embeddings (one row is uploaded per step).
-    embd: Vec<f32>,
-    /// The output head (the embeddings when tied), f32.
+    /// Token embeddings, f32, a row per token id.
+    embd: Buffer,
+    /// The output head (the same buffer as `embd` when tied).
     head: Buffer,
     out_norm: Buffer,
     /// `(sin, cos)` per position and rotated pair: the CPU's angles.
     sin_cos: Buffer,
-    pool: Buffer<u32>,
     layout: KvLayout,
-    table: Buffer<u32>,
     max_ctx: usize,
-    s: Scratch,
+}
+
+impl std::fmt::Debug for GpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuModel")
+            .field("device", &self.dev)
+            .field("layers", &self.layers.len())
+            .field("layout", &self.layout)
+            .field("max_ctx", &self.max_ctx)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One greedy sequence of up to `max_ctx` positions on a [`GpuModel`],
+/// over a KV pool of its own.
+pub struct GpuLlama {
+    model: GpuModel,
+    pool: DevicePool,
+    /// The pool's blocks in order: position `p` is in block `p / 16`.
+    table: Vec<u32>,
+    next: Buffer<u32>,
 }
 
 impl std::fmt::Debug for GpuLlama {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuLlama")
-            .field("device", &self.dev)
-            .field("layers", &self.layers.len())
-            .field("max_ctx", &self.max_ctx)
+            .field("model", &self.model)
             .finish_non_exhaustive()
     }
 }
@@ -107,9 +218,15 @@ fn f32_tensor(g: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, GpuError
     Ok(out)
 }
 
-impl GpuLlama {
-    /// Uploads `g`'s weights to `dev`, with room for `max_ctx` positions.
-    pub fn load(dev: GpuDevice, g: &GgufFile, max_ctx: usize) -> Result<GpuLlama, GpuError> {
+impl GpuModel {
+    /// Uploads `g`'s weights to `dev`, for sequences of up to `max_ctx`
+    /// positions over pools of `block_size`-token blocks.
+    pub fn load(
+        dev: GpuDevice,
+        g: &GgufFile,
+        max_ctx: usize,
+        block_size: usize,
+    ) -> Result<GpuModel, GpuError> {
         let c = ModelConfig::from_gguf(g)?;
         let f = c.family;
         if f.qkv_bias
@@ -125,8 +242,13 @@ impl GpuLlama {
                 "only Llama-like families (no biases, extra norms, MoE or sliding windows)",
             ));
         }
-        if c.rope_dims != c.head_dim || max_ctx == 0 {
-            return Err(unsupported("partial RoPE or an empty context"));
+        if c.rope_dims != c.head_dim || max_ctx == 0 || block_size == 0 {
+            return Err(unsupported(
+                "partial RoPE, an empty context or empty KV blocks",
+            ));
+        }
+        if u32::try_from(max_ctx).is_err() || u32::try_from(c.vocab_size).is_err() {
+            return Err(unsupported("contexts or vocabularies beyond 32 bits"));
         }
         let (d, qd, kvd, ffn) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let q4_1 = |name: String, rows: usize, cols: usize| -> Result<Buffer<u32>, GpuError> {
@@ -160,11 +282,11 @@ impl GpuLlama {
                 down: q4_1(t("ffn_down"), d, ffn)?,
             });
         }
-        let embd = f32_tensor(g, "token_embd.weight", c.vocab_size * d)?;
+        let embd = dev.upload(&f32_tensor(g, "token_embd.weight", c.vocab_size * d)?);
         let head = if g.tensor("output.weight").is_ok() {
             dev.upload(&f32_tensor(g, "output.weight", c.vocab_size * d)?)
         } else {
-            dev.upload(&embd)
+            embd.clone()
         };
         let out_norm = dev.upload(&f32_tensor(g, "output_norm.weight", d)?);
         let rope = Rope::new(c.rope_style, c.rope_dims, c.rope_theta);
@@ -181,27 +303,9 @@ impl GpuLlama {
             n_layers: c.n_layers,
             n_kv_heads: c.n_kv_heads,
             head_dim: c.head_dim,
-            block_size: BLOCK_SIZE,
+            block_size,
         };
-        let blocks = max_ctx.div_ceil(BLOCK_SIZE);
-        let table: Vec<u32> = (0..blocks as u32).collect();
-        let s = Scratch {
-            xn: dev.zeros(d),
-            q: dev.zeros(qd),
-            k: dev.zeros(kvd),
-            v: dev.zeros(kvd),
-            att: dev.zeros(qd),
-            o: dev.zeros(d),
-            gate: dev.zeros(ffn),
-            up: dev.zeros(ffn),
-            ffn_out: dev.zeros(d),
-            scores: dev.zeros(c.n_heads * max_ctx),
-            logits: dev.zeros(c.vocab_size),
-            next: dev.upload(&[0u32]),
-        };
-        Ok(GpuLlama {
-            pool: dev.upload(&vec![0u32; blocks * layout.block_words()]),
-            table: dev.upload(&table),
+        Ok(GpuModel {
             sin_cos: dev.upload(&sin_cos),
             dev,
             c,
@@ -211,7 +315,6 @@ impl GpuLlama {
             out_norm,
             layout,
             max_ctx,
-            s,
         })
     }
 
@@ -220,108 +323,276 @@ impl GpuLlama {
         &self.dev
     }
 
-    /// Runs token `token` at position `pos` (every earlier position of the
-    /// sequence must have run) and returns the next token's logits.
-    pub fn step(&self, token: u32, pos: usize) -> Result<Vec<f32>, GpuError> {
-        self.forward(token, pos)?;
-        self.logits()?;
-        self.dev.download(&self.s.logits)
+    pub fn config(&self) -> &ModelConfig {
+        &self.c
     }
 
-    /// Runs token `token` at position `pos` into the KV pool only: a
-    /// prompt token whose logits nobody reads (no output head, no copy
-    /// back).
-    pub fn feed(&self, token: u32, pos: usize) -> Result<(), GpuError> {
-        self.forward(token, pos)
+    /// The KV pool's block layout.
+    pub fn kv_layout(&self) -> &KvLayout {
+        &self.layout
     }
 
-    /// [`GpuLlama::step`], sampling greedily on the device: only the chosen
-    /// token comes back.
-    pub fn step_greedy(&self, token: u32, pos: usize) -> Result<u32, GpuError> {
-        self.forward(token, pos)?;
-        self.logits()?;
-        let s = &self.s;
-        kernels::argmax(&self.dev, &s.logits, self.c.vocab_size, &s.next)?;
-        let next = self.dev.download(&s.next)?;
-        next.first().copied().ok_or(GpuError::Device {
-            kernel: "argmax",
-            message: "no result".into(),
+    /// Longest sequence a step may run.
+    pub fn max_ctx(&self) -> usize {
+        self.max_ctx
+    }
+
+    /// A KV pool of `blocks` blocks, zeroed. Zeroed, not just allocated:
+    /// CubeCL allocates an empty buffer lazily on the allocating thread's
+    /// stream, and the scheduler's thread, which uses the pool, would find
+    /// it "never initialized".
+    pub fn new_pool(&self, blocks: usize) -> Result<DevicePool, GpuError> {
+        let layer = self.layer_layout();
+        let words = layer.block_words();
+        let len = blocks
+            .checked_mul(words)
+            .filter(|&w| {
+                blocks > 0 && u32::try_from(blocks).is_ok() && w <= isize::MAX as usize / 4
+            })
+            .ok_or_else(|| GpuError::Shape {
+                kernel: "kv pool",
+                what: format!("{blocks} blocks of {layer:?}"),
+            })?;
+        // Written in pieces of at most 16 MiB, not from one host copy.
+        let zeros = vec![0u32; len.min(1 << 22)];
+        let mut layers = Vec::with_capacity(self.layout.n_layers);
+        for _ in 0..self.layout.n_layers {
+            let buf = self.dev.empty(len);
+            for at in (0..len).step_by(zeros.len()) {
+                self.dev
+                    .write_at(&buf, at, &zeros[..zeros.len().min(len - at)])?;
+            }
+            layers.push(buf);
+        }
+        Ok(DevicePool {
+            layers,
+            blocks,
+            words,
         })
     }
 
-    /// The forward pass of one token through the layers: its K and V go to
-    /// the pool, its final hidden state, normalised for the output head,
-    /// to `s.xn`. Each residual add runs with the norm after it.
-    fn forward(&self, token: u32, pos: usize) -> Result<(), GpuError> {
-        let c = &self.c;
-        let (d, hd) = (c.d_model, c.head_dim);
-        let t = token as usize;
-        if t >= c.vocab_size || pos >= self.max_ctx {
-            return Err(GpuError::Shape {
-                kernel: "step",
-                what: format!(
-                    "token {token} of {} or position {pos} of {}",
-                    c.vocab_size, self.max_ctx
-                ),
-            });
+    /// One layer's share of the KV layout: what each layer's buffer holds.
+    fn layer_layout(&self) -> KvLayout {
+        KvLayout {
+            n_layers: 1,
+            ..self.layout
         }
+    }
+
+    /// Runs one batch step over `pool`: each chunk's K and V go to its
+    /// blocks, and the logits of the chunks that want them come back as one
+    /// device buffer, `vocab_size` values per such chunk in chunk order
+    /// (`None` when no chunk wants logits). Every size, token id, position
+    /// and block id is checked here, before anything reaches the device.
+    pub fn forward(
+        &self,
+        pool: &DevicePool,
+        chunks: &[Chunk<'_>],
+    ) -> Result<Option<Buffer>, GpuError> {
+        let c = &self.c;
+        let bs = self.layout.block_size;
+        let pool_blocks = pool.blocks;
+        let bad = |what: String| {
+            Err(GpuError::Shape {
+                kernel: "step",
+                what,
+            })
+        };
+        let layer_layout = self.layer_layout();
+        if pool.layers.len() != self.layers.len() || pool.words != layer_layout.block_words() {
+            return bad(format!(
+                "{pool:?} is not a pool of {layer_layout:?} per layer"
+            ));
+        }
+        let mut tokens = Vec::new();
+        // Per token: its position; its KV slot (block id, row in block);
+        // what it attends to (positions seen, offset of its table).
+        let (mut positions, mut slots, mut meta) = (Vec::new(), Vec::new(), Vec::new());
+        let mut tables = Vec::new();
+        let mut want = Vec::new();
+        let mut longest = 0;
+        for ch in chunks {
+            let end = ch.start_pos.saturating_add(ch.tokens.len());
+            if end > self.max_ctx {
+                return bad(format!("positions up to {end} of {}", self.max_ctx));
+            }
+            let Some(table) = ch.blocks.get(..end.div_ceil(bs)) else {
+                return bad(format!("{} blocks for {end} positions", ch.blocks.len()));
+            };
+            if let Some(b) = table.iter().find(|&&b| b as usize >= pool_blocks) {
+                return bad(format!("block {b} of a pool of {pool_blocks}"));
+            }
+            if let Some(t) = ch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return bad(format!("token {t} of a vocabulary of {}", c.vocab_size));
+            }
+            let table_at = tables.len() as u32;
+            tables.extend_from_slice(table);
+            for (i, &t) in ch.tokens.iter().enumerate() {
+                // Below max_ctx, checked at load to fit 32 bits.
+                let p = ch.start_pos + i;
+                tokens.push(t);
+                positions.push(p as u32);
+                slots.extend([table[p / bs], (p % bs) as u32]);
+                meta.extend([p as u32 + 1, table_at]);
+            }
+            if ch.want_logits && !ch.tokens.is_empty() {
+                want.push(tokens.len() as u32 - 1);
+            }
+            longest = longest.max(end);
+        }
+        if tokens.is_empty() {
+            return Ok(None);
+        }
+        let n = tokens.len();
         let dev = &self.dev;
-        let s = &self.s;
-        let x = dev.upload(&self.embd[t * d..(t + 1) * d]);
-        let pos32 = pos as u32;
-        let positions = dev.upload(&[pos32]);
-        let slots = dev.upload(&[pos32 / BLOCK_SIZE as u32, pos32 % BLOCK_SIZE as u32]);
-        let meta = dev.upload(&[pos32 + 1, 0]);
+        let (d, hd) = (c.d_model, c.head_dim);
+        let x = dev.empty(n * d);
+        kernels::gather_rows(dev, &self.embd, &dev.upload(&tokens), d, &x)?;
+        let positions = dev.upload(&positions);
+        let slots = dev.upload(&slots);
+        let meta = dev.upload(&meta);
+        let tables = dev.upload(&tables);
+        let xn = dev.empty(n * d);
+        let (q, att) = (dev.empty(n * c.q_dim()), dev.empty(n * c.q_dim()));
+        let (k, v) = (dev.empty(n * c.kv_dim()), dev.empty(n * c.kv_dim()));
+        let (gate, up) = (dev.empty(n * c.ffn_dim), dev.empty(n * c.ffn_dim));
+        let (o, ffn_out) = (dev.empty(n * d), dev.empty(n * d));
+        let scores = dev.empty(n * c.n_heads * longest);
         let neox = c.rope_style == RopeStyle::Neox;
         let pairs = c.rope_dims / 2;
         let scale = 1.0 / (hd as f32).sqrt();
-        if let Some(first) = self.layers.first() {
-            kernels::rms_norm(dev, &x, &first.attn_norm, c.rms_eps, &s.xn)?;
+        let sc = &self.sin_cos;
+        match self.layers.first() {
+            Some(first) => kernels::rms_norm(dev, &x, &first.attn_norm, c.rms_eps, &xn)?,
+            None => kernels::rms_norm(dev, &x, &self.out_norm, c.rms_eps, &xn)?,
         }
-        for (li, l) in self.layers.iter().enumerate() {
-            kernels::matmul_q4_1(dev, &s.xn, &l.wq, c.q_dim(), d, &s.q)?;
-            kernels::matmul_q4_1(dev, &s.xn, &l.wk, c.kv_dim(), d, &s.k)?;
-            kernels::matmul_q4_1(dev, &s.xn, &l.wv, c.kv_dim(), d, &s.v)?;
-            let sc = &self.sin_cos;
-            kernels::rope(dev, &s.q, &positions, sc, c.q_dim(), hd, pairs, neox)?;
-            kernels::rope(dev, &s.k, &positions, sc, c.kv_dim(), hd, pairs, neox)?;
-            kernels::kv_write(dev, &s.k, &s.v, &self.pool, &self.layout, li, &slots)?;
+        // Each residual add runs with the norm after it; the last leaves
+        // the final hidden states, normalised for the head, in `xn`.
+        for (li, (l, kv)) in self.layers.iter().zip(&pool.layers).enumerate() {
+            kernels::matmul_q4_1(dev, &xn, &l.wq, c.q_dim(), d, &q)?;
+            kernels::matmul_q4_1(dev, &xn, &l.wk, c.kv_dim(), d, &k)?;
+            kernels::matmul_q4_1(dev, &xn, &l.wv, c.kv_dim(), d, &v)?;
+            kernels::rope(dev, &q, &positions, sc, c.q_dim(), hd, pairs, neox)?;
+            kernels::rope(dev, &k, &positions, sc, c.kv_dim(), hd, pairs, neox)?;
+            kernels::kv_write(dev, &k, &v, kv, &layer_layout, 0, &slots)?;
             kernels::attention(
                 dev,
-                &s.q,
-                &self.pool,
-                &self.layout,
-                li,
+                &q,
+                kv,
+                &layer_layout,
+                0,
                 c.n_heads,
-                &self.table,
+                &tables,
                 &meta,
-                self.max_ctx,
+                longest,
                 scale,
-                &s.scores,
-                &s.att,
+                &scores,
+                &att,
             )?;
-            kernels::matmul_q4_1(dev, &s.att, &l.wo, d, c.q_dim(), &s.o)?;
-            kernels::add_rms_norm(dev, &x, &s.o, &l.ffn_norm, c.rms_eps, &s.xn)?;
-            kernels::matmul_q4_1(dev, &s.xn, &l.gate, c.ffn_dim, d, &s.gate)?;
-            kernels::matmul_q4_1(dev, &s.xn, &l.up, c.ffn_dim, d, &s.up)?;
-            kernels::silu_mul(dev, &s.gate, &s.up)?;
-            kernels::matmul_q4_1(dev, &s.gate, &l.down, d, c.ffn_dim, &s.ffn_out)?;
+            kernels::matmul_q4_1(dev, &att, &l.wo, d, c.q_dim(), &o)?;
+            kernels::add_rms_norm(dev, &x, &o, &l.ffn_norm, c.rms_eps, &xn)?;
+            kernels::matmul_q4_1(dev, &xn, &l.gate, c.ffn_dim, d, &gate)?;
+            kernels::matmul_q4_1(dev, &xn, &l.up, c.ffn_dim, d, &up)?;
+            kernels::silu_mul(dev, &gate, &up)?;
+            kernels::matmul_q4_1(dev, &gate, &l.down, d, c.ffn_dim, &ffn_out)?;
             let next_norm = self
                 .layers
                 .get(li + 1)
                 .map_or(&self.out_norm, |n| &n.attn_norm);
-            kernels::add_rms_norm(dev, &x, &s.ffn_out, next_norm, c.rms_eps, &s.xn)?;
+            kernels::add_rms_norm(dev, &x, &ffn_out, next_norm, c.rms_eps, &xn)?;
         }
-        if self.layers.is_empty() {
-            kernels::rms_norm(dev, &x, &self.out_norm, c.rms_eps, &s.xn)?;
+        if want.is_empty() {
+            return Ok(None);
         }
-        Ok(())
+        // A decode batch wants every row, in order: no gather.
+        let rows = if want.len() == n {
+            xn
+        } else {
+            let rows = dev.empty(want.len() * d);
+            kernels::gather_rows(dev, &xn, &dev.upload(&want), d, &rows)?;
+            rows
+        };
+        let logits = dev.empty(want.len() * c.vocab_size);
+        kernels::matmul(dev, &rows, &self.head, d, &logits)?;
+        Ok(Some(logits))
+    }
+}
+
+impl GpuLlama {
+    /// Uploads `g`'s weights to `dev`, with room for `max_ctx` positions.
+    pub fn load(dev: GpuDevice, g: &GgufFile, max_ctx: usize) -> Result<GpuLlama, GpuError> {
+        let model = GpuModel::load(dev, g, max_ctx, BLOCK_SIZE)?;
+        let blocks = max_ctx.div_ceil(BLOCK_SIZE);
+        Ok(GpuLlama {
+            pool: model.new_pool(blocks)?,
+            // Below max_ctx, which fits 32 bits (checked by the load).
+            table: (0..blocks as u32).collect(),
+            next: model.dev.empty(1),
+            model,
+        })
     }
 
-    /// The output head over the normalised final state in `s.xn`, into
-    /// `s.logits`.
-    fn logits(&self) -> Result<(), GpuError> {
-        let s = &self.s;
-        kernels::matmul(&self.dev, &s.xn, &self.head, self.c.d_model, &s.logits)
+    /// The device it runs on.
+    pub fn device(&self) -> &GpuDevice {
+        &self.model.dev
+    }
+
+    /// Runs `tokens` at positions `start_pos..` in one forward pass (every
+    /// earlier position of the sequence must have run) and returns the
+    /// last one's logits, or nothing when `want_logits` is false.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        start_pos: usize,
+        want_logits: bool,
+    ) -> Result<Vec<f32>, GpuError> {
+        let chunk = Chunk {
+            tokens,
+            start_pos,
+            blocks: &self.table,
+            want_logits,
+        };
+        match self.model.forward(&self.pool, &[chunk])? {
+            Some(logits) => self.model.dev.download(&logits),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Runs `token` at position `pos` and samples the next token greedily
+    /// on the device: only the chosen token comes back.
+    pub fn step_greedy(&self, token: u32, pos: usize) -> Result<u32, GpuError> {
+        let chunk = Chunk {
+            tokens: &[token],
+            start_pos: pos,
+            blocks: &self.table,
+            want_logits: true,
+        };
+        let logits = self
+            .model
+            .forward(&self.pool, &[chunk])?
+            .ok_or_else(no_logits)?;
+        let dev = &self.model.dev;
+        kernels::argmax(dev, &logits, self.model.c.vocab_size, &self.next)?;
+        let next = dev.download(&self.next)?;
+        next.first().copied().ok_or_else(no_logits)
+    }
+}
+
+fn no_logits() -> GpuError {
+    GpuError::Device {
+        kernel: "step",
+        message: "no result".into(),
+    }
+}
+
+impl SequenceModel for GpuLlama {
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        want_logits: bool,
+    ) -> Result<Vec<f32>, RequestError> {
+        GpuLlama::forward(self, tokens, start_pos, want_logits)
+            .map_err(|e| RequestError::Device(e.to_string()))
     }
 }

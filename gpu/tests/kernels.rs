@@ -420,3 +420,28 @@ fn opening_a_device_again_shares_it() {
     kernels::add(&again, &a, &b).expect("launch");
     assert_eq!(again.download(&a).expect("read"), vec![4.0, 6.0]);
 }
+
+#[test]
+fn gather_rows_copies_the_rows_named_and_zeros_for_rows_past_the_source() {
+    let d = dev();
+    let mut rng = SeededRng::new(11);
+    let width = 5;
+    let src = values(&mut rng, 7 * width, -3.0, 3.0);
+    // Repeats, any order, and one index past the 7 rows (which a device
+    // cannot refuse: it reads zeros).
+    let rows = [6u32, 0, 3, 3, 7];
+    let dst = d.zeros(rows.len() * width);
+    kernels::gather_rows(d, &d.upload(&src), &d.upload(&rows), width, &dst).expect("launch");
+    let mut want = Vec::new();
+    for &r in &rows {
+        let r = r as usize;
+        match src.get(r * width..(r + 1) * width) {
+            Some(row) => want.extend_from_slice(row),
+            None => want.extend(std::iter::repeat_n(0.0, width)),
+        }
+    }
+    assert_eq!(d.download(&dst).expect("read"), want);
+    // Sizes that do not fit are refused on the host.
+    let short = d.zeros(rows.len() * width - 1);
+    assert!(kernels::gather_rows(d, &d.upload(&src), &d.upload(&rows), width, &short).is_err());
+}

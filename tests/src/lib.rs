@@ -120,6 +120,55 @@ pub fn reference_output(
     generate(m, &req, |_| {}).unwrap()
 }
 
+/// Largest logprob gap at which a GPU run may pick another greedy token
+/// than the CPU engine: the two round differently (the CPU quantises
+/// activations to int8, the GPU keeps f32; gpu/tests/llama.rs measured one
+/// parting, at a gap of 0.22).
+pub const GPU_NEAR_TIE: f64 = 0.5;
+
+/// Checks a greedy completion `v` of `prompt` (asked with `"logprobs": 5`)
+/// against the CPU engine's: the same tokens and text, or, where the two
+/// part, the CPU's token is the run's runner-up within [`GPU_NEAR_TIE`].
+/// Returns where they parted, if they did.
+pub fn assert_greedy_up_to_near_ties(prompt: &str, max_tokens: usize, v: &Value) -> Option<usize> {
+    let tok = &model().text.tokenizer;
+    let piece =
+        |id: u32| String::from_utf8_lossy(&tok.token_to_piece_bytes(id).unwrap()).into_owned();
+    let with_lp = SamplingParams {
+        logprobs: true,
+        top_logprobs: 5,
+        ..SamplingParams::greedy()
+    };
+    let want = reference_output(tok.encode(prompt, true).unwrap(), with_lp, max_tokens);
+    let lp = &v["choices"][0]["logprobs"];
+    let got: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no logprobs: {v}"))
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let cpu: Vec<String> = want.sampled.iter().map(|s| piece(s.token)).collect();
+    match got.iter().zip(&cpu).position(|(g, c)| g != c) {
+        None => {
+            assert_eq!(got.len(), cpu.len(), "{prompt:?}: {v}");
+            assert_eq!(v["choices"][0]["text"], want.text.as_str(), "{prompt:?}");
+            None
+        }
+        Some(i) => {
+            let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+            let cpu_lp = lp["top_logprobs"][i][cpu[i].as_str()].as_f64();
+            let gap = cpu_lp.map(|l| chosen - l);
+            assert!(
+                gap.is_some_and(|g| g <= GPU_NEAR_TIE),
+                "{prompt:?}: token {i}: the run chose {:?}, the CPU {:?} (gap {gap:?}): {v}",
+                got[i],
+                cpu[i]
+            );
+            Some(i)
+        }
+    }
+}
+
 /// A child process whose stdout lines can be awaited; killed on drop.
 #[derive(Debug)]
 pub struct Proc {

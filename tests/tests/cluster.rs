@@ -19,7 +19,7 @@ use tandem_proto::pb;
 use tandem_tests::cluster::{
     LEASE_TTL_S, Node, Router, counting_prompt, expected, long_prompt, short_prompt, unique_cluster,
 };
-use tandem_tests::{http, metric, model, reference, sse_events};
+use tandem_tests::{assert_greedy_up_to_near_ties, http, metric, model, reference, sse_events};
 
 const MAX_TOKENS: usize = 16;
 
@@ -766,6 +766,54 @@ fn prefill_and_decode_with_different_tensor_parallelism() {
     }
     assert_eq!(remote(&d), 3.0);
     assert!(metric(&p.metrics(), "tandem_dkv_bytes_transferred_bytes_total", "") > 0.0);
+    p.assert_idle();
+    d.assert_idle();
+}
+
+#[test]
+fn a_gpu_decode_node_continues_what_a_cpu_prefill_node_computed() {
+    // The decode node runs on gpu:0 (Mesa's lavapipe on machines without a
+    // GPU), the prefill node on the CPU. The prompt's KV crosses over UCX
+    // into the decode node's host pool and from there to the device; the
+    // GPU's greedy continuation is the CPU engine's up to near-ties.
+    let etcd = EtcdServer::start().unwrap();
+    let cluster = unique_cluster("gpu-decode");
+    let p = Node::start(&etcd.url(), &cluster, "prefill", "p-cpu", &[]);
+    let d = Node::start(
+        &etcd.url(),
+        &cluster,
+        "decode",
+        "d-gpu",
+        &["--devices", "gpu:0"],
+    );
+    let started = d.proc.stderr();
+    assert!(
+        started.contains("engine: gpu:0 (") && started.contains("Vulkan"),
+        "{started}"
+    );
+    let r = Router::start(&etcd.url(), &cluster);
+    r.wait_members(1, 1, Duration::from_secs(10));
+    let n = 12;
+    for i in [0, 3] {
+        let prompt = long_prompt(i);
+        let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 5});
+        let resp = http(r.port, "POST", "/v1/completions", &body.to_string());
+        assert_eq!(resp.status, 200, "{}\n{}", resp.body, d.proc.stderr());
+        assert_greedy_up_to_near_ties(&prompt, n, &resp.json());
+    }
+    let dm = d.metrics();
+    assert_eq!(
+        metric(&dm, "tandem_decode_prefills_total", "outcome=\"remote\""),
+        2.0,
+        "{dm}"
+    );
+    let pm = p.metrics();
+    assert!(metric(&pm, "tandem_dkv_bytes_transferred_bytes_total", "") > 0.0);
+    assert_eq!(
+        metric(&pm, "tandem_batch_size_count", "batch_type=\"TG\""),
+        0.0,
+        "the prefill node decoded"
+    );
     p.assert_idle();
     d.assert_idle();
 }

@@ -170,6 +170,7 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
     );
     kernel!(add_kernel, grid(), arg(&f), arg(&f));
     kernel!(copy_kernel, grid(), arg(&f), arg(&f));
+    kernel!(gather_rows_kernel, grid(), arg(&f), arg(&u), arg(&f), 576);
 
     let mut failed = Vec::new();
     for (name, source) in &kernels {
