@@ -10,10 +10,15 @@
 #                     the bandwidth bound (default: looked up from the name
 #                     nvidia-smi reports: H100 3350, H200 4800; else none)
 #   BENCH_OUT=dir     raw outputs (default: a new /tmp/tandem-gpu-bench.*)
+#   SERVE_CONCURRENCY=list  the batched serving sweep (default 1,8,32; empty
+#                     skips it); SERVE_REQUESTS=n per point (default 32),
+#                     SERVE_OUT=n tokens generated per request (default 64)
 # What runs: `tandem generate --devices DEVICE` (GpuLlama: one sequence, the
-# prompt a token at a time, greedy on the device) and the same command on
-# the CPU. TP=2 scaling is not measured: the GPU path has no sharded ranks
-# yet, and the script says so.
+# prompt in one forward pass, greedy on the device) and the same command on
+# the CPU; then `tandem serve` on each (the scheduler's batches; on the GPU
+# over GpuRunner) under `tandem bench` at each concurrency, 128-token
+# prompts. TP=2 scaling is not measured: the GPU
+# path has no sharded ranks yet, and the script says so.
 set -euo pipefail
 
 device=${1:-gpu:0}
@@ -82,8 +87,8 @@ for path in sorted(glob.glob(f"{out}/*.err")):
 _, tensors = read_tensors(gguf)
 t = {name: (n, b) for name, _, n, b in tensors}
 # A GPU decode step reads every layer tensor as stored and the output head
-# as f32 (GpuLlama dequantises a tied Q8_0 head); the embedding row is
-# uploaded from the host.
+# as f32 (the GPU dequantises a tied Q8_0 head at load); one embedding row
+# per token is noise.
 head = "output.weight" if "output.weight" in t else "token_embd.weight"
 per_tok = sum(b for name, (_, b) in t.items() if name.startswith("blk.")) + t[head][0] * 4
 print()
@@ -91,7 +96,7 @@ print(f"# Tandem on {device} ({adapter or 'adapter not reported'}) vs the CPU: b
 print()
 print("| metric | cpu best tok/s | gpu best tok/s | gpu/cpu |")
 print("| --- | --- | --- | --- |")
-for i, metric in enumerate(["prompt (a token per forward on the GPU)", "decode"]):
+for i, metric in enumerate(["prompt (one forward pass)", "decode"]):
     c, g = best["cpu"][i], best["gpu"][i]
     print(f"| {metric} | {c:.1f} | {g:.1f} | {g / c:.2f}x |")
 print()
@@ -104,4 +109,44 @@ else:
     print(f"decode reads {per_tok / 1e6:.1f} MB per token; set GPU_BW_GBS for the share of the "
           "device's bandwidth bound")
 print("TP=2 scaling: not measured (the GPU path has no sharded ranks yet)")
+PY
+
+conc=${SERVE_CONCURRENCY-1,8,32}
+[[ -z $conc ]] && exit 0
+serve_bench() { # devices name
+  local log="$out/serve.$2.log" pid port
+  "$tandem" serve --model "$gguf" --devices "$1" --port 0 --max-length 1024 \
+    --max-batch-size 32 >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 240); do grep -q "tandem: serving" "$log" && break; sleep 0.5; done
+  port=$(grep -o 'http://127.0.0.1:[0-9]*' "$log" | head -1 | cut -d: -f3)
+  if [[ -z $port ]]; then
+    echo "serve --devices $1 did not start:" >&2; cat "$log" >&2; kill "$pid"; exit 1
+  fi
+  "$tandem" bench --url "http://127.0.0.1:$port" --endpoint completions \
+    --num-requests "${SERVE_REQUESTS:-32}" --sweep-concurrency "$conc" --input-len 128 \
+    --output-len "${SERVE_OUT:-64}" --ignore-eos --temperature 0 \
+    --quiet --json "$out/serve.$2.json" >"$out/serve.$2.txt" 2>&1 ||
+    { echo "tandem bench against $1 failed:" >&2; cat "$out/serve.$2.txt" >&2; }
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+say "serving: cpu"
+serve_bench cpu cpu
+say "serving: $device"
+serve_bench "$device" gpu
+python3 - "$out" "$device" "${SERVE_REQUESTS:-32}" "${SERVE_OUT:-64}" <<'PY'
+import json, sys
+out, device, n, gen = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+runs = {k: json.load(open(f"{out}/serve.{k}.json"))["results"] for k in ("cpu", "gpu")}
+print()
+print(f"# tandem serve, batched: {device} vs the CPU ({n} requests per point, 128-token prompts, {gen} tokens out)")
+print()
+print("| concurrency | cpu output tok/s | gpu output tok/s | gpu/cpu | cpu TPOT p50 ms | gpu TPOT p50 ms | errors cpu/gpu |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for c, g in zip(runs["cpu"], runs["gpu"]):
+    ct, gt = c["output_throughput"] or 0, g["output_throughput"] or 0
+    p50 = lambda r: (r["tpot"] or {}).get("p50_ms")
+    fmt = lambda x: "-" if x is None else f"{x:.1f}"
+    print(f"| {c['concurrency']} | {ct:.1f} | {gt:.1f} | {gt / ct if ct else 0:.2f}x | "
+          f"{fmt(p50(c))} | {fmt(p50(g))} | {c['errors']}/{g['errors']} |")
 PY
