@@ -369,28 +369,45 @@ fn matmul_kernel(
     x: &[f32],
     w: &[f32],
     out: &mut [f32],
+    n_tok: u32,
     #[comptime] cols: usize,
     #[comptime] units: usize,
+    #[comptime] tile: usize,
 ) {
     let rows = w.len() / cols;
     let r = matmul_row(rows);
-    let t = CUBE_POS_Z as usize;
+    let t0 = CUBE_POS_Z as usize * tile;
+    let n = n_tok as usize;
     let unit = UNIT_POS_X as usize % units;
-    let (xb, wb) = (t * cols, r * cols);
-    let mut acc = 0.0f32;
+    let wb = r * cols;
+    let mut acc = Array::<f32>::new(tile);
+    #[unroll]
+    for j in 0..tile {
+        acc[j] = 0.0f32;
+    }
     if r < rows {
-        // Neighbouring units read neighbouring columns: coalesced.
+        // Neighbouring units read neighbouring columns: coalesced. Each
+        // weight is read once for the tile's tokens.
         for k in 0..cols.div_ceil(units) {
             let c = unit + k * units;
             if c < cols {
-                acc += x[xb + c] * w[wb + c];
+                let wc = w[wb + c];
+                #[unroll]
+                for j in 0..tile {
+                    if t0 + j < n {
+                        acc[j] += x[(t0 + j) * cols + c] * wc;
+                    }
+                }
             }
         }
     }
     let mut sh = Shared::<[f32]>::new_slice(units * MATMUL_ROWS);
-    let total = segment_reduce(&mut sh, acc, UNIT_POS_X as usize, units, false);
-    if r < rows && unit == 0 {
-        out[t * rows + r] = total;
+    #[unroll]
+    for j in 0..tile {
+        let total = segment_reduce(&mut sh, acc[j], UNIT_POS_X as usize, units, false);
+        if r < rows && unit == 0 && t0 + j < n {
+            out[(t0 + j) * rows + r] = total;
+        }
     }
 }
 
@@ -409,7 +426,7 @@ pub fn matmul(
         ));
     }
     let (n_tok, rows) = matmul_shape("matmul", x.len(), w.len() / cols, cols, out.len())?;
-    if let Some((count, dim)) = matmul_grid("matmul", n_tok, rows)? {
+    if let Some((count, dim, tile, n_tok)) = matmul_grid("matmul", n_tok, rows)? {
         matmul_kernel::launch(
             dev.client(),
             count,
@@ -417,8 +434,10 @@ pub fn matmul(
             arg(x),
             arg(w),
             arg(out),
+            n_tok,
             cols,
             MATMUL_UNITS,
+            tile,
         );
     }
     Ok(())
@@ -435,29 +454,44 @@ const MATMUL_ROWS: usize = 8;
 /// more rows continue on the y axis.
 const MAX_CUBES_X: usize = 65_535;
 
+/// Tokens a matmul unit computes at once, each weight read once for all
+/// of them: a power of two up to 8, the fewest covering `n_tok` (so one
+/// token, a decode step of one sequence, runs the one-token kernel).
+fn matmul_tile(n_tok: usize) -> usize {
+    n_tok.next_power_of_two().clamp(1, MATMUL_TILE)
+}
+
+/// Most tokens per matmul tile.
+const MATMUL_TILE: usize = 8;
+
 /// A matmul's grid: one cube of [`MATMUL_UNITS`] units for each of
 /// [`MATMUL_ROWS`] output rows (cubes laid along x, then y), a layer of
-/// cubes per token (z); `None` when the output is empty.
+/// cubes per tile of tokens (z); with the tile and the token count as the
+/// kernel takes them. `None` when the output is empty.
 fn matmul_grid(
     kernel: &'static str,
     n_tok: usize,
     rows: usize,
-) -> Result<Option<(CubeCount, CubeDim)>, GpuError> {
+) -> Result<Option<(CubeCount, CubeDim, usize, u32)>, GpuError> {
     if n_tok * rows == 0 {
         return Ok(None);
     }
     let cubes = rows.div_ceil(MATMUL_ROWS);
     let x = cubes.min(MAX_CUBES_X);
     let y = cubes.div_ceil(x);
-    if y > MAX_CUBES_X || n_tok > MAX_CUBES_X {
+    let tile = matmul_tile(n_tok);
+    let z = n_tok.div_ceil(tile);
+    let (Ok(n32), true) = (u32::try_from(n_tok), y <= MAX_CUBES_X && z <= MAX_CUBES_X) else {
         return Err(shape(
             kernel,
             format!("{rows} rows x {n_tok} tokens exceed the launch grid"),
         ));
-    }
+    };
     Ok(Some((
-        CubeCount::Static(x as u32, y as u32, n_tok as u32),
+        CubeCount::Static(x as u32, y as u32, z as u32),
         CubeDim::new_1d((MATMUL_UNITS * MATMUL_ROWS) as u32),
+        tile,
+        n32,
     )))
 }
 
@@ -512,22 +546,30 @@ fn matmul_q4_1_kernel(
     x: &[f32],
     w: &[u32],
     out: &mut [f32],
+    n_tok: u32,
     #[comptime] cols: usize,
     #[comptime] units: usize,
+    #[comptime] tile: usize,
 ) {
     // A Q4_1 block is 20 bytes = 5 words: f16 scale and f16 min, then 16
     // bytes whose low nibbles are elements 0..16 and high nibbles 16..32.
     let nb = cols / 32;
     let rows = w.len() / (nb * 5);
     let r = matmul_row(rows);
-    let t = CUBE_POS_Z as usize;
+    let t0 = CUBE_POS_Z as usize * tile;
+    let n = n_tok as usize;
     let unit = UNIT_POS_X as usize % units;
-    let xb = t * cols;
-    let mut acc = 0.0f32;
+    let mut acc = Array::<f32>::new(tile);
+    #[unroll]
+    for j in 0..tile {
+        acc[j] = 0.0f32;
+    }
     if r < rows {
         // Four units share a block, each taking one word of its nibbles
         // (elements 4q..4q+4 and 16+4q..16+4q+4), so a cube's loads of
-        // both the weights and `x` run along memory in order.
+        // both the weights and `x` run along memory in order. Each weight
+        // is dequantised once for the tile's tokens; every token's sum
+        // runs in the one-token order, so batching changes no bit.
         let q = unit % 4;
         let per_pass = units / 4;
         for i in 0..nb.div_ceil(per_pass) {
@@ -538,19 +580,30 @@ fn matmul_q4_1_kernel(
                 let d = half_to_f32(dm & 0xffff);
                 let m = half_to_f32(dm >> 16);
                 let word = w[at + 1 + q];
-                let x0 = xb + b * 32 + q * 4;
+                let x0 = b * 32 + q * 4;
                 for byte in 0..4usize {
                     let v = (word >> (byte as u32 * 8)) & 0xff;
-                    acc += (d * (v & 0xf) as f32 + m) * x[x0 + byte];
-                    acc += (d * (v >> 4) as f32 + m) * x[x0 + byte + 16];
+                    let lo = d * (v & 0xf) as f32 + m;
+                    let hi = d * (v >> 4) as f32 + m;
+                    #[unroll]
+                    for j in 0..tile {
+                        if t0 + j < n {
+                            let xb = (t0 + j) * cols + x0 + byte;
+                            acc[j] += lo * x[xb];
+                            acc[j] += hi * x[xb + 16];
+                        }
+                    }
                 }
             }
         }
     }
     let mut sh = Shared::<[f32]>::new_slice(units * MATMUL_ROWS);
-    let total = segment_reduce(&mut sh, acc, UNIT_POS_X as usize, units, false);
-    if r < rows && unit == 0 {
-        out[t * rows + r] = total;
+    #[unroll]
+    for j in 0..tile {
+        let total = segment_reduce(&mut sh, acc[j], UNIT_POS_X as usize, units, false);
+        if r < rows && unit == 0 && t0 + j < n {
+            out[(t0 + j) * rows + r] = total;
+        }
     }
 }
 
@@ -574,7 +627,7 @@ pub fn matmul_q4_1(
         ));
     }
     let (n_tok, rows) = matmul_shape("matmul_q4_1", x.len(), rows, cols, out.len())?;
-    if let Some((count, dim)) = matmul_grid("matmul_q4_1", n_tok, rows)? {
+    if let Some((count, dim, tile, n_tok)) = matmul_grid("matmul_q4_1", n_tok, rows)? {
         matmul_q4_1_kernel::launch(
             dev.client(),
             count,
@@ -582,8 +635,10 @@ pub fn matmul_q4_1(
             arg(x),
             arg(w),
             arg(out),
+            n_tok,
             cols,
             MATMUL_UNITS,
+            tile,
         );
     }
     Ok(())

@@ -159,7 +159,14 @@ fn matmul_matches_an_f64_reference_within_1e_5_of_the_row_scale() {
     let d = dev();
     let mut rng = SeededRng::new(4);
     // 70_000 rows run past one grid axis (65_535 cubes) onto the next.
-    for (n_tok, rows, cols) in [(1, 70, 64), (3, 576, 576), (5, 1, 32), (1, 70_000, 8)] {
+    // Token tiles of 1, 4 and 8 (13 tokens: a full tile and a partial one).
+    for (n_tok, rows, cols) in [
+        (1, 70, 64),
+        (3, 576, 576),
+        (5, 1, 32),
+        (1, 70_000, 8),
+        (13, 40, 96),
+    ] {
         let x = values(&mut rng, n_tok * cols, -1.0, 1.0);
         let w = values(&mut rng, rows * cols, -1.0, 1.0);
         let want = reference_matmul(&x, &w, cols);
@@ -173,11 +180,53 @@ fn matmul_matches_an_f64_reference_within_1e_5_of_the_row_scale() {
 }
 
 #[test]
+fn a_token_s_matmul_row_is_bitwise_the_same_in_any_batch() {
+    // Tokens share weight loads in tiles of up to 8, but each token's sum
+    // runs in the one-token order: batching must not change a bit (the
+    // scheduler's batches give what a lone sequence gets).
+    let d = dev();
+    let mut rng = SeededRng::new(12);
+    let (rows, cols, n_tok) = (24, 576, 13);
+    let x = values(&mut rng, n_tok * cols, -1.0, 1.0);
+    let wf = values(&mut rng, rows * cols, -1.0, 1.0);
+    let q: Vec<u8> = (0..rows * cols / 32 * 20)
+        .map(|_| (rng.next_u64() % 256) as u8)
+        .map(|b| b & 0x7b) // small f16 scales and mins, no NaNs
+        .collect();
+    let (wq, wb) = (d.upload_words(&q), d.upload(&wf));
+    let all = |f32_weights: bool| {
+        let ob = d.zeros(n_tok * rows);
+        if f32_weights {
+            kernels::matmul(d, &d.upload(&x), &wb, cols, &ob).expect("launch");
+        } else {
+            kernels::matmul_q4_1(d, &d.upload(&x), &wq, rows, cols, &ob).expect("launch");
+        }
+        d.download(&ob).expect("read")
+    };
+    for f32_weights in [true, false] {
+        let batch = all(f32_weights);
+        for (t, row) in x.chunks_exact(cols).enumerate() {
+            let ob = d.zeros(rows);
+            if f32_weights {
+                kernels::matmul(d, &d.upload(row), &wb, cols, &ob).expect("launch");
+            } else {
+                kernels::matmul_q4_1(d, &d.upload(row), &wq, rows, cols, &ob).expect("launch");
+            }
+            let alone = d.download(&ob).expect("read");
+            assert!(
+                alone == batch[t * rows..(t + 1) * rows],
+                "token {t} (f32 weights: {f32_weights})"
+            );
+        }
+    }
+}
+
+#[test]
 fn q4_1_matmul_matches_the_dequantised_weights_within_1e_5() {
     use tandem_kernels::{GgmlType, dequantize_row, quantize_row};
     let d = dev();
     let mut rng = SeededRng::new(5);
-    for (n_tok, rows, cols) in [(1, 48, 576), (4, 130, 64)] {
+    for (n_tok, rows, cols) in [(1, 48, 576), (4, 130, 64), (13, 24, 576)] {
         let x = values(&mut rng, n_tok * cols, -1.0, 1.0);
         let wf = values(&mut rng, rows * cols, -1.0, 1.0);
         let row_bytes = GgmlType::Q4_1.row_bytes(cols).expect("whole blocks");

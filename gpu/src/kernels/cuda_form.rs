@@ -109,25 +109,36 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         32,
         true
     );
-    let mm = matmul_grid("cuda", 1, 576).ok().flatten().expect("a grid");
-    kernel!(
-        matmul_kernel,
-        mm.clone(),
-        arg(&f),
-        arg(&f),
-        arg(&f),
-        576,
-        MATMUL_UNITS
-    );
-    kernel!(
-        matmul_q4_1_kernel,
-        mm,
-        arg(&f),
-        arg(&u),
-        arg(&f),
-        576,
-        MATMUL_UNITS
-    );
+    // A one-token grid and an eight-token tile (the two shapes of the
+    // tile loop).
+    for n_tok in [1, 8] {
+        let (count, dim, tile, n) = matmul_grid("cuda", n_tok, 576)
+            .ok()
+            .flatten()
+            .expect("a grid");
+        kernel!(
+            matmul_kernel,
+            (count.clone(), dim),
+            arg(&f),
+            arg(&f),
+            arg(&f),
+            n,
+            576,
+            MATMUL_UNITS,
+            tile
+        );
+        kernel!(
+            matmul_q4_1_kernel,
+            (count, dim),
+            arg(&f),
+            arg(&u),
+            arg(&f),
+            n,
+            576,
+            MATMUL_UNITS,
+            tile
+        );
+    }
     kernel!(
         argmax_kernel,
         rows_grid(1),
