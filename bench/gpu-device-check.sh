@@ -7,7 +7,9 @@
 # and lib/ with the shared libraries tandem links (UCX, libnuma).
 # Runs: every kernel against its CPU reference on the device, the device's
 # copy bandwidth and decode matmuls against it; with GGUF also SmolLM2
-# teacher-forced against the CPU engine and bench/gpu.sh (CPU vs GPU).
+# teacher-forced against the CPU engine, the scheduler's GPU runner
+# (batches, KV round trips) and bench/gpu.sh (CPU vs GPU, one sequence and
+# batched serving).
 # The GPU is reached through Vulkan (NVIDIA's ICD); libvulkan1 must be
 # installed (the device tool's notes say how to carry it).
 # CHECKS=kernels,model,serve (default all) picks the parts to run; serve
@@ -36,7 +38,11 @@ if [[ $checks == *kernels* ]]; then
     *H200*) bw=${bw:-4800} ;;
     *H100*) bw=${bw:-3350} ;;
   esac
-  GPU_BW_GBS=$bw check "$bin/bench-kernels" gpu:0
+  if [[ -x $bin/bench-kernels ]]; then
+    GPU_BW_GBS=$bw check "$bin/bench-kernels" gpu:0
+  else
+    echo "(no bench-kernels in $bin: skipped)"
+  fi
 fi
 if [[ -n $gguf && $checks == *model* ]]; then
   step "SmolLM2 on the GPU vs the CPU engine (teacher-forced greedy)"
