@@ -7,7 +7,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use tandem_engine::backend::{RunnerConfig, ServedModel, StepRunner};
 use tandem_engine::generate::{GenerateRequest, generate};
+use tandem_engine::kv_cache::{KvCache, KvCacheConfig, KvPool};
+use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{
@@ -15,7 +18,7 @@ use tandem_engine::scheduler::{
     SchedulerHandle, Usage,
 };
 use tandem_engine::{LoadedModel, RequestError, load};
-use tandem_types::{FinishReason, InvalidRequest};
+use tandem_types::{FinishReason, GenFailure, InvalidRequest};
 
 fn model() -> Arc<LoadedModel> {
     static M: std::sync::OnceLock<Arc<LoadedModel>> = std::sync::OnceLock::new();
@@ -526,4 +529,89 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
     assert_eq!(h.stats().exported.load(Ordering::Relaxed), 1);
     drop(p);
     assert_idle_handoffs(h);
+}
+
+/// The real model behind a runner whose steps fail while `fail` is set: a
+/// device (or kernel) failure as the scheduler sees it.
+#[derive(Debug)]
+struct Failing {
+    model: Arc<LoadedModel>,
+    fail: Arc<std::sync::atomic::AtomicBool>,
+}
+
+struct FailingRunner {
+    inner: Box<dyn StepRunner>,
+    fail: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ServedModel for Failing {
+    fn config(&self) -> &tandem_modelfile::config::ModelConfig {
+        self.model.config()
+    }
+    fn text(&self) -> &Arc<tandem_modelfile::ModelText> {
+        self.model.text()
+    }
+    fn weights_hash(&self) -> u64 {
+        self.model.weights_hash()
+    }
+    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String> {
+        Ok(Box::new(FailingRunner {
+            inner: Arc::clone(&self.model).runner(config)?,
+            fail: Arc::clone(&self.fail),
+        }))
+    }
+}
+
+impl StepRunner for FailingRunner {
+    fn kv_cache_config(&self) -> KvCacheConfig {
+        self.inner.kv_cache_config()
+    }
+    fn peer_pools(&self) -> Vec<Arc<KvPool>> {
+        self.inner.peer_pools()
+    }
+    fn forward(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+        layer_done: &mut dyn FnMut(usize),
+        logits: &mut Vec<f32>,
+    ) -> Result<(), RequestError> {
+        if self.fail.load(Ordering::Relaxed) {
+            return Err(RequestError::Device("injected failure".into()));
+        }
+        self.inner.forward(chunks, cache, layer_done, logits)
+    }
+}
+
+#[test]
+fn a_failing_step_fails_its_requests_and_the_scheduler_goes_on() {
+    let fail = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let served = Arc::new(Failing {
+        model: model(),
+        fail: Arc::clone(&fail),
+    });
+    let sched = Scheduler::spawn(served, config()).expect("spawns");
+    let h = sched.handle();
+    let p = prompts();
+    // Both requests of the failing step end with an internal failure (a
+    // 500 at the edge), and their blocks go back.
+    let streams: Vec<_> = p[..2]
+        .iter()
+        .map(|q| h.submit(request(q, 4)).expect("accepted"))
+        .collect();
+    for mut s in streams {
+        match s.blocking_next() {
+            Some(Event::Failed(GenFailure::Internal(msg))) => {
+                assert!(msg.contains("injected failure"), "{msg}");
+            }
+            other => panic!("expected a failure, got {other:?}"),
+        }
+        assert!(s.blocking_next().is_none(), "events after the failure");
+    }
+    wait_idle(h);
+    // The device is back: the next request runs as it would have.
+    fail.store(false, Ordering::Relaxed);
+    let (tokens, _) = collect(h.submit(request(&p[2], 6)).expect("accepted"));
+    assert_eq!(tokens, alone(&p[2], 6));
+    wait_idle(h);
 }
