@@ -771,7 +771,7 @@ fn prefill_and_decode_with_different_tensor_parallelism() {
 }
 
 #[test]
-fn a_gpu_decode_node_continues_what_a_cpu_prefill_node_computed() {
+fn gpu_and_cpu_nodes_hand_kv_to_each_other_both_ways() {
     // The decode node runs on gpu:0 (Mesa's lavapipe on machines without a
     // GPU), the prefill node on the CPU. The prompt's KV crosses over UCX
     // into the decode node's host pool and from there to the device; the
@@ -813,6 +813,39 @@ fn a_gpu_decode_node_continues_what_a_cpu_prefill_node_computed() {
         metric(&pm, "tandem_batch_size_count", "batch_type=\"TG\""),
         0.0,
         "the prefill node decoded"
+    );
+    p.assert_idle();
+    d.assert_idle();
+    drop((p, d, r));
+
+    // The other way round: a GPU prefill node's KV (copied back to its host
+    // pool after each step, then sent) continued by a CPU decode node. One
+    // prompt just over the remote threshold: lavapipe computes prompts
+    // slowly.
+    let cluster = unique_cluster("gpu-prefill");
+    let p = Node::start(
+        &etcd.url(),
+        &cluster,
+        "prefill",
+        "p-gpu",
+        &["--devices", "gpu:0"],
+    );
+    let d = Node::start(&etcd.url(), &cluster, "decode", "d-cpu", &[]);
+    let r = Router::start(&etcd.url(), &cluster);
+    r.wait_members(1, 1, Duration::from_secs(10));
+    let prompt = "Listen to this story. Once upon a time, in a small village at the edge of a \
+                  great forest, there lived an old baker and his three daughters.";
+    let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 5});
+    let resp = http(r.port, "POST", "/v1/completions", &body.to_string());
+    assert_eq!(resp.status, 200, "{}\n{}", resp.body, p.proc.stderr());
+    assert_greedy_up_to_near_ties(prompt, n, &resp.json());
+    assert_eq!(
+        metric(
+            &d.metrics(),
+            "tandem_decode_prefills_total",
+            "outcome=\"remote\""
+        ),
+        1.0
     );
     p.assert_idle();
     d.assert_idle();
