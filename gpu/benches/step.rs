@@ -1,0 +1,96 @@
+//! Where a decode step's time goes on a GPU: the host's time to enqueue it
+//! (token and position uploads, activation buffers, some 430 launches for
+//! SmolLM2) against the whole step (the read of its logits waits for the
+//! device), for batches of several sequences. If enqueueing is most of the
+//! step, the host's launch path bounds decode, not the device.
+//!
+//! `cargo bench -p tandem-gpu --bench step [-- GGUF]` (default:
+//! `$TANDEM_TEST_GGUF`); `TANDEM_GPU_BENCH_SCALE=small` runs batches small
+//! enough for lavapipe.
+
+use std::time::{Duration, Instant};
+
+use tandem_gpu::GpuDevice;
+use tandem_gpu::llama::{Chunk, GpuModel};
+use tandem_modelfile::gguf::GgufFile;
+
+const BLOCK: usize = 16;
+const PROMPT: usize = 64;
+
+fn main() {
+    let path = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .or_else(|| std::env::var("TANDEM_TEST_GGUF").ok())
+        .expect("a GGUF path (argument or TANDEM_TEST_GGUF)");
+    let small = std::env::var("TANDEM_GPU_BENCH_SCALE").as_deref() == Ok("small");
+    let (batches, steps): (&[usize], usize) = if small {
+        (&[1, 4], 3)
+    } else {
+        (&[1, 8, 32, 64], 20)
+    };
+    let dev = GpuDevice::open(0).unwrap_or_else(|e| panic!("{e}"));
+    let g = GgufFile::open(std::path::Path::new(&path)).expect("gguf");
+    let ctx = PROMPT + steps + 1;
+    let model = GpuModel::load(dev, &g, ctx, BLOCK).expect("loads");
+    println!("device: {}", model.device().name());
+    println!();
+    println!("| batch | enqueue ms | step ms | enqueue share | tok/s |");
+    println!("| --- | --- | --- | --- | --- |");
+    let per_seq = ctx.div_ceil(BLOCK);
+    for &b in batches {
+        let pool = model.new_pool(b * per_seq).expect("pool");
+        let tables: Vec<Vec<u32>> = (0..b)
+            .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+            .collect();
+        let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| 100 + i * 7).collect();
+        let chunks: Vec<Chunk<'_>> = tables
+            .iter()
+            .map(|t| Chunk {
+                tokens: &prompt,
+                start_pos: 0,
+                blocks: t,
+                want_logits: true,
+            })
+            .collect();
+        let logits = model.forward(&pool, &chunks).expect("prefill");
+        if let Some(l) = logits {
+            model.device().download(&l).expect("read");
+        }
+        let (mut enqueue, mut total) = (Duration::ZERO, Duration::ZERO);
+        // The first step compiles this batch's kernels: not counted.
+        for step in 0..=steps {
+            let token = [200 + step as u32];
+            let chunks: Vec<Chunk<'_>> = tables
+                .iter()
+                .map(|t| Chunk {
+                    tokens: &token,
+                    start_pos: PROMPT + step,
+                    blocks: t,
+                    want_logits: true,
+                })
+                .collect();
+            let t0 = Instant::now();
+            let logits = model.forward(&pool, &chunks).expect("step");
+            let t1 = Instant::now();
+            if let Some(l) = logits {
+                model.device().download(&l).expect("read");
+            }
+            if step > 0 {
+                enqueue += t1 - t0;
+                total += t0.elapsed();
+            }
+        }
+        let (e, t) = (
+            enqueue.as_secs_f64() / steps as f64,
+            total.as_secs_f64() / steps as f64,
+        );
+        println!(
+            "| {b} | {:.2} | {:.2} | {:.0}% | {:.0} |",
+            e * 1e3,
+            t * 1e3,
+            100.0 * e / t,
+            b as f64 / t
+        );
+    }
+}
