@@ -353,7 +353,7 @@ fn serve_node_role(
     telemetry: &Telemetry,
 ) -> Result<()> {
     let render = telemetry.render();
-    let served = engine.load_served()?;
+    let served = engine.load_served(opts.role == Role::Prefill)?;
     eprintln!(
         "tandem: {} node loaded {}; engine: {}",
         opts.role.as_str(),

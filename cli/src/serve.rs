@@ -27,7 +27,7 @@ use tandem_perfmodel::EngineProfile;
 
 use crate::local::LocalBackend;
 use tandem_engine::comm::GpuSelection;
-use tandem_gpu::runner::GpuServed;
+use tandem_gpu::runner::{GpuServed, KvCopyBack};
 
 /// How long in-flight requests may run on after SIGINT/SIGTERM.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -204,10 +204,12 @@ impl EngineArgs {
     }
 
     /// Loads what `--engine` names: the model, or the mock engine over the
-    /// model's metadata (no weights are mapped).
-    pub fn load_served(&self) -> Result<Served> {
+    /// model's metadata (no weights are mapped). `exports_kv`: a prefill
+    /// node, whose KV leaves from the host pool (a GPU copies every step's
+    /// KV back to it).
+    pub fn load_served(&self, exports_kv: bool) -> Result<Served> {
         if let Some(id) = self.gpu()? {
-            return self.load_on_gpu(id);
+            return self.load_on_gpu(id, exports_kv);
         }
         if self.engine != "mock" {
             if self.engine_profile.is_some() {
@@ -269,7 +271,7 @@ impl EngineArgs {
 
     /// The model on GPU `id`, driven by the scheduler like the CPU engine;
     /// nothing of the CPU engine is loaded.
-    fn load_on_gpu(&self, id: usize) -> Result<Served> {
+    fn load_on_gpu(&self, id: usize, exports_kv: bool) -> Result<Served> {
         if self.engine == "mock" {
             bail!("--engine mock runs on the CPU (drop --devices gpu:N)");
         }
@@ -285,7 +287,12 @@ impl EngineArgs {
         let meta = ModelMeta::load(&path).with_context(|| format!("reading {}", path.display()))?;
         let context = meta.config.context_length;
         let max_length = self.max_length.unwrap_or(context.min(DEFAULT_MAX_LENGTH));
-        let served = GpuServed::load(meta, id, max_length, self.kv_cache_page_size)
+        let copy_back = if exports_kv {
+            KvCopyBack::EveryStep
+        } else {
+            KvCopyBack::Never
+        };
+        let served = GpuServed::load(meta, id, max_length, self.kv_cache_page_size, copy_back)
             .with_context(|| format!("loading {} on gpu:{id}", path.display()))?;
         let device = format!("gpu:{id} ({})", served.device_name());
         let summary = format!(
@@ -577,7 +584,7 @@ fn serve_loaded(
         path,
         summary,
         device,
-    } = args.engine.load_served()?;
+    } = args.engine.load_served(false)?;
     let context = model.config().context_length;
     let config = ServeConfig::new(args, context, served_name(&args.engine.model, &path))?;
     eprintln!(

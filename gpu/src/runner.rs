@@ -5,13 +5,13 @@
 //! prefill, the prefix cache, preemption, the sampler, KV handoffs) runs
 //! unchanged over a GPU.
 //!
-//! The scheduler's host pool stays the node's KV of record, the memory a
-//! transfer engine registers and peers write: after each step the blocks
-//! it wrote are copied back to the host (with the logits, one wait), and
-//! blocks an import wrote into the host pool are copied to the device
-//! before a step reads them ([`StepRunner::kv_written`]). Host staging,
-//! in the brief's words; device memory registered with the transport is
-//! the step after.
+//! The scheduler's host pool is the memory a transfer engine registers:
+//! blocks an import wrote into it are copied to the device before a step
+//! reads them ([`StepRunner::kv_written`]), and on a node whose KV leaves
+//! from it (a prefill node: [`KvCopyBack::EveryStep`]) the blocks each
+//! step wrote are copied back with the logits (one wait), before the
+//! scheduler says their layers are done. Host staging, in the brief's
+//! words; device memory registered with the transport is the step after.
 
 use std::sync::Arc;
 
@@ -29,9 +29,23 @@ use crate::device::GpuDevice;
 use crate::error::GpuError;
 use crate::llama::{Chunk, DevicePool, GpuModel};
 
+/// Whether the KV a step writes on the device is copied back to the host
+/// pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvCopyBack {
+    /// After every step: KV leaves the node from the host pool (a prefill
+    /// node exporting prompts). Costs a read of every written block.
+    EveryStep,
+    /// Never: the KV is only read on the device (`serve`, decode nodes).
+    /// The host pool then holds only what imports wrote; nothing may
+    /// export from it.
+    Never,
+}
+
 /// A GGUF model loaded on a GPU, served through the scheduler.
 pub struct GpuServed {
     model: GpuModel,
+    copy_back: KvCopyBack,
     text: Arc<ModelText>,
     weights_hash: u64,
 }
@@ -55,12 +69,14 @@ impl GpuServed {
         device: usize,
         max_ctx: usize,
         block_size: usize,
+        copy_back: KvCopyBack,
     ) -> Result<GpuServed, GpuError> {
         let g = GgufFile::open(&meta.path).map_err(tandem_modelfile::error::ModelError::from)?;
         let dev = GpuDevice::open(device)?;
         let model = GpuModel::load(dev, &g, max_ctx, block_size)?;
         Ok(GpuServed {
             model,
+            copy_back,
             text: Arc::new(meta.text),
             weights_hash: meta.weights_hash,
         })
@@ -208,14 +224,16 @@ impl StepRunner for GpuRunner {
             .collect();
         let model = &self.served.model;
         let out = model.forward(&self.pool, &batch).map_err(device_error)?;
-        // Waits for the step; the logits' read below then only copies.
-        self.copy_back(chunks, cache).map_err(device_error)?;
+        if self.served.copy_back == KvCopyBack::EveryStep {
+            // Waits for the step; the logits' read below then only copies.
+            self.copy_back(chunks, cache).map_err(device_error)?;
+        }
         logits.clear();
         if let Some(out) = out {
             logits.extend(self.dev().download(&out).map_err(device_error)?);
         }
-        // The host pool has every layer once the copy is back: a transfer
-        // engine may send them all.
+        // Every layer is written (and, copied back, in the host pool, from
+        // where a transfer engine may send them all).
         for l in 0..model.config().n_layers {
             layer_done(l);
         }

@@ -19,7 +19,7 @@ use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{SamplingParams, argmax};
 use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::GpuLlama;
-use tandem_gpu::runner::GpuServed;
+use tandem_gpu::runner::{GpuServed, KvCopyBack};
 use tandem_modelfile::ModelMeta;
 use tandem_modelfile::gguf::GgufFile;
 
@@ -114,8 +114,12 @@ fn runner(served: &Arc<GpuServed>, blocks: usize) -> (Box<dyn StepRunner>, KvCac
 }
 
 fn gpu_served() -> Arc<GpuServed> {
+    served_with(KvCopyBack::EveryStep)
+}
+
+fn served_with(copy_back: KvCopyBack) -> Arc<GpuServed> {
     let meta = ModelMeta::load(&gguf_path()).expect("model metadata");
-    Arc::new(GpuServed::load(meta, 0, 128, 16).expect("loads on the device"))
+    Arc::new(GpuServed::load(meta, 0, 128, 16, copy_back).expect("loads on the device"))
 }
 
 fn step(r: &dyn StepRunner, cache: &mut KvCache, chunks: &[(&[u32], usize, &[u32])]) -> Vec<f32> {
@@ -226,6 +230,18 @@ fn kv_imported_into_the_host_pool_reaches_the_device() {
         &[(&[next_token], prompt.len(), &[6, 1])],
     );
     assert!(got == want, "imported KV decodes as computed KV");
+
+    // Without copy back (serve, decode nodes) the host pool is left alone,
+    // and the device decodes the same.
+    let (r4, mut cache4) = runner(&served_with(KvCopyBack::Never), 8);
+    step(r4.as_ref(), &mut cache4, &[(&prompt, 0, &[2, 3])]);
+    assert!(cache4.block_bytes(2).iter().all(|&b| b == 0), "copied back");
+    let got = step(
+        r4.as_ref(),
+        &mut cache4,
+        &[(&[next_token], prompt.len(), &[2, 3])],
+    );
+    assert!(got == want, "decoding without copy back");
 
     // KV the CPU engine computed (what a CPU prefill node sends) has the
     // layout the GPU reads: the GPU's next token after it is the CPU's, or
