@@ -752,15 +752,17 @@ fn attention_kernel(
     layer: u32,
     block_words: u32,
     max_ctx: u32,
+    first: u32,
     #[comptime] hd: usize,
     #[comptime] n_heads: usize,
     #[comptime] n_kv: usize,
     #[comptime] bs: usize,
     #[comptime] units: usize,
 ) {
-    // One cube per (token, query head); its units stride over positions
-    // for the scores, then over the head's values for the output.
-    let qi = CUBE_POS_X as usize;
+    // One cube per (token, query head) of the tokens from `first` on; its
+    // units stride over positions for the scores, then over the head's
+    // values for the output. `scores` holds rows for this launch only.
+    let qi = first as usize * n_heads + CUBE_POS_X as usize;
     let unit = UNIT_POS_X as usize;
     let t = qi / n_heads;
     let g = (qi % n_heads) / (n_heads / n_kv);
@@ -770,7 +772,7 @@ fn attention_kernel(
     let head_words = bs * half;
     let k_off = layer as usize * 2 * n_kv * head_words + g * head_words;
     let v_off = k_off + n_kv * head_words;
-    let srow = qi * max_ctx as usize;
+    let srow = CUBE_POS_X as usize * max_ctx as usize;
     let qrow = qi * hd;
     let steps = n.div_ceil(units);
     let mut sh = Shared::<[f32]>::new_slice(units);
@@ -831,8 +833,9 @@ fn attention_kernel(
 /// KV, in the CPU pool's block layout: `q` holds each token's `n_heads`
 /// heads (`n_heads * head_dim` values per token); token `t` sees positions
 /// `0..meta[2t]` of the sequence whose block table starts at
-/// `tables[meta[2t + 1]]`. `scores` is scratch of `n_heads * max_ctx`
-/// values per token. Block ids and lengths are read on the device: the
+/// `tables[meta[2t + 1]]`. One launch runs the queries of `tokens` (a
+/// range of the tokens in `meta`), with `scores` as scratch of
+/// `n_heads * max_ctx` values per token launched. Block ids and lengths are read on the device: the
 /// caller keeps them in range (the scheduler's block tables are checked
 /// where they are built; out-of-range reads on Vulkan are clamped, never
 /// outside the buffer).
@@ -846,6 +849,7 @@ pub fn attention(
     n_heads: usize,
     tables: &Buffer<u32>,
     meta: &Buffer<u32>,
+    tokens: std::ops::Range<usize>,
     max_ctx: usize,
     scale: f32,
     scores: &Buffer,
@@ -882,20 +886,28 @@ pub fn attention(
             out.len()
         ));
     }
-    if scores.len() < n_q * max_ctx {
-        return bad(format!("scores {} under {n_q} x {max_ctx}", scores.len()));
+    if tokens.start > tokens.end || tokens.end > n_tok {
+        return bad(format!("tokens {tokens:?} of {n_tok}"));
     }
-    let (Ok(layer), Ok(words), Ok(max_ctx32)) = (
+    let launched = tokens.len() * n_heads;
+    if scores.len() < launched * max_ctx || launched > MAX_CUBES_X {
+        return bad(format!(
+            "{launched} queries: scores {} under {launched} x {max_ctx}, or past one grid axis",
+            scores.len()
+        ));
+    }
+    let (Ok(layer), Ok(words), Ok(max_ctx32), Ok(first)) = (
         u32::try_from(layer),
         u32::try_from(words),
         u32::try_from(max_ctx),
+        u32::try_from(tokens.start),
     ) else {
         return bad("sizes beyond 32 bits".into());
     };
-    if n_q == 0 {
+    if launched == 0 {
         return Ok(());
     }
-    let (count, dim) = rows_grid(n_q);
+    let (count, dim) = rows_grid(launched);
     attention_kernel::launch(
         dev.client(),
         count,
@@ -910,6 +922,7 @@ pub fn attention(
         layer,
         words,
         max_ctx32,
+        first,
         head_dim,
         n_heads,
         n_kv_heads,

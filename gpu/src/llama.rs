@@ -24,6 +24,11 @@ use crate::kernels::{self, KvLayout};
 
 /// KV rows per block of [`GpuLlama`]'s pool.
 const BLOCK_SIZE: usize = 16;
+/// The largest attention scores buffer, by default: 64 MiB, half of the
+/// smallest `maxStorageBufferRange` seen (lavapipe's 128 MiB).
+const SCORES_CAP: usize = 64 << 20;
+/// Query heads one attention launch may run: one grid axis of cubes.
+const MAX_ATTENTION_CUBES: usize = 65_535;
 
 struct Layer {
     attn_norm: Buffer,
@@ -157,6 +162,8 @@ pub struct GpuModel {
     sin_cos: Buffer,
     layout: KvLayout,
     max_ctx: usize,
+    /// Bytes of attention scores one step may allocate.
+    scores_cap: usize,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -315,7 +322,15 @@ impl GpuModel {
             out_norm,
             layout,
             max_ctx,
+            scores_cap: SCORES_CAP,
         })
+    }
+
+    /// Caps the attention scores buffer at `bytes` (default 64 MiB):
+    /// tokens beyond what it holds run in further attention launches.
+    pub fn with_scores_cap(mut self, bytes: usize) -> Self {
+        self.scores_cap = bytes;
+        self
     }
 
     /// The device it runs on.
@@ -457,7 +472,12 @@ impl GpuModel {
         let (k, v) = (dev.empty(n * c.kv_dim()), dev.empty(n * c.kv_dim()));
         let (gate, up) = (dev.empty(n * c.ffn_dim), dev.empty(n * c.ffn_dim));
         let (o, ffn_out) = (dev.empty(n * d), dev.empty(n * d));
-        let scores = dev.empty(n * c.n_heads * longest);
+        // Attention runs in groups of tokens whose scores fit the cap (a
+        // long prompt's would not fit one buffer a device can bind).
+        let group = (self.scores_cap / (4 * c.n_heads * longest).max(1))
+            .min(MAX_ATTENTION_CUBES / c.n_heads.max(1))
+            .clamp(1, n);
+        let scores = dev.empty(group * c.n_heads * longest);
         let neox = c.rope_style == RopeStyle::Neox;
         let pairs = c.rope_dims / 2;
         let scale = 1.0 / (hd as f32).sqrt();
@@ -475,20 +495,23 @@ impl GpuModel {
             kernels::rope(dev, &q, &positions, sc, c.q_dim(), hd, pairs, neox)?;
             kernels::rope(dev, &k, &positions, sc, c.kv_dim(), hd, pairs, neox)?;
             kernels::kv_write(dev, &k, &v, kv, &layer_layout, 0, &slots)?;
-            kernels::attention(
-                dev,
-                &q,
-                kv,
-                &layer_layout,
-                0,
-                c.n_heads,
-                &tables,
-                &meta,
-                longest,
-                scale,
-                &scores,
-                &att,
-            )?;
+            for first in (0..n).step_by(group) {
+                kernels::attention(
+                    dev,
+                    &q,
+                    kv,
+                    &layer_layout,
+                    0,
+                    c.n_heads,
+                    &tables,
+                    &meta,
+                    first..(first + group).min(n),
+                    longest,
+                    scale,
+                    &scores,
+                    &att,
+                )?;
+            }
             kernels::matmul_q4_1(dev, &att, &l.wo, d, c.q_dim(), &o)?;
             kernels::add_rms_norm(dev, &x, &o, &l.ffn_norm, c.rms_eps, &xn)?;
             kernels::matmul_q4_1(dev, &xn, &l.gate, c.ffn_dim, d, &gate)?;

@@ -371,11 +371,34 @@ fn paged_attention_matches_the_cpu_kernel_on_the_cpu_pool_layout() {
         d.upload(&meta),
     );
     let (sb, ob) = (d.zeros(q.len() / hd * max_ctx), d.zeros(q.len()));
+    let n = tokens.len();
     kernels::attention(
-        d, &qb, &pb, &layout, layer, n_heads, &tb, &mb, max_ctx, scale, &sb, &ob,
+        d,
+        &qb,
+        &pb,
+        &layout,
+        layer,
+        n_heads,
+        &tb,
+        &mb,
+        0..n,
+        max_ctx,
+        scale,
+        &sb,
+        &ob,
     )
     .expect("launch");
     let got = d.download(&ob).expect("read");
+    // In two launches (tokens 0..1, then the rest), reusing the scratch:
+    // the same bits.
+    let split = d.zeros(ob.len());
+    for tokens in [0..1, 1..n] {
+        kernels::attention(
+            d, &qb, &pb, &layout, layer, n_heads, &tb, &mb, tokens, max_ctx, scale, &sb, &split,
+        )
+        .expect("launch");
+    }
+    assert!(d.download(&split).expect("read") == got, "split launches");
     // Same roundings as the CPU (f16 queries and probabilities); the dot
     // products and sums run in another order, and `exp` is the device's.
     let err = worst_rel(&got, &want, 1.0);

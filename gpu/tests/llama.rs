@@ -18,7 +18,7 @@ use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{SamplingParams, argmax};
 use tandem_gpu::GpuDevice;
-use tandem_gpu::llama::GpuLlama;
+use tandem_gpu::llama::{Chunk, GpuLlama, GpuModel};
 use tandem_gpu::runner::{GpuServed, KvCopyBack};
 use tandem_modelfile::ModelMeta;
 use tandem_modelfile::gguf::GgufFile;
@@ -311,4 +311,29 @@ fn kv_imported_into_the_host_pool_reaches_the_device() {
         g as usize == c || gap <= NEAR_TIE,
         "after CPU-made KV the GPU picks {g}, the CPU {c} (gap {gap})"
     );
+}
+
+#[test]
+fn attention_split_to_fit_its_scores_buffer_changes_no_bit() {
+    // A cap of one byte runs every token's attention in a launch of its
+    // own (what a long prompt does past 64 MiB of scores).
+    let g = GgufFile::open(&gguf_path()).expect("gguf");
+    let dev = || GpuDevice::open(0).expect("a Vulkan device");
+    let whole = GpuModel::load(dev(), &g, 64, 16).expect("loads");
+    let split = GpuModel::load(dev(), &g, 64, 16)
+        .expect("loads")
+        .with_scores_cap(1);
+    let prompt: Vec<u32> = (0..21).map(|i| 300 + 17 * i).collect();
+    let run = |m: &GpuModel| {
+        let pool = m.new_pool(2).expect("pool");
+        let chunk = Chunk {
+            tokens: &prompt,
+            start_pos: 0,
+            blocks: &[1, 0],
+            want_logits: true,
+        };
+        let logits = m.forward(&pool, &[chunk]).expect("step").expect("logits");
+        m.device().download(&logits).expect("read")
+    };
+    assert!(run(&whole) == run(&split));
 }

@@ -160,6 +160,7 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         0,
         4096,
         512,
+        0,
         64,
         9,
         3,
