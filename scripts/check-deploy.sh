@@ -115,6 +115,31 @@ EOF
   validate "$tmp/builtin.yaml"
 }
 
+# A GPU role gets its nvidia.com/gpu limit and the driver capabilities its
+# Vulkan path needs; a CPU role gets neither.
+gpu_pods() {
+  render -f "$chart/values.yaml" --set decode.devices=gpu:0 >"$tmp/gpu.yaml" || return 1
+  "$py" - "$tmp/gpu.yaml" <<'EOF'
+import sys, yaml
+
+errors = []
+for d in yaml.safe_load_all(open(sys.argv[1])):
+    if not d or d["kind"] != "Deployment":
+        continue
+    c = d["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+    caps = env.get("NVIDIA_DRIVER_CAPABILITIES") or ""
+    gpu_role = c["name"] == "decode"
+    if gpu_role and (gpus != 1 or "graphics" not in caps.split(",")):
+        errors.append(f"{c['name']}: nvidia.com/gpu {gpus}, NVIDIA_DRIVER_CAPABILITIES {caps!r}")
+    if not gpu_role and (gpus or caps):
+        errors.append(f"{c['name']} (cpu): nvidia.com/gpu {gpus}, NVIDIA_DRIVER_CAPABILITIES {caps!r}")
+print("\n".join(errors) or "decode on gpu:0: one GPU and the graphics capability; other roles neither")
+sys.exit(1 if errors else 0)
+EOF
+}
+
 # Values the chart must refuse at render time (schema or template checks).
 must_fail() { # [helm flags...]
   if render "$@" >"$tmp/refused" 2>&1; then
@@ -193,6 +218,7 @@ for mode in disaggregated aggregated; do
 done
 echo "NOTE ServiceMonitor/PodMonitor (monitoring.coreos.com/v1) are not schema-validated: kubernetes-validate has no CRD schemas offline"
 
+check "a GPU decode role: nvidia.com/gpu and NVIDIA_DRIVER_CAPABILITIES with graphics" gpu_pods
 check "refused: unknown mode" must_fail --set mode=bogus
 check "refused: disaggregated without etcd" must_fail --set etcd.enabled=false
 check "refused: unknown value key (schema)" must_fail --set router.tp=2

@@ -381,6 +381,12 @@ spec:
               value: {{ . | quote }}
             {{- end }}
             {{- end }}
+            {{- if include "tandem.gpuCount" $v }}
+            # The GPU path reaches NVIDIA GPUs through their Vulkan driver,
+            # which NVIDIA's container runtime mounts only with `graphics`.
+            - name: NVIDIA_DRIVER_CAPABILITIES
+              value: compute,utility,graphics
+            {{- end }}
             {{- include "tandem.commonEnv" $root | nindent 12 }}
             {{- if .etcd }}
             {{- include "tandem.etcdEnv" $root | nindent 12 }}
