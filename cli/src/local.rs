@@ -70,9 +70,12 @@ impl Backend for LocalBackend {
             details.insert(k.into(), v.load(Ordering::Relaxed).into());
         }
         details.insert("device".into(), self.device.clone().into());
+        // A device failing every step fails every request: say so, so that
+        // a balancer stops sending work (and an orchestrator may restart).
+        let failing = s.failing();
         BackendHealth {
-            ready: true,
-            reason: "ok",
+            ready: !failing,
+            reason: if failing { "failing" } else { "ok" },
             details,
         }
     }

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 
@@ -217,7 +217,30 @@ pub struct SchedulerStats {
     pub importing: AtomicUsize,
     /// Exported prompts whose blocks are still held.
     pub exported: AtomicUsize,
+    /// Forward passes failed in a row (0 after any that succeeds): a
+    /// device that keeps failing shows here, for health checks.
+    pub failed_steps_in_a_row: AtomicUsize,
+    /// When the last step failed (`clock::unix_micros`; 0: never).
+    pub last_failed_step_us: AtomicU64,
 }
+
+impl SchedulerStats {
+    /// Whether the last [`FAILING_AFTER`] steps or more all failed, the
+    /// last of them within [`FAILING_FOR`]. The state lapses by itself, so
+    /// that a node a balancer stopped sending work to is tried again (one
+    /// good step clears it; more failures set it again).
+    pub fn failing(&self) -> bool {
+        let last = self.last_failed_step_us.load(Ordering::Relaxed);
+        let age = tandem_types::clock::unix_micros().saturating_sub(last);
+        self.failed_steps_in_a_row.load(Ordering::Relaxed) >= FAILING_AFTER
+            && u128::from(age) < FAILING_FOR.as_micros()
+    }
+}
+
+/// Failed steps in a row after which the scheduler counts as failing.
+pub const FAILING_AFTER: usize = 3;
+/// How long the failing state lasts after the last failed step.
+pub const FAILING_FOR: Duration = Duration::from_secs(30);
 
 /// An event and when the scheduler sent it (for egress metrics).
 type Stamped = (Instant, Event);
@@ -882,8 +905,14 @@ impl Actor {
         }
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         match result {
-            Ok(()) => {}
+            Ok(()) => self.stats.failed_steps_in_a_row.store(0, Ordering::Relaxed),
             Err(e) => {
+                self.stats
+                    .failed_steps_in_a_row
+                    .fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .last_failed_step_us
+                    .store(tandem_types::clock::unix_micros(), Ordering::Relaxed);
                 // Inputs are validated at submit, so this is a bug: fail the
                 // batch's sequences rather than the whole server.
                 tracing::error!(error = %e, "forward pass failed");

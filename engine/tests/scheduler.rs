@@ -14,8 +14,8 @@ use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{
-    Event, ImportOutcome, KvHandoff, Request, RequestStream, Scheduler, SchedulerConfig,
-    SchedulerHandle, Usage,
+    Event, FAILING_AFTER, ImportOutcome, KvHandoff, Request, RequestStream, Scheduler,
+    SchedulerConfig, SchedulerHandle, Usage,
 };
 use tandem_engine::{LoadedModel, RequestError, load};
 use tandem_types::{FinishReason, GenFailure, InvalidRequest};
@@ -593,13 +593,12 @@ fn a_failing_step_fails_its_requests_and_the_scheduler_goes_on() {
     let sched = Scheduler::spawn(served, config()).expect("spawns");
     let h = sched.handle();
     let p = prompts();
-    // Both requests of the failing step end with an internal failure (a
-    // 500 at the edge), and their blocks go back.
-    let streams: Vec<_> = p[..2]
-        .iter()
-        .map(|q| h.submit(request(q, 4)).expect("accepted"))
-        .collect();
-    for mut s in streams {
+    // Each request of a failing step ends with an internal failure (a 500
+    // at the edge), and its blocks go back; after FAILING_AFTER failed
+    // steps in a row the scheduler says it is failing (health checks).
+    for (i, q) in p.iter().take(FAILING_AFTER).enumerate() {
+        assert!(!h.stats().failing(), "failing after {i} failed steps");
+        let mut s = h.submit(request(q, 4)).expect("accepted");
         match s.blocking_next() {
             Some(Event::Failed(GenFailure::Internal(msg))) => {
                 assert!(msg.contains("injected failure"), "{msg}");
@@ -607,11 +606,14 @@ fn a_failing_step_fails_its_requests_and_the_scheduler_goes_on() {
             other => panic!("expected a failure, got {other:?}"),
         }
         assert!(s.blocking_next().is_none(), "events after the failure");
+        wait_idle(h);
     }
-    wait_idle(h);
-    // The device is back: the next request runs as it would have.
+    assert!(h.stats().failing());
+    // The device is back: the next request runs as it would have, and one
+    // good step clears the failing state.
     fail.store(false, Ordering::Relaxed);
-    let (tokens, _) = collect(h.submit(request(&p[2], 6)).expect("accepted"));
-    assert_eq!(tokens, alone(&p[2], 6));
+    let (tokens, _) = collect(h.submit(request(&p[3], 6)).expect("accepted"));
+    assert_eq!(tokens, alone(&p[3], 6));
+    assert!(!h.stats().failing());
     wait_idle(h);
 }

@@ -15,8 +15,9 @@ pub type MetricsRenderer = Arc<dyn Fn() -> String + Send + Sync>;
 /// A node's health as `/health` reports it.
 #[derive(Debug, Clone)]
 pub struct Health {
-    /// A draining node answers 503, so that balancers stop sending it work.
-    pub draining: bool,
+    /// A draining node, or one whose steps keep failing, answers 503, so
+    /// that balancers stop sending it work.
+    pub unavailable: bool,
     /// The JSON body (status, identity, load).
     pub body: serde_json::Value,
 }
@@ -48,7 +49,7 @@ pub fn router(health: HealthReporter, render: MetricsRenderer) -> Router {
 }
 
 fn respond(h: Health) -> Response {
-    let code = if h.draining {
+    let code = if h.unavailable {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK
@@ -81,7 +82,7 @@ mod tests {
         let health: HealthReporter = Arc::new(move || {
             let draining = flag.load(Ordering::Relaxed);
             Health {
-                draining,
+                unavailable: draining,
                 body: serde_json::json!({ "status": if draining { "draining" } else { "ok" } }),
             }
         });

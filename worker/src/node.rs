@@ -197,8 +197,14 @@ impl NodeCore {
         let s = self.scheduler.stats();
         let load = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed);
         let draining = self.is_draining();
+        let failing = s.failing();
+        let status = match (draining, failing) {
+            (true, _) => "draining",
+            (false, true) => "failing",
+            (false, false) => "ok",
+        };
         let body = serde_json::json!({
-            "status": if draining { "draining" } else { "ok" },
+            "status": status,
             "id": self.id,
             "role": self.role.as_str(),
             "registered": self.is_registered(),
@@ -212,7 +218,10 @@ impl NodeCore {
             "kv_connector": self.dkv.connector(),
             "last_kv_event_id": self.hub.last_id(),
         });
-        Health { draining, body }
+        Health {
+            unavailable: draining || failing,
+            body,
+        }
     }
 
     fn load(&self) -> pb::Load {
