@@ -261,19 +261,34 @@ pub fn add_rms_norm(
 }
 
 #[cube(launch, create_dummy_kernel)]
-fn silu_mul_kernel(gate: &mut [f32], up: &[f32]) {
+fn swiglu_kernel(gate_up: &[f32], out: &mut [f32], #[comptime] ffn: usize) {
     let i = ABSOLUTE_POS;
-    if i < gate.len() {
-        let g = gate[i];
-        gate[i] = g / (1.0f32 + f32::exp(-g)) * up[i];
+    if i < out.len() {
+        let at = (i / ffn) * 2 * ffn + i % ffn;
+        let g = gate_up[at];
+        out[i] = g / (1.0f32 + f32::exp(-g)) * gate_up[at + ffn];
     }
 }
 
-/// SwiGLU in place: `gate[i] = silu(gate[i]) * up[i]`.
-pub fn silu_mul(dev: &GpuDevice, gate: &Buffer, up: &Buffer) -> Result<(), GpuError> {
-    if let Some((count, dim)) = elementwise("silu_mul", gate, up)? {
-        silu_mul_kernel::launch(dev.client(), count, dim, arg(gate), arg(up));
+/// SwiGLU over rows of `2 * ffn` values, the gate projection then the up
+/// projection (one matmul's output over both weights): `out[t][i] =
+/// silu(gate[t][i]) * up[t][i]`.
+pub fn swiglu(dev: &GpuDevice, gate_up: &Buffer, ffn: usize, out: &Buffer) -> Result<(), GpuError> {
+    if ffn == 0 || gate_up.len() != 2 * out.len() || !out.len().is_multiple_of(ffn) {
+        return Err(shape(
+            "swiglu",
+            format!(
+                "gate_up {} must be rows of 2 x {ffn}, out {} rows of {ffn}",
+                gate_up.len(),
+                out.len()
+            ),
+        ));
     }
+    if out.is_empty() {
+        return Ok(());
+    }
+    let (count, dim) = line(out.len());
+    swiglu_kernel::launch(dev.client(), count, dim, arg(gate_up), arg(out), ffn);
     Ok(())
 }
 
@@ -283,6 +298,7 @@ fn rope_kernel(
     pos: &[u32],
     cos_sin: &[f32],
     #[comptime] width: usize,
+    #[comptime] stride: usize,
     #[comptime] head_dim: usize,
     #[comptime] pairs: usize,
     #[comptime] neox: bool,
@@ -294,7 +310,7 @@ fn rope_kernel(
     if t < pos.len() {
         let rest = id % per_token;
         let (head, i) = (rest / pairs, rest % pairs);
-        let row = t * width + head * head_dim;
+        let row = t * stride + head * head_dim;
         let mut a = row + 2 * i;
         let mut b = a + 1;
         if neox {
@@ -310,8 +326,9 @@ fn rope_kernel(
 }
 
 /// Rotary position embedding of `pairs` dimension pairs per head, in
-/// place over tokens' rows of `width = heads * head_dim` values, token `t`
-/// at position `pos[t]`. `sin_cos` holds `(sin, cos)` of every pair's angle
+/// place over the first `width = heads * head_dim` values of tokens' rows
+/// of `stride` values (Q and K together, the start of a fused QKV row),
+/// token `t` at position `pos[t]`. `sin_cos` holds `(sin, cos)` of every pair's angle
 /// for positions `0..max`, `(pos * pairs + i) * 2` first: computed on the
 /// host once (as the CPU forward does), so both backends rotate by the same
 /// angles. `neox` pairs `i` with `i + pairs`, otherwise `2i` with `2i + 1`.
@@ -322,21 +339,29 @@ pub fn rope(
     pos: &Buffer<u32>,
     sin_cos: &Buffer,
     width: usize,
+    stride: usize,
     head_dim: usize,
     pairs: usize,
     neox: bool,
 ) -> Result<(), GpuError> {
-    if head_dim == 0 || !width.is_multiple_of(head_dim) || 2 * pairs > head_dim || pairs == 0 {
-        return Err(shape(
-            "rope",
-            format!("width {width}, head_dim {head_dim} and {pairs} pairs do not fit"),
-        ));
-    }
-    if x.len() != pos.len() * width || sin_cos.len() % (2 * pairs) != 0 {
+    if head_dim == 0
+        || !width.is_multiple_of(head_dim)
+        || 2 * pairs > head_dim
+        || pairs == 0
+        || width > stride
+    {
         return Err(shape(
             "rope",
             format!(
-                "x {} must be {} rows of {width}, sin_cos whole positions of {pairs} pairs",
+                "width {width} of rows of {stride}, head_dim {head_dim} and {pairs} pairs do not fit"
+            ),
+        ));
+    }
+    if x.len() != pos.len() * stride || sin_cos.len() % (2 * pairs) != 0 {
+        return Err(shape(
+            "rope",
+            format!(
+                "x {} must be {} rows of {stride}, sin_cos whole positions of {pairs} pairs",
                 x.len(),
                 pos.len()
             ),
@@ -357,6 +382,7 @@ pub fn rope(
         arg(pos),
         arg(sin_cos),
         width,
+        stride,
         head_dim,
         pairs,
         neox,
@@ -753,6 +779,7 @@ fn attention_kernel(
     block_words: u32,
     max_ctx: u32,
     first: u32,
+    #[comptime] q_stride: usize,
     #[comptime] hd: usize,
     #[comptime] n_heads: usize,
     #[comptime] n_kv: usize,
@@ -773,7 +800,7 @@ fn attention_kernel(
     let k_off = layer as usize * 2 * n_kv * head_words + g * head_words;
     let v_off = k_off + n_kv * head_words;
     let srow = CUBE_POS_X as usize * max_ctx as usize;
-    let qrow = qi * hd;
+    let qrow = t * q_stride + (qi % n_heads) * hd;
     let steps = n.div_ceil(units);
     let mut sh = Shared::<[f32]>::new_slice(units);
 
@@ -824,14 +851,15 @@ fn attention_kernel(
                 let v = half_to_f32((pool[base + d / 2] >> shift) & 0xffff);
                 acc += round_f16_precision(scores[srow + p] * inv) * v;
             }
-            out[qrow + d] = acc;
+            out[qi * hd + d] = acc;
         }
     }
 }
 
 /// Causal attention of tokens' query heads over their sequences' paged
-/// KV, in the CPU pool's block layout: `q` holds each token's `n_heads`
-/// heads (`n_heads * head_dim` values per token); token `t` sees positions
+/// KV, in the CPU pool's block layout: `q` holds a row of `q_stride`
+/// values per token starting with its `n_heads` heads (a fused QKV row,
+/// or just the heads), `out` the heads' results; token `t` sees positions
 /// `0..meta[2t]` of the sequence whose block table starts at
 /// `tables[meta[2t + 1]]`. One launch runs the queries of `tokens` (a
 /// range of the tokens in `meta`), with `scores` as scratch of
@@ -843,6 +871,7 @@ fn attention_kernel(
 pub fn attention(
     dev: &GpuDevice,
     q: &Buffer,
+    q_stride: usize,
     pool: &Buffer<u32>,
     layout: &KvLayout,
     layer: usize,
@@ -879,9 +908,14 @@ pub fn attention(
     }
     let n_tok = meta.len() / 2;
     let n_q = n_tok * n_heads;
-    if !meta.len().is_multiple_of(2) || q.len() != n_q * head_dim || out.len() != q.len() {
+    if !meta.len().is_multiple_of(2)
+        || q_stride < n_heads * head_dim
+        || q.len() != n_tok * q_stride
+        || out.len() != n_q * head_dim
+    {
         return bad(format!(
-            "q {} and out {} must be {n_tok} tokens of {n_heads} x {head_dim}",
+            "q {} must be {n_tok} rows of {q_stride} starting with {n_heads} x {head_dim}, \
+             out {} {n_tok} tokens of {n_heads} x {head_dim}",
             q.len(),
             out.len()
         ));
@@ -923,6 +957,7 @@ pub fn attention(
         words,
         max_ctx32,
         first,
+        q_stride,
         head_dim,
         n_heads,
         n_kv_heads,
@@ -1056,12 +1091,14 @@ fn f32_to_half_bits(x: f32) -> u32 {
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 fn kv_write_kernel(
-    k: &[f32],
-    v: &[f32],
+    rows: &[f32],
     pool: &mut [u32],
     slots: &[u32],
     layer: u32,
     block_words: u32,
+    #[comptime] stride: usize,
+    #[comptime] k_at: usize,
+    #[comptime] v_at: usize,
     #[comptime] hd: usize,
     #[comptime] n_kv: usize,
     #[comptime] bs: usize,
@@ -1080,20 +1117,32 @@ fn kv_write_kernel(
             + g * head_words
             + slots[t * 2 + 1] as usize * half
             + i;
-        let src = t * n_kv * hd + g * hd + 2 * i;
-        pool[at] = f32_to_half_bits(k[src]) | (f32_to_half_bits(k[src + 1]) << 16);
+        let k = t * stride + k_at + g * hd + 2 * i;
+        let v = t * stride + v_at + g * hd + 2 * i;
+        pool[at] = f32_to_half_bits(rows[k]) | (f32_to_half_bits(rows[k + 1]) << 16);
         pool[at + n_kv * head_words] =
-            f32_to_half_bits(v[src]) | (f32_to_half_bits(v[src + 1]) << 16);
+            f32_to_half_bits(rows[v]) | (f32_to_half_bits(rows[v + 1]) << 16);
     }
 }
 
-/// Stores tokens' K and V rows (`n_kv_heads * head_dim` values each, f32)
-/// into the pool as f16, token `t` at row `slots[2t + 1]` of block
-/// `slots[2t]` of `layer` (the CPU cache's `write`).
+/// Where a token's K and V sit in rows of `stride` values: K from `k_at`
+/// on, V from `v_at` on, `n_kv_heads * head_dim` values each (the tail of
+/// a fused QKV row, or rows of K then V).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvRows {
+    pub stride: usize,
+    pub k_at: usize,
+    pub v_at: usize,
+}
+
+/// Stores tokens' K and V (f32, where `at` says in `rows`) into the pool
+/// as f16, token `t` at row `slots[2t + 1]` of block `slots[2t]` of
+/// `layer` (the CPU cache's `write`).
+#[allow(clippy::too_many_arguments)]
 pub fn kv_write(
     dev: &GpuDevice,
-    k: &Buffer,
-    v: &Buffer,
+    rows: &Buffer,
+    at: KvRows,
     pool: &Buffer<u32>,
     layout: &KvLayout,
     layer: usize,
@@ -1103,23 +1152,23 @@ pub fn kv_write(
     let n_tok = slots.len() / 2;
     if !layout.head_dim.is_multiple_of(2)
         || layer >= layout.n_layers
-        || k.len() != n_tok * kv_dim
-        || v.len() != k.len()
+        || rows.len() != n_tok * at.stride
+        || at.k_at.max(at.v_at) + kv_dim > at.stride
         || !pool.len().is_multiple_of(layout.block_words().max(1))
     {
         return Err(shape(
             "kv_write",
             format!(
-                "k {} / v {} must be {n_tok} tokens of {kv_dim} for {layout:?} layer {layer}",
-                k.len(),
-                v.len()
+                "rows {} must be {n_tok} tokens of {at:?} holding K and V of {kv_dim} for \
+                 {layout:?} layer {layer}",
+                rows.len()
             ),
         ));
     }
     let (Ok(layer), Ok(words)) = (u32::try_from(layer), u32::try_from(layout.block_words())) else {
         return Err(shape("kv_write", "sizes beyond 32 bits".into()));
     };
-    let units = k.len() / 2;
+    let units = n_tok * kv_dim / 2;
     if units == 0 {
         return Ok(());
     }
@@ -1128,12 +1177,14 @@ pub fn kv_write(
         dev.client(),
         count,
         dim,
-        arg(k),
-        arg(v),
+        arg(rows),
         arg(pool),
         arg(slots),
         layer,
         words,
+        at.stride,
+        at.k_at,
+        at.v_at,
         layout.head_dim,
         layout.n_kv_heads,
         layout.block_size,

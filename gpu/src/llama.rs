@@ -20,7 +20,7 @@ use tandem_engine::generate::SequenceModel;
 
 use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
-use crate::kernels::{self, KvLayout};
+use crate::kernels::{self, KvLayout, KvRows};
 
 /// KV rows per block of [`GpuLlama`]'s pool.
 const BLOCK_SIZE: usize = 16;
@@ -32,13 +32,13 @@ const MAX_ATTENTION_CUBES: usize = 65_535;
 
 struct Layer {
     attn_norm: Buffer,
-    wq: Buffer<u32>,
-    wk: Buffer<u32>,
-    wv: Buffer<u32>,
+    /// The Q, K and V projections' rows, one matrix: one launch computes
+    /// a token's `[q | k | v]` row.
+    wqkv: Buffer<u32>,
     wo: Buffer<u32>,
     ffn_norm: Buffer,
-    gate: Buffer<u32>,
-    up: Buffer<u32>,
+    /// The gate and up projections' rows, one matrix.
+    gate_up: Buffer<u32>,
     down: Buffer<u32>,
 }
 
@@ -258,35 +258,42 @@ impl GpuModel {
             return Err(unsupported("contexts or vocabularies beyond 32 bits"));
         }
         let (d, qd, kvd, ffn) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
-        let q4_1 = |name: String, rows: usize, cols: usize| -> Result<Buffer<u32>, GpuError> {
-            let info = g
-                .tensor(&name)
-                .map_err(tandem_modelfile::error::ModelError::from)?;
-            if info.ty != GgmlType::Q4_1 || info.n_elements() != (rows * cols) as u64 {
-                return Err(unsupported(format!(
-                    "{name} is {:?} of {} values; the GPU backend runs Q4_1 {rows}x{cols}",
-                    info.ty,
-                    info.n_elements()
-                )));
+        // Q4_1 matrices of `cols` columns, their rows stacked in the order
+        // given (rows are independent, so a stacked matmul computes each
+        // matrix's rows bit for bit).
+        let q4_1 = |parts: &[(String, usize)], cols: usize| -> Result<Buffer<u32>, GpuError> {
+            let mut bytes = Vec::new();
+            for (name, rows) in parts {
+                let info = g
+                    .tensor(name)
+                    .map_err(tandem_modelfile::error::ModelError::from)?;
+                if info.ty != GgmlType::Q4_1 || info.n_elements() != (rows * cols) as u64 {
+                    return Err(unsupported(format!(
+                        "{name} is {:?} of {} values; the GPU backend runs Q4_1 {rows}x{cols}",
+                        info.ty,
+                        info.n_elements()
+                    )));
+                }
+                let data = g
+                    .tensor_data(name)
+                    .map_err(tandem_modelfile::error::ModelError::from)?;
+                bytes.extend_from_slice(data);
             }
-            let data = g
-                .tensor_data(&name)
-                .map_err(tandem_modelfile::error::ModelError::from)?;
-            Ok(dev.upload_words(data))
+            Ok(dev.upload_words(&bytes))
         };
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
             let t = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: dev.upload(&f32_tensor(g, &t("attn_norm"), d)?),
-                wq: q4_1(t("attn_q"), qd, d)?,
-                wk: q4_1(t("attn_k"), kvd, d)?,
-                wv: q4_1(t("attn_v"), kvd, d)?,
-                wo: q4_1(t("attn_output"), d, qd)?,
+                wqkv: q4_1(
+                    &[(t("attn_q"), qd), (t("attn_k"), kvd), (t("attn_v"), kvd)],
+                    d,
+                )?,
+                wo: q4_1(&[(t("attn_output"), d)], qd)?,
                 ffn_norm: dev.upload(&f32_tensor(g, &t("ffn_norm"), d)?),
-                gate: q4_1(t("ffn_gate"), ffn, d)?,
-                up: q4_1(t("ffn_up"), ffn, d)?,
-                down: q4_1(t("ffn_down"), d, ffn)?,
+                gate_up: q4_1(&[(t("ffn_gate"), ffn), (t("ffn_up"), ffn)], d)?,
+                down: q4_1(&[(t("ffn_down"), d)], ffn)?,
             });
         }
         let embd = dev.upload(&f32_tensor(g, "token_embd.weight", c.vocab_size * d)?);
@@ -468,9 +475,18 @@ impl GpuModel {
         let meta = dev.upload(&meta);
         let tables = dev.upload(&tables);
         let xn = dev.empty(n * d);
-        let (q, att) = (dev.empty(n * c.q_dim()), dev.empty(n * c.q_dim()));
-        let (k, v) = (dev.empty(n * c.kv_dim()), dev.empty(n * c.kv_dim()));
-        let (gate, up) = (dev.empty(n * c.ffn_dim), dev.empty(n * c.ffn_dim));
+        // A token's `[q | k | v]` row: Q and K rotated in place, K and V
+        // stored from there, Q read by attention from there.
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let qkv_width = qd + 2 * kvd;
+        let qkv = dev.empty(n * qkv_width);
+        let kv_rows = KvRows {
+            stride: qkv_width,
+            k_at: qd,
+            v_at: qd + kvd,
+        };
+        let att = dev.empty(n * qd);
+        let (gate_up, h) = (dev.empty(2 * n * c.ffn_dim), dev.empty(n * c.ffn_dim));
         let (o, ffn_out) = (dev.empty(n * d), dev.empty(n * d));
         // Attention runs in groups of tokens whose scores fit the cap (a
         // long prompt's would not fit one buffer a device can bind).
@@ -489,16 +505,24 @@ impl GpuModel {
         // Each residual add runs with the norm after it; the last leaves
         // the final hidden states, normalised for the head, in `xn`.
         for (li, (l, kv)) in self.layers.iter().zip(&pool.layers).enumerate() {
-            kernels::matmul_q4_1(dev, &xn, &l.wq, c.q_dim(), d, &q)?;
-            kernels::matmul_q4_1(dev, &xn, &l.wk, c.kv_dim(), d, &k)?;
-            kernels::matmul_q4_1(dev, &xn, &l.wv, c.kv_dim(), d, &v)?;
-            kernels::rope(dev, &q, &positions, sc, c.q_dim(), hd, pairs, neox)?;
-            kernels::rope(dev, &k, &positions, sc, c.kv_dim(), hd, pairs, neox)?;
-            kernels::kv_write(dev, &k, &v, kv, &layer_layout, 0, &slots)?;
+            kernels::matmul_q4_1(dev, &xn, &l.wqkv, qkv_width, d, &qkv)?;
+            kernels::rope(
+                dev,
+                &qkv,
+                &positions,
+                sc,
+                qd + kvd,
+                qkv_width,
+                hd,
+                pairs,
+                neox,
+            )?;
+            kernels::kv_write(dev, &qkv, kv_rows, kv, &layer_layout, 0, &slots)?;
             for first in (0..n).step_by(group) {
                 kernels::attention(
                     dev,
-                    &q,
+                    &qkv,
+                    qkv_width,
                     kv,
                     &layer_layout,
                     0,
@@ -512,12 +536,11 @@ impl GpuModel {
                     &att,
                 )?;
             }
-            kernels::matmul_q4_1(dev, &att, &l.wo, d, c.q_dim(), &o)?;
+            kernels::matmul_q4_1(dev, &att, &l.wo, d, qd, &o)?;
             kernels::add_rms_norm(dev, &x, &o, &l.ffn_norm, c.rms_eps, &xn)?;
-            kernels::matmul_q4_1(dev, &xn, &l.gate, c.ffn_dim, d, &gate)?;
-            kernels::matmul_q4_1(dev, &xn, &l.up, c.ffn_dim, d, &up)?;
-            kernels::silu_mul(dev, &gate, &up)?;
-            kernels::matmul_q4_1(dev, &gate, &l.down, d, c.ffn_dim, &ffn_out)?;
+            kernels::matmul_q4_1(dev, &xn, &l.gate_up, 2 * c.ffn_dim, d, &gate_up)?;
+            kernels::swiglu(dev, &gate_up, c.ffn_dim, &h)?;
+            kernels::matmul_q4_1(dev, &h, &l.down, d, c.ffn_dim, &ffn_out)?;
             let next_norm = self
                 .layers
                 .get(li + 1)

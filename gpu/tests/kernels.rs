@@ -89,19 +89,25 @@ fn add_rms_norm_is_add_then_rms_norm() {
 }
 
 #[test]
-fn silu_mul_matches_the_cpu_within_1e_6_relative() {
+fn swiglu_matches_the_cpu_within_1e_6_relative() {
     let d = dev();
     let mut rng = SeededRng::new(2);
-    for n in [1, 63, 1536 * 3] {
-        let gate = values(&mut rng, n, -8.0, 8.0);
-        let up = values(&mut rng, n, -2.0, 2.0);
+    // (tokens, ffn): rows of [gate | up], as one matmul over both writes.
+    for (n, ffn) in [(1, 1), (3, 21), (2, 1536)] {
+        let gate = values(&mut rng, n * ffn, -8.0, 8.0);
+        let up = values(&mut rng, n * ffn, -2.0, 2.0);
         let mut want = gate.clone();
         tandem_kernels::ops::silu_mul(&mut want, &up);
-        let (gb, ub) = (d.upload(&gate), d.upload(&up));
-        kernels::silu_mul(d, &gb, &ub).expect("launch");
-        let got = d.download(&gb).expect("read");
+        let rows: Vec<f32> = gate
+            .chunks_exact(ffn)
+            .zip(up.chunks_exact(ffn))
+            .flat_map(|(g, u)| g.iter().chain(u).copied())
+            .collect();
+        let out = d.zeros(n * ffn);
+        kernels::swiglu(d, &d.upload(&rows), ffn, &out).expect("launch");
+        let got = d.download(&out).expect("read");
         let err = worst_rel(&got, &want, 1e-6);
-        assert!(err <= 1e-6, "n {n}: worst relative error {err}");
+        assert!(err <= 1e-6, "{n}x{ffn}: worst relative error {err}");
     }
 }
 
@@ -125,14 +131,17 @@ fn rope_matches_the_cpu_within_1e_6_on_both_styles() {
             })
             .collect();
         let pos: Vec<u32> = vec![0, 1, 17, 4095, 1000];
-        let x = values(&mut rng, pos.len() * width, -2.0, 2.0);
+        // Rows of `stride` whose first `width` values rotate (Q and K at
+        // the start of a fused QKV row); the rest stays as it is.
+        let stride = width + 2 * head_dim;
+        let x = values(&mut rng, pos.len() * stride, -2.0, 2.0);
         let mut want = x.clone();
-        for (row, &p) in want.chunks_exact_mut(width).zip(&pos) {
-            rope.apply(row, head_dim, p as usize);
+        for (row, &p) in want.chunks_exact_mut(stride).zip(&pos) {
+            rope.apply(&mut row[..width], head_dim, p as usize);
         }
         let (xb, pb, tb) = (d.upload(&x), d.upload(&pos), d.upload(&table));
         let neox = style == RopeStyle::Neox;
-        kernels::rope(d, &xb, &pb, &tb, width, head_dim, pairs, neox).expect("launch");
+        kernels::rope(d, &xb, &pb, &tb, width, stride, head_dim, pairs, neox).expect("launch");
         let got = d.download(&xb).expect("read");
         // The device may fuse `x0 * cos - x1 * sin` into one FMA.
         let err = worst_rel(&got, &want, 1.0);
@@ -295,7 +304,7 @@ fn mismatched_shapes_are_errors_not_launches() {
     let out = d.zeros(6);
     let err = kernels::rms_norm(d, &a, &b, 1e-5, &out).expect_err("6 is not rows of 4");
     assert!(err.to_string().contains("rms_norm"), "{err}");
-    assert!(kernels::silu_mul(d, &a, &b).is_err());
+    assert!(kernels::swiglu(d, &a, 4, &b).is_err());
     assert!(kernels::copy(d, &a, &b).is_err());
     assert!(kernels::matmul(d, &a, &b, 4, &out).is_err());
     let w = d.upload(&[0u32; 9]);
@@ -364,8 +373,14 @@ fn paged_attention_matches_the_cpu_kernel_on_the_cpu_pool_layout() {
         .flat_map(|&(_, off, n)| [n as u32, off as u32])
         .collect();
     let max_ctx = 100;
+    // Each token's queries at the start of a longer row (a fused QKV row).
+    let q_stride = n_heads * hd + 7;
+    let q_rows: Vec<f32> = q
+        .chunks_exact(n_heads * hd)
+        .flat_map(|row| row.iter().copied().chain([9.0; 7]))
+        .collect();
     let (qb, pb, tb, mb) = (
-        d.upload(&q),
+        d.upload(&q_rows),
         d.upload_words(&bytes),
         d.upload(&tables),
         d.upload(&meta),
@@ -375,6 +390,7 @@ fn paged_attention_matches_the_cpu_kernel_on_the_cpu_pool_layout() {
     kernels::attention(
         d,
         &qb,
+        q_stride,
         &pb,
         &layout,
         layer,
@@ -394,7 +410,8 @@ fn paged_attention_matches_the_cpu_kernel_on_the_cpu_pool_layout() {
     let split = d.zeros(ob.len());
     for tokens in [0..1, 1..n] {
         kernels::attention(
-            d, &qb, &pb, &layout, layer, n_heads, &tb, &mb, tokens, max_ctx, scale, &sb, &split,
+            d, &qb, q_stride, &pb, &layout, layer, n_heads, &tb, &mb, tokens, max_ctx, scale, &sb,
+            &split,
         )
         .expect("launch");
     }
@@ -458,8 +475,25 @@ fn kv_write_stores_rows_as_the_cpu_cache_does_bit_for_bit() {
         }
     }
     let pool = d.upload(&vec![0u32; n_blocks * layout.block_words()]);
-    let (kb, vb, sb) = (d.upload(&k), d.upload(&v), d.upload(&slots));
-    kernels::kv_write(d, &kb, &vb, &pool, &layout, layer, &sb).expect("launch");
+    // Each token's row: a gap, V, then K (stored from wherever the row
+    // says they are).
+    let stride = 5 + 2 * kv_dim;
+    let rows: Vec<f32> = (0..3)
+        .flat_map(|t| {
+            let (k, v) = (&k[t * kv_dim..][..kv_dim], &v[t * kv_dim..][..kv_dim]);
+            [0.5; 5]
+                .into_iter()
+                .chain(v.iter().copied())
+                .chain(k.iter().copied())
+        })
+        .collect();
+    let at = kernels::KvRows {
+        stride,
+        k_at: 5 + kv_dim,
+        v_at: 5,
+    };
+    let (rb, sb) = (d.upload(&rows), d.upload(&slots));
+    kernels::kv_write(d, &rb, at, &pool, &layout, layer, &sb).expect("launch");
     let got = d.download(&pool).expect("read");
     let want: Vec<u32> = want
         .chunks_exact(2)

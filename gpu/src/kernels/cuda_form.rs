@@ -86,14 +86,15 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         576,
         ROW_UNITS
     );
-    kernel!(silu_mul_kernel, grid(), arg(&f), arg(&f));
+    kernel!(swiglu_kernel, grid(), arg(&f), arg(&f), 1536);
     kernel!(
         rope_kernel,
         grid(),
         arg(&f),
         arg(&u),
         arg(&f),
-        576,
+        768,
+        960,
         64,
         32,
         false
@@ -104,7 +105,8 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         arg(&f),
         arg(&u),
         arg(&f),
-        576,
+        768,
+        960,
         64,
         32,
         true
@@ -161,6 +163,7 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         4096,
         512,
         0,
+        960,
         64,
         9,
         3,
@@ -171,11 +174,13 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         kv_write_kernel,
         grid(),
         arg(&f),
-        arg(&f),
         arg(&u),
         arg(&u),
         0,
         4096,
+        960,
+        576,
+        768,
         64,
         3,
         16
