@@ -1,13 +1,14 @@
 //! Where a decode step's time goes on a GPU: the host's time to enqueue it
 //! (token and position uploads, activation buffers, some 300 launches for
-//! SmolLM2; 430 before Q/K/V and gate/up were stacked) against the whole step (the read of its logits waits for the
-//! device), for batches of several sequences. If enqueueing is most of the
-//! step, the host's launch path bounds decode, not the device.
+//! SmolLM2; 430 before Q/K/V and gate/up were stacked) against the whole
+//! step (the read of its logits waits for the device), for batches of
+//! several sequences. If enqueueing is most of the step, the host's launch
+//! path bounds decode, not the device.
 //!
 //! Seen on an H200 through NVIDIA's Vulkan driver, SmolLM2 Q4_1, with 430
-//! launches per step: batch 1,
-//! 3.18 ms enqueued of a 4.37 ms step (73%, 229 tok/s); batch 64, 4.71 of
-//! 16.89 ms (28%, 3789 tok/s). Small batches are bound by the launch path.
+//! launches per step: batch 1, 3.18 ms enqueued of a 4.37 ms step (73%,
+//! 229 tok/s); batch 64, 4.71 of 16.89 ms (28%, 3789 tok/s). Small
+//! batches are bound by the launch path.
 //!
 //! `cargo bench -p tandem-gpu --bench step [-- GGUF]` (default:
 //! `$TANDEM_TEST_GGUF`); `TANDEM_GPU_BENCH_SCALE=small` runs batches small
