@@ -13,12 +13,18 @@
 #   SERVE_CONCURRENCY=list  the batched serving sweep (default 1,8,32; empty
 #                     skips it); SERVE_REQUESTS=n per point (default 32),
 #                     SERVE_OUT=n tokens generated per request (default 64)
+#   TP_DEVICES=list   tensor-parallel serving in the same sweep: --devices for
+#                     it (default gpu:0,1,2 where nvidia-smi lists 3 or more
+#                     GPUs; SmolLM2's 9 heads split 3 ways), TP_RANKS=n its
+#                     --tp (default: one rank per listed GPU; gpu:0 with
+#                     TP_RANKS=3 runs three ranks on one device)
 # What runs: `tandem generate --devices DEVICE` (GpuLlama: one sequence, the
 # prompt in one forward pass, greedy on the device) and the same command on
 # the CPU; then `tandem serve` on each (the scheduler's batches; on the GPU
 # over GpuRunner) under `tandem bench` at each concurrency, 128-token
-# prompts. TP=2 scaling is not measured: the GPU
-# path has no sharded ranks yet, and the script says so.
+# prompts, and on TP_DEVICES when set: tensor-parallel ranks that add
+# partial sums through host memory (two round trips per layer), so its
+# scaling is the cost of that staging, not NCCL's.
 set -euo pipefail
 
 device=${1:-gpu:0}
@@ -108,14 +114,23 @@ if bw:
 else:
     print(f"decode reads {per_tok / 1e6:.1f} MB per token; set GPU_BW_GBS for the share of the "
           "device's bandwidth bound")
-print("TP=2 scaling: not measured (the GPU path has no sharded ranks yet)")
 PY
 
 conc=${SERVE_CONCURRENCY-1,8,32}
 [[ -z $conc ]] && exit 0
-serve_bench() { # devices name
+tp_devices=${TP_DEVICES:-}
+if [[ -z $tp_devices ]] && command -v nvidia-smi >/dev/null &&
+  (($(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l) >= 3)); then
+  tp_devices=gpu:0,1,2
+fi
+tp_ranks=${TP_RANKS:-}
+if [[ -n $tp_devices && -z $tp_ranks ]]; then
+  ids=${tp_devices#gpu:}
+  tp_ranks=$(tr ',' '\n' <<<"$ids" | grep -c .)
+fi
+serve_bench() { # devices name [tp]
   local log="$out/serve.$2.log" pid port
-  "$tandem" serve --model "$gguf" --devices "$1" --port 0 --max-length 1024 \
+  "$tandem" serve --model "$gguf" --devices "$1" --tp "${3:-1}" --port 0 --max-length 1024 \
     --max-batch-size 32 >"$log" 2>&1 &
   pid=$!
   for _ in $(seq 240); do grep -q "tandem: serving" "$log" && break; sleep 0.5; done
@@ -134,10 +149,15 @@ say "serving: cpu"
 serve_bench cpu cpu
 say "serving: $device"
 serve_bench "$device" gpu
-python3 - "$out" "$device" "${SERVE_REQUESTS:-32}" "${SERVE_OUT:-64}" <<'PY'
-import json, sys
-out, device, n, gen = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-runs = {k: json.load(open(f"{out}/serve.{k}.json"))["results"] for k in ("cpu", "gpu")}
+if [[ -n $tp_devices ]]; then
+  say "serving: $tp_devices, $tp_ranks tensor-parallel ranks"
+  serve_bench "$tp_devices" tp "$tp_ranks"
+fi
+python3 - "$out" "$device" "${SERVE_REQUESTS:-32}" "${SERVE_OUT:-64}" "$tp_devices" "$tp_ranks" <<'PY'
+import json, os, sys
+out, device, n, gen, tp_devices, tp_ranks = sys.argv[1:7]
+kinds = ("cpu", "gpu", "tp") if tp_devices else ("cpu", "gpu")
+runs = {k: json.load(open(f"{out}/serve.{k}.json"))["results"] for k in kinds}
 print()
 print(f"# tandem serve, batched: {device} vs the CPU ({n} requests per point, 128-token prompts, {gen} tokens out)")
 print()
@@ -149,4 +169,19 @@ for c, g in zip(runs["cpu"], runs["gpu"]):
     fmt = lambda x: "-" if x is None else f"{x:.1f}"
     print(f"| {c['concurrency']} | {ct:.1f} | {gt:.1f} | {gt / ct if ct else 0:.2f}x | "
           f"{fmt(p50(c))} | {fmt(p50(g))} | {c['errors']}/{g['errors']} |")
+print()
+if not tp_devices:
+    print("tensor-parallel scaling: not measured (set TP_DEVICES, e.g. gpu:0,1,2; "
+          "SmolLM2's 9 heads split 3 ways)")
+    sys.exit(0)
+print(f"# tensor parallelism: {tp_ranks} ranks on {tp_devices} vs one rank on {device}")
+print()
+print("| concurrency | 1 rank output tok/s | TP output tok/s | TP/1 | 1 rank TPOT p50 ms | TP TPOT p50 ms | errors 1/TP |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for g, t in zip(runs["gpu"], runs["tp"]):
+    gt, tt = g["output_throughput"] or 0, t["output_throughput"] or 0
+    p50 = lambda r: (r["tpot"] or {}).get("p50_ms")
+    fmt = lambda x: "-" if x is None else f"{x:.1f}"
+    print(f"| {g['concurrency']} | {gt:.1f} | {tt:.1f} | {tt / gt if gt else 0:.2f}x | "
+          f"{fmt(p50(g))} | {fmt(p50(t))} | {g['errors']}/{t['errors']} |")
 PY

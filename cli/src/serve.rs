@@ -71,8 +71,9 @@ pub struct EngineArgs {
     #[arg(long, env = "TANDEM_TP", default_value_t = 1)]
     pub tp: usize,
     /// Devices the ranks run on: `cpu` (one rank), `cpu:N` (N thread ranks,
-    /// the same as --tp N), or one GPU, `gpu:N` (`tandem serve` only: one
-    /// sequence at a time; several GPUs are refused at startup).
+    /// the same as --tp N), GPUs `gpu:I,J,...` (a tensor-parallel rank per
+    /// GPU; partial sums are added through host memory), `gpu:all`, or
+    /// `gpu:N` with --tp M (M ranks sharing one GPU).
     #[arg(long, env = "TANDEM_DEVICES", default_value = "cpu")]
     pub devices: String,
     /// How a mixture-of-experts model combines experts across ranks:
@@ -208,8 +209,8 @@ impl EngineArgs {
     /// node, whose KV leaves from the host pool (a GPU copies every step's
     /// KV back to it).
     pub fn load_served(&self, exports_kv: bool) -> Result<Served> {
-        if let Some(id) = self.gpu()? {
-            return self.load_on_gpu(id, exports_kv);
+        if let Some(devices) = self.gpu()? {
+            return self.load_on_gpu(&devices, exports_kv);
         }
         if self.engine != "mock" {
             if self.engine_profile.is_some() {
@@ -253,25 +254,37 @@ impl EngineArgs {
         })
     }
 
-    /// The GPU `--devices` names, if any (one per process so far).
-    fn gpu(&self) -> Result<Option<usize>> {
-        match parse_devices(&self.devices)? {
-            DeviceSpec::Cpu { .. } => Ok(None),
-            DeviceSpec::Gpu(GpuSelection::All) => Ok(Some(0)),
-            DeviceSpec::Gpu(GpuSelection::Ids(ids)) => match ids[..] {
-                [id] => Ok(Some(id)),
-                _ => bail!(
-                    "--devices {}: a process runs one GPU so far (tensor parallelism over \
-                     GPUs is not built yet)",
-                    self.devices
-                ),
-            },
+    /// The GPU of each tensor-parallel rank `--devices` and `--tp` name,
+    /// if they name GPUs: one rank per listed GPU, or `--tp N` ranks
+    /// sharing the one GPU listed (the sharded path on a single device).
+    /// `gpu:all` is every adapter that opens, from `gpu:0` on.
+    fn gpu(&self) -> Result<Option<Vec<usize>>> {
+        let ids = match parse_devices(&self.devices)? {
+            DeviceSpec::Cpu { .. } => return Ok(None),
+            DeviceSpec::Gpu(GpuSelection::All) => {
+                let count = (0..)
+                    .take_while(|&i| tandem_gpu::GpuDevice::open(i).is_ok())
+                    .count();
+                (0..count.max(1)).collect()
+            }
+            DeviceSpec::Gpu(GpuSelection::Ids(ids)) => ids,
+        };
+        match ids[..] {
+            [id] => Ok(Some(vec![id; self.tp.max(1)])),
+            _ if self.tp == 1 || self.tp == ids.len() => Ok(Some(ids)),
+            _ => bail!(
+                "--devices {} gives {} ranks but --tp is {}",
+                self.devices,
+                ids.len(),
+                self.tp
+            ),
         }
     }
 
-    /// The model on GPU `id`, driven by the scheduler like the CPU engine;
-    /// nothing of the CPU engine is loaded.
-    fn load_on_gpu(&self, id: usize, exports_kv: bool) -> Result<Served> {
+    /// The model on the GPUs of `devices` (a tensor-parallel rank each),
+    /// driven by the scheduler like the CPU engine; nothing of the CPU
+    /// engine is loaded.
+    fn load_on_gpu(&self, devices: &[usize], exports_kv: bool) -> Result<Served> {
         if self.engine == "mock" {
             bail!("--engine mock runs on the CPU (drop --devices gpu:N)");
         }
@@ -292,9 +305,20 @@ impl EngineArgs {
         } else {
             KvCopyBack::Never
         };
-        let served = GpuServed::load(meta, id, max_length, self.kv_cache_page_size, copy_back)
-            .with_context(|| format!("loading {} on gpu:{id}", path.display()))?;
-        let device = format!("gpu:{id} ({})", served.device_name());
+        let ids = devices
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        let served = GpuServed::load(
+            meta,
+            devices,
+            max_length,
+            self.kv_cache_page_size,
+            copy_back,
+        )
+        .with_context(|| format!("loading {} on gpu:{ids}", path.display()))?;
+        let device = format!("gpu:{ids} ({})", served.device_names().join(", "));
         let summary = format!(
             "{device}, loaded in {:.0} ms",
             t0.elapsed().as_secs_f64() * 1e3
@@ -318,12 +342,7 @@ impl EngineArgs {
                 self.devices,
                 self.tp
             ),
-            DeviceSpec::Gpu(_) if self.tp == 1 => Ok(1),
-            DeviceSpec::Gpu(_) => bail!(
-                "--devices {} with --tp {}: tensor parallelism over GPUs is not built yet",
-                self.devices,
-                self.tp
-            ),
+            DeviceSpec::Gpu(_) => Ok(self.gpu()?.map_or(1, |ranks| ranks.len())),
         }
     }
 
@@ -724,6 +743,37 @@ mod tests {
         assert_eq!(
             config(&["--host", "::1"]).unwrap().addr.to_string(),
             "[::1]:8000"
+        );
+    }
+
+    #[test]
+    fn gpu_ranks_come_from_devices_and_tp() {
+        let ranks = |flags: &[&str]| {
+            let mut argv = vec!["serve"];
+            argv.extend_from_slice(flags);
+            let cli = Cli::try_parse_from(argv).unwrap();
+            let e = &cli.args.engine;
+            e.gpu().and_then(|g| Ok((g, e.ranks()?)))
+        };
+        assert_eq!(ranks(&[]).unwrap(), (None, 1));
+        assert_eq!(ranks(&["--devices", "gpu:0"]).unwrap(), (Some(vec![0]), 1));
+        // Three ranks sharing one GPU, or a rank per listed GPU.
+        assert_eq!(
+            ranks(&["--devices", "gpu:1", "--tp", "3"]).unwrap(),
+            (Some(vec![1, 1, 1]), 3)
+        );
+        assert_eq!(
+            ranks(&["--devices", "gpu:2,0"]).unwrap(),
+            (Some(vec![2, 0]), 2)
+        );
+        assert_eq!(
+            ranks(&["--devices", "gpu:2,0", "--tp", "2"]).unwrap(),
+            (Some(vec![2, 0]), 2)
+        );
+        let err = ranks(&["--devices", "gpu:0,1", "--tp", "3"]).unwrap_err();
+        assert!(
+            err.to_string().contains("gives 2 ranks but --tp is 3"),
+            "{err}"
         );
     }
 

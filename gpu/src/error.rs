@@ -23,6 +23,10 @@ pub enum GpuError {
     /// A kernel's inputs do not have the sizes it needs.
     #[error("{kernel}: {what}")]
     Shape { kernel: &'static str, what: String },
+    /// A tensor-parallel collective failed (a peer rank is gone, or the
+    /// ranks disagree on sizes).
+    #[error("tensor-parallel collective: {0}")]
+    Collective(#[from] tandem_engine::comm::CommError),
     /// The device failed to run a kernel or to return its results.
     #[error("{kernel} failed on the device: {message}")]
     Device {

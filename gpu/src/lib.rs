@@ -13,9 +13,10 @@
 //!
 //! [`llama::GpuModel`] runs a Llama-family model's batch steps on the
 //! device over a paged KV pool there; [`runner`] puts it under the
-//! engine's scheduler. Deliberately absent so far: the CUDA runtime,
-//! tensor parallelism over GPUs (NCCL) and KV pools registered with the
-//! transport. See ARCHITECTURE.md.
+//! engine's scheduler, on one GPU or as a tensor-parallel group whose
+//! partial sums are added through host memory. Deliberately absent so far:
+//! the CUDA runtime, NCCL collectives on device buffers and KV pools
+//! registered with the transport. See ARCHITECTURE.md.
 
 mod device;
 mod error;

@@ -15,6 +15,7 @@ use tandem_kernels::{GgmlType, dequantize_row};
 use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::gguf::GgufFile;
 
+use tandem_engine::comm::Communicator;
 use tandem_engine::error::RequestError;
 use tandem_engine::generate::SequenceModel;
 
@@ -147,11 +148,56 @@ impl DevicePool {
     }
 }
 
-/// A model's weights on a device, and the forward pass of a batch over a
-/// paged KV pool of `block_size`-token blocks.
+/// Which part of a tensor-parallel group a [`GpuModel`] holds: rank
+/// `rank` of `world` keeps heads `rank * heads/world..` (and their KV
+/// heads), the matching FFN rows, and the columns of the output and down
+/// projections that read them; the partial sums of those two projections
+/// are added across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Shard {
+    /// The whole model.
+    pub const WHOLE: Shard = Shard { rank: 0, world: 1 };
+
+    /// Why `c` cannot be split `world` ways on this backend, if it cannot:
+    /// heads, KV heads and the FFN width must divide, and a rank's columns
+    /// of the output and down projections must be whole Q4_1 blocks.
+    pub fn check(c: &ModelConfig, world: usize) -> Result<(), GpuError> {
+        let fits = |n: usize| world > 0 && n.is_multiple_of(world);
+        let blocks = |n: usize| (n / world.max(1)).is_multiple_of(32);
+        if fits(c.n_heads)
+            && fits(c.n_kv_heads)
+            && fits(c.ffn_dim)
+            && blocks(c.q_dim())
+            && blocks(c.ffn_dim)
+        {
+            Ok(())
+        } else {
+            Err(unsupported(format!(
+                "{world} tensor-parallel ranks: {} heads, {} KV heads and an FFN of {} do not \
+                 split into whole 32-column blocks {world} ways",
+                c.n_heads, c.n_kv_heads, c.ffn_dim
+            )))
+        }
+    }
+}
+
+/// A model's weights on a device, or one rank's share of them (see
+/// [`Shard`]), and the forward pass of a batch over a paged KV pool of
+/// `block_size`-token blocks.
 pub struct GpuModel {
     dev: GpuDevice,
+    /// The whole model's configuration.
     c: ModelConfig,
+    shard: Shard,
+    /// This rank's query heads, KV heads and FFN width.
+    heads: usize,
+    kv_heads: usize,
+    ffn: usize,
     layers: Vec<Layer>,
     /// Token embeddings, f32, a row per token id.
     embd: Buffer,
@@ -170,6 +216,7 @@ impl std::fmt::Debug for GpuModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuModel")
             .field("device", &self.dev)
+            .field("shard", &self.shard)
             .field("layers", &self.layers.len())
             .field("layout", &self.layout)
             .field("max_ctx", &self.max_ctx)
@@ -234,6 +281,19 @@ impl GpuModel {
         max_ctx: usize,
         block_size: usize,
     ) -> Result<GpuModel, GpuError> {
+        Self::load_shard(dev, g, max_ctx, block_size, Shard::WHOLE)
+    }
+
+    /// Uploads `shard`'s part of `g`'s weights to `dev` (the whole of the
+    /// norms, embeddings and head, which every rank applies to the whole
+    /// hidden state).
+    pub fn load_shard(
+        dev: GpuDevice,
+        g: &GgufFile,
+        max_ctx: usize,
+        block_size: usize,
+        shard: Shard,
+    ) -> Result<GpuModel, GpuError> {
         let c = ModelConfig::from_gguf(g)?;
         let f = c.family;
         if f.qkv_bias
@@ -257,13 +317,32 @@ impl GpuModel {
         if u32::try_from(max_ctx).is_err() || u32::try_from(c.vocab_size).is_err() {
             return Err(unsupported("contexts or vocabularies beyond 32 bits"));
         }
-        let (d, qd, kvd, ffn) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
-        // Q4_1 matrices of `cols` columns, their rows stacked in the order
-        // given (rows are independent, so a stacked matmul computes each
-        // matrix's rows bit for bit).
-        let q4_1 = |parts: &[(String, usize)], cols: usize| -> Result<Buffer<u32>, GpuError> {
+        if shard.rank >= shard.world {
+            return Err(unsupported(format!(
+                "rank {} of {}",
+                shard.rank, shard.world
+            )));
+        }
+        Shard::check(&c, shard.world)?;
+        let (d, w) = (c.d_model, shard.world);
+        let (heads, kv_heads, ffn) = (c.n_heads / w, c.n_kv_heads / w, c.ffn_dim / w);
+        // This rank's rows of a matrix of `rows` x `cols` (all of them for
+        // the whole model): its heads' or FFN units' rows are contiguous.
+        let mine = |rows: usize| rows / w * shard.rank..rows / w * (shard.rank + 1);
+        // Q4_1 matrices, rows `sel` of each `rows` x `cols` part, stacked in
+        // the order given, with columns `cols_sel` of each row (rows are
+        // independent, so a stacked matmul computes each matrix's rows bit
+        // for bit; columns are whole 32-value blocks, checked above).
+        type Part = (String, usize, std::ops::Range<usize>);
+        let q4_1 = |parts: &[Part],
+                    cols: usize,
+                    cols_sel: std::ops::Range<usize>|
+         -> Result<Buffer<u32>, GpuError> {
             let mut bytes = Vec::new();
-            for (name, rows) in parts {
+            let block = GgmlType::Q4_1
+                .row_bytes(32)
+                .ok_or_else(|| unsupported("Q4_1 has no 32-value blocks"))?;
+            for (name, rows, sel) in parts {
                 let info = g
                     .tensor(name)
                     .map_err(tandem_modelfile::error::ModelError::from)?;
@@ -277,23 +356,45 @@ impl GpuModel {
                 let data = g
                     .tensor_data(name)
                     .map_err(tandem_modelfile::error::ModelError::from)?;
-                bytes.extend_from_slice(data);
+                let row_bytes = cols / 32 * block;
+                let (from, to) = (cols_sel.start / 32 * block, cols_sel.end / 32 * block);
+                for row in data.chunks_exact(row_bytes).take(sel.end).skip(sel.start) {
+                    bytes.extend_from_slice(&row[from..to]);
+                }
             }
             Ok(dev.upload_words(&bytes))
         };
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let (all_rows, all_d) = (|rows: usize| 0..rows, 0..d);
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
             let t = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: dev.upload(&f32_tensor(g, &t("attn_norm"), d)?),
                 wqkv: q4_1(
-                    &[(t("attn_q"), qd), (t("attn_k"), kvd), (t("attn_v"), kvd)],
+                    &[
+                        (t("attn_q"), qd, mine(qd)),
+                        (t("attn_k"), kvd, mine(kvd)),
+                        (t("attn_v"), kvd, mine(kvd)),
+                    ],
                     d,
+                    all_d.clone(),
                 )?,
-                wo: q4_1(&[(t("attn_output"), d)], qd)?,
+                wo: q4_1(&[(t("attn_output"), d, all_rows(d))], qd, mine(qd))?,
                 ffn_norm: dev.upload(&f32_tensor(g, &t("ffn_norm"), d)?),
-                gate_up: q4_1(&[(t("ffn_gate"), ffn), (t("ffn_up"), ffn)], d)?,
-                down: q4_1(&[(t("ffn_down"), d)], ffn)?,
+                gate_up: q4_1(
+                    &[
+                        (t("ffn_gate"), c.ffn_dim, mine(c.ffn_dim)),
+                        (t("ffn_up"), c.ffn_dim, mine(c.ffn_dim)),
+                    ],
+                    d,
+                    all_d.clone(),
+                )?,
+                down: q4_1(
+                    &[(t("ffn_down"), d, all_rows(d))],
+                    c.ffn_dim,
+                    mine(c.ffn_dim),
+                )?,
             });
         }
         let embd = dev.upload(&f32_tensor(g, "token_embd.weight", c.vocab_size * d)?);
@@ -315,7 +416,7 @@ impl GpuModel {
             .collect();
         let layout = KvLayout {
             n_layers: c.n_layers,
-            n_kv_heads: c.n_kv_heads,
+            n_kv_heads: kv_heads,
             head_dim: c.head_dim,
             block_size,
         };
@@ -323,6 +424,10 @@ impl GpuModel {
             sin_cos: dev.upload(&sin_cos),
             dev,
             c,
+            shard,
+            heads,
+            kv_heads,
+            ffn,
             layers,
             embd,
             head,
@@ -345,11 +450,17 @@ impl GpuModel {
         &self.dev
     }
 
+    /// The whole model's configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.c
     }
 
-    /// The KV pool's block layout.
+    /// Which part of the model this is.
+    pub fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    /// The KV pool's block layout (this rank's KV heads).
     pub fn kv_layout(&self) -> &KvLayout {
         &self.layout
     }
@@ -401,16 +512,48 @@ impl GpuModel {
         }
     }
 
-    /// Runs one batch step over `pool`: each chunk's K and V go to its
-    /// blocks, and the logits of the chunks that want them come back as one
-    /// device buffer, `vocab_size` values per such chunk in chunk order
-    /// (`None` when no chunk wants logits). Every size, token id, position
-    /// and block id is checked here, before anything reaches the device.
+    /// Runs one batch step of the whole model over `pool`: each chunk's K
+    /// and V go to its blocks, and the logits of the chunks that want them
+    /// come back as one device buffer, `vocab_size` values per such chunk
+    /// in chunk order (`None` when no chunk wants logits). Every size, token
+    /// id, position and block id is checked here, before anything reaches
+    /// the device.
     pub fn forward(
         &self,
         pool: &DevicePool,
         chunks: &[Chunk<'_>],
     ) -> Result<Option<Buffer>, GpuError> {
+        self.forward_rank(pool, chunks, None)
+    }
+
+    /// [`GpuModel::forward`] of one rank of a tensor-parallel group: every
+    /// rank runs the same chunks at the same time, each over its own pool
+    /// (its KV heads), and `comm` adds the output and down projections'
+    /// partial sums across ranks, staged through host memory. Only rank 0
+    /// computes logits. A rank whose device fails still takes part in
+    /// every later collective (with zeros), so its peers never wait for a
+    /// rank that gave up; all of them then fail the step.
+    pub fn forward_rank(
+        &self,
+        pool: &DevicePool,
+        chunks: &[Chunk<'_>],
+        comm: Option<&dyn Communicator>,
+    ) -> Result<Option<Buffer>, GpuError> {
+        match comm {
+            None if self.shard.world == 1 => {}
+            Some(comm)
+                if comm.world_size() == self.shard.world && comm.rank() == self.shard.rank => {}
+            _ => {
+                return Err(GpuError::Shape {
+                    kernel: "step",
+                    what: format!(
+                        "{:?} with a group of {:?} ranks",
+                        self.shard,
+                        comm.map(|c| (c.rank(), c.world_size()))
+                    ),
+                });
+            }
+        }
         let c = &self.c;
         let bs = self.layout.block_size;
         let pool_blocks = pool.blocks;
@@ -475,9 +618,10 @@ impl GpuModel {
         let meta = dev.upload(&meta);
         let tables = dev.upload(&tables);
         let xn = dev.empty(n * d);
-        // A token's `[q | k | v]` row: Q and K rotated in place, K and V
-        // stored from there, Q read by attention from there.
-        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        // A token's `[q | k | v]` row (this rank's heads): Q and K rotated
+        // in place, K and V stored from there, Q read by attention from
+        // there.
+        let (qd, kvd) = (self.heads * hd, self.kv_heads * hd);
         let qkv_width = qd + 2 * kvd;
         let qkv = dev.empty(n * qkv_width);
         let kv_rows = KvRows {
@@ -486,14 +630,15 @@ impl GpuModel {
             v_at: qd + kvd,
         };
         let att = dev.empty(n * qd);
-        let (gate_up, h) = (dev.empty(2 * n * c.ffn_dim), dev.empty(n * c.ffn_dim));
+        let (gate_up, h) = (dev.empty(2 * n * self.ffn), dev.empty(n * self.ffn));
         let (o, ffn_out) = (dev.empty(n * d), dev.empty(n * d));
         // Attention runs in groups of tokens whose scores fit the cap (a
         // long prompt's would not fit one buffer a device can bind).
-        let group = (self.scores_cap / (4 * c.n_heads * longest).max(1))
-            .min(MAX_ATTENTION_CUBES / c.n_heads.max(1))
+        let heads = self.heads;
+        let group = (self.scores_cap / (4 * heads * longest).max(1))
+            .min(MAX_ATTENTION_CUBES / heads.max(1))
             .clamp(1, n);
-        let scores = dev.empty(group * c.n_heads * longest);
+        let scores = dev.empty(group * heads * longest);
         let neox = c.rope_style == RopeStyle::Neox;
         let pairs = c.rope_dims / 2;
         let scale = 1.0 / (hd as f32).sqrt();
@@ -502,52 +647,67 @@ impl GpuModel {
             Some(first) => kernels::rms_norm(dev, &x, &first.attn_norm, c.rms_eps, &xn)?,
             None => kernels::rms_norm(dev, &x, &self.out_norm, c.rms_eps, &xn)?,
         }
+        // A device failure under tensor parallelism: kept until the peers
+        // have been met at every collective of the step.
+        let mut failed: Option<GpuError> = None;
         // Each residual add runs with the norm after it; the last leaves
         // the final hidden states, normalised for the head, in `xn`.
         for (li, (l, kv)) in self.layers.iter().zip(&pool.layers).enumerate() {
-            kernels::matmul_q4_1(dev, &xn, &l.wqkv, qkv_width, d, &qkv)?;
-            kernels::rope(
-                dev,
-                &qkv,
-                &positions,
-                sc,
-                qd + kvd,
-                qkv_width,
-                hd,
-                pairs,
-                neox,
-            )?;
-            kernels::kv_write(dev, &qkv, kv_rows, kv, &layer_layout, 0, &slots)?;
-            for first in (0..n).step_by(group) {
-                kernels::attention(
+            stage(&mut failed, || {
+                kernels::matmul_q4_1(dev, &xn, &l.wqkv, qkv_width, d, &qkv)?;
+                kernels::rope(
                     dev,
                     &qkv,
+                    &positions,
+                    sc,
+                    qd + kvd,
                     qkv_width,
-                    kv,
-                    &layer_layout,
-                    0,
-                    c.n_heads,
-                    &tables,
-                    &meta,
-                    first..(first + group).min(n),
-                    longest,
-                    scale,
-                    &scores,
-                    &att,
+                    hd,
+                    pairs,
+                    neox,
                 )?;
-            }
-            kernels::matmul_q4_1(dev, &att, &l.wo, d, qd, &o)?;
-            kernels::add_rms_norm(dev, &x, &o, &l.ffn_norm, c.rms_eps, &xn)?;
-            kernels::matmul_q4_1(dev, &xn, &l.gate_up, 2 * c.ffn_dim, d, &gate_up)?;
-            kernels::swiglu(dev, &gate_up, c.ffn_dim, &h)?;
-            kernels::matmul_q4_1(dev, &h, &l.down, d, c.ffn_dim, &ffn_out)?;
+                kernels::kv_write(dev, &qkv, kv_rows, kv, &layer_layout, 0, &slots)?;
+                for first in (0..n).step_by(group) {
+                    kernels::attention(
+                        dev,
+                        &qkv,
+                        qkv_width,
+                        kv,
+                        &layer_layout,
+                        0,
+                        heads,
+                        &tables,
+                        &meta,
+                        first..(first + group).min(n),
+                        longest,
+                        scale,
+                        &scores,
+                        &att,
+                    )?;
+                }
+                kernels::matmul_q4_1(dev, &att, &l.wo, d, qd, &o)
+            });
+            self.all_reduce(comm, &o, &mut failed)?;
+            stage(&mut failed, || {
+                kernels::add_rms_norm(dev, &x, &o, &l.ffn_norm, c.rms_eps, &xn)?;
+                kernels::matmul_q4_1(dev, &xn, &l.gate_up, 2 * self.ffn, d, &gate_up)?;
+                kernels::swiglu(dev, &gate_up, self.ffn, &h)?;
+                kernels::matmul_q4_1(dev, &h, &l.down, d, self.ffn, &ffn_out)
+            });
+            self.all_reduce(comm, &ffn_out, &mut failed)?;
             let next_norm = self
                 .layers
                 .get(li + 1)
                 .map_or(&self.out_norm, |n| &n.attn_norm);
-            kernels::add_rms_norm(dev, &x, &ffn_out, next_norm, c.rms_eps, &xn)?;
+            stage(&mut failed, || {
+                kernels::add_rms_norm(dev, &x, &ffn_out, next_norm, c.rms_eps, &xn)
+            });
         }
-        if want.is_empty() {
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        // Every rank holds the final hidden states; rank 0 makes logits.
+        if want.is_empty() || self.shard.rank != 0 {
             return Ok(None);
         }
         // A decode batch wants every row, in order: no gather.
@@ -561,6 +721,35 @@ impl GpuModel {
         let logits = dev.empty(want.len() * c.vocab_size);
         kernels::matmul(dev, &rows, &self.head, d, &logits)?;
         Ok(Some(logits))
+    }
+
+    /// Adds `buf` across the ranks of `comm` in place, through host memory
+    /// (nothing to do for the whole model). After a device failure
+    /// (`failed`) this rank contributes zeros and keeps the failure; a
+    /// failed collective ends the step on every rank at once.
+    fn all_reduce(
+        &self,
+        comm: Option<&dyn Communicator>,
+        buf: &Buffer,
+        failed: &mut Option<GpuError>,
+    ) -> Result<(), GpuError> {
+        let Some(comm) = comm else {
+            return Ok(());
+        };
+        let mut host = match failed {
+            None => self.dev.download(buf).unwrap_or_else(|e| {
+                *failed = Some(e);
+                vec![0.0; buf.len()]
+            }),
+            Some(_) => vec![0.0; buf.len()],
+        };
+        comm.all_reduce_sum(&mut host)?;
+        if failed.is_none()
+            && let Err(e) = self.dev.write_at(buf, 0, &host)
+        {
+            *failed = Some(e);
+        }
+        Ok(())
     }
 }
 
@@ -621,6 +810,15 @@ impl GpuLlama {
         kernels::argmax(dev, &logits, self.model.c.vocab_size, &self.next)?;
         let next = dev.download(&self.next)?;
         next.first().copied().ok_or_else(no_logits)
+    }
+}
+
+/// Runs `run` unless an earlier stage of the step failed; keeps its error.
+fn stage(failed: &mut Option<GpuError>, run: impl FnOnce() -> Result<(), GpuError>) {
+    if failed.is_none()
+        && let Err(e) = run()
+    {
+        *failed = Some(e);
     }
 }
 

@@ -12,11 +12,18 @@
 //! step wrote are copied back with the logits (one wait), before the
 //! scheduler says their layers are done. Host staging, in the brief's
 //! words; device memory registered with the transport is the step after.
+//!
+//! Under tensor parallelism each rank holds a [`Shard`] on its device and
+//! has a host pool of its own (`peer_pools`, at rank 0's block ids): rank
+//! 0 runs on the scheduler's thread, ranks 1.. on threads of their own,
+//! each step and each upload sent to all and answered by all.
 
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
 
 use tandem_engine::backend::{RunnerConfig, ServedModel, StepRunner};
 use tandem_engine::block_allocator::BlockId;
+use tandem_engine::comm::{Communicator, CpuComm, CpuGroup};
 use tandem_engine::error::RequestError;
 use tandem_engine::kv_cache::{KvCache, KvCacheConfig, KvPool};
 use tandem_engine::model::SeqChunk;
@@ -27,7 +34,7 @@ use tandem_modelfile::meta::ModelMeta;
 
 use crate::device::GpuDevice;
 use crate::error::GpuError;
-use crate::llama::{Chunk, DevicePool, GpuModel};
+use crate::llama::{Chunk, DevicePool, GpuModel, Shard};
 
 /// Whether the KV a step writes on the device is copied back to the host
 /// pool.
@@ -42,9 +49,14 @@ pub enum KvCopyBack {
     Never,
 }
 
-/// A GGUF model loaded on a GPU, served through the scheduler.
+/// A GGUF model loaded on one GPU, or split over the ranks of a
+/// tensor-parallel group, served through the scheduler.
 pub struct GpuServed {
-    model: GpuModel,
+    /// Rank `i`'s share of the model, on its device (the whole model for
+    /// one rank).
+    ranks: Vec<GpuModel>,
+    /// The whole model's configuration.
+    config: ModelConfig,
     copy_back: KvCopyBack,
     text: Arc<ModelText>,
     weights_hash: u64,
@@ -53,44 +65,69 @@ pub struct GpuServed {
 impl std::fmt::Debug for GpuServed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuServed")
-            .field("model", &self.model)
+            .field("ranks", &self.ranks)
             .field("name", &self.text.name)
             .finish_non_exhaustive()
     }
 }
 
 impl GpuServed {
-    /// Loads the GGUF file `meta` was read from onto GPU `device`, for
-    /// sequences of up to `max_ctx` tokens in KV blocks of `block_size`.
-    /// `meta` (tokenizer, template, weights hash) is what a CPU node reads,
-    /// so the fingerprint KV handoffs check is the same.
+    /// Loads the GGUF file `meta` was read from onto the GPUs `devices`,
+    /// one tensor-parallel rank per entry (an index may repeat: ranks
+    /// sharing a device), for sequences of up to `max_ctx` tokens in KV
+    /// blocks of `block_size`. `meta` (tokenizer, template, weights hash)
+    /// is what a CPU node reads, so the fingerprint KV handoffs check is
+    /// the same.
     pub fn load(
         meta: ModelMeta,
-        device: usize,
+        devices: &[usize],
         max_ctx: usize,
         block_size: usize,
         copy_back: KvCopyBack,
     ) -> Result<GpuServed, GpuError> {
         let g = GgufFile::open(&meta.path).map_err(tandem_modelfile::error::ModelError::from)?;
-        let dev = GpuDevice::open(device)?;
-        let model = GpuModel::load(dev, &g, max_ctx, block_size)?;
+        let world = devices.len();
+        Shard::check(&meta.config, world)?;
+        let ranks = devices
+            .iter()
+            .enumerate()
+            .map(|(rank, &index)| {
+                let shard = Shard { rank, world };
+                GpuModel::load_shard(GpuDevice::open(index)?, &g, max_ctx, block_size, shard)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(GpuServed {
-            model,
+            ranks,
+            config: meta.config,
             copy_back,
             text: Arc::new(meta.text),
             weights_hash: meta.weights_hash,
         })
     }
 
-    /// The adapter, as the startup line names it.
-    pub fn device_name(&self) -> &str {
-        self.model.device().name()
+    /// The adapters, as the startup line names them (one name per distinct
+    /// adapter, in rank order).
+    pub fn device_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = Vec::new();
+        for r in &self.ranks {
+            if !names.contains(&r.device().name()) {
+                names.push(r.device().name());
+            }
+        }
+        names
+    }
+
+    fn rank0(&self) -> Result<&GpuModel, GpuError> {
+        self.ranks.first().ok_or_else(|| GpuError::Shape {
+            kernel: "model",
+            what: "no ranks".into(),
+        })
     }
 }
 
 impl ServedModel for GpuServed {
     fn config(&self) -> &ModelConfig {
-        self.model.config()
+        &self.config
     }
 
     fn text(&self) -> &Arc<ModelText> {
@@ -102,99 +139,287 @@ impl ServedModel for GpuServed {
     }
 
     fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String> {
-        let layout = *self.model.kv_layout();
-        if config.tp != 1 {
+        let world = self.ranks.len();
+        if config.tp != world {
             return Err(format!(
-                "tensor parallelism over GPUs is not built yet (--tp {})",
+                "the model was loaded for {world} tensor-parallel ranks, the scheduler runs {}",
                 config.tp
             ));
         }
+        let rank0 = self.rank0().map_err(|e| e.to_string())?;
+        let layout = *rank0.kv_layout();
         if config.block_size != layout.block_size {
             return Err(format!(
                 "the model was loaded for KV blocks of {} tokens, the scheduler uses {}",
                 layout.block_size, config.block_size
             ));
         }
-        let pool = self
-            .model
-            .new_pool(config.num_blocks)
-            .map_err(|e| e.to_string())?;
-        let kv = self.kv_cache_config(config.block_size, config.num_blocks);
-        if pool.block_bytes() != kv.block_bytes() {
-            return Err(format!(
-                "device blocks of {} bytes, host blocks of {}",
-                pool.block_bytes(),
-                kv.block_bytes()
-            ));
+        // Every rank's host pool has rank 0's shape: its share of the KV heads.
+        let kv = KvCacheConfig {
+            n_kv_heads: layout.n_kv_heads,
+            ..self.kv_cache_config(config.block_size, config.num_blocks)
+        };
+        let new_pool = |model: &GpuModel| -> Result<DevicePool, String> {
+            let pool = model
+                .new_pool(config.num_blocks)
+                .map_err(|e| e.to_string())?;
+            if pool.block_bytes() != kv.block_bytes() {
+                return Err(format!(
+                    "device blocks of {} bytes, host blocks of {}",
+                    pool.block_bytes(),
+                    kv.block_bytes()
+                ));
+            }
+            Ok(pool)
+        };
+        let pool = new_pool(rank0)?;
+        let mut comms = CpuGroup::new(world).into_iter();
+        let comm = comms.next().map(|c| Box::new(c) as Box<dyn Communicator>);
+        let mut peers = Vec::with_capacity(world.saturating_sub(1));
+        for (rank, comm) in (1..world).zip(comms) {
+            let cache = KvCache::new(kv).map_err(|e| e.to_string())?;
+            let rank_pool = Arc::clone(cache.pool());
+            let state = PeerRank {
+                served: Arc::clone(&self),
+                rank,
+                pool: new_pool(&self.ranks[rank])?,
+                cache,
+                comm,
+            };
+            let (tx, rx) = mpsc::channel();
+            let (done_tx, done) = mpsc::channel();
+            let thread = std::thread::Builder::new()
+                .name(format!("tandem-gpu-rank{rank}"))
+                .spawn(move || state.serve(rx, done_tx))
+                .map_err(|e| format!("spawning a tensor-parallel rank: {e}"))?;
+            peers.push(Peer {
+                tx: Some(tx),
+                done,
+                thread: Some(thread),
+                pool: rank_pool,
+            });
         }
         Ok(Box::new(GpuRunner {
             served: self,
             pool,
             kv,
+            comm: if world > 1 { comm } else { None },
+            peers,
         }))
     }
 }
 
-/// Runs the scheduler's steps on the device (see the module docs).
-#[derive(Debug)]
+/// Runs the scheduler's steps on the device (see the module docs): rank 0
+/// on the scheduler's thread, ranks 1.. on threads of their own, stepping
+/// together.
 pub struct GpuRunner {
     served: Arc<GpuServed>,
-    /// The device pool, at the host pool's block ids.
+    /// Rank 0's device pool, at the host pool's block ids.
     pool: DevicePool,
     kv: KvCacheConfig,
+    /// Rank 0's handle of the group (`None` for one rank).
+    comm: Option<Box<dyn Communicator>>,
+    peers: Vec<Peer>,
 }
 
-impl GpuRunner {
-    fn dev(&self) -> &GpuDevice {
-        self.served.model.device()
+impl std::fmt::Debug for GpuRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuRunner")
+            .field("ranks", &(self.peers.len() + 1))
+            .field("pool", &self.pool)
+            .finish_non_exhaustive()
     }
+}
 
-    /// Copies the blocks `chunks` wrote back to the host pool, in runs of
-    /// adjacent block ids (one wait for all of them).
-    fn copy_back(&self, chunks: &[SeqChunk<'_>], cache: &mut KvCache) -> Result<(), GpuError> {
-        let bs = self.kv.block_size;
-        let mut written: Vec<BlockId> = chunks
+/// What a peer rank is asked to do, in the order rank 0 does it.
+enum PeerCmd {
+    Step(Arc<StepInput>),
+    /// Copy these blocks of the rank's host pool to its device pool.
+    Upload(Arc<Vec<BlockId>>),
+}
+
+/// A step's chunks, owned so peer ranks can run them.
+struct StepInput {
+    chunks: Vec<(Vec<u32>, usize, Vec<BlockId>, bool)>,
+}
+
+impl StepInput {
+    fn chunks(&self) -> Vec<SeqChunk<'_>> {
+        self.chunks
             .iter()
-            .filter(|c| !c.tokens.is_empty())
-            .flat_map(|c| {
-                let first = c.start_pos / bs;
-                let last = (c.start_pos + c.tokens.len() - 1) / bs;
-                c.block_table
-                    .get(first..=last)
-                    .unwrap_or_default()
-                    .iter()
-                    .copied()
+            .map(|(tokens, start_pos, table, want_logits)| SeqChunk {
+                tokens,
+                start_pos: *start_pos,
+                block_table: table,
+                want_logits: *want_logits,
             })
-            .collect();
-        written.sort_unstable();
-        written.dedup();
-        let mut runs: Vec<(BlockId, usize)> = Vec::new();
-        for b in written {
-            match runs.last_mut() {
-                Some((start, n)) if *start as usize + *n == b as usize => *n += 1,
-                _ => runs.push((b, 1)),
-            }
-        }
-        let runs: Vec<(usize, usize)> = runs.iter().map(|&(b, n)| (b as usize, n)).collect();
-        let blocks = self.pool.download_blocks(self.dev(), &runs)?;
-        let ids = runs.iter().flat_map(|&(b, n)| b..b + n);
-        for (id, src) in ids.zip(blocks) {
-            // Below the pool's size, which the download checked.
-            let dst = cache.block_bytes_mut(id as BlockId);
-            if dst.len() != src.len() {
-                return Err(GpuError::Shape {
-                    kernel: "kv copy back",
-                    what: format!("host blocks of {} bytes, device {}", dst.len(), src.len()),
-                });
-            }
-            dst.copy_from_slice(&src);
-        }
-        Ok(())
+            .collect()
     }
+}
+
+struct Peer {
+    tx: Option<mpsc::Sender<PeerCmd>>,
+    done: mpsc::Receiver<Result<(), GpuError>>,
+    thread: Option<JoinHandle<()>>,
+    /// The rank's host pool (imports land in it; a prefill node's steps
+    /// are copied back to it).
+    pool: Arc<KvPool>,
+}
+
+/// A peer rank's state, owned by its thread.
+struct PeerRank {
+    served: Arc<GpuServed>,
+    rank: usize,
+    pool: DevicePool,
+    cache: KvCache,
+    comm: CpuComm,
+}
+
+impl PeerRank {
+    fn serve(mut self, rx: mpsc::Receiver<PeerCmd>, done: mpsc::Sender<Result<(), GpuError>>) {
+        while let Ok(cmd) = rx.recv() {
+            let model = &self.served.ranks[self.rank];
+            let r = match cmd {
+                PeerCmd::Step(input) => {
+                    let chunks = input.chunks();
+                    model
+                        .forward_rank(&self.pool, &device_chunks(&chunks), Some(&self.comm))
+                        .and_then(|_| match self.served.copy_back {
+                            KvCopyBack::EveryStep => {
+                                copy_back(model, &self.pool, &chunks, &mut self.cache)
+                            }
+                            KvCopyBack::Never => Ok(()),
+                        })
+                }
+                PeerCmd::Upload(blocks) => upload(model, &self.pool, &self.cache, &blocks),
+            };
+            if done.send(r).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+fn device_chunks<'a>(chunks: &[SeqChunk<'a>]) -> Vec<Chunk<'a>> {
+    chunks
+        .iter()
+        .map(|c| Chunk {
+            tokens: c.tokens,
+            start_pos: c.start_pos,
+            blocks: c.block_table,
+            want_logits: c.want_logits,
+        })
+        .collect()
+}
+
+/// Copies the blocks `chunks` wrote on `model`'s device back to the host
+/// pool, in runs of adjacent block ids (one wait for all of them).
+fn copy_back(
+    model: &GpuModel,
+    pool: &DevicePool,
+    chunks: &[SeqChunk<'_>],
+    cache: &mut KvCache,
+) -> Result<(), GpuError> {
+    let bs = cache.config().block_size;
+    let mut written: Vec<BlockId> = chunks
+        .iter()
+        .filter(|c| !c.tokens.is_empty())
+        .flat_map(|c| {
+            let first = c.start_pos / bs;
+            let last = (c.start_pos + c.tokens.len() - 1) / bs;
+            c.block_table
+                .get(first..=last)
+                .unwrap_or_default()
+                .iter()
+                .copied()
+        })
+        .collect();
+    written.sort_unstable();
+    written.dedup();
+    let mut runs: Vec<(BlockId, usize)> = Vec::new();
+    for b in written {
+        match runs.last_mut() {
+            Some((start, n)) if *start as usize + *n == b as usize => *n += 1,
+            _ => runs.push((b, 1)),
+        }
+    }
+    let runs: Vec<(usize, usize)> = runs.iter().map(|&(b, n)| (b as usize, n)).collect();
+    let blocks = pool.download_blocks(model.device(), &runs)?;
+    let ids = runs.iter().flat_map(|&(b, n)| b..b + n);
+    for (id, src) in ids.zip(blocks) {
+        // Below the pool's size, which the download checked.
+        let dst = cache.block_bytes_mut(id as BlockId);
+        if dst.len() != src.len() {
+            return Err(GpuError::Shape {
+                kernel: "kv copy back",
+                what: format!("host blocks of {} bytes, device {}", dst.len(), src.len()),
+            });
+        }
+        dst.copy_from_slice(&src);
+    }
+    Ok(())
+}
+
+/// Copies `blocks` of the host pool to `model`'s device pool.
+fn upload(
+    model: &GpuModel,
+    pool: &DevicePool,
+    cache: &KvCache,
+    blocks: &[BlockId],
+) -> Result<(), GpuError> {
+    for &b in blocks {
+        if b as usize >= pool.blocks() {
+            return Err(GpuError::Shape {
+                kernel: "kv upload",
+                what: format!("block {b} of a pool of {}", pool.blocks()),
+            });
+        }
+        pool.upload_block(model.device(), b as usize, cache.block_bytes(b))?;
+    }
+    Ok(())
 }
 
 fn device_error(e: GpuError) -> RequestError {
-    RequestError::Device(e.to_string())
+    match e {
+        GpuError::Collective(e) => RequestError::Collective(e.to_string()),
+        e => RequestError::Device(e.to_string()),
+    }
+}
+
+impl GpuRunner {
+    fn rank0(&self) -> Result<&GpuModel, RequestError> {
+        self.served.rank0().map_err(device_error)
+    }
+
+    /// Sends `cmd` to every peer; the first failure to reach one.
+    fn broadcast(&self, cmd: impl Fn() -> PeerCmd) -> Result<(), RequestError> {
+        for p in &self.peers {
+            let sent = p.tx.as_ref().map(|tx| tx.send(cmd()));
+            if !matches!(sent, Some(Ok(()))) {
+                return Err(rank_gone());
+            }
+        }
+        Ok(())
+    }
+
+    /// Every peer's answer to the last command; the first error.
+    fn gather(&self) -> Result<(), RequestError> {
+        let mut first = Ok(());
+        for p in &self.peers {
+            let r = match p.done.recv() {
+                Ok(r) => r.map_err(device_error),
+                Err(_) => Err(rank_gone()),
+            };
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
+fn rank_gone() -> RequestError {
+    RequestError::Collective("a tensor-parallel rank stopped".into())
 }
 
 impl StepRunner for GpuRunner {
@@ -203,7 +428,7 @@ impl StepRunner for GpuRunner {
     }
 
     fn peer_pools(&self) -> Vec<Arc<KvPool>> {
-        Vec::new()
+        self.peers.iter().map(|p| Arc::clone(&p.pool)).collect()
     }
 
     fn forward(
@@ -213,26 +438,42 @@ impl StepRunner for GpuRunner {
         layer_done: &mut dyn FnMut(usize),
         logits: &mut Vec<f32>,
     ) -> Result<(), RequestError> {
-        let batch: Vec<Chunk<'_>> = chunks
-            .iter()
-            .map(|c| Chunk {
-                tokens: c.tokens,
-                start_pos: c.start_pos,
-                blocks: c.block_table,
-                want_logits: c.want_logits,
-            })
-            .collect();
-        let model = &self.served.model;
-        let out = model.forward(&self.pool, &batch).map_err(device_error)?;
-        if self.served.copy_back == KvCopyBack::EveryStep {
-            // Waits for the step; the logits' read below then only copies.
-            self.copy_back(chunks, cache).map_err(device_error)?;
+        let model = self.rank0()?;
+        if !self.peers.is_empty() {
+            let input = Arc::new(StepInput {
+                chunks: chunks
+                    .iter()
+                    .map(|c| {
+                        (
+                            c.tokens.to_vec(),
+                            c.start_pos,
+                            c.block_table.to_vec(),
+                            c.want_logits,
+                        )
+                    })
+                    .collect(),
+            });
+            self.broadcast(|| PeerCmd::Step(Arc::clone(&input)))?;
         }
-        logits.clear();
-        if let Some(out) = out {
-            logits.extend(self.dev().download(&out).map_err(device_error)?);
-        }
-        // Every layer is written (and, copied back, in the host pool, from
+        let mine = (|| {
+            let out =
+                model.forward_rank(&self.pool, &device_chunks(chunks), self.comm.as_deref())?;
+            if self.served.copy_back == KvCopyBack::EveryStep {
+                // Waits for the step; the logits' read below then only copies.
+                copy_back(model, &self.pool, chunks, cache)?;
+            }
+            logits.clear();
+            if let Some(out) = out {
+                logits.extend(model.device().download(&out)?);
+            }
+            Ok(())
+        })()
+        .map_err(device_error);
+        // Every rank's answer, even after a failure here: the next step
+        // must not meet a stale one.
+        let peers = self.gather();
+        mine.and(peers)?;
+        // Every layer is written (and, copied back, in the host pools, from
         // where a transfer engine may send them all).
         for l in 0..model.config().n_layers {
             layer_done(l);
@@ -241,17 +482,26 @@ impl StepRunner for GpuRunner {
     }
 
     fn kv_written(&self, cache: &KvCache, blocks: &[BlockId]) -> Result<(), RequestError> {
-        for &b in blocks {
-            if b as usize >= self.kv.num_blocks {
-                return Err(RequestError::Device(format!(
-                    "block {b} of a pool of {}",
-                    self.kv.num_blocks
-                )));
-            }
-            self.pool
-                .upload_block(self.dev(), b as usize, cache.block_bytes(b))
-                .map_err(device_error)?;
+        let model = self.rank0()?;
+        if !self.peers.is_empty() {
+            let blocks = Arc::new(blocks.to_vec());
+            self.broadcast(|| PeerCmd::Upload(Arc::clone(&blocks)))?;
         }
-        Ok(())
+        let mine = upload(model, &self.pool, cache, blocks).map_err(device_error);
+        let peers = self.gather();
+        mine.and(peers)
+    }
+}
+
+impl Drop for GpuRunner {
+    fn drop(&mut self) {
+        for p in &mut self.peers {
+            p.tx.take(); // closes the rank's channel: it exits
+        }
+        for p in &mut self.peers {
+            if let Some(t) = p.thread.take() {
+                let _ = t.join();
+            }
+        }
     }
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use tandem_engine::backend::{RunnerConfig, ServedModel, StepRunner};
 use tandem_engine::generate::{GenerateRequest, generate};
-use tandem_engine::kv_cache::KvCache;
+use tandem_engine::kv_cache::{KvCache, KvCacheConfig, KvPool};
 use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{SamplingParams, argmax};
@@ -101,9 +101,14 @@ fn smollm2_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
 /// The scheduler's view of the GPU: a runner of `blocks` KV blocks of 16
 /// tokens and the host cache it copies back to.
 fn runner(served: &Arc<GpuServed>, blocks: usize) -> (Box<dyn StepRunner>, KvCache) {
+    tp_runner(served, 1, blocks)
+}
+
+/// [`runner`] of a model loaded for `tp` ranks.
+fn tp_runner(served: &Arc<GpuServed>, tp: usize, blocks: usize) -> (Box<dyn StepRunner>, KvCache) {
     let r = Arc::clone(served)
         .runner(RunnerConfig {
-            tp: 1,
+            tp,
             moe_combine: Combine::AllReduce,
             block_size: 16,
             num_blocks: blocks,
@@ -118,8 +123,13 @@ fn gpu_served() -> Arc<GpuServed> {
 }
 
 fn served_with(copy_back: KvCopyBack) -> Arc<GpuServed> {
+    served_on(&[0], copy_back)
+}
+
+/// The model split over a tensor-parallel rank per entry of `devices`.
+fn served_on(devices: &[usize], copy_back: KvCopyBack) -> Arc<GpuServed> {
     let meta = ModelMeta::load(&gguf_path()).expect("model metadata");
-    Arc::new(GpuServed::load(meta, 0, 128, 16, copy_back).expect("loads on the device"))
+    Arc::new(GpuServed::load(meta, devices, 128, 16, copy_back).expect("loads on the device"))
 }
 
 fn step(r: &dyn StepRunner, cache: &mut KvCache, chunks: &[(&[u32], usize, &[u32])]) -> Vec<f32> {
@@ -336,4 +346,142 @@ fn attention_split_to_fit_its_scores_buffer_changes_no_bit() {
         m.device().download(&logits).expect("read")
     };
     assert!(run(&whole) == run(&split));
+}
+
+/// Block `b` of a peer rank's host pool (shaped `c`), as bytes.
+#[allow(clippy::mut_from_ref)]
+fn peer_block<'a>(pool: &'a KvPool, c: &KvCacheConfig, b: usize) -> &'a mut [u8] {
+    let n = c.block_bytes();
+    assert!((b + 1) * n <= pool.byte_len(), "block {b} in the pool");
+    // SAFETY: in bounds (checked above); between steps nothing else reads
+    // or writes the pool, and the test holds one slice of it at a time.
+    unsafe { std::slice::from_raw_parts_mut(pool.as_mut_ptr().add(b * n), n) }
+}
+
+#[test]
+fn three_tensor_parallel_ranks_agree_with_one_and_hand_kv_over() {
+    // SmolLM2's 9 heads and 3 KV heads split three ways; the ranks share
+    // lavapipe here (one rank per GPU on a machine with three).
+    let one = gpu_served();
+    let three = served_on(&[0, 0, 0], KvCopyBack::EveryStep);
+    let vocab = one.config().vocab_size;
+    let prompt = one
+        .text()
+        .tokenizer
+        .encode(
+            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+            false,
+        )
+        .expect("tokenize");
+    const DECODED: usize = 4;
+    let (r1, mut cache1) = runner(&one, 8);
+    let (r3, mut cache3) = tp_runner(&three, 3, 8);
+    assert_eq!(r3.peer_pools().len(), 2, "a host pool per peer rank");
+    let c3 = r3.kv_cache_config();
+    assert_eq!(c3.n_kv_heads, 1, "rank 0 keeps one KV head of three");
+
+    // Greedy decoding, the three ranks following one rank's tokens: the
+    // same choices up to near-ties, and logits within float rounding of
+    // the partial sums added in another order.
+    let table: &[u32] = &[2, 3];
+    let mut l1 = step(r1.as_ref(), &mut cache1, &[(&prompt, 0, table)]);
+    let mut l3 = step(r3.as_ref(), &mut cache3, &[(&prompt, 0, table)]);
+    let (mut worst, mut ties) = (0.0f32, 0);
+    for i in 0..DECODED {
+        assert_eq!(l3.len(), vocab);
+        for (a, b) in l1.iter().zip(&l3) {
+            worst = worst.max((a - b).abs());
+        }
+        let (next1, next3) = (argmax(&l1), argmax(&l3));
+        if next1 != next3 {
+            let gap = l3[next3 as usize] - l3[next1 as usize];
+            assert!(
+                gap <= NEAR_TIE,
+                "step {i}: 1 rank {next1}, 3 ranks {next3} (gap {gap})"
+            );
+            ties += 1;
+        }
+        let at = prompt.len() + i;
+        l1 = step(r1.as_ref(), &mut cache1, &[(&[next1], at, table)]);
+        l3 = step(r3.as_ref(), &mut cache3, &[(&[next1], at, table)]);
+    }
+    eprintln!("1 vs 3 ranks: largest logit difference {worst}, near-ties {ties}");
+    assert!(worst <= 0.05, "logits differ by {worst}");
+    assert!(ties <= 1, "{ties} near-ties in {DECODED} steps");
+
+    // Each rank copied its KV head back to its own host pool: layer 0's
+    // K and V (computed from the same embeddings by the same rows of the
+    // same matmul) are bitwise one rank's.
+    let c1 = *cache1.config();
+    let pools = r3.peer_pools();
+    for b in [2usize, 3] {
+        let whole = cache1.block_bytes(b as u32);
+        let head_bytes = c1.head_slice_len() * 2;
+        for kv in 0..2 {
+            for rank in 0..3 {
+                let want = &whole[(kv * 3 + rank) * head_bytes..][..head_bytes];
+                let got = match rank {
+                    0 => cache3.block_bytes(b as u32).to_vec(),
+                    r => peer_block(&pools[r - 1], &c3, b).to_vec(),
+                };
+                assert!(
+                    got[kv * head_bytes..][..head_bytes] == *want,
+                    "block {b}, layer 0, {} of KV head {rank}",
+                    ["K", "V"][kv]
+                );
+            }
+        }
+    }
+
+    // The three pools, landed at other block ids of another group (as a
+    // KV handoff lands in every rank's pool) and uploaded, decode bitwise
+    // as where they were computed.
+    let last = *prompt.last().expect("a prompt");
+    let want = step(
+        r3.as_ref(),
+        &mut cache3,
+        &[(&[last], prompt.len() + DECODED, table)],
+    );
+    let (r3b, mut cache3b) = tp_runner(&three, 3, 8);
+    let pools_b = r3b.peer_pools();
+    for (src, dst) in [(2usize, 6usize), (3, 1)] {
+        let bytes = cache3.block_bytes(src as u32).to_vec();
+        cache3b.block_bytes_mut(dst as u32).copy_from_slice(&bytes);
+        for (from, to) in pools.iter().zip(&pools_b) {
+            let bytes = peer_block(from, &c3, src).to_vec();
+            peer_block(to, &c3, dst).copy_from_slice(&bytes);
+        }
+    }
+    r3b.kv_written(&cache3b, &[6, 1])
+        .expect("upload on every rank");
+    let got = step(
+        r3b.as_ref(),
+        &mut cache3b,
+        &[(&[last], prompt.len() + DECODED, &[6, 1])],
+    );
+    assert!(
+        got == want,
+        "imported KV decodes as computed KV on three ranks"
+    );
+
+    // A runner must be built for the ranks the model was loaded for.
+    let refused = Arc::clone(&three).runner(RunnerConfig {
+        tp: 1,
+        moe_combine: Combine::AllReduce,
+        block_size: 16,
+        num_blocks: 8,
+    });
+    let Err(err) = refused else {
+        panic!("3 ranks loaded, 1 asked: a runner was built");
+    };
+    assert!(err.contains("3 tensor-parallel ranks"), "{err}");
+}
+
+#[test]
+fn a_model_that_does_not_split_is_refused_at_load() {
+    let meta = ModelMeta::load(&gguf_path()).expect("model metadata");
+    // 9 heads do not split two ways.
+    let err =
+        GpuServed::load(meta, &[0, 0], 128, 16, KvCopyBack::Never).expect_err("9 heads on 2 ranks");
+    assert!(err.to_string().contains("2 tensor-parallel ranks"), "{err}");
 }
