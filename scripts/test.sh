@@ -37,9 +37,18 @@ if ((free_gb < need_gb)); then
   exit 1
 fi
 
-log "formatting and lints"
+log "formatting"
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --release -- -D warnings
+
+# One compilation serves lints, binaries and tests. Clippy runs as the
+# workspace crates' compiler (clippy-driver compiles as rustc does, and
+# lints on the way), so the dependencies are not compiled a second time in
+# check mode; -D warnings makes rustc's and Clippy's warnings errors
+# (dependencies are capped by cargo). Exported: every cargo command below
+# must see the same flags, or it rebuilds everything.
+export RUSTC_WORKSPACE_WRAPPER
+RUSTC_WORKSPACE_WRAPPER=$(rustc --print sysroot)/bin/clippy-driver
+export RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-D warnings"
 
 # The chart, values files and Dockerfile: lint and schema checks (installs
 # helm, kubernetes-validate and hadolint into ~/.cache/tandem/tools once).
@@ -47,9 +56,13 @@ log "deployment files"
 scripts/check-deploy.sh
 export TANDEM_HELM=${TANDEM_HELM:-${TANDEM_TOOLS:-$HOME/.cache/tandem/tools}/bin/helm}
 
-log "building"
-# --timings writes target/cargo-timings/: where a slow build's minutes went.
-cargo build --workspace --release --timings
+log "building and linting"
+# Every target at once (benches too, so Clippy sees them): a build without
+# the test targets would resolve dependency features without the
+# dev-dependencies, and `cargo test` would then rebuild nearly the whole
+# tree with the unified features. --timings writes target/cargo-timings/:
+# where a slow build's minutes went.
+cargo build --workspace --release --all-targets --timings
 
 # Fetch the default model through the same code path users hit (cached after
 # the first run), and smoke-test the binary on it.
@@ -89,9 +102,8 @@ log "NVRTC"
 nvrtc=$(scripts/fetch-nvrtc.sh "$TANDEM_CACHE/nvrtc")
 export LD_LIBRARY_PATH=$nvrtc${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
-# The test binaries are built first, so the time limit below is the tests'
-# own: a hang must fail the run, not eat CI's whole time budget.
-log "building the tests"
+# Built above (this only checks they are fresh), so the time limit below
+# is the tests' own: a hang must fail the run, not eat CI's whole budget.
 cargo test --workspace --release --no-run
 log "tests"
 timeout 1800 cargo test --workspace --release
@@ -108,14 +120,16 @@ log "fuzz targets compile"
 # libfuzzer-sys builds libFuzzer's C++: use clang++ (installed above) where
 # the machine has no default C++ compiler.
 command -v c++ >/dev/null || export CXX=clang++
-# The main target dir, whose dependencies (checked by clippy above, same
-# profile) it can reuse where versions and features agree.
-CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target} timeout 900 cargo check --release --quiet \
-  --manifest-path fuzz/Cargo.toml --bins
+# The main target dir (its build scripts' outputs are reused), without
+# the lint flags: a type check of the targets, not a lint of them.
+CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target} RUSTFLAGS= RUSTC_WORKSPACE_WRAPPER= \
+  timeout 900 cargo check --release --quiet --manifest-path fuzz/Cargo.toml --bins
 
 # The NCCL communicator is behind a feature (no GPU here): it must still
 # build, lint clean, and pass its host-side tests (clean "not available"
 # errors without a GPU, device-list validation).
 log "NCCL backend (feature nccl, host side)"
-cargo clippy --release -p tandem-engine --features nccl --all-targets -- -D warnings
+# Linted as it builds (the workspace wrapper above), as a library and as
+# its unit tests.
+cargo build --release -p tandem-engine --features nccl --lib
 timeout 600 cargo test --release -p tandem-engine --features nccl --lib comm::nccl
