@@ -530,9 +530,11 @@ impl GpuModel {
     /// rank runs the same chunks at the same time, each over its own pool
     /// (its KV heads), and `comm` adds the output and down projections'
     /// partial sums across ranks, staged through host memory. Only rank 0
-    /// computes logits. A rank whose device fails still takes part in
-    /// every later collective (with zeros), so its peers never wait for a
-    /// rank that gave up; all of them then fail the step.
+    /// computes logits. A rank that fails (its inputs refused, its device
+    /// failing) still takes part in every later collective, with zeros,
+    /// so its peers never wait for a rank that gave up; their results of
+    /// that step are then meaningless, and the caller fails the step if
+    /// any rank failed (`GpuRunner` does).
     pub fn forward_rank(
         &self,
         pool: &DevicePool,
@@ -554,6 +556,34 @@ impl GpuModel {
                 });
             }
         }
+        let mut met = 0;
+        let result = self.step(pool, chunks, comm, &mut met);
+        // A rank that stopped short of the step's collectives (its inputs
+        // were refused here, or its device failed before the first one)
+        // still meets its peers at each of them, so none waits forever.
+        // Not after a failed collective: that fails on every rank.
+        if let (Err(e), Some(comm)) = (&result, comm)
+            && !matches!(e, GpuError::Collective(_))
+        {
+            let n: usize = chunks.iter().map(|ch| ch.tokens.len()).sum();
+            let mut zeros = vec![0.0; n * self.c.d_model];
+            for _ in met..2 * self.layers.len() {
+                zeros.fill(0.0);
+                comm.all_reduce_sum(&mut zeros)?;
+            }
+        }
+        result
+    }
+
+    /// The step of [`GpuModel::forward_rank`]; `met` counts the
+    /// collectives this rank took part in.
+    fn step(
+        &self,
+        pool: &DevicePool,
+        chunks: &[Chunk<'_>],
+        comm: Option<&dyn Communicator>,
+        met: &mut usize,
+    ) -> Result<Option<Buffer>, GpuError> {
         let c = &self.c;
         let bs = self.layout.block_size;
         let pool_blocks = pool.blocks;
@@ -687,14 +717,14 @@ impl GpuModel {
                 }
                 kernels::matmul_q4_1(dev, &att, &l.wo, d, qd, &o)
             });
-            self.all_reduce(comm, &o, &mut failed)?;
+            self.all_reduce(comm, &o, &mut failed, met)?;
             stage(&mut failed, || {
                 kernels::add_rms_norm(dev, &x, &o, &l.ffn_norm, c.rms_eps, &xn)?;
                 kernels::matmul_q4_1(dev, &xn, &l.gate_up, 2 * self.ffn, d, &gate_up)?;
                 kernels::swiglu(dev, &gate_up, self.ffn, &h)?;
                 kernels::matmul_q4_1(dev, &h, &l.down, d, self.ffn, &ffn_out)
             });
-            self.all_reduce(comm, &ffn_out, &mut failed)?;
+            self.all_reduce(comm, &ffn_out, &mut failed, met)?;
             let next_norm = self
                 .layers
                 .get(li + 1)
@@ -732,6 +762,7 @@ impl GpuModel {
         comm: Option<&dyn Communicator>,
         buf: &Buffer,
         failed: &mut Option<GpuError>,
+        met: &mut usize,
     ) -> Result<(), GpuError> {
         let Some(comm) = comm else {
             return Ok(());
@@ -744,6 +775,7 @@ impl GpuModel {
             Some(_) => vec![0.0; buf.len()],
         };
         comm.all_reduce_sum(&mut host)?;
+        *met += 1;
         if failed.is_none()
             && let Err(e) = self.dev.write_at(buf, 0, &host)
         {

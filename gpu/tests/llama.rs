@@ -12,13 +12,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use tandem_engine::backend::{RunnerConfig, ServedModel, StepRunner};
+use tandem_engine::comm::CpuGroup;
 use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::kv_cache::{KvCache, KvCacheConfig, KvPool};
 use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{SamplingParams, argmax};
 use tandem_gpu::GpuDevice;
-use tandem_gpu::llama::{Chunk, GpuLlama, GpuModel};
+use tandem_gpu::llama::{Chunk, GpuLlama, GpuModel, Shard};
 use tandem_gpu::runner::{GpuServed, KvCopyBack};
 use tandem_modelfile::ModelMeta;
 use tandem_modelfile::gguf::GgufFile;
@@ -484,4 +485,78 @@ fn a_model_that_does_not_split_is_refused_at_load() {
     let err =
         GpuServed::load(meta, &[0, 0], 128, 16, KvCopyBack::Never).expect_err("9 heads on 2 ranks");
     assert!(err.to_string().contains("2 tensor-parallel ranks"), "{err}");
+}
+
+#[test]
+fn a_rank_that_fails_a_step_still_meets_its_peers() {
+    let g = GgufFile::open(&gguf_path()).expect("gguf");
+    let dev = || GpuDevice::open(0).expect("a Vulkan device");
+    let whole = GpuModel::load(dev(), &g, 64, 16).expect("loads");
+    let shards: Vec<GpuModel> = (0..3)
+        .map(|rank| {
+            GpuModel::load_shard(dev(), &g, 64, 16, Shard { rank, world: 3 }).expect("loads")
+        })
+        .collect();
+    let prompt: Vec<u32> = (0..5).map(|i| 300 + 17 * i).collect();
+    let chunk = |blocks| Chunk {
+        tokens: &prompt,
+        start_pos: 0,
+        blocks,
+        want_logits: true,
+    };
+    // Rank 1's pool has no block 3, so it refuses the first step before
+    // its first collective; the other two run it. Then a good step.
+    type Outcome = (Result<(), String>, Option<Vec<f32>>);
+    let outcomes: Vec<Outcome> = std::thread::scope(|s| {
+        let ranks: Vec<_> = shards
+            .iter()
+            .zip(CpuGroup::new(3))
+            .enumerate()
+            .map(|(rank, (m, comm))| {
+                let chunk = &chunk;
+                s.spawn(move || {
+                    let pool = m.new_pool(if rank == 1 { 2 } else { 4 }).expect("pool");
+                    let bad = m
+                        .forward_rank(&pool, &[chunk(&[3])], Some(&comm))
+                        .map(|_| ())
+                        .map_err(|e| e.to_string());
+                    let good = m
+                        .forward_rank(&pool, &[chunk(&[1])], Some(&comm))
+                        .expect("the step after a failed one")
+                        .map(|b| m.device().download(&b).expect("logits"));
+                    (bad, good)
+                })
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .map(|r| r.join().expect("a rank thread"))
+            .collect()
+    });
+    for (rank, (bad, _)) in outcomes.iter().enumerate() {
+        match rank {
+            1 => assert!(
+                bad.as_ref().is_err_and(|e| e.contains("block 3")),
+                "rank 1: {bad:?}"
+            ),
+            _ => assert!(bad.is_ok(), "rank {rank} ran the step: {bad:?}"),
+        }
+    }
+    // The group is still in step: rank 0's logits are the whole model's
+    // within rounding, and the other ranks make none.
+    let pool = whole.new_pool(2).expect("pool");
+    let want = whole
+        .forward(&pool, &[chunk(&[1])])
+        .expect("a step")
+        .map(|b| whole.device().download(&b).expect("logits"))
+        .expect("logits");
+    let got = outcomes[0].1.as_ref().expect("rank 0's logits");
+    let worst = want
+        .iter()
+        .zip(got)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= 0.05, "logits differ by {worst}");
+    assert_eq!(argmax(&want), argmax(got));
+    assert!(outcomes[1].1.is_none() && outcomes[2].1.is_none());
 }
