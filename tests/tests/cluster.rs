@@ -830,7 +830,16 @@ fn gpu_and_cpu_nodes_hand_kv_to_each_other_both_ways() {
         "p-gpu",
         &["--devices", "gpu:0"],
     );
-    let d = Node::start(&etcd.url(), &cluster, "decode", "d-cpu", &[]);
+    // Lavapipe's first prompt (its kernels compiled on the way) takes
+    // some 28 s on two cores, the next ones 15 s: past the 20 s watchdog
+    // the other tests run the decode node with.
+    let d = Node::start(
+        &etcd.url(),
+        &cluster,
+        "decode",
+        "d-cpu",
+        &["--prefill-timeout-ms", "120000"],
+    );
     let r = Router::start(&etcd.url(), &cluster);
     r.wait_members(1, 1, Duration::from_secs(10));
     let prompt = "Listen to this story. Once upon a time, in a small village at the edge of a \
