@@ -115,9 +115,42 @@ pub struct TpExecutor {
     peer_pools: Vec<Arc<KvPool>>,
 }
 
-/// A step's chunks, owned so peer ranks can run them.
-struct StepInput {
+/// A step's chunks, owned so peer ranks (threads of a tensor-parallel
+/// runner) can run them.
+#[derive(Debug)]
+pub struct StepInput {
     chunks: Vec<(Vec<u32>, usize, Vec<BlockId>, bool)>,
+}
+
+impl StepInput {
+    pub fn new(chunks: &[SeqChunk<'_>]) -> StepInput {
+        StepInput {
+            chunks: chunks
+                .iter()
+                .map(|c| {
+                    (
+                        c.tokens.to_vec(),
+                        c.start_pos,
+                        c.block_table.to_vec(),
+                        c.want_logits,
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// The chunks, borrowed from here.
+    pub fn chunks(&self) -> Vec<SeqChunk<'_>> {
+        self.chunks
+            .iter()
+            .map(|(tokens, start_pos, table, want_logits)| SeqChunk {
+                tokens,
+                start_pos: *start_pos,
+                block_table: table,
+                want_logits: *want_logits,
+            })
+            .collect()
+    }
 }
 
 struct Peer {
@@ -210,19 +243,7 @@ impl StepRunner for TpExecutor {
         logits: &mut Vec<f32>,
     ) -> Result<(), RequestError> {
         if !self.peers.is_empty() {
-            let input = Arc::new(StepInput {
-                chunks: chunks
-                    .iter()
-                    .map(|c| {
-                        (
-                            c.tokens.to_vec(),
-                            c.start_pos,
-                            c.block_table.to_vec(),
-                            c.want_logits,
-                        )
-                    })
-                    .collect(),
-            });
+            let input = Arc::new(StepInput::new(chunks));
             for p in &self.peers {
                 let sent = p.tx.as_ref().map(|tx| tx.send(Arc::clone(&input)));
                 if !matches!(sent, Some(Ok(()))) {
@@ -269,16 +290,7 @@ fn peer_loop(
     done: mpsc::Sender<Result<(), RequestError>>,
 ) {
     while let Ok(input) = rx.recv() {
-        let chunks: Vec<SeqChunk<'_>> = input
-            .chunks
-            .iter()
-            .map(|(tokens, start_pos, table, want_logits)| SeqChunk {
-                tokens,
-                start_pos: *start_pos,
-                block_table: table,
-                want_logits: *want_logits,
-            })
-            .collect();
+        let chunks = input.chunks();
         let r = shard.forward(&chunks, &mut cache).map(|_| ());
         if done.send(r).is_err() {
             return;

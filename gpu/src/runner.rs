@@ -21,7 +21,7 @@
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
-use tandem_engine::backend::{RunnerConfig, ServedModel, StepRunner};
+use tandem_engine::backend::{RunnerConfig, ServedModel, StepInput, StepRunner};
 use tandem_engine::block_allocator::BlockId;
 use tandem_engine::comm::{Communicator, CpuComm, CpuGroup};
 use tandem_engine::error::RequestError;
@@ -238,25 +238,6 @@ enum PeerCmd {
     Upload(Arc<Vec<BlockId>>),
 }
 
-/// A step's chunks, owned so peer ranks can run them.
-struct StepInput {
-    chunks: Vec<(Vec<u32>, usize, Vec<BlockId>, bool)>,
-}
-
-impl StepInput {
-    fn chunks(&self) -> Vec<SeqChunk<'_>> {
-        self.chunks
-            .iter()
-            .map(|(tokens, start_pos, table, want_logits)| SeqChunk {
-                tokens,
-                start_pos: *start_pos,
-                block_table: table,
-                want_logits: *want_logits,
-            })
-            .collect()
-    }
-}
-
 struct Peer {
     tx: Option<mpsc::Sender<PeerCmd>>,
     done: mpsc::Receiver<Result<(), GpuError>>,
@@ -440,19 +421,7 @@ impl StepRunner for GpuRunner {
     ) -> Result<(), RequestError> {
         let model = self.rank0()?;
         if !self.peers.is_empty() {
-            let input = Arc::new(StepInput {
-                chunks: chunks
-                    .iter()
-                    .map(|c| {
-                        (
-                            c.tokens.to_vec(),
-                            c.start_pos,
-                            c.block_table.to_vec(),
-                            c.want_logits,
-                        )
-                    })
-                    .collect(),
-            });
+            let input = Arc::new(StepInput::new(chunks));
             self.broadcast(|| PeerCmd::Step(Arc::clone(&input)))?;
         }
         let mine = (|| {
