@@ -9,6 +9,37 @@ cd "$(dirname "$0")/.."
 
 . scripts/lib.sh
 
+# Each step's minutes, and the slowest test binaries, printed again at the
+# end whether the run passes or fails: a CI log is often read only by its
+# tail, and that is where the time went.
+steps=() step_starts=()
+step() {
+  log "$*"
+  steps+=("$*")
+  step_starts+=("$SECONDS")
+}
+test_log=$(mktemp)
+summary() {
+  local rc=$? i end
+  {
+    printf '\n== step times (exit %d)\n' "$rc"
+    for i in "${!steps[@]}"; do
+      end=${step_starts[i + 1]:-$SECONDS}
+      printf '%6ds  %s\n' $((end - step_starts[i])) "${steps[i]}"
+    done
+    printf '%6ds  in all\n' "$SECONDS"
+    if [[ -s $test_log ]]; then
+      printf '\n== slowest test binaries\n'
+      awk '/^ *Running /{src = $2 == "unittests" ? $3 : $2; crate = $NF
+          sub(/.*deps\//, "", crate); sub(/-[0-9a-f]+\)$/, "", crate); bin = crate " " src}
+        /finished in/{t = $NF; sub(/s$/, "", t); printf "%6.0fs  %s\n", t, bin}' \
+        "$test_log" | sort -rn | head -12
+    fi
+  } >&2
+  rm -f "$test_log"
+}
+trap summary EXIT
+
 # System packages the build and tests need: UCX (the KV transfer engine's
 # transport, bound with bindgen, hence clang), etcd (worker discovery; the
 # end-to-end tests start their own), protoc (gRPC code generation), haproxy
@@ -37,7 +68,7 @@ if ((free_gb < need_gb)); then
   exit 1
 fi
 
-log "formatting"
+step "formatting"
 cargo fmt --all -- --check
 
 # One compilation serves lints, binaries and tests. Clippy runs as the
@@ -52,11 +83,11 @@ export RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-D warnings"
 
 # The chart, values files and Dockerfile: lint and schema checks (installs
 # helm, kubernetes-validate and hadolint into ~/.cache/tandem/tools once).
-log "deployment files"
+step "deployment files"
 scripts/check-deploy.sh
 export TANDEM_HELM=${TANDEM_HELM:-${TANDEM_TOOLS:-$HOME/.cache/tandem/tools}/bin/helm}
 
-log "building and linting"
+step "building and linting"
 # Every target at once (benches too, so Clippy sees them): a build without
 # the test targets would resolve dependency features without the
 # dev-dependencies, and `cargo test` would then rebuild nearly the whole
@@ -66,14 +97,14 @@ cargo build --workspace --release --all-targets --timings
 
 # Fetch the default model through the same code path users hit (cached after
 # the first run), and smoke-test the binary on it.
-log "default model"
+step "default model"
 export TANDEM_CACHE=${TANDEM_CACHE:-$HOME/.cache/tandem}
 ./target/release/tandem generate --model smollm2-135m --prompt "Hello" --max-tokens 4 --temperature 0 >/dev/null
 export TANDEM_TEST_GGUF=$TANDEM_CACHE/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # The other model families (Qwen2, Gemma 3), each split over several PyPI
 # wheels; fetched, size- and hash-checked once by the same code path.
-log "Qwen2.5-Coder-0.5B and Gemma 3 270M"
+step "Qwen2.5-Coder-0.5B and Gemma 3 270M"
 ./target/release/tandem generate --model qwen2.5-coder-0.5b --prompt "def" --max-tokens 2 --temperature 0 >/dev/null
 ./target/release/tandem generate --model gemma3-270m --prompt "The" --max-tokens 2 --temperature 0 >/dev/null
 export TANDEM_TEST_QWEN2_GGUF=$TANDEM_CACHE/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -81,42 +112,42 @@ export TANDEM_TEST_GEMMA3_GGUF=$TANDEM_CACHE/gemma3-270m/gemma-3-270m-q4_k_m.ggu
 
 # An HF-style directory converted from the GGUF by an independent Python
 # script, for the safetensors loader's tests (cached after the first run).
-log "HF fixture"
+step "HF fixture"
 export TANDEM_TEST_HF_DIR=$TANDEM_CACHE/test-fixtures/smollm2-135m-hf-f32
 scripts/make-hf-fixture.sh "$TANDEM_TEST_HF_DIR"
 
 # llama.cpp's tokenizer test vocabularies with their expected token ids,
 # from the llama-cpp-python sdist on PyPI (cached after the first run).
-log "llama.cpp vocab tests"
+step "llama.cpp vocab tests"
 export TANDEM_LLAMA_VOCAB_DIR=$(scripts/fetch-llama-vocab.sh "$TANDEM_CACHE/llama-vocab")
 
 # The real OpenAI client libraries (SDK, langchain-openai, Agents SDK,
 # instructor, aiperf) that tests/tests/clients.rs drives, pinned in
 # tests/clients/requirements.txt (installed once into the cache).
-log "client libraries"
+step "client libraries"
 export TANDEM_CLIENTS_PYTHON=$(scripts/clients-venv.sh "$TANDEM_CACHE/clients-venv")
 
 # NVRTC (CUDA's run-time C++ compiler, from PyPI; no GPU or driver needed)
 # for tandem-gpu's check that every kernel's CUDA form compiles to PTX.
-log "NVRTC"
+step "NVRTC"
 nvrtc=$(scripts/fetch-nvrtc.sh "$TANDEM_CACHE/nvrtc")
 export LD_LIBRARY_PATH=$nvrtc${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 # Built above (this only checks they are fresh), so the time limit below
 # is the tests' own: a hang must fail the run, not eat CI's whole budget.
 cargo test --workspace --release --no-run
-log "tests"
-timeout 1800 cargo test --workspace --release
+step "tests"
+timeout 1800 cargo test --workspace --release --no-fail-fast 2>&1 | tee "$test_log"
 
 # dkv without UCX (a laptop without libucx-dev): it must build and report
 # UCX as unavailable cleanly. In the main target dir, so only dkv rebuilds
 # (its build script watches TANDEM_DKV_NO_UCX; the next build restores it).
-log "dkv without UCX"
+step "dkv without UCX"
 TANDEM_DKV_NO_UCX=1 timeout 600 cargo test --release -p tandem-dkv
 
 # The fuzz targets (run with scripts/fuzz.sh) live outside the workspace:
 # check that they still compile against today's APIs.
-log "fuzz targets compile"
+step "fuzz targets compile"
 # libfuzzer-sys builds libFuzzer's C++: use clang++ (installed above) where
 # the machine has no default C++ compiler.
 command -v c++ >/dev/null || export CXX=clang++
@@ -128,7 +159,7 @@ CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target} RUSTFLAGS= RUSTC_WORKSPACE_WRA
 # The NCCL communicator is behind a feature (no GPU here): it must still
 # build, lint clean, and pass its host-side tests (clean "not available"
 # errors without a GPU, device-list validation).
-log "NCCL backend (feature nccl, host side)"
+step "NCCL backend (feature nccl, host side)"
 # Linted as it builds (the workspace wrapper above), as a library and as
 # its unit tests.
 cargo build --release -p tandem-engine --features nccl --lib

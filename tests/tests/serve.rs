@@ -968,14 +968,15 @@ fn metrics_endpoint_reports_engine_and_request_metrics() {
 #[test]
 fn device_flags_that_cannot_run_are_refused_at_startup() {
     for (args, want) in [
+        // Tensor-parallel GPU ranks: SmolLM2's 9 heads do not split 2 ways,
+        // whether the ranks have a GPU each or share one.
+        (&["--devices", "gpu:0,1"][..], "do not split"),
+        (&["--devices", "gpu:0", "--tp", "2"][..], "do not split"),
         (
-            &["--devices", "gpu:0,1"][..],
-            "a process runs one GPU so far",
+            &["--devices", "gpu:0,0", "--tp", "3"][..],
+            "gives 2 ranks but --tp is 3",
         ),
-        (
-            &["--devices", "gpu:0", "--tp", "2"][..],
-            "tensor parallelism over GPUs is not built yet",
-        ),
+        (&["--devices", "gpu:7"][..], "no GPU for gpu:7"),
         (
             &["--devices", "cpu:3", "--tp", "2"][..],
             "gives 3 ranks but --tp is 2",
