@@ -973,9 +973,10 @@ fn device_flags_that_cannot_run_are_refused_at_startup() {
         (&["--devices", "gpu:0,1"][..], "do not split"),
         (&["--devices", "gpu:0", "--tp", "2"][..], "do not split"),
         (
-            &["--devices", "gpu:0,0", "--tp", "3"][..],
+            &["--devices", "gpu:0,1", "--tp", "3"][..],
             "gives 2 ranks but --tp is 3",
         ),
+        (&["--devices", "gpu:0,0"][..], "device 0 listed twice"),
         (&["--devices", "gpu:7"][..], "no GPU for gpu:7"),
         (
             &["--devices", "cpu:3", "--tp", "2"][..],
