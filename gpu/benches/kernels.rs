@@ -113,18 +113,28 @@ fn main() {
     for &(rows, cols) in shapes {
         let x = dev.upload(&vec![0.5f32; cols]);
         let out = dev.zeros(rows);
-        let w = dev.upload(&filler(rows * cols / 32 * 5, 0x1234));
-        let t = time_per_call(&dev, &out, iters, || {
-            kernels::matmul_q4_1(&dev, &x, &w, rows, cols, &out).expect("launch");
-        });
-        let bytes = rows * cols / 32 * 20;
-        report(
-            &format!("Q4_1 {rows}x{cols}"),
-            bytes,
-            t,
-            copy_gbs,
-            datasheet,
-        );
+        for format in kernels::QFormat::ALL {
+            let ty = format.ggml();
+            let bytes = rows * cols / ty.block_len() * ty.block_bytes();
+            // Small finite scales in every f16 field (the filler's words
+            // keep each half below 0x3c00).
+            let gguf: Vec<u8> = filler(bytes.div_ceil(4), 0x1234)
+                .into_iter()
+                .flat_map(u32::to_le_bytes)
+                .take(bytes)
+                .collect();
+            let w = kernels::QMatrix::upload(&dev, format, rows, cols, &gguf).expect("upload");
+            let t = time_per_call(&dev, &out, iters, || {
+                kernels::matmul_q(&dev, &x, &w, &out, rows, 0).expect("launch");
+            });
+            report(
+                &format!("{format:?} {rows}x{cols}"),
+                bytes,
+                t,
+                copy_gbs,
+                datasheet,
+            );
+        }
     }
     // SmolLM2's tied head, dequantised to f32 on load.
     let (rows, cols) = if small { (8192, 576) } else { (49152, 576) };

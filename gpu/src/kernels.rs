@@ -8,6 +8,9 @@ use cubecl::prelude::*;
 use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
 
+mod quant;
+pub use quant::{QFormat, QMatrix, matmul_q};
+
 /// Units per cube for the row-wise kernels (a power of two).
 const ROW_UNITS: usize = 64;
 /// Units per cube of the element-wise kernels (large: see
@@ -568,109 +571,6 @@ fn half_to_f32(h: u32) -> f32 {
 }
 
 #[cube(launch, create_dummy_kernel)]
-fn matmul_q4_1_kernel(
-    x: &[f32],
-    w: &[u32],
-    out: &mut [f32],
-    n_tok: u32,
-    #[comptime] cols: usize,
-    #[comptime] units: usize,
-    #[comptime] tile: usize,
-) {
-    // A Q4_1 block is 20 bytes = 5 words: f16 scale and f16 min, then 16
-    // bytes whose low nibbles are elements 0..16 and high nibbles 16..32.
-    let nb = cols / 32;
-    let rows = w.len() / (nb * 5);
-    let r = matmul_row(rows);
-    let t0 = CUBE_POS_Z as usize * tile;
-    let n = n_tok as usize;
-    let unit = UNIT_POS_X as usize % units;
-    let mut acc = Array::<f32>::new(tile);
-    #[unroll]
-    for j in 0..tile {
-        acc[j] = 0.0f32;
-    }
-    if r < rows {
-        // Four units share a block, each taking one word of its nibbles
-        // (elements 4q..4q+4 and 16+4q..16+4q+4), so a cube's loads of
-        // both the weights and `x` run along memory in order. Each weight
-        // is dequantised once for the tile's tokens; every token's sum
-        // runs in the one-token order, so batching changes no bit.
-        let q = unit % 4;
-        let per_pass = units / 4;
-        for i in 0..nb.div_ceil(per_pass) {
-            let b = i * per_pass + unit / 4;
-            if b < nb {
-                let at = (r * nb + b) * 5;
-                let dm = w[at];
-                let d = half_to_f32(dm & 0xffff);
-                let m = half_to_f32(dm >> 16);
-                let word = w[at + 1 + q];
-                let x0 = b * 32 + q * 4;
-                for byte in 0..4usize {
-                    let v = (word >> (byte as u32 * 8)) & 0xff;
-                    let lo = d * (v & 0xf) as f32 + m;
-                    let hi = d * (v >> 4) as f32 + m;
-                    #[unroll]
-                    for j in 0..tile {
-                        if t0 + j < n {
-                            let xb = (t0 + j) * cols + x0 + byte;
-                            acc[j] += lo * x[xb];
-                            acc[j] += hi * x[xb + 16];
-                        }
-                    }
-                }
-            }
-        }
-    }
-    let mut sh = Shared::<[f32]>::new_slice(units * MATMUL_ROWS);
-    #[unroll]
-    for j in 0..tile {
-        let total = segment_reduce(&mut sh, acc[j], UNIT_POS_X as usize, units, false);
-        if r < rows && unit == 0 && t0 + j < n {
-            out[(t0 + j) * rows + r] = total;
-        }
-    }
-}
-
-/// [`matmul`] for GGUF Q4_1 weights (`rows` rows of `cols / 32` blocks,
-/// as [`GpuDevice::upload_words`] stores them), dequantised on the fly.
-pub fn matmul_q4_1(
-    dev: &GpuDevice,
-    x: &Buffer,
-    w: &Buffer<u32>,
-    rows: usize,
-    cols: usize,
-    out: &Buffer,
-) -> Result<(), GpuError> {
-    if !cols.is_multiple_of(32) || w.len() != rows * (cols / 32) * 5 {
-        return Err(shape(
-            "matmul_q4_1",
-            format!(
-                "{} words are not {rows} rows of {cols} Q4_1 columns",
-                w.len()
-            ),
-        ));
-    }
-    let (n_tok, rows) = matmul_shape("matmul_q4_1", x.len(), rows, cols, out.len())?;
-    if let Some((count, dim, tile, n_tok)) = matmul_grid("matmul_q4_1", n_tok, rows)? {
-        matmul_q4_1_kernel::launch(
-            dev.client(),
-            count,
-            dim,
-            arg(x),
-            arg(w),
-            arg(out),
-            n_tok,
-            cols,
-            MATMUL_UNITS,
-            tile,
-        );
-    }
-    Ok(())
-}
-
-#[cube(launch, create_dummy_kernel)]
 fn argmax_kernel(x: &[f32], out: &mut [u32], #[comptime] n: usize, #[comptime] units: usize) {
     let base = CUBE_POS_X as usize * n;
     let unit = UNIT_POS_X as usize;
@@ -976,6 +876,14 @@ fn add_kernel(acc: &mut [f32], x: &[f32]) {
 }
 
 #[cube(launch, create_dummy_kernel)]
+fn add_bias_kernel(x: &mut [f32], bias: &[f32]) {
+    let i = ABSOLUTE_POS;
+    if i < x.len() {
+        x[i] += bias[i % bias.len()];
+    }
+}
+
+#[cube(launch, create_dummy_kernel)]
 fn copy_kernel(src: &[f32], dst: &mut [f32]) {
     let i = ABSOLUTE_POS;
     if i < dst.len() {
@@ -1046,6 +954,21 @@ pub fn gather_rows(
 pub fn add(dev: &GpuDevice, acc: &Buffer, x: &Buffer) -> Result<(), GpuError> {
     if let Some((count, dim)) = elementwise("add", acc, x)? {
         add_kernel::launch(dev.client(), count, dim, arg(acc), arg(x));
+    }
+    Ok(())
+}
+
+/// `x[t] += bias` for each row `t` of `x` (rows of `bias.len()`).
+pub fn add_bias(dev: &GpuDevice, x: &Buffer, bias: &Buffer) -> Result<(), GpuError> {
+    if bias.is_empty() || !x.len().is_multiple_of(bias.len()) {
+        return Err(shape(
+            "add_bias",
+            format!("x {} is not rows of {}", x.len(), bias.len()),
+        ));
+    }
+    if !x.is_empty() {
+        let (count, dim) = line(x.len());
+        add_bias_kernel::launch(dev.client(), count, dim, arg(x), arg(bias));
     }
     Ok(())
 }

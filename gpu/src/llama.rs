@@ -1,5 +1,6 @@
-//! Llama-family models on the device: SmolLM2's shape (GGUF Q4_1 layer
-//! weights, tied Q8_0 or f32 embeddings, no biases, no sliding windows).
+//! Llama-family models on the device: SmolLM2's shape (layer weights in
+//! any of the quantised formats [`QFormat`] lists, embeddings and head of
+//! any type the CPU dequantises, no biases, no sliding windows).
 //! [`GpuModel`] holds the weights and runs the forward pass of a batch of
 //! chunks (prompt pieces and decode tokens of several sequences) over a
 //! paged KV pool in device memory, laid out as the CPU engine's pool, so a
@@ -10,8 +11,8 @@
 //! the device; per step the host uploads token ids and position data and
 //! reads back the logits of the tokens that want them.
 
+use tandem_kernels::dequantize_row;
 use tandem_kernels::ops::{Rope, RopeStyle};
-use tandem_kernels::{GgmlType, dequantize_row};
 use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::gguf::GgufFile;
 
@@ -21,7 +22,7 @@ use tandem_engine::generate::SequenceModel;
 
 use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
-use crate::kernels::{self, KvLayout, KvRows};
+use crate::kernels::{self, KvLayout, KvRows, QFormat, QMatrix};
 
 /// KV rows per block of [`GpuLlama`]'s pool.
 const BLOCK_SIZE: usize = 16;
@@ -33,14 +34,99 @@ const MAX_ATTENTION_CUBES: usize = 65_535;
 
 struct Layer {
     attn_norm: Buffer,
+    /// The Q, K and V biases (Qwen2), stacked as `wqkv`'s rows.
+    qkv_bias: Option<Buffer>,
     /// The Q, K and V projections' rows, one matrix: one launch computes
-    /// a token's `[q | k | v]` row.
-    wqkv: Buffer<u32>,
-    wo: Buffer<u32>,
+    /// a token's `[q | k | v]` row (a launch per format where they differ).
+    wqkv: Stacked,
+    wo: Stacked,
     ffn_norm: Buffer,
     /// The gate and up projections' rows, one matrix.
-    gate_up: Buffer<u32>,
-    down: Buffer<u32>,
+    gate_up: Stacked,
+    down: Stacked,
+}
+
+/// Largest GGUF bytes of one part of a [`Stacked`] matrix, and of an f32
+/// head: half of the smallest `maxStorageBufferRange` seen (lavapipe's
+/// 128 MiB), the rest left for repacking.
+const PART_BYTES: usize = 64 << 20;
+
+/// The output head: quantised where the device reads the format.
+enum Head {
+    Quantised(Stacked),
+    F32(Buffer),
+}
+
+/// The token embeddings, on the host as the file stores them: a step
+/// dequantises its tokens' rows there and uploads them (a 150k-token
+/// vocabulary's f32 table would not fit one device buffer).
+struct Embeddings {
+    ty: tandem_kernels::GgmlType,
+    bytes: Vec<u8>,
+    row_bytes: usize,
+    d: usize,
+}
+
+impl Embeddings {
+    fn load(g: &GgufFile, vocab: usize, d: usize) -> Result<Embeddings, GpuError> {
+        const NAME: &str = "token_embd.weight";
+        let info = g
+            .tensor(NAME)
+            .map_err(tandem_modelfile::error::ModelError::from)?;
+        let row_bytes = info
+            .ty
+            .row_bytes(d)
+            .ok_or_else(|| unsupported(format!("{NAME}: rows of {d} are not whole blocks")))?;
+        let data = g
+            .tensor_data(NAME)
+            .map_err(tandem_modelfile::error::ModelError::from)?;
+        if info.n_elements() != (vocab * d) as u64 || data.len() != vocab * row_bytes {
+            return Err(unsupported(format!(
+                "{NAME} holds {} values, not {vocab}x{d}",
+                info.n_elements()
+            )));
+        }
+        Ok(Embeddings {
+            ty: info.ty,
+            bytes: data.to_vec(),
+            row_bytes,
+            d,
+        })
+    }
+
+    /// The rows of `tokens` (each below the vocabulary size, checked by
+    /// the caller), as f32.
+    fn rows(&self, tokens: &[u32]) -> Result<Vec<f32>, GpuError> {
+        let mut out = vec![0.0f32; tokens.len() * self.d];
+        for (&t, dst) in tokens.iter().zip(out.chunks_exact_mut(self.d)) {
+            let at = t as usize * self.row_bytes;
+            let src = self
+                .bytes
+                .get(at..at + self.row_bytes)
+                .ok_or_else(|| unsupported(format!("token {t} past the embeddings")))?;
+            dequantize_row(self.ty, src, dst)
+                .map_err(|e| unsupported(format!("token_embd.weight: {e}")))?;
+        }
+        Ok(out)
+    }
+}
+
+/// A matrix stacked from the rows of several GGUF tensors: neighbouring
+/// tensors of one format are one [`QMatrix`] (one launch); each part
+/// writes its rows at its offset of the output's rows.
+struct Stacked {
+    parts: Vec<(QMatrix, usize)>,
+    rows: usize,
+}
+
+impl Stacked {
+    /// `out[t] = w . x[t]` for each token row of `x`.
+    fn matmul(&self, dev: &GpuDevice, x: &Buffer, out: &Buffer) -> Result<(), GpuError> {
+        for (m, at) in &self.parts {
+            kernels::matmul_q(dev, x, m, out, self.rows, *at)?;
+        }
+        Ok(())
+    }
 }
 
 /// One sequence's share of a batch step: `tokens` at positions
@@ -165,7 +251,8 @@ impl Shard {
 
     /// Why `c` cannot be split `world` ways on this backend, if it cannot:
     /// heads, KV heads and the FFN width must divide, and a rank's columns
-    /// of the output and down projections must be whole Q4_1 blocks.
+    /// of the output and down projections must be whole 32-value blocks
+    /// (the smallest; the loader checks each tensor's own format).
     pub fn check(c: &ModelConfig, world: usize) -> Result<(), GpuError> {
         let fits = |n: usize| world > 0 && n.is_multiple_of(world);
         let blocks = |n: usize| (n / world.max(1)).is_multiple_of(32);
@@ -199,10 +286,8 @@ pub struct GpuModel {
     kv_heads: usize,
     ffn: usize,
     layers: Vec<Layer>,
-    /// Token embeddings, f32, a row per token id.
-    embd: Buffer,
-    /// The output head (the same buffer as `embd` when tied).
-    head: Buffer,
+    embd: Embeddings,
+    head: Head,
     out_norm: Buffer,
     /// `(sin, cos)` per position and rotated pair: the CPU's angles.
     sin_cos: Buffer,
@@ -296,8 +381,7 @@ impl GpuModel {
     ) -> Result<GpuModel, GpuError> {
         let c = ModelConfig::from_gguf(g)?;
         let f = c.family;
-        if f.qkv_bias
-            || f.qk_norm
+        if f.qk_norm
             || f.post_norms
             || f.scale_embeddings
             || f.moe
@@ -306,7 +390,7 @@ impl GpuModel {
             || c.final_logit_softcap.is_some()
         {
             return Err(unsupported(
-                "only Llama-like families (no biases, extra norms, MoE or sliding windows)",
+                "only Llama-like families (Llama, Qwen2: no extra norms, MoE or sliding windows)",
             ));
         }
         if c.rope_dims != c.head_dim || max_ctx == 0 || block_size == 0 {
@@ -329,49 +413,98 @@ impl GpuModel {
         // This rank's rows of a matrix of `rows` x `cols` (all of them for
         // the whole model): its heads' or FFN units' rows are contiguous.
         let mine = |rows: usize| rows / w * shard.rank..rows / w * (shard.rank + 1);
-        // Q4_1 matrices, rows `sel` of each `rows` x `cols` part, stacked in
-        // the order given, with columns `cols_sel` of each row (rows are
-        // independent, so a stacked matmul computes each matrix's rows bit
-        // for bit; columns are whole 32-value blocks, checked above).
+        // Quantised matrices, rows `sel` of each `rows` x `cols` part,
+        // stacked in the order given, with columns `cols_sel` of each row
+        // (rows are independent, so a stacked matmul computes each
+        // matrix's rows bit for bit; a rank's columns must be whole blocks
+        // of the part's format).
         type Part = (String, usize, std::ops::Range<usize>);
-        let q4_1 = |parts: &[Part],
-                    cols: usize,
-                    cols_sel: std::ops::Range<usize>|
-         -> Result<Buffer<u32>, GpuError> {
-            let mut bytes = Vec::new();
-            let block = GgmlType::Q4_1
-                .row_bytes(32)
-                .ok_or_else(|| unsupported("Q4_1 has no 32-value blocks"))?;
+        let stacked = |parts: &[Part],
+                       cols: usize,
+                       cols_sel: std::ops::Range<usize>|
+         -> Result<Stacked, GpuError> {
+            // (format, rows, GGUF bytes) of each run of one format.
+            let mut runs: Vec<(QFormat, usize, Vec<u8>)> = Vec::new();
             for (name, rows, sel) in parts {
                 let info = g
                     .tensor(name)
                     .map_err(tandem_modelfile::error::ModelError::from)?;
-                if info.ty != GgmlType::Q4_1 || info.n_elements() != (rows * cols) as u64 {
+                let Some(format) = QFormat::of(info.ty) else {
                     return Err(unsupported(format!(
-                        "{name} is {:?} of {} values; the GPU backend runs Q4_1 {rows}x{cols}",
+                        "{name} is {:?}; the GPU backend runs {:?}",
                         info.ty,
+                        QFormat::ALL
+                    )));
+                };
+                let bl = format.block_len();
+                if info.n_elements() != (rows * cols) as u64 {
+                    return Err(unsupported(format!(
+                        "{name} holds {} values, not {rows}x{cols}",
                         info.n_elements()
+                    )));
+                }
+                if !cols.is_multiple_of(bl)
+                    || !cols_sel.start.is_multiple_of(bl)
+                    || !cols_sel.end.is_multiple_of(bl)
+                {
+                    return Err(unsupported(format!(
+                        "{name}: columns {cols_sel:?} of {cols} are not whole {format:?} blocks \
+                         of {bl}"
                     )));
                 }
                 let data = g
                     .tensor_data(name)
                     .map_err(tandem_modelfile::error::ModelError::from)?;
-                let row_bytes = cols / 32 * block;
-                let (from, to) = (cols_sel.start / 32 * block, cols_sel.end / 32 * block);
+                let block = format.ggml().block_bytes();
+                let row_bytes = cols / bl * block;
+                let (from, to) = (cols_sel.start / bl * block, cols_sel.end / bl * block);
                 for row in data.chunks_exact(row_bytes).take(sel.end).skip(sel.start) {
-                    bytes.extend_from_slice(&row[from..to]);
+                    // A new part where the format changes or the part is
+                    // full (a device binds a bounded range per buffer).
+                    let full = |r: &(QFormat, usize, Vec<u8>)| {
+                        r.0 != format || r.2.len() + (to - from) > PART_BYTES
+                    };
+                    if runs.last().is_none_or(full) {
+                        runs.push((format, 0, Vec::new()));
+                    }
+                    if let Some((_, run_rows, bytes)) = runs.last_mut() {
+                        bytes.extend_from_slice(&row[from..to]);
+                        *run_rows += 1;
+                    }
                 }
             }
-            Ok(dev.upload_words(&bytes))
+            let mut out = Stacked {
+                parts: Vec::with_capacity(runs.len()),
+                rows: 0,
+            };
+            for (format, rows, bytes) in runs {
+                let m = QMatrix::upload(&dev, format, rows, cols_sel.len(), &bytes)?;
+                out.parts.push((m, out.rows));
+                out.rows += rows;
+            }
+            Ok(out)
         };
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let (all_rows, all_d) = (|rows: usize| 0..rows, 0..d);
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
             let t = |s: &str| format!("blk.{i}.{s}.weight");
+            // This rank's rows of the Q, K and V biases, as `wqkv` stacks
+            // their weights.
+            let qkv_bias = if f.qkv_bias {
+                let b = |s: &str, n: usize| -> Result<Vec<f32>, GpuError> {
+                    let all = f32_tensor(g, &format!("blk.{i}.{s}.bias"), n)?;
+                    Ok(all[mine(n)].to_vec())
+                };
+                let stacked = [b("attn_q", qd)?, b("attn_k", kvd)?, b("attn_v", kvd)?].concat();
+                Some(dev.upload(&stacked))
+            } else {
+                None
+            };
             layers.push(Layer {
                 attn_norm: dev.upload(&f32_tensor(g, &t("attn_norm"), d)?),
-                wqkv: q4_1(
+                qkv_bias,
+                wqkv: stacked(
                     &[
                         (t("attn_q"), qd, mine(qd)),
                         (t("attn_k"), kvd, mine(kvd)),
@@ -380,9 +513,9 @@ impl GpuModel {
                     d,
                     all_d.clone(),
                 )?,
-                wo: q4_1(&[(t("attn_output"), d, all_rows(d))], qd, mine(qd))?,
+                wo: stacked(&[(t("attn_output"), d, all_rows(d))], qd, mine(qd))?,
                 ffn_norm: dev.upload(&f32_tensor(g, &t("ffn_norm"), d)?),
-                gate_up: q4_1(
+                gate_up: stacked(
                     &[
                         (t("ffn_gate"), c.ffn_dim, mine(c.ffn_dim)),
                         (t("ffn_up"), c.ffn_dim, mine(c.ffn_dim)),
@@ -390,18 +523,36 @@ impl GpuModel {
                     d,
                     all_d.clone(),
                 )?,
-                down: q4_1(
+                down: stacked(
                     &[(t("ffn_down"), d, all_rows(d))],
                     c.ffn_dim,
                     mine(c.ffn_dim),
                 )?,
             });
         }
-        let embd = dev.upload(&f32_tensor(g, "token_embd.weight", c.vocab_size * d)?);
-        let head = if g.tensor("output.weight").is_ok() {
-            dev.upload(&f32_tensor(g, "output.weight", c.vocab_size * d)?)
+        let embd = Embeddings::load(g, c.vocab_size, d)?;
+        // The output head, or the embeddings when tied: quantised as it is
+        // stored where the device reads the format, else f32.
+        let head_name = if g.tensor("output.weight").is_ok() {
+            "output.weight"
         } else {
-            embd.clone()
+            "token_embd.weight"
+        };
+        let head_ty = g
+            .tensor(head_name)
+            .map_err(tandem_modelfile::error::ModelError::from)?
+            .ty;
+        let vocab = c.vocab_size;
+        let head = match QFormat::of(head_ty) {
+            Some(_) => Head::Quantised(stacked(&[(head_name.into(), vocab, 0..vocab)], d, 0..d)?),
+            None if vocab * d * 4 <= PART_BYTES => {
+                Head::F32(dev.upload(&f32_tensor(g, head_name, vocab * d)?))
+            }
+            None => {
+                return Err(unsupported(format!(
+                    "a {head_ty:?} head of {vocab}x{d} (f32 beyond one device buffer)"
+                )));
+            }
         };
         let out_norm = dev.upload(&f32_tensor(g, "output_norm.weight", d)?);
         let rope = Rope::new(c.rope_style, c.rope_dims, c.rope_theta);
@@ -641,8 +792,7 @@ impl GpuModel {
         let n = tokens.len();
         let dev = &self.dev;
         let (d, hd) = (c.d_model, c.head_dim);
-        let x = dev.empty(n * d);
-        kernels::gather_rows(dev, &self.embd, &dev.upload(&tokens), d, &x)?;
+        let x = dev.upload(&self.embd.rows(&tokens)?);
         let positions = dev.upload(&positions);
         let slots = dev.upload(&slots);
         let meta = dev.upload(&meta);
@@ -684,7 +834,10 @@ impl GpuModel {
         // the final hidden states, normalised for the head, in `xn`.
         for (li, (l, kv)) in self.layers.iter().zip(&pool.layers).enumerate() {
             stage(&mut failed, || {
-                kernels::matmul_q4_1(dev, &xn, &l.wqkv, qkv_width, d, &qkv)?;
+                l.wqkv.matmul(dev, &xn, &qkv)?;
+                if let Some(b) = &l.qkv_bias {
+                    kernels::add_bias(dev, &qkv, b)?;
+                }
                 kernels::rope(
                     dev,
                     &qkv,
@@ -715,14 +868,14 @@ impl GpuModel {
                         &att,
                     )?;
                 }
-                kernels::matmul_q4_1(dev, &att, &l.wo, d, qd, &o)
+                l.wo.matmul(dev, &att, &o)
             });
             self.all_reduce(comm, &o, &mut failed, met)?;
             stage(&mut failed, || {
                 kernels::add_rms_norm(dev, &x, &o, &l.ffn_norm, c.rms_eps, &xn)?;
-                kernels::matmul_q4_1(dev, &xn, &l.gate_up, 2 * self.ffn, d, &gate_up)?;
+                l.gate_up.matmul(dev, &xn, &gate_up)?;
                 kernels::swiglu(dev, &gate_up, self.ffn, &h)?;
-                kernels::matmul_q4_1(dev, &h, &l.down, d, self.ffn, &ffn_out)
+                l.down.matmul(dev, &h, &ffn_out)
             });
             self.all_reduce(comm, &ffn_out, &mut failed, met)?;
             let next_norm = self
@@ -749,7 +902,10 @@ impl GpuModel {
             rows
         };
         let logits = dev.empty(want.len() * c.vocab_size);
-        kernels::matmul(dev, &rows, &self.head, d, &logits)?;
+        match &self.head {
+            Head::Quantised(w) => w.matmul(dev, &rows, &logits)?,
+            Head::F32(w) => kernels::matmul(dev, &rows, w, d, &logits)?,
+        }
         Ok(Some(logits))
     }
 

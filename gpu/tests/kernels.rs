@@ -4,6 +4,7 @@
 
 use std::sync::OnceLock;
 
+use tandem_gpu::kernels::{QFormat, QMatrix};
 use tandem_gpu::{GpuDevice, kernels};
 use tandem_types::rng::SeededRng;
 
@@ -188,6 +189,80 @@ fn matmul_matches_an_f64_reference_within_1e_5_of_the_row_scale() {
     }
 }
 
+/// `rows` rows of `cols` random values in `format`: random quants, and
+/// each block's f16 scales (and Q4_1's min) between 2^-7 and 2^-4.
+fn random_blocks(rng: &mut SeededRng, format: QFormat, rows: usize, cols: usize) -> Vec<u8> {
+    let ty = format.ggml();
+    let (bl, bb) = (ty.block_len(), ty.block_bytes());
+    let halves: &[usize] = match format {
+        QFormat::Q4_1 | QFormat::Q4_K => &[0, 2],
+        QFormat::Q5_0 | QFormat::Q8_0 => &[0],
+        QFormat::Q6_K => &[208],
+    };
+    let mut bytes: Vec<u8> = (0..rows * cols / bl * bb)
+        .map(|_| (rng.next_u64() % 256) as u8)
+        .collect();
+    for block in bytes.chunks_exact_mut(bb) {
+        for &at in halves {
+            let h = 0x2000 + (rng.next_u64() % 0x0c00) as u16;
+            block[at..at + 2].copy_from_slice(&h.to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// `bytes` (rows of `cols` in `format`) dequantised by the CPU reference.
+fn dequantised(format: QFormat, bytes: &[u8], cols: usize) -> Vec<f32> {
+    let ty = format.ggml();
+    let row_bytes = ty.row_bytes(cols).expect("whole blocks");
+    let mut out = vec![0.0f32; bytes.len() / row_bytes * cols];
+    for (src, dst) in bytes
+        .chunks_exact(row_bytes)
+        .zip(out.chunks_exact_mut(cols))
+    {
+        tandem_kernels::dequantize_row(ty, src, dst).expect("dequantise");
+    }
+    out
+}
+
+#[test]
+fn every_quantised_matmul_matches_its_dequantised_weights_within_1e_5() {
+    // Against the CPU's dequantisation of the same GGUF bytes, summed in
+    // f64; each output lands at rows 2.. of wider rows, whose other rows
+    // stay as they were (a stacked matrix's parts share one output).
+    let d = dev();
+    let mut rng = SeededRng::new(5);
+    for format in QFormat::ALL {
+        for (n_tok, rows, cols) in [(1, 48, 512), (4, 130, 256), (13, 24, 768)] {
+            let x = values(&mut rng, n_tok * cols, -1.0, 1.0);
+            let q = random_blocks(&mut rng, format, rows, cols);
+            let deq = dequantised(format, &q, cols);
+            let want = reference_matmul(&x, &deq, cols);
+            let w = QMatrix::upload(d, format, rows, cols, &q).expect("upload");
+            let stride = rows + 3;
+            let ob = d.upload(&vec![7.0f32; n_tok * stride]);
+            kernels::matmul_q(d, &d.upload(&x), &w, &ob, stride, 2).expect("launch");
+            let got = d.download(&ob).expect("read");
+            let wmax = deq.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let mut mine = Vec::new();
+            for t in got.chunks_exact(stride) {
+                assert!(
+                    t[..2].iter().chain(&t[2 + rows..]).all(|&v| v == 7.0),
+                    "{format:?}: rows outside 2..{} written",
+                    2 + rows
+                );
+                mine.extend_from_slice(&t[2..2 + rows]);
+            }
+            // An f32 sum of `cols` terms up to `wmax`.
+            let err = worst_rel(&mine, &want, (cols as f32).sqrt() * wmax);
+            assert!(
+                err <= 1e-5,
+                "{format:?} {n_tok}x{rows}x{cols}: worst error {err}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_token_s_matmul_row_is_bitwise_the_same_in_any_batch() {
     // Tokens share weight loads in tiles of up to 8, but each token's sum
@@ -195,66 +270,34 @@ fn a_token_s_matmul_row_is_bitwise_the_same_in_any_batch() {
     // scheduler's batches give what a lone sequence gets).
     let d = dev();
     let mut rng = SeededRng::new(12);
-    let (rows, cols, n_tok) = (24, 576, 13);
+    let (rows, cols, n_tok) = (24, 768, 13);
     let x = values(&mut rng, n_tok * cols, -1.0, 1.0);
-    let wf = values(&mut rng, rows * cols, -1.0, 1.0);
-    let q: Vec<u8> = (0..rows * cols / 32 * 20)
-        .map(|_| (rng.next_u64() % 256) as u8)
-        .map(|b| b & 0x7b) // small f16 scales and mins, no NaNs
-        .collect();
-    let (wq, wb) = (d.upload_words(&q), d.upload(&wf));
-    let all = |f32_weights: bool| {
-        let ob = d.zeros(n_tok * rows);
-        if f32_weights {
-            kernels::matmul(d, &d.upload(&x), &wb, cols, &ob).expect("launch");
-        } else {
-            kernels::matmul_q4_1(d, &d.upload(&x), &wq, rows, cols, &ob).expect("launch");
+    let wf = d.upload(&values(&mut rng, rows * cols, -1.0, 1.0));
+    let mut weights: Vec<Option<QMatrix>> = vec![None];
+    for format in QFormat::ALL {
+        let q = random_blocks(&mut rng, format, rows, cols);
+        weights.push(Some(
+            QMatrix::upload(d, format, rows, cols, &q).expect("upload"),
+        ));
+    }
+    let run = |w: &Option<QMatrix>, x: &[f32]| {
+        let ob = d.zeros(x.len() / cols * rows);
+        match w {
+            None => kernels::matmul(d, &d.upload(x), &wf, cols, &ob).expect("launch"),
+            Some(w) => kernels::matmul_q(d, &d.upload(x), w, &ob, rows, 0).expect("launch"),
         }
         d.download(&ob).expect("read")
     };
-    for f32_weights in [true, false] {
-        let batch = all(f32_weights);
+    for w in &weights {
+        let what = w.as_ref().map(QMatrix::format);
+        let batch = run(w, &x);
         for (t, row) in x.chunks_exact(cols).enumerate() {
-            let ob = d.zeros(rows);
-            if f32_weights {
-                kernels::matmul(d, &d.upload(row), &wb, cols, &ob).expect("launch");
-            } else {
-                kernels::matmul_q4_1(d, &d.upload(row), &wq, rows, cols, &ob).expect("launch");
-            }
-            let alone = d.download(&ob).expect("read");
+            let alone = run(w, row);
             assert!(
                 alone == batch[t * rows..(t + 1) * rows],
-                "token {t} (f32 weights: {f32_weights})"
+                "token {t} ({what:?}; None is f32)"
             );
         }
-    }
-}
-
-#[test]
-fn q4_1_matmul_matches_the_dequantised_weights_within_1e_5() {
-    use tandem_kernels::{GgmlType, dequantize_row, quantize_row};
-    let d = dev();
-    let mut rng = SeededRng::new(5);
-    for (n_tok, rows, cols) in [(1, 48, 576), (4, 130, 64), (13, 24, 576)] {
-        let x = values(&mut rng, n_tok * cols, -1.0, 1.0);
-        let wf = values(&mut rng, rows * cols, -1.0, 1.0);
-        let row_bytes = GgmlType::Q4_1.row_bytes(cols).expect("whole blocks");
-        let mut q = vec![0u8; rows * row_bytes];
-        let mut deq = vec![0.0f32; rows * cols];
-        for ((src, dst), back) in wf
-            .chunks_exact(cols)
-            .zip(q.chunks_exact_mut(row_bytes))
-            .zip(deq.chunks_exact_mut(cols))
-        {
-            quantize_row(GgmlType::Q4_1, src, dst).expect("quantise");
-            dequantize_row(GgmlType::Q4_1, dst, back).expect("dequantise");
-        }
-        let want = reference_matmul(&x, &deq, cols);
-        let (xb, wb, ob) = (d.upload(&x), d.upload_words(&q), d.zeros(n_tok * rows));
-        kernels::matmul_q4_1(d, &xb, &wb, rows, cols, &ob).expect("launch");
-        let got = d.download(&ob).expect("read");
-        let err = worst_rel(&got, &want, (cols as f32).sqrt());
-        assert!(err <= 1e-5, "{n_tok}x{rows}x{cols}: worst error {err}");
     }
 }
 
@@ -307,8 +350,15 @@ fn mismatched_shapes_are_errors_not_launches() {
     assert!(kernels::swiglu(d, &a, 4, &b).is_err());
     assert!(kernels::copy(d, &a, &b).is_err());
     assert!(kernels::matmul(d, &a, &b, 4, &out).is_err());
-    let w = d.upload(&[0u32; 9]);
-    assert!(kernels::matmul_q4_1(d, &a, &w, 1, 32, &out).is_err());
+    // 20 bytes are one Q4_1 block, not 33 values or two rows.
+    assert!(QMatrix::upload(d, QFormat::Q4_1, 1, 33, &[0; 20]).is_err());
+    assert!(QMatrix::upload(d, QFormat::Q4_1, 2, 32, &[0; 20]).is_err());
+    let w = QMatrix::upload(d, QFormat::Q4_1, 1, 32, &[0; 20]).expect("one block");
+    let x = d.upload(&[1.0f32; 64]);
+    // Rows 6.. of rows of 6; 6 values are not rows of 32; out too short.
+    assert!(kernels::matmul_q(d, &x, &w, &d.zeros(12), 6, 6).is_err());
+    assert!(kernels::matmul_q(d, &a, &w, &out, 1, 0).is_err());
+    assert!(kernels::matmul_q(d, &x, &w, &d.zeros(1), 1, 0).is_err());
     let idx = d.upload(&[0u32; 2]);
     assert!(kernels::argmax(d, &a, 4, &idx).is_err());
 }
@@ -501,6 +551,23 @@ fn kv_write_stores_rows_as_the_cpu_cache_does_bit_for_bit() {
         .collect();
     let diff = got.iter().zip(&want).position(|(a, b)| a != b);
     assert_eq!(diff, None, "first differing word");
+}
+
+#[test]
+fn add_bias_adds_the_bias_to_every_row_exactly() {
+    let d = dev();
+    let mut rng = SeededRng::new(14);
+    let (rows, width) = (5, 1152);
+    let x = values(&mut rng, rows * width, -4.0, 4.0);
+    let bias = values(&mut rng, width, -1.0, 1.0);
+    let xb = d.upload(&x);
+    kernels::add_bias(d, &xb, &d.upload(&bias)).expect("launch");
+    let want: Vec<f32> = x
+        .chunks_exact(width)
+        .flat_map(|r| r.iter().zip(&bias).map(|(a, b)| a + b))
+        .collect();
+    assert_eq!(d.download(&xb).expect("read"), want);
+    assert!(kernels::add_bias(d, &xb, &d.upload(&[0.0f32; 7])).is_err());
 }
 
 #[test]

@@ -1,12 +1,13 @@
-//! SmolLM2 on the GPU backend (lavapipe here) against the CPU engine on
-//! the same GGUF: greedy generation agrees up to near-ties. Past the shared
+//! SmolLM2 and Qwen2.5 on the GPU backend (lavapipe here) against the CPU
+//! engine on the same GGUF: greedy generation agrees up to near-ties. Past the shared
 //! weights the two round differently (the CPU quantises activations to
 //! int8 before each matmul, as llama.cpp does; the GPU keeps them f32), so
 //! tokens may part where the top two logits are close; where they part,
 //! the CPU's token must be the GPU's runner-up within `NEAR_TIE`.
 //!
-//! Needs `TANDEM_TEST_GGUF` (SmolLM2-135M-Instruct Q4_1; `scripts/test.sh`
-//! sets it).
+//! Needs `TANDEM_TEST_GGUF` (SmolLM2-135M-Instruct Q4_1) and
+//! `TANDEM_TEST_QWEN2_GGUF` (Qwen2.5-Coder-0.5B-Instruct Q4_K_M);
+//! `scripts/test.sh` sets both.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -56,6 +57,46 @@ fn cpu_greedy(loaded: &tandem_engine::LoadedModel, prompt: &[u32], steps: usize)
     generate(loaded, &req, |_| {}).expect("generates").tokens
 }
 
+/// The near-ties (step, gap) of the GPU's greedy choices on `prompt`
+/// against the CPU engine's `steps` greedy tokens: the GPU follows the
+/// CPU's tokens (so one near-tie does not end the comparison) and must
+/// choose each of them itself, or have it as its runner-up within
+/// [`NEAR_TIE`].
+fn near_ties(
+    gpu: &GpuLlama,
+    cpu: &tandem_engine::LoadedModel,
+    text: &str,
+    steps: usize,
+) -> Vec<(usize, f32)> {
+    let prompt = &cpu.text.tokenizer.encode(text, false).expect("tokenize")[..];
+    let want = cpu_greedy(cpu, prompt, steps);
+    // The whole prompt in one forward pass (a prefill chunk).
+    let mut logits = gpu.forward(prompt, 0, true).expect("prompt");
+    let mut ties = Vec::new();
+    for (i, &cpu_next) in want.iter().enumerate() {
+        let next = argmax(&logits);
+        if next != cpu_next {
+            let mut order: Vec<usize> = (0..logits.len()).collect();
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+            let gap = logits[order[0]] - logits[cpu_next as usize];
+            assert!(
+                order[1] == cpu_next as usize && gap <= NEAR_TIE,
+                "{text:?} step {i}: GPU {next}, CPU {cpu_next} (gap {gap}); CPU run {want:?}"
+            );
+            ties.push((i, gap));
+        }
+        logits = gpu
+            .forward(&[cpu_next], prompt.len() + i, true)
+            .expect("decode step");
+    }
+    eprintln!("{text:?}: {steps} steps, near-ties (step, gap) {ties:?}");
+    assert!(
+        ties.len() <= steps / 8,
+        "{text:?}: too many near-ties {ties:?}"
+    );
+    ties
+}
+
 #[test]
 fn smollm2_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
     let dev = GpuDevice::open(0).expect("a Vulkan device (lavapipe: mesa-vulkan-drivers)");
@@ -63,40 +104,28 @@ fn smollm2_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
     let gpu = GpuLlama::load(dev, &g, 128).expect("loads on the device");
     let cpu = tandem_engine::load(&gguf_path()).expect("model loads");
     for text in ["The capital of France is", "def fibonacci(n):"] {
-        let prompt = &cpu.text.tokenizer.encode(text, false).expect("tokenize")[..];
-        let want = cpu_greedy(&cpu, prompt, STEPS);
-        // The whole prompt in one forward pass (a prefill chunk).
-        let mut logits = gpu.forward(prompt, 0, true).expect("prompt");
-        // The GPU follows the CPU's tokens (so one near-tie does not end
-        // the comparison) and must choose each of them itself, or have it
-        // as its runner-up within NEAR_TIE.
-        let mut ties = Vec::new();
-        for (i, &cpu_next) in want.iter().enumerate() {
-            let next = argmax(&logits);
-            if next != cpu_next {
-                let mut order: Vec<usize> = (0..logits.len()).collect();
-                order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-                let gap = logits[order[0]] - logits[cpu_next as usize];
-                assert!(
-                    order[1] == cpu_next as usize && gap <= NEAR_TIE,
-                    "{text:?} step {i}: GPU {next}, CPU {cpu_next} (gap {gap}); CPU run {want:?}"
-                );
-                ties.push((i, gap));
-            }
-            logits = gpu
-                .forward(&[cpu_next], prompt.len() + i, true)
-                .expect("decode step");
-        }
-        eprintln!("{text:?}: {STEPS} steps, near-ties (step, gap) {ties:?}");
-        assert!(
-            ties.len() <= STEPS / 8,
-            "{text:?}: too many near-ties {ties:?}"
-        );
+        near_ties(&gpu, &cpu, text, STEPS);
     }
     // Greedy sampling on the device picks what the host picks.
     let next = gpu.step_greedy(1, 0).expect("step");
     let host = argmax(&gpu.forward(&[1], 0, true).expect("step"));
     assert_eq!(next, host);
+}
+
+#[test]
+fn qwen2_5_q4_k_m_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
+    // A second family and the "Q4_K_M" formats: Q5_0, Q8_0, Q4_K and Q6_K
+    // matrices (Q8_0 and Q5_0 parts in one stacked QKV in half the
+    // layers), Q/K/V biases, a 151,936-token Q8_0 head in several parts,
+    // and Q5_0 embeddings looked up on the host.
+    let path = PathBuf::from(std::env::var_os("TANDEM_TEST_QWEN2_GGUF").expect(
+        "set TANDEM_TEST_QWEN2_GGUF to Qwen2.5-Coder-0.5B-Instruct Q4_K_M (scripts/test.sh does this)",
+    ));
+    let dev = GpuDevice::open(0).expect("a Vulkan device (lavapipe: mesa-vulkan-drivers)");
+    let g = GgufFile::open(&path).expect("gguf");
+    let gpu = GpuLlama::load(dev, &g, 64).expect("loads on the device");
+    let cpu = tandem_engine::load(&path).expect("model loads");
+    near_ties(&gpu, &cpu, "def fibonacci(n):", 8);
 }
 
 /// The scheduler's view of the GPU: a runner of `blocks` KV blocks of 16

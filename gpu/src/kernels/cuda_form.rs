@@ -13,6 +13,7 @@ use cubecl_cpp::shared::{CompilationOptions, CppCompiler};
 use cubecl_cpp::target::Cuda;
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
+use super::quant::{q4_1_kernel, q4_k_kernel, q5_0_kernel, q6_k_kernel, q8_0_kernel};
 use super::*;
 
 /// CUDA C++ for `kernel`, or why CubeCL's C++ backend refused it.
@@ -129,16 +130,31 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
             MATMUL_UNITS,
             tile
         );
-        kernel!(
-            matmul_q4_1_kernel,
-            (count, dim),
-            arg(&f),
-            arg(&u),
-            arg(&f),
-            n,
-            576,
-            MATMUL_UNITS,
-            tile
+        // The quantised kernels, at columns every format's blocks divide,
+        // writing rows 8.. of rows of 600.
+        macro_rules! quant {
+            ($($k:ident),*) => {$(
+                kernel!(
+                    $k,
+                    (count.clone(), dim),
+                    arg(&f),
+                    arg(&u),
+                    arg(&f),
+                    n,
+                    600,
+                    8,
+                    512,
+                    MATMUL_UNITS,
+                    tile
+                );
+            )*};
+        }
+        quant!(
+            q4_1_kernel,
+            q5_0_kernel,
+            q8_0_kernel,
+            q4_k_kernel,
+            q6_k_kernel
         );
     }
     kernel!(
@@ -186,6 +202,7 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         16
     );
     kernel!(add_kernel, grid(), arg(&f), arg(&f));
+    kernel!(add_bias_kernel, grid(), arg(&f), arg(&f));
     kernel!(copy_kernel, grid(), arg(&f), arg(&f));
     kernel!(gather_rows_kernel, grid(), arg(&f), arg(&u), arg(&f), 576);
 
