@@ -8,8 +8,6 @@
 //! memory.
 
 use std::sync::Arc;
-use std::sync::mpsc;
-use std::thread::JoinHandle;
 
 use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::{ModelText, meta};
@@ -21,6 +19,7 @@ use crate::kv_cache::{BlockId, KvCache, KvCacheConfig, KvPool};
 use crate::loader::LoadedModel;
 use crate::model::{DecoderModel, SeqChunk};
 use crate::moe::Combine;
+use crate::ranks::PeerRanks;
 
 /// How a runner is laid out: its tensor-parallel ranks and KV pool shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,7 +110,7 @@ pub struct TpExecutor {
     model: Arc<LoadedModel>,
     block_size: usize,
     num_blocks: usize,
-    peers: Vec<Peer>,
+    peers: PeerRanks<Arc<StepInput>, RequestError>,
     peer_pools: Vec<Arc<KvPool>>,
 }
 
@@ -153,12 +152,6 @@ impl StepInput {
     }
 }
 
-struct Peer {
-    tx: Option<mpsc::Sender<Arc<StepInput>>>,
-    done: mpsc::Receiver<Result<(), RequestError>>,
-    thread: Option<JoinHandle<()>>,
-}
-
 impl std::fmt::Debug for TpExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TpExecutor")
@@ -176,7 +169,7 @@ impl TpExecutor {
                 model,
                 block_size: config.block_size,
                 num_blocks: config.num_blocks,
-                peers: Vec::new(),
+                peers: PeerRanks::default(),
                 peer_pools: Vec::new(),
             });
         }
@@ -191,24 +184,22 @@ impl TpExecutor {
             );
         }
         let rank0 = shards.remove(0);
-        let mut peers = Vec::new();
+        let mut peers = PeerRanks::default();
         let mut peer_pools = Vec::new();
         for (i, shard) in shards.into_iter().enumerate() {
-            let (tx, rx) = mpsc::channel::<Arc<StepInput>>();
-            let (done_tx, done) = mpsc::channel();
             // The same block ids as rank 0's pool, holding this rank's heads.
-            let cache = KvCache::new(shard.kv_cache_config(config.block_size, config.num_blocks))
-                .map_err(|e| e.to_string())?;
+            let mut cache =
+                KvCache::new(shard.kv_cache_config(config.block_size, config.num_blocks))
+                    .map_err(|e| e.to_string())?;
             peer_pools.push(Arc::clone(cache.pool()));
-            let thread = std::thread::Builder::new()
-                .name(format!("tandem-tp-rank{}", i + 1))
-                .spawn(move || peer_loop(shard, cache, rx, done_tx))
+            peers
+                .spawn(
+                    format!("tandem-tp-rank{}", i + 1),
+                    move |input: Arc<StepInput>| {
+                        shard.forward(&input.chunks(), &mut cache).map(|_| ())
+                    },
+                )
                 .map_err(|e| format!("spawning a tensor-parallel rank: {e}"))?;
-            peers.push(Peer {
-                tx: Some(tx),
-                done,
-                thread: Some(thread),
-            });
         }
         Ok(Self {
             shard: Some(rank0),
@@ -244,56 +235,12 @@ impl StepRunner for TpExecutor {
     ) -> Result<(), RequestError> {
         if !self.peers.is_empty() {
             let input = Arc::new(StepInput::new(chunks));
-            for p in &self.peers {
-                let sent = p.tx.as_ref().map(|tx| tx.send(Arc::clone(&input)));
-                if !matches!(sent, Some(Ok(()))) {
-                    return Err(RequestError::Collective(
-                        "a tensor-parallel rank stopped".into(),
-                    ));
-                }
-            }
+            self.peers.broadcast(|| Arc::clone(&input))?;
         }
-        let result = self.rank0().forward_into(chunks, cache, layer_done, logits);
-        for p in &self.peers {
-            match p.done.recv() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(e),
-                Err(_) => {
-                    return Err(RequestError::Collective(
-                        "a tensor-parallel rank stopped".into(),
-                    ));
-                }
-            }
-        }
-        result
-    }
-}
-
-impl Drop for TpExecutor {
-    fn drop(&mut self) {
-        for p in &mut self.peers {
-            p.tx.take(); // closes the rank's channel: it exits
-        }
-        for p in &mut self.peers {
-            if let Some(t) = p.thread.take() {
-                let _ = t.join();
-            }
-        }
-    }
-}
-
-/// A peer rank: runs every step it is sent on its shard and KV pool.
-fn peer_loop(
-    shard: DecoderModel,
-    mut cache: KvCache,
-    rx: mpsc::Receiver<Arc<StepInput>>,
-    done: mpsc::Sender<Result<(), RequestError>>,
-) {
-    while let Ok(input) = rx.recv() {
-        let chunks = input.chunks();
-        let r = shard.forward(&chunks, &mut cache).map(|_| ());
-        if done.send(r).is_err() {
-            return;
-        }
+        let mine = self.rank0().forward_into(chunks, cache, layer_done, logits);
+        // Every rank's answer, even after a failure here: the next step
+        // must not meet a stale one.
+        let peers = self.peers.gather(|e| e);
+        mine.and(peers)
     }
 }

@@ -31,6 +31,7 @@ pub mod metrics;
 pub mod mock;
 pub mod model;
 pub mod moe;
+pub mod ranks;
 pub mod safetensors_loader;
 pub mod sampler;
 pub mod scheduler;

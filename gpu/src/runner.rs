@@ -18,8 +18,7 @@
 //! 0 runs on the scheduler's thread, ranks 1.. on threads of their own,
 //! each step and each upload sent to all and answered by all.
 
-use std::sync::{Arc, mpsc};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 
 use tandem_engine::backend::{RunnerConfig, ServedModel, StepInput, StepRunner};
 use tandem_engine::block_allocator::BlockId;
@@ -27,6 +26,7 @@ use tandem_engine::comm::{Communicator, CpuComm, CpuGroup};
 use tandem_engine::error::RequestError;
 use tandem_engine::kv_cache::{KvCache, KvCacheConfig, KvPool};
 use tandem_engine::model::SeqChunk;
+use tandem_engine::ranks::PeerRanks;
 use tandem_modelfile::ModelText;
 use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::gguf::GgufFile;
@@ -175,29 +175,21 @@ impl ServedModel for GpuServed {
         let pool = new_pool(rank0)?;
         let mut comms = CpuGroup::new(world).into_iter();
         let comm = comms.next().map(|c| Box::new(c) as Box<dyn Communicator>);
-        let mut peers = Vec::with_capacity(world.saturating_sub(1));
+        let mut peers = PeerRanks::default();
+        let mut peer_pools = Vec::with_capacity(world.saturating_sub(1));
         for (rank, comm) in (1..world).zip(comms) {
             let cache = KvCache::new(kv).map_err(|e| e.to_string())?;
-            let rank_pool = Arc::clone(cache.pool());
-            let state = PeerRank {
+            peer_pools.push(Arc::clone(cache.pool()));
+            let mut state = PeerRank {
                 served: Arc::clone(&self),
                 rank,
                 pool: new_pool(&self.ranks[rank])?,
                 cache,
                 comm,
             };
-            let (tx, rx) = mpsc::channel();
-            let (done_tx, done) = mpsc::channel();
-            let thread = std::thread::Builder::new()
-                .name(format!("tandem-gpu-rank{rank}"))
-                .spawn(move || state.serve(rx, done_tx))
+            peers
+                .spawn(format!("tandem-gpu-rank{rank}"), move |cmd| state.run(cmd))
                 .map_err(|e| format!("spawning a tensor-parallel rank: {e}"))?;
-            peers.push(Peer {
-                tx: Some(tx),
-                done,
-                thread: Some(thread),
-                pool: rank_pool,
-            });
         }
         Ok(Box::new(GpuRunner {
             served: self,
@@ -205,6 +197,7 @@ impl ServedModel for GpuServed {
             kv,
             comm: if world > 1 { comm } else { None },
             peers,
+            peer_pools,
         }))
     }
 }
@@ -219,7 +212,10 @@ pub struct GpuRunner {
     kv: KvCacheConfig,
     /// Rank 0's handle of the group (`None` for one rank).
     comm: Option<Box<dyn Communicator>>,
-    peers: Vec<Peer>,
+    peers: PeerRanks<PeerCmd, GpuError>,
+    /// Each peer rank's host pool (imports land in it; a prefill node's
+    /// steps are copied back to it).
+    peer_pools: Vec<Arc<KvPool>>,
 }
 
 impl std::fmt::Debug for GpuRunner {
@@ -238,15 +234,6 @@ enum PeerCmd {
     Upload(Arc<Vec<BlockId>>),
 }
 
-struct Peer {
-    tx: Option<mpsc::Sender<PeerCmd>>,
-    done: mpsc::Receiver<Result<(), GpuError>>,
-    thread: Option<JoinHandle<()>>,
-    /// The rank's host pool (imports land in it; a prefill node's steps
-    /// are copied back to it).
-    pool: Arc<KvPool>,
-}
-
 /// A peer rank's state, owned by its thread.
 struct PeerRank {
     served: Arc<GpuServed>,
@@ -257,26 +244,21 @@ struct PeerRank {
 }
 
 impl PeerRank {
-    fn serve(mut self, rx: mpsc::Receiver<PeerCmd>, done: mpsc::Sender<Result<(), GpuError>>) {
-        while let Ok(cmd) = rx.recv() {
-            let model = &self.served.ranks[self.rank];
-            let r = match cmd {
-                PeerCmd::Step(input) => {
-                    let chunks = input.chunks();
-                    model
-                        .forward_rank(&self.pool, &device_chunks(&chunks), Some(&self.comm))
-                        .and_then(|_| match self.served.copy_back {
-                            KvCopyBack::EveryStep => {
-                                copy_back(model, &self.pool, &chunks, &mut self.cache)
-                            }
-                            KvCopyBack::Never => Ok(()),
-                        })
-                }
-                PeerCmd::Upload(blocks) => upload(model, &self.pool, &self.cache, &blocks),
-            };
-            if done.send(r).is_err() {
-                return;
+    fn run(&mut self, cmd: PeerCmd) -> Result<(), GpuError> {
+        let model = &self.served.ranks[self.rank];
+        match cmd {
+            PeerCmd::Step(input) => {
+                let chunks = input.chunks();
+                model
+                    .forward_rank(&self.pool, &device_chunks(&chunks), Some(&self.comm))
+                    .and_then(|_| match self.served.copy_back {
+                        KvCopyBack::EveryStep => {
+                            copy_back(model, &self.pool, &chunks, &mut self.cache)
+                        }
+                        KvCopyBack::Never => Ok(()),
+                    })
             }
+            PeerCmd::Upload(blocks) => upload(model, &self.pool, &self.cache, &blocks),
         }
     }
 }
@@ -371,36 +353,6 @@ impl GpuRunner {
     fn rank0(&self) -> Result<&GpuModel, RequestError> {
         self.served.rank0().map_err(device_error)
     }
-
-    /// Sends `cmd` to every peer; the first failure to reach one.
-    fn broadcast(&self, cmd: impl Fn() -> PeerCmd) -> Result<(), RequestError> {
-        for p in &self.peers {
-            let sent = p.tx.as_ref().map(|tx| tx.send(cmd()));
-            if !matches!(sent, Some(Ok(()))) {
-                return Err(rank_gone());
-            }
-        }
-        Ok(())
-    }
-
-    /// Every peer's answer to the last command; the first error.
-    fn gather(&self) -> Result<(), RequestError> {
-        let mut first = Ok(());
-        for p in &self.peers {
-            let r = match p.done.recv() {
-                Ok(r) => r.map_err(device_error),
-                Err(_) => Err(rank_gone()),
-            };
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        first
-    }
-}
-
-fn rank_gone() -> RequestError {
-    RequestError::Collective("a tensor-parallel rank stopped".into())
 }
 
 impl StepRunner for GpuRunner {
@@ -409,7 +361,7 @@ impl StepRunner for GpuRunner {
     }
 
     fn peer_pools(&self) -> Vec<Arc<KvPool>> {
-        self.peers.iter().map(|p| Arc::clone(&p.pool)).collect()
+        self.peer_pools.clone()
     }
 
     fn forward(
@@ -422,7 +374,7 @@ impl StepRunner for GpuRunner {
         let model = self.rank0()?;
         if !self.peers.is_empty() {
             let input = Arc::new(StepInput::new(chunks));
-            self.broadcast(|| PeerCmd::Step(Arc::clone(&input)))?;
+            self.peers.broadcast(|| PeerCmd::Step(Arc::clone(&input)))?;
         }
         let mine = (|| {
             let out =
@@ -440,7 +392,7 @@ impl StepRunner for GpuRunner {
         .map_err(device_error);
         // Every rank's answer, even after a failure here: the next step
         // must not meet a stale one.
-        let peers = self.gather();
+        let peers = self.peers.gather(device_error);
         mine.and(peers)?;
         // Every layer is written (and, copied back, in the host pools, from
         // where a transfer engine may send them all).
@@ -454,23 +406,11 @@ impl StepRunner for GpuRunner {
         let model = self.rank0()?;
         if !self.peers.is_empty() {
             let blocks = Arc::new(blocks.to_vec());
-            self.broadcast(|| PeerCmd::Upload(Arc::clone(&blocks)))?;
+            self.peers
+                .broadcast(|| PeerCmd::Upload(Arc::clone(&blocks)))?;
         }
         let mine = upload(model, &self.pool, cache, blocks).map_err(device_error);
-        let peers = self.gather();
+        let peers = self.peers.gather(device_error);
         mine.and(peers)
-    }
-}
-
-impl Drop for GpuRunner {
-    fn drop(&mut self) {
-        for p in &mut self.peers {
-            p.tx.take(); // closes the rank's channel: it exits
-        }
-        for p in &mut self.peers {
-            if let Some(t) = p.thread.take() {
-                let _ = t.join();
-            }
-        }
     }
 }
