@@ -15,7 +15,8 @@
 #                     SERVE_OUT=n tokens generated per request (default 64)
 #   TP_DEVICES=list   tensor-parallel serving in the same sweep: --devices for
 #                     it (default gpu:0,1,2 where nvidia-smi lists 3 or more
-#                     GPUs; SmolLM2's 9 heads split 3 ways), TP_RANKS=n its
+#                     GPUs: SmolLM2's 9 heads split 3 ways; gpu:0,1 with
+#                     MODEL=qwen2.5-coder-0.5b for 2 ways), TP_RANKS=n its
 #                     --tp (default: one rank per listed GPU; gpu:0 with
 #                     TP_RANKS=3 runs three ranks on one device)
 # What runs: `tandem generate --devices DEVICE` (GpuLlama: one sequence, the
@@ -161,27 +162,24 @@ runs = {k: json.load(open(f"{out}/serve.{k}.json"))["results"] for k in kinds}
 print()
 print(f"# tandem serve, batched: {device} vs the CPU ({n} requests per point, 128-token prompts, {gen} tokens out)")
 print()
-print("| concurrency | cpu output tok/s | gpu output tok/s | gpu/cpu | cpu TPOT p50 ms | gpu TPOT p50 ms | errors cpu/gpu |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
-for c, g in zip(runs["cpu"], runs["gpu"]):
-    ct, gt = c["output_throughput"] or 0, g["output_throughput"] or 0
+def table(base, other, a, b):
+    """Batched serving of `other` (named b) against `base` (named a)."""
     p50 = lambda r: (r["tpot"] or {}).get("p50_ms")
     fmt = lambda x: "-" if x is None else f"{x:.1f}"
-    print(f"| {c['concurrency']} | {ct:.1f} | {gt:.1f} | {gt / ct if ct else 0:.2f}x | "
-          f"{fmt(p50(c))} | {fmt(p50(g))} | {c['errors']}/{g['errors']} |")
-print()
+    print(f"| concurrency | {a} output tok/s | {b} output tok/s | {b}/{a} | {a} TPOT p50 ms | "
+          f"{b} TPOT p50 ms | errors {a}/{b} |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for x, y in zip(base, other):
+        xt, yt = x["output_throughput"] or 0, y["output_throughput"] or 0
+        print(f"| {x['concurrency']} | {xt:.1f} | {yt:.1f} | {yt / xt if xt else 0:.2f}x | "
+              f"{fmt(p50(x))} | {fmt(p50(y))} | {x['errors']}/{y['errors']} |")
+    print()
+table(runs["cpu"], runs["gpu"], "cpu", "gpu")
 if not tp_devices:
-    print("tensor-parallel scaling: not measured (set TP_DEVICES, e.g. gpu:0,1,2; "
-          "SmolLM2's 9 heads split 3 ways)")
+    print("tensor-parallel scaling: not measured (set TP_DEVICES: gpu:0,1 with "
+          "MODEL=qwen2.5-coder-0.5b, whose 14 heads split 2 ways; gpu:0,1,2 for SmolLM2's 9)")
     sys.exit(0)
 print(f"# tensor parallelism: {tp_ranks} ranks on {tp_devices} vs one rank on {device}")
 print()
-print("| concurrency | 1 rank output tok/s | TP output tok/s | TP/1 | 1 rank TPOT p50 ms | TP TPOT p50 ms | errors 1/TP |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
-for g, t in zip(runs["gpu"], runs["tp"]):
-    gt, tt = g["output_throughput"] or 0, t["output_throughput"] or 0
-    p50 = lambda r: (r["tpot"] or {}).get("p50_ms")
-    fmt = lambda x: "-" if x is None else f"{x:.1f}"
-    print(f"| {g['concurrency']} | {gt:.1f} | {tt:.1f} | {tt / gt if gt else 0:.2f}x | "
-          f"{fmt(p50(g))} | {fmt(p50(t))} | {g['errors']}/{t['errors']} |")
+table(runs["gpu"], runs["tp"], "1 rank", "TP")
 PY

@@ -1285,7 +1285,7 @@ fn equal_bounds(cols: usize, groups: usize) -> Vec<usize> {
 /// `groups + 1` offsets cutting `cols` columns into `groups` segments of
 /// whole `block`-column blocks, as even as the blocks allow (Qwen2.5-0.5B's
 /// FFN is 19 blocks of 256: 9 + 10 for two segments).
-fn block_bounds(cols: usize, groups: usize, block: usize) -> Vec<usize> {
+pub fn block_bounds(cols: usize, groups: usize, block: usize) -> Vec<usize> {
     let blocks = cols / block.max(1);
     (0..=groups)
         .map(|k| {

@@ -19,6 +19,7 @@ use tandem_modelfile::gguf::GgufFile;
 use tandem_engine::comm::Communicator;
 use tandem_engine::error::RequestError;
 use tandem_engine::generate::SequenceModel;
+use tandem_engine::model::block_bounds;
 
 use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
@@ -250,17 +251,17 @@ impl Shard {
     pub const WHOLE: Shard = Shard { rank: 0, world: 1 };
 
     /// Why `c` cannot be split `world` ways on this backend, if it cannot:
-    /// heads, KV heads and the FFN width must divide, and a rank's columns
-    /// of the output and down projections must be whole 32-value blocks
-    /// (the smallest; the loader checks each tensor's own format).
+    /// heads and KV heads must divide, a rank's columns of the output
+    /// projection must be whole 32-value blocks (the smallest; the loader
+    /// checks each tensor's own format), and the FFN must have a block for
+    /// every rank (ranks take whole blocks of the down projection's
+    /// coarsest format, as even as they allow: see [`GpuModel::load_shard`]).
     pub fn check(c: &ModelConfig, world: usize) -> Result<(), GpuError> {
         let fits = |n: usize| world > 0 && n.is_multiple_of(world);
-        let blocks = |n: usize| (n / world.max(1)).is_multiple_of(32);
         if fits(c.n_heads)
             && fits(c.n_kv_heads)
-            && fits(c.ffn_dim)
-            && blocks(c.q_dim())
-            && blocks(c.ffn_dim)
+            && (c.q_dim() / world.max(1)).is_multiple_of(32)
+            && c.ffn_dim / 32 >= world
         {
             Ok(())
         } else {
@@ -409,10 +410,33 @@ impl GpuModel {
         }
         Shard::check(&c, shard.world)?;
         let (d, w) = (c.d_model, shard.world);
-        let (heads, kv_heads, ffn) = (c.n_heads / w, c.n_kv_heads / w, c.ffn_dim / w);
+        let (heads, kv_heads) = (c.n_heads / w, c.n_kv_heads / w);
         // This rank's rows of a matrix of `rows` x `cols` (all of them for
-        // the whole model): its heads' or FFN units' rows are contiguous.
+        // the whole model): its heads' rows are contiguous.
         let mine = |rows: usize| rows / w * shard.rank..rows / w * (shard.rank + 1);
+        // Its FFN units: whole blocks of the coarsest format any layer's
+        // down projection has, as even as they allow (Qwen2.5-0.5B's 4864
+        // columns are 19 Q4_K/Q6_K blocks: 9 and 10 on two ranks), as the
+        // CPU engine cuts them.
+        let mut ffn_block = 32;
+        for i in 0..c.n_layers {
+            let name = format!("blk.{i}.ffn_down.weight");
+            let ty = g
+                .tensor(&name)
+                .map_err(tandem_modelfile::error::ModelError::from)?
+                .ty;
+            ffn_block = ffn_block.max(QFormat::of(ty).map_or(32, QFormat::block_len));
+        }
+        let bounds = block_bounds(c.ffn_dim, w, ffn_block);
+        let ffn_mine = bounds[shard.rank]..bounds[shard.rank + 1];
+        let ffn = ffn_mine.len();
+        if ffn == 0 {
+            return Err(unsupported(format!(
+                "{w} tensor-parallel ranks: an FFN of {} is {} blocks of {ffn_block}",
+                c.ffn_dim,
+                c.ffn_dim / ffn_block
+            )));
+        }
         // Quantised matrices, rows `sel` of each `rows` x `cols` part,
         // stacked in the order given, with columns `cols_sel` of each row
         // (rows are independent, so a stacked matmul computes each
@@ -517,8 +541,8 @@ impl GpuModel {
                 ffn_norm: dev.upload(&f32_tensor(g, &t("ffn_norm"), d)?),
                 gate_up: stacked(
                     &[
-                        (t("ffn_gate"), c.ffn_dim, mine(c.ffn_dim)),
-                        (t("ffn_up"), c.ffn_dim, mine(c.ffn_dim)),
+                        (t("ffn_gate"), c.ffn_dim, ffn_mine.clone()),
+                        (t("ffn_up"), c.ffn_dim, ffn_mine.clone()),
                     ],
                     d,
                     all_d.clone(),
@@ -526,7 +550,7 @@ impl GpuModel {
                 down: stacked(
                     &[(t("ffn_down"), d, all_rows(d))],
                     c.ffn_dim,
-                    mine(c.ffn_dim),
+                    ffn_mine.clone(),
                 )?,
             });
         }

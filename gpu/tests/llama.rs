@@ -125,7 +125,36 @@ fn qwen2_5_q4_k_m_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
     let g = GgufFile::open(&path).expect("gguf");
     let gpu = GpuLlama::load(dev, &g, 64).expect("loads on the device");
     let cpu = tandem_engine::load(&path).expect("model loads");
-    near_ties(&gpu, &cpu, "def fibonacci(n):", 8);
+    let text = "def fibonacci(n):";
+    near_ties(&gpu, &cpu, text, 8);
+
+    // Two tensor-parallel ranks (sharing the device): 7 heads and a KV
+    // head each, and the FFN's 19 blocks of 256 (its down projection is
+    // Q4_K and Q6_K) cut 9 + 10, as the CPU engine cuts them. The
+    // prompt's logits follow one rank's.
+    let meta = ModelMeta::load(&path).expect("model metadata");
+    let two = GpuServed::load(meta, &[0, 0], 64, 16, KvCopyBack::Never).expect("2 ranks load");
+    let (r2, mut cache2) = tp_runner(&Arc::new(two), 2, 4);
+    let prompt = cpu.text.tokenizer.encode(text, false).expect("tokenize");
+    let chunk = SeqChunk {
+        tokens: &prompt,
+        start_pos: 0,
+        block_table: &[0, 1, 2, 3],
+        want_logits: true,
+    };
+    let mut l2 = Vec::new();
+    r2.forward(&[chunk], &mut cache2, &mut |_| {}, &mut l2)
+        .expect("a step on two ranks");
+    let l1 = gpu.forward(&prompt, 0, true).expect("a step on one");
+    let worst = l1
+        .iter()
+        .zip(&l2)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    eprintln!("Qwen2.5, 1 vs 2 ranks: largest logit difference {worst}");
+    assert_eq!(l2.len(), l1.len());
+    assert!(worst <= 0.05, "logits differ by {worst}");
+    assert_eq!(argmax(&l1), argmax(&l2));
 }
 
 /// The scheduler's view of the GPU: a runner of `blocks` KV blocks of 16
