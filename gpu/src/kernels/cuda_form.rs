@@ -13,7 +13,7 @@ use cubecl_cpp::shared::{CompilationOptions, CppCompiler};
 use cubecl_cpp::target::Cuda;
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use super::quant::{q4_1_kernel, q4_k_kernel, q5_0_kernel, q6_k_kernel, q8_0_kernel};
+use super::quant::quant_matmul_kernel;
 use super::*;
 
 /// CUDA C++ for `kernel`, or why CubeCL's C++ backend refused it.
@@ -130,32 +130,24 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
             MATMUL_UNITS,
             tile
         );
-        // The quantised kernels, at columns every format's blocks divide,
-        // writing rows 8.. of rows of 600.
-        macro_rules! quant {
-            ($($k:ident),*) => {$(
-                kernel!(
-                    $k,
-                    (count.clone(), dim),
-                    arg(&f),
-                    arg(&u),
-                    arg(&f),
-                    n,
-                    600,
-                    8,
-                    512,
-                    MATMUL_UNITS,
-                    tile
-                );
-            )*};
+        // The quantised kernel in every format, at columns every format's
+        // blocks divide, writing rows 8.. of rows of 600.
+        for format in QFormat::ALL {
+            kernel!(
+                quant_matmul_kernel,
+                (count.clone(), dim),
+                arg(&f),
+                arg(&u),
+                arg(&f),
+                n,
+                600,
+                8,
+                512,
+                MATMUL_UNITS,
+                tile,
+                format
+            );
         }
-        quant!(
-            q4_1_kernel,
-            q5_0_kernel,
-            q8_0_kernel,
-            q4_k_kernel,
-            q6_k_kernel
-        );
     }
     kernel!(
         argmax_kernel,
