@@ -186,7 +186,7 @@ pub fn matmul_q(
         ));
     }
     let n = x.len() / cols;
-    // The output's shape as if it were this part's alone.
+    // The output holds `stride` rows per token (this part writes some).
     matmul_shape(KERNEL, x.len(), stride, cols, out.len())?;
     let (Ok(stride32), Ok(at32)) = (u32::try_from(stride), u32::try_from(at)) else {
         return Err(shape(KERNEL, format!("rows of {stride} beyond 32 bits")));
