@@ -191,6 +191,18 @@ fn served_on(devices: &[usize], copy_back: KvCopyBack) -> Arc<GpuServed> {
     Arc::new(GpuServed::load(meta, devices, 128, 16, copy_back).expect("loads on the device"))
 }
 
+/// A prompt of more than one 16-token block (SmolLM2's tokens).
+fn two_block_prompt(served: &GpuServed) -> Vec<u32> {
+    served
+        .text()
+        .tokenizer
+        .encode(
+            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+            false,
+        )
+        .expect("tokenize")
+}
+
 fn step(r: &dyn StepRunner, cache: &mut KvCache, chunks: &[(&[u32], usize, &[u32])]) -> Vec<f32> {
     let chunks: Vec<SeqChunk<'_>> = chunks
         .iter()
@@ -216,12 +228,7 @@ fn a_batch_step_computes_bitwise_what_each_sequence_computes_alone() {
     let a = tok
         .encode("The capital of France is", false)
         .expect("tokenize");
-    let b = tok
-        .encode(
-            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-            false,
-        )
-        .expect("tokenize");
+    let b = two_block_prompt(&served);
     assert!(b.len() > 16, "b spans two blocks");
     let vocab = served.config().vocab_size;
 
@@ -252,14 +259,7 @@ fn a_batch_step_computes_bitwise_what_each_sequence_computes_alone() {
 fn kv_imported_into_the_host_pool_reaches_the_device() {
     let served = gpu_served();
     let cpu = tandem_engine::load(&gguf_path()).expect("model loads");
-    let prompt = served
-        .text()
-        .tokenizer
-        .encode(
-            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-            false,
-        )
-        .expect("tokenize");
+    let prompt = two_block_prompt(&served);
     let next_token = 17;
 
     // A prompt computed on the GPU comes back to the host pool; imported
@@ -424,14 +424,7 @@ fn three_tensor_parallel_ranks_agree_with_one_and_hand_kv_over() {
     let one = gpu_served();
     let three = served_on(&[0, 0, 0], KvCopyBack::EveryStep);
     let vocab = one.config().vocab_size;
-    let prompt = one
-        .text()
-        .tokenizer
-        .encode(
-            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-            false,
-        )
-        .expect("tokenize");
+    let prompt = two_block_prompt(&one);
     const DECODED: usize = 4;
     let (r1, mut cache1) = runner(&one, 8);
     let (r3, mut cache3) = tp_runner(&three, 3, 8);
