@@ -3,8 +3,10 @@
 # binaries built here:
 #   usage: bench/gpu-device-check.sh BIN_DIR [GGUF]
 # BIN_DIR holds, stripped: tandem, test-kernels and test-llama (tandem-gpu's
-# tests/kernels.rs and tests/llama.rs), bench-kernels (benches/kernels.rs),
-# and lib/ with the shared libraries tandem links (UCX, libnuma).
+# tests/kernels.rs and tests/llama.rs), bench-kernels and bench-step
+# (benches/kernels.rs, benches/step.rs), and lib/ with the shared libraries
+# tandem links (UCX, libnuma). GGUF is SmolLM2's; the Qwen2.5 test runs only
+# with TANDEM_TEST_QWEN2_GGUF set (its file is 4x larger to carry).
 # Runs: every kernel against its CPU reference on the device, the device's
 # copy bandwidth and decode matmuls against it; with GGUF also SmolLM2
 # teacher-forced against the CPU engine, the scheduler's GPU runner
@@ -46,7 +48,13 @@ if [[ $checks == *kernels* ]]; then
 fi
 if [[ -n $gguf && $checks == *model* ]]; then
   step "SmolLM2 on the GPU vs the CPU engine (teacher-forced greedy)"
-  TANDEM_TEST_GGUF=$gguf check "$bin/test-llama" --nocapture
+  skip=()
+  [[ -n ${TANDEM_TEST_QWEN2_GGUF:-} ]] || skip=(--skip qwen2_5)
+  TANDEM_TEST_GGUF=$gguf check "$bin/test-llama" --nocapture "${skip[@]}"
+  if [[ -x $bin/bench-step ]]; then
+    step "a decode step's host enqueue time against the whole step"
+    check "$bin/bench-step" "$gguf"
+  fi
   step "bench/gpu.sh"
   TANDEM_BIN="$bin/tandem" GGUF=$gguf ROUNDS=${ROUNDS:-2} check "$repo/bench/gpu.sh" gpu:0
 fi
