@@ -479,7 +479,7 @@ impl GpuModel {
                 let data = g
                     .tensor_data(name)
                     .map_err(tandem_modelfile::error::ModelError::from)?;
-                let block = format.ggml().block_bytes();
+                let block = format.block_bytes();
                 let row_bytes = cols / bl * block;
                 let (from, to) = (cols_sel.start / bl * block, cols_sel.end / bl * block);
                 for row in data.chunks_exact(row_bytes).take(sel.end).skip(sel.start) {

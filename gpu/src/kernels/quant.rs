@@ -1,6 +1,7 @@
 //! Matmuls over quantised weights, dequantised on the fly: the GGUF
 //! formats the bundled models ship (Q4_1; Q5_0, Q8_0, Q4_K and Q6_K in the
-//! "Q4_K_M" files). A [`QMatrix`] holds a matrix's blocks repacked so each
+//! "Q4_K_M" files), and F16 / BF16 (half-precision GGUF files, safetensors
+//! checkpoints). A [`QMatrix`] holds a matrix's blocks repacked so each
 //! starts on a 32-bit word (the device reads words); the values are
 //! GGUF's, unchanged. One kernel serves every format (its block decoder
 //! chosen when the kernel is expanded): 32 units per output row, each
@@ -28,16 +29,20 @@ pub enum QFormat {
     Q8_0,
     Q4_K,
     Q6_K,
+    F16,
+    BF16,
 }
 
 impl QFormat {
     /// Every format, in the order of [`GgmlType`].
-    pub const ALL: [QFormat; 5] = [
+    pub const ALL: [QFormat; 7] = [
         QFormat::Q4_1,
         QFormat::Q5_0,
         QFormat::Q8_0,
         QFormat::Q4_K,
         QFormat::Q6_K,
+        QFormat::F16,
+        QFormat::BF16,
     ];
 
     /// The device format of GGUF tensors of type `ty`, if it has one.
@@ -48,6 +53,8 @@ impl QFormat {
             GgmlType::Q8_0 => Some(QFormat::Q8_0),
             GgmlType::Q4_K => Some(QFormat::Q4_K),
             GgmlType::Q6_K => Some(QFormat::Q6_K),
+            GgmlType::F16 => Some(QFormat::F16),
+            GgmlType::BF16 => Some(QFormat::BF16),
             _ => None,
         }
     }
@@ -60,18 +67,28 @@ impl QFormat {
             QFormat::Q8_0 => GgmlType::Q8_0,
             QFormat::Q4_K => GgmlType::Q4_K,
             QFormat::Q6_K => GgmlType::Q6_K,
+            QFormat::F16 => GgmlType::F16,
+            QFormat::BF16 => GgmlType::BF16,
         }
     }
 
     /// Values per block: a row's columns come in whole blocks (and a
-    /// tensor-parallel rank's share of them too).
+    /// tensor-parallel rank's share of them too). GGUF's blocks, except
+    /// that the device reads half-precision values 8 at a time (4 words,
+    /// one per unit of a block), so their rows are whole groups of 8.
     pub fn block_len(self) -> usize {
-        self.ggml().block_len()
+        match self {
+            QFormat::F16 | QFormat::BF16 => HALF_BLOCK,
+            _ => self.ggml().block_len(),
+        }
     }
 
-    /// GGUF bytes per block.
-    fn block_bytes(self) -> usize {
-        self.ggml().block_bytes()
+    /// File bytes per block (of [`QFormat::block_len`] values).
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QFormat::F16 | QFormat::BF16 => HALF_BLOCK * 2,
+            _ => self.ggml().block_bytes(),
+        }
     }
 
     /// 32-bit words per repacked block: GGUF's bytes with the two-byte
@@ -84,6 +101,7 @@ impl QFormat {
             QFormat::Q8_0 => 9,
             QFormat::Q4_K => 36,
             QFormat::Q6_K => 53,
+            QFormat::F16 | QFormat::BF16 => HALF_BLOCK / 2,
         }
     }
 
@@ -103,7 +121,7 @@ impl QFormat {
                     out.push(word(&b[..2]));
                     out.extend(b[2..].chunks(4).map(word));
                 }
-                QFormat::Q4_1 | QFormat::Q4_K | QFormat::Q6_K => {
+                QFormat::Q4_1 | QFormat::Q4_K | QFormat::Q6_K | QFormat::F16 | QFormat::BF16 => {
                     out.extend(b.chunks(4).map(word));
                 }
             }
@@ -111,6 +129,9 @@ impl QFormat {
         out
     }
 }
+
+/// Half-precision values per device block.
+const HALF_BLOCK: usize = 8;
 
 /// A `rows` x `cols` matrix of quantised weights on a device.
 #[derive(Debug, Clone)]
@@ -250,6 +271,7 @@ fn units_per_block(format: QFormat) -> usize {
         QFormat::Q4_1 | QFormat::Q5_0 => 4,
         QFormat::Q8_0 => 8,
         QFormat::Q4_K | QFormat::Q6_K => 32,
+        QFormat::F16 | QFormat::BF16 => HALF_BLOCK / 2,
     }
 }
 
@@ -296,6 +318,8 @@ pub(super) fn quant_matmul_kernel(
                     QFormat::Q8_0 => q8_0_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile),
                     QFormat::Q4_K => q4_k_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile),
                     QFormat::Q6_K => q6_k_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile),
+                    QFormat::F16 => half_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile, false),
+                    QFormat::BF16 => half_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile, true),
                 }
             }
         }
@@ -500,4 +524,38 @@ fn q6_k_word(
         accumulate(acc, x, lo, c + byte, t0, n, cols, tile);
         accumulate(acc, x, hi, c + 64 + byte, t0, n, cols, tile);
     }
+}
+
+/// F16 or BF16 (`brain`), 4 words per 8 values: word `q` holds values
+/// 2q (low half) and 2q + 1.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn half_word(
+    acc: &mut Array<f32>,
+    x: &[f32],
+    w: &[u32],
+    blk: usize,
+    q: usize,
+    b: usize,
+    t0: usize,
+    n: usize,
+    #[comptime] cols: usize,
+    #[comptime] tile: usize,
+    #[comptime] brain: bool,
+) {
+    let word = w[blk + q];
+    // A bf16 is the top half of an f32.
+    let lo = if brain {
+        f32::reinterpret(word << 16)
+    } else {
+        half_to_f32(word & 0xffff)
+    };
+    let hi = if brain {
+        f32::reinterpret(word & 0xffff_0000u32)
+    } else {
+        half_to_f32(word >> 16)
+    };
+    let c = b * comptime!(HALF_BLOCK) + q * 2;
+    accumulate(acc, x, lo, c, t0, n, cols, tile);
+    accumulate(acc, x, hi, c + 1, t0, n, cols, tile);
 }
