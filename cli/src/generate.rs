@@ -13,11 +13,11 @@ use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate, generat
 use tandem_engine::sampler::SamplingParams;
 use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::GpuLlama;
+use tandem_gpu::weights::ModelFiles;
+use tandem_modelfile::ModelMeta;
 use tandem_modelfile::ModelText;
 use tandem_modelfile::chat::ChatMessage;
-use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::fetch;
-use tandem_modelfile::gguf::GgufFile;
 use tandem_types::RequestLimits;
 
 #[derive(Debug, Args)]
@@ -204,14 +204,16 @@ fn report(req: &GenerateRequest, out: &GenerateOutput) {
 /// weights on the device (nothing of the CPU engine is loaded).
 fn run_on_gpu(args: &GenerateArgs, path: &Path, id: usize) -> Result<()> {
     let t0 = std::time::Instant::now();
-    let (g, config, text) = open_gguf(path, id)?;
-    let req = request(args, &text)?;
+    let meta = ModelMeta::load(path).with_context(|| format!("reading {}", path.display()))?;
+    let (config, text) = (&meta.config, &meta.text);
+    let files = ModelFiles::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let req = request(args, text)?;
     let limits = RequestLimits {
         max_length: config.context_length,
         vocab_size: config.vocab_size,
     };
     let max_tokens = limits.check(&req.prompt, Some(req.max_tokens), &req.sampling)?;
-    let (mut seq, adapter) = load_on_gpu(&g, id, req.prompt.len() + max_tokens)?;
+    let (mut seq, adapter) = load_on_gpu(&files, id, req.prompt.len() + max_tokens)?;
     eprintln!(
         "tandem: loaded {} ({} layers) on gpu:{id}, {adapter}, in {:.0} ms",
         text.name,
@@ -223,25 +225,10 @@ fn run_on_gpu(args: &GenerateArgs, path: &Path, id: usize) -> Result<()> {
     })
 }
 
-/// A GGUF file for a GPU run: the file, its config and its text side
-/// (tokenizer, chat template). Nothing of the CPU engine is loaded.
-fn open_gguf(path: &Path, id: usize) -> Result<(GgufFile, ModelConfig, ModelText)> {
-    let g = GgufFile::open(path)
-        .with_context(|| format!("--devices gpu:{id} needs a GGUF file: {}", path.display()))?;
-    let config = ModelConfig::from_gguf(&g)?;
-    let (tokenizer, chat_template) = tandem_modelfile::meta::gguf_text(&g, &config)?;
-    let text = ModelText {
-        name: tandem_modelfile::meta::gguf_name(&g, path),
-        tokenizer,
-        chat_template,
-    };
-    Ok((g, config, text))
-}
-
-/// `g`'s weights on GPU `id` with a KV pool of `max_ctx` positions, and
-/// the adapter's name for the startup line.
-fn load_on_gpu(g: &GgufFile, id: usize, max_ctx: usize) -> Result<(GpuLlama, String)> {
+/// The model's weights on GPU `id` with a KV pool of `max_ctx` positions,
+/// and the adapter's name for the startup line.
+fn load_on_gpu(files: &ModelFiles, id: usize, max_ctx: usize) -> Result<(GpuLlama, String)> {
     let dev = GpuDevice::open(id)?;
     let adapter = dev.name().to_string();
-    Ok((GpuLlama::load(dev, g, max_ctx)?, adapter))
+    Ok((GpuLlama::load(dev, files, max_ctx)?, adapter))
 }

@@ -3,29 +3,17 @@
 //! BF16 tensors. `loader::load_dir` adds the tokenizer and chat template
 //! (`tokenizer.json`, `tokenizer_config.json`) to make a loaded model.
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use safetensors::{Dtype, SafeTensors};
-use tandem_kernels::GgmlType;
-
 use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::meta;
-use tandem_modelfile::storage::Backing;
+use tandem_modelfile::safetensors::SafetensorsDir;
 
 use crate::error::ModelError;
 use crate::model::{DecoderModel, FfnWeights, LayerWeights, ModelWeights};
 use crate::moe::{Expert, MoeWeights};
 use crate::weight::{Weight, to_f32};
-
-/// Where one tensor lives: which file's bytes, at which range.
-struct Located {
-    backing: Arc<Backing>,
-    range: std::ops::Range<usize>,
-    ty: GgmlType,
-    shape: Vec<usize>,
-}
 
 /// The model alone (no tokenizer), from `config.json` and the
 /// `*.safetensors` files: for checkpoints fed token ids directly, such as
@@ -39,62 +27,12 @@ pub fn load_model_dir(dir: &Path) -> Result<DecoderModel, ModelError> {
 /// config, the weights and a hash of the files' bytes.
 pub(crate) fn read_weights(dir: &Path) -> Result<(ModelConfig, ModelWeights, u64), ModelError> {
     let (config, tie) = meta::hf_config(dir)?;
-    let files = meta::hf_weight_files(dir)?;
-    let mut tensors: HashMap<String, Located> = HashMap::new();
-    let mut weights_hash = 0u64;
-    for f in &files {
-        let h = index_file(f, &mut tensors)?;
-        weights_hash = meta::chain_file_hash(weights_hash, h);
-    }
-    let weights = hf_weights(&tensors, &config, tie)?;
-    Ok((config, weights, weights_hash))
+    let files = SafetensorsDir::open(dir)?;
+    let weights = hf_weights(&files, &config, tie)?;
+    Ok((config, weights, files.weights_hash))
 }
 
-/// Indexes one file's tensors; returns the hash of its bytes.
-fn index_file(path: &Path, out: &mut HashMap<String, Located>) -> Result<u64, ModelError> {
-    let bad = |problem: String| ModelError::Safetensors {
-        path: path.display().to_string(),
-        problem,
-    };
-    let file = std::fs::File::open(path).map_err(|source| ModelError::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
-    // SAFETY: the map is read-only; a file truncated by another process
-    // underneath us is outside what we can defend against (as for GGUF).
-    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ModelError::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
-    let backing = Arc::new(Backing::Mmap(mmap));
-    let st = SafeTensors::deserialize(&backing).map_err(|e| bad(e.to_string()))?;
-    let base = backing.as_ptr() as usize;
-    for (name, view) in st.tensors() {
-        let ty = match view.dtype() {
-            Dtype::F32 => GgmlType::F32,
-            Dtype::F16 => GgmlType::F16,
-            Dtype::BF16 => GgmlType::BF16,
-            other => return Err(bad(format!("tensor {name}: unsupported dtype {other:?}"))),
-        };
-        let start = view.data().as_ptr() as usize - base;
-        let located = Located {
-            backing: Arc::clone(&backing),
-            range: start..start + view.data().len(),
-            ty,
-            shape: view.shape().to_vec(),
-        };
-        if out.insert(name.clone(), located).is_some() {
-            return Err(bad(format!("tensor {name} appears in more than one file")));
-        }
-    }
-    Ok(xxhash_rust::xxh3::xxh3_64(&backing))
-}
-
-fn hf_weights(
-    t: &HashMap<String, Located>,
-    c: &ModelConfig,
-    tie: bool,
-) -> Result<ModelWeights, ModelError> {
+fn hf_weights(t: &SafetensorsDir, c: &ModelConfig, tie: bool) -> Result<ModelWeights, ModelError> {
     let get = |name: &str| {
         t.get(name)
             .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
@@ -141,7 +79,7 @@ fn hf_weights(
                     format!("model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias");
                 FfnWeights::Moe(MoeWeights {
                     router: matrix(&n("block_sparse_moe.gate"))?,
-                    correction_bias: if t.contains_key(&bias) {
+                    correction_bias: if t.contains(&bias) {
                         Some(vector(&bias)?)
                     } else {
                         None
@@ -182,7 +120,7 @@ fn hf_weights(
             post_norms: None,
         });
     }
-    let output = if !tie && t.contains_key("lm_head.weight") {
+    let output = if !tie && t.contains("lm_head.weight") {
         Some(matrix("lm_head.weight")?)
     } else {
         None

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::{Chunk, GpuModel};
-use tandem_modelfile::gguf::GgufFile;
+use tandem_gpu::weights::ModelFiles;
 
 const BLOCK: usize = 16;
 const PROMPT: usize = 64;
@@ -36,7 +36,7 @@ fn main() {
         (&[1, 8, 32, 64], 20)
     };
     let dev = GpuDevice::open(0).unwrap_or_else(|e| panic!("{e}"));
-    let g = GgufFile::open(std::path::Path::new(&path)).expect("gguf");
+    let g = ModelFiles::open(std::path::Path::new(&path)).expect("model files");
     let ctx = PROMPT + steps + 1;
     let model = GpuModel::load(dev, &g, ctx, BLOCK).expect("loads");
     println!("device: {}", model.device().name());

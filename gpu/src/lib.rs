@@ -23,6 +23,7 @@ mod error;
 pub mod kernels;
 pub mod llama;
 pub mod runner;
+pub mod weights;
 
 pub use device::{Buffer, GpuDevice};
 pub use error::GpuError;

@@ -14,7 +14,6 @@
 use tandem_kernels::dequantize_row;
 use tandem_kernels::ops::{Rope, RopeStyle};
 use tandem_modelfile::config::ModelConfig;
-use tandem_modelfile::gguf::GgufFile;
 
 use tandem_engine::comm::Communicator;
 use tandem_engine::error::RequestError;
@@ -24,6 +23,7 @@ use tandem_engine::model::block_bounds;
 use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
 use crate::kernels::{self, KvLayout, KvRows, QFormat, QMatrix};
+use crate::weights::{ModelFiles, Tensors};
 
 /// KV rows per block of [`GpuLlama`]'s pool.
 const BLOCK_SIZE: usize = 16;
@@ -69,27 +69,22 @@ struct Embeddings {
 }
 
 impl Embeddings {
-    fn load(g: &GgufFile, vocab: usize, d: usize) -> Result<Embeddings, GpuError> {
+    fn load(t: &dyn Tensors, vocab: usize, d: usize) -> Result<Embeddings, GpuError> {
         const NAME: &str = "token_embd.weight";
-        let info = g
-            .tensor(NAME)
-            .map_err(tandem_modelfile::error::ModelError::from)?;
+        let info = t.tensor(NAME)?;
         let row_bytes = info
             .ty
             .row_bytes(d)
             .ok_or_else(|| unsupported(format!("{NAME}: rows of {d} are not whole blocks")))?;
-        let data = g
-            .tensor_data(NAME)
-            .map_err(tandem_modelfile::error::ModelError::from)?;
-        if info.n_elements() != (vocab * d) as u64 || data.len() != vocab * row_bytes {
+        if info.n_elements != vocab * d || info.data.len() != vocab * row_bytes {
             return Err(unsupported(format!(
                 "{NAME} holds {} values, not {vocab}x{d}",
-                info.n_elements()
+                info.n_elements
             )));
         }
         Ok(Embeddings {
             ty: info.ty,
-            bytes: data.to_vec(),
+            bytes: info.data.to_vec(),
             row_bytes,
             d,
         })
@@ -333,54 +328,60 @@ fn unsupported(what: impl Into<String>) -> GpuError {
 }
 
 /// A tensor's values as f32 (any type the CPU can dequantise).
-fn f32_tensor(g: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, GpuError> {
-    let info = g
-        .tensor(name)
-        .map_err(tandem_modelfile::error::ModelError::from)?;
-    let data = g
-        .tensor_data(name)
-        .map_err(tandem_modelfile::error::ModelError::from)?;
-    let row = usize::try_from(info.dims.first().copied().unwrap_or(0)).unwrap_or(0);
-    if row == 0 || info.n_elements() != len as u64 {
+fn f32_tensor(t: &dyn Tensors, name: &str, len: usize) -> Result<Vec<f32>, GpuError> {
+    let info = t.tensor(name)?;
+    let row = info.row_len;
+    if row == 0 || info.n_elements != len {
         return Err(unsupported(format!(
             "{name} holds {} values, not {len}",
-            info.n_elements()
+            info.n_elements
         )));
     }
     let row_bytes = info
         .ty
         .row_bytes(row)
         .ok_or_else(|| unsupported(format!("{name}: rows of {row} are not whole blocks")))?;
+    if info.data.len() != len / row * row_bytes {
+        return Err(unsupported(format!(
+            "{name}: {} bytes for {len} values",
+            info.data.len()
+        )));
+    }
     let mut out = vec![0.0f32; len];
-    for (src, dst) in data.chunks_exact(row_bytes).zip(out.chunks_exact_mut(row)) {
+    for (src, dst) in info
+        .data
+        .chunks_exact(row_bytes)
+        .zip(out.chunks_exact_mut(row))
+    {
         dequantize_row(info.ty, src, dst).map_err(|e| unsupported(format!("{name}: {e}")))?;
     }
     Ok(out)
 }
 
 impl GpuModel {
-    /// Uploads `g`'s weights to `dev`, for sequences of up to `max_ctx`
-    /// positions over pools of `block_size`-token blocks.
+    /// Uploads the model's weights to `dev`, for sequences of up to
+    /// `max_ctx` positions over pools of `block_size`-token blocks.
     pub fn load(
         dev: GpuDevice,
-        g: &GgufFile,
+        files: &ModelFiles,
         max_ctx: usize,
         block_size: usize,
     ) -> Result<GpuModel, GpuError> {
-        Self::load_shard(dev, g, max_ctx, block_size, Shard::WHOLE)
+        Self::load_shard(dev, files, max_ctx, block_size, Shard::WHOLE)
     }
 
-    /// Uploads `shard`'s part of `g`'s weights to `dev` (the whole of the
-    /// norms, embeddings and head, which every rank applies to the whole
-    /// hidden state).
+    /// Uploads `shard`'s part of the model's weights to `dev` (the whole
+    /// of the norms, embeddings and head, which every rank applies to the
+    /// whole hidden state).
     pub fn load_shard(
         dev: GpuDevice,
-        g: &GgufFile,
+        files: &ModelFiles,
         max_ctx: usize,
         block_size: usize,
         shard: Shard,
     ) -> Result<GpuModel, GpuError> {
-        let c = ModelConfig::from_gguf(g)?;
+        let c = files.config.clone();
+        let g = files.tensors.as_ref();
         let f = c.family;
         if f.qk_norm
             || f.post_norms
@@ -421,10 +422,7 @@ impl GpuModel {
         let mut ffn_block = 32;
         for i in 0..c.n_layers {
             let name = format!("blk.{i}.ffn_down.weight");
-            let ty = g
-                .tensor(&name)
-                .map_err(tandem_modelfile::error::ModelError::from)?
-                .ty;
+            let ty = g.tensor(&name)?.ty;
             ffn_block = ffn_block.max(QFormat::of(ty).map_or(32, QFormat::block_len));
         }
         let bounds = block_bounds(c.ffn_dim, w, ffn_block);
@@ -450,9 +448,7 @@ impl GpuModel {
             // (format, rows, GGUF bytes) of each run of one format.
             let mut runs: Vec<(QFormat, usize, Vec<u8>)> = Vec::new();
             for (name, rows, sel) in parts {
-                let info = g
-                    .tensor(name)
-                    .map_err(tandem_modelfile::error::ModelError::from)?;
+                let info = g.tensor(name)?;
                 let Some(format) = QFormat::of(info.ty) else {
                     return Err(unsupported(format!(
                         "{name} is {:?}; the GPU backend runs {:?}",
@@ -461,10 +457,10 @@ impl GpuModel {
                     )));
                 };
                 let bl = format.block_len();
-                if info.n_elements() != (rows * cols) as u64 {
+                if info.n_elements != rows * cols {
                     return Err(unsupported(format!(
                         "{name} holds {} values, not {rows}x{cols}",
-                        info.n_elements()
+                        info.n_elements
                     )));
                 }
                 if !cols.is_multiple_of(bl)
@@ -476,9 +472,7 @@ impl GpuModel {
                          of {bl}"
                     )));
                 }
-                let data = g
-                    .tensor_data(name)
-                    .map_err(tandem_modelfile::error::ModelError::from)?;
+                let data = info.data;
                 let block = format.block_bytes();
                 let row_bytes = cols / bl * block;
                 let (from, to) = (cols_sel.start / bl * block, cols_sel.end / bl * block);
@@ -557,15 +551,12 @@ impl GpuModel {
         let embd = Embeddings::load(g, c.vocab_size, d)?;
         // The output head, or the embeddings when tied: quantised as it is
         // stored where the device reads the format, else f32.
-        let head_name = if g.tensor("output.weight").is_ok() {
+        let head_name = if g.contains("output.weight") {
             "output.weight"
         } else {
             "token_embd.weight"
         };
-        let head_ty = g
-            .tensor(head_name)
-            .map_err(tandem_modelfile::error::ModelError::from)?
-            .ty;
+        let head_ty = g.tensor(head_name)?.ty;
         let vocab = c.vocab_size;
         let head = match QFormat::of(head_ty) {
             Some(_) => Head::Quantised(stacked(&[(head_name.into(), vocab, 0..vocab)], d, 0..d)?),
@@ -967,8 +958,8 @@ impl GpuModel {
 
 impl GpuLlama {
     /// Uploads `g`'s weights to `dev`, with room for `max_ctx` positions.
-    pub fn load(dev: GpuDevice, g: &GgufFile, max_ctx: usize) -> Result<GpuLlama, GpuError> {
-        let model = GpuModel::load(dev, g, max_ctx, BLOCK_SIZE)?;
+    pub fn load(dev: GpuDevice, files: &ModelFiles, max_ctx: usize) -> Result<GpuLlama, GpuError> {
+        let model = GpuModel::load(dev, files, max_ctx, BLOCK_SIZE)?;
         let blocks = max_ctx.div_ceil(BLOCK_SIZE);
         Ok(GpuLlama {
             pool: model.new_pool(blocks)?,

@@ -29,12 +29,12 @@ use tandem_engine::model::SeqChunk;
 use tandem_engine::ranks::PeerRanks;
 use tandem_modelfile::ModelText;
 use tandem_modelfile::config::ModelConfig;
-use tandem_modelfile::gguf::GgufFile;
 use tandem_modelfile::meta::ModelMeta;
 
 use crate::device::GpuDevice;
 use crate::error::GpuError;
 use crate::llama::{Chunk, DevicePool, GpuModel, Shard};
+use crate::weights::ModelFiles;
 
 /// Whether the KV a step writes on the device is copied back to the host
 /// pool.
@@ -85,7 +85,7 @@ impl GpuServed {
         block_size: usize,
         copy_back: KvCopyBack,
     ) -> Result<GpuServed, GpuError> {
-        let g = GgufFile::open(&meta.path).map_err(tandem_modelfile::error::ModelError::from)?;
+        let files = ModelFiles::open(&meta.path)?;
         let world = devices.len();
         Shard::check(&meta.config, world)?;
         let ranks = devices
@@ -93,7 +93,7 @@ impl GpuServed {
             .enumerate()
             .map(|(rank, &index)| {
                 let shard = Shard { rank, world };
-                GpuModel::load_shard(GpuDevice::open(index)?, &g, max_ctx, block_size, shard)
+                GpuModel::load_shard(GpuDevice::open(index)?, &files, max_ctx, block_size, shard)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(GpuServed {

@@ -190,8 +190,8 @@ fn matmul_matches_an_f64_reference_within_1e_5_of_the_row_scale() {
 }
 
 /// `rows` rows of `cols` random values in `format`: random quants, and
-/// each block's f16 scales (and Q4_1's min) between 2^-7 and 2^-4; F16
-/// and BF16 values in [-1, 1), rounded by the CPU's conversion.
+/// each block's f16 scales (and Q4_1's min) between 2^-7 and 2^-4; F16,
+/// BF16 and F32 values in [-1, 1), rounded by the CPU's conversion.
 fn random_blocks(rng: &mut SeededRng, format: QFormat, rows: usize, cols: usize) -> Vec<u8> {
     let ty = format.ggml();
     let (bl, bb) = (ty.block_len(), ty.block_bytes());
@@ -199,9 +199,9 @@ fn random_blocks(rng: &mut SeededRng, format: QFormat, rows: usize, cols: usize)
         QFormat::Q4_1 | QFormat::Q4_K => &[0, 2],
         QFormat::Q5_0 | QFormat::Q8_0 => &[0],
         QFormat::Q6_K => &[208],
-        QFormat::F16 | QFormat::BF16 => {
+        QFormat::F16 | QFormat::BF16 | QFormat::F32 => {
             let v = values(rng, rows * cols, -1.0, 1.0);
-            let mut bytes = vec![0u8; rows * cols * 2];
+            let mut bytes = vec![0u8; rows * cols * bb];
             tandem_kernels::quantize_row(ty, &v, &mut bytes).expect("halves");
             return bytes;
         }

@@ -22,8 +22,8 @@ use tandem_engine::sampler::{SamplingParams, argmax};
 use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::{Chunk, GpuLlama, GpuModel, Shard};
 use tandem_gpu::runner::{GpuServed, KvCopyBack};
+use tandem_gpu::weights::ModelFiles;
 use tandem_modelfile::ModelMeta;
-use tandem_modelfile::gguf::GgufFile;
 
 /// Largest logit (= log-probability) gap at which a differing greedy
 /// choice counts as a tie. The CPU's int8 activations move SmolLM2's
@@ -100,7 +100,7 @@ fn near_ties(
 #[test]
 fn smollm2_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
     let dev = GpuDevice::open(0).expect("a Vulkan device (lavapipe: mesa-vulkan-drivers)");
-    let g = GgufFile::open(&gguf_path()).expect("gguf");
+    let g = ModelFiles::open(&gguf_path()).expect("model files");
     let gpu = GpuLlama::load(dev, &g, 128).expect("loads on the device");
     let cpu = tandem_engine::load(&gguf_path()).expect("model loads");
     for text in ["The capital of France is", "def fibonacci(n):"] {
@@ -122,7 +122,7 @@ fn qwen2_5_q4_k_m_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
         "set TANDEM_TEST_QWEN2_GGUF to Qwen2.5-Coder-0.5B-Instruct Q4_K_M (scripts/test.sh does this)",
     ));
     let dev = GpuDevice::open(0).expect("a Vulkan device (lavapipe: mesa-vulkan-drivers)");
-    let g = GgufFile::open(&path).expect("gguf");
+    let g = ModelFiles::open(&path).expect("model files");
     let gpu = GpuLlama::load(dev, &g, 64).expect("loads on the device");
     let cpu = tandem_engine::load(&path).expect("model loads");
     let text = "def fibonacci(n):";
@@ -155,6 +155,62 @@ fn qwen2_5_q4_k_m_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
     assert_eq!(l2.len(), l1.len());
     assert!(worst <= 0.05, "logits differ by {worst}");
     assert_eq!(argmax(&l1), argmax(&l2));
+}
+
+/// The SmolLM2 HF fixture (`TANDEM_TEST_HF_DIR`, F32 safetensors made
+/// from the GGUF) rewritten in BF16: config, tokenizer and one
+/// `model.safetensors`.
+fn bf16_checkpoint() -> tempfile::TempDir {
+    let src = PathBuf::from(std::env::var_os("TANDEM_TEST_HF_DIR").expect(
+        "set TANDEM_TEST_HF_DIR to the SmolLM2 F32 safetensors fixture (scripts/test.sh does this)",
+    ));
+    let dir = tempfile::tempdir().expect("temp dir");
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).expect("copy");
+    }
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for entry in std::fs::read_dir(&src).expect("fixture dir") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).expect("read");
+        let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+        for (name, view) in st.tensors() {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+            let vals: Vec<f32> = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let mut out = vec![0u8; vals.len() * 2];
+            tandem_kernels::quantize_row(tandem_kernels::GgmlType::BF16, &vals, &mut out)
+                .expect("bf16");
+            tensors.push((name, view.shape().to_vec(), out));
+        }
+    }
+    let views = tensors.iter().map(|(n, shape, b)| {
+        let v = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), b)
+            .expect("view");
+        (n.clone(), v)
+    });
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors"))
+        .expect("write");
+    dir
+}
+
+#[test]
+fn smollm2_as_bf16_safetensors_on_the_gpu_agrees_with_the_cpu_engine_on_them() {
+    // An HF checkpoint directory, not a GGUF file: its names mapped to
+    // GGUF's, BF16 matrices (the F16 / BF16 / F32 formats of the device
+    // matmul), NeoX-style RoPE, the tied head in BF16. The CPU engine
+    // loads the same directory.
+    let dir = bf16_checkpoint();
+    let files = ModelFiles::open(dir.path()).expect("model files");
+    let gpu = GpuLlama::load(GpuDevice::open(0).expect("a Vulkan device"), &files, 64)
+        .expect("loads on the device");
+    let cpu = tandem_engine::load(dir.path()).expect("model loads");
+    near_ties(&gpu, &cpu, "The capital of France is", 16);
 }
 
 /// The scheduler's view of the GPU: a runner of `blocks` KV blocks of 16
@@ -386,7 +442,7 @@ fn kv_imported_into_the_host_pool_reaches_the_device() {
 fn attention_split_to_fit_its_scores_buffer_changes_no_bit() {
     // A cap of one byte runs every token's attention in a launch of its
     // own (what a long prompt does past 64 MiB of scores).
-    let g = GgufFile::open(&gguf_path()).expect("gguf");
+    let g = ModelFiles::open(&gguf_path()).expect("model files");
     let dev = || GpuDevice::open(0).expect("a Vulkan device");
     let whole = GpuModel::load(dev(), &g, 64, 16).expect("loads");
     let split = GpuModel::load(dev(), &g, 64, 16)
@@ -540,7 +596,7 @@ fn a_model_that_does_not_split_is_refused_at_load() {
 
 #[test]
 fn a_rank_that_fails_a_step_still_meets_its_peers() {
-    let g = GgufFile::open(&gguf_path()).expect("gguf");
+    let g = ModelFiles::open(&gguf_path()).expect("model files");
     let dev = || GpuDevice::open(0).expect("a Vulkan device");
     let whole = GpuModel::load(dev(), &g, 64, 16).expect("loads");
     let shards: Vec<GpuModel> = (0..3)

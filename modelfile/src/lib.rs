@@ -13,6 +13,7 @@ pub mod fetch;
 pub mod gguf;
 pub mod hub;
 pub mod meta;
+pub mod safetensors;
 mod spm;
 pub mod stop;
 pub mod storage;

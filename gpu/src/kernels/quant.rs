@@ -1,7 +1,7 @@
 //! Matmuls over quantised weights, dequantised on the fly: the GGUF
 //! formats the bundled models ship (Q4_1; Q5_0, Q8_0, Q4_K and Q6_K in the
-//! "Q4_K_M" files), and F16 / BF16 (half-precision GGUF files, safetensors
-//! checkpoints). A [`QMatrix`] holds a matrix's blocks repacked so each
+//! "Q4_K_M" files), and F16 / BF16 / F32 (unquantised GGUF files and
+//! safetensors checkpoints). A [`QMatrix`] holds a matrix's blocks repacked so each
 //! starts on a 32-bit word (the device reads words); the values are
 //! GGUF's, unchanged. One kernel serves every format (its block decoder
 //! chosen when the kernel is expanded): 32 units per output row, each
@@ -31,11 +31,12 @@ pub enum QFormat {
     Q6_K,
     F16,
     BF16,
+    F32,
 }
 
 impl QFormat {
     /// Every format, in the order of [`GgmlType`].
-    pub const ALL: [QFormat; 7] = [
+    pub const ALL: [QFormat; 8] = [
         QFormat::Q4_1,
         QFormat::Q5_0,
         QFormat::Q8_0,
@@ -43,6 +44,7 @@ impl QFormat {
         QFormat::Q6_K,
         QFormat::F16,
         QFormat::BF16,
+        QFormat::F32,
     ];
 
     /// The device format of GGUF tensors of type `ty`, if it has one.
@@ -55,6 +57,7 @@ impl QFormat {
             GgmlType::Q6_K => Some(QFormat::Q6_K),
             GgmlType::F16 => Some(QFormat::F16),
             GgmlType::BF16 => Some(QFormat::BF16),
+            GgmlType::F32 => Some(QFormat::F32),
             _ => None,
         }
     }
@@ -69,16 +72,17 @@ impl QFormat {
             QFormat::Q6_K => GgmlType::Q6_K,
             QFormat::F16 => GgmlType::F16,
             QFormat::BF16 => GgmlType::BF16,
+            QFormat::F32 => GgmlType::F32,
         }
     }
 
     /// Values per block: a row's columns come in whole blocks (and a
     /// tensor-parallel rank's share of them too). GGUF's blocks, except
-    /// that the device reads half-precision values 8 at a time (4 words,
-    /// one per unit of a block), so their rows are whole groups of 8.
+    /// that the device reads unquantised values 8 at a time, so their
+    /// rows are whole groups of 8.
     pub fn block_len(self) -> usize {
         match self {
-            QFormat::F16 | QFormat::BF16 => HALF_BLOCK,
+            QFormat::F16 | QFormat::BF16 | QFormat::F32 => PLAIN_BLOCK,
             _ => self.ggml().block_len(),
         }
     }
@@ -86,7 +90,7 @@ impl QFormat {
     /// File bytes per block (of [`QFormat::block_len`] values).
     pub fn block_bytes(self) -> usize {
         match self {
-            QFormat::F16 | QFormat::BF16 => HALF_BLOCK * 2,
+            QFormat::F16 | QFormat::BF16 | QFormat::F32 => PLAIN_BLOCK * self.ggml().block_bytes(),
             _ => self.ggml().block_bytes(),
         }
     }
@@ -101,7 +105,8 @@ impl QFormat {
             QFormat::Q8_0 => 9,
             QFormat::Q4_K => 36,
             QFormat::Q6_K => 53,
-            QFormat::F16 | QFormat::BF16 => HALF_BLOCK / 2,
+            QFormat::F16 | QFormat::BF16 => PLAIN_BLOCK / 2,
+            QFormat::F32 => PLAIN_BLOCK,
         }
     }
 
@@ -121,7 +126,12 @@ impl QFormat {
                     out.push(word(&b[..2]));
                     out.extend(b[2..].chunks(4).map(word));
                 }
-                QFormat::Q4_1 | QFormat::Q4_K | QFormat::Q6_K | QFormat::F16 | QFormat::BF16 => {
+                QFormat::Q4_1
+                | QFormat::Q4_K
+                | QFormat::Q6_K
+                | QFormat::F16
+                | QFormat::BF16
+                | QFormat::F32 => {
                     out.extend(b.chunks(4).map(word));
                 }
             }
@@ -130,8 +140,8 @@ impl QFormat {
     }
 }
 
-/// Half-precision values per device block.
-const HALF_BLOCK: usize = 8;
+/// Unquantised values per device block.
+const PLAIN_BLOCK: usize = 8;
 
 /// A `rows` x `cols` matrix of quantised weights on a device.
 #[derive(Debug, Clone)]
@@ -271,7 +281,8 @@ fn units_per_block(format: QFormat) -> usize {
         QFormat::Q4_1 | QFormat::Q5_0 => 4,
         QFormat::Q8_0 => 8,
         QFormat::Q4_K | QFormat::Q6_K => 32,
-        QFormat::F16 | QFormat::BF16 => HALF_BLOCK / 2,
+        QFormat::F16 | QFormat::BF16 => PLAIN_BLOCK / 2,
+        QFormat::F32 => PLAIN_BLOCK,
     }
 }
 
@@ -320,6 +331,19 @@ pub(super) fn quant_matmul_kernel(
                     QFormat::Q6_K => q6_k_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile),
                     QFormat::F16 => half_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile, false),
                     QFormat::BF16 => half_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile, true),
+                    QFormat::F32 => {
+                        let v = f32::reinterpret(w[blk + q]);
+                        accumulate(
+                            &mut acc,
+                            x,
+                            v,
+                            b * comptime!(PLAIN_BLOCK) + q,
+                            t0,
+                            n,
+                            cols,
+                            tile,
+                        );
+                    }
                 }
             }
         }
@@ -555,7 +579,7 @@ fn half_word(
     } else {
         half_to_f32(word >> 16)
     };
-    let c = b * comptime!(HALF_BLOCK) + q * 2;
+    let c = b * comptime!(PLAIN_BLOCK) + q * 2;
     accumulate(acc, x, lo, c, t0, n, cols, tile);
     accumulate(acc, x, hi, c + 1, t0, n, cols, tile);
 }
