@@ -47,16 +47,10 @@ struct Layer {
     down: Stacked,
 }
 
-/// Largest GGUF bytes of one part of a [`Stacked`] matrix, and of an f32
-/// head: half of the smallest `maxStorageBufferRange` seen (lavapipe's
-/// 128 MiB), the rest left for repacking.
+/// Largest stored bytes of one part of a [`Stacked`] matrix: half of the
+/// smallest `maxStorageBufferRange` seen (lavapipe's 128 MiB), the rest
+/// left for repacking.
 const PART_BYTES: usize = 64 << 20;
-
-/// The output head: quantised where the device reads the format.
-enum Head {
-    Quantised(Stacked),
-    F32(Buffer),
-}
 
 /// The token embeddings, on the host as the file stores them: a step
 /// dequantises its tokens' rows there and uploads them (a 150k-token
@@ -283,7 +277,8 @@ pub struct GpuModel {
     ffn: usize,
     layers: Vec<Layer>,
     embd: Embeddings,
-    head: Head,
+    /// The output head (the embeddings' rows when tied).
+    head: Stacked,
     out_norm: Buffer,
     /// `(sin, cos)` per position and rotated pair: the CPU's angles.
     sin_cos: Buffer,
@@ -423,7 +418,7 @@ impl GpuModel {
         for i in 0..c.n_layers {
             let name = format!("blk.{i}.ffn_down.weight");
             let ty = g.tensor(&name)?.ty;
-            ffn_block = ffn_block.max(QFormat::of(ty).map_or(32, QFormat::block_len));
+            ffn_block = ffn_block.max(QFormat::of(ty).map_or(ty.block_len(), QFormat::block_len));
         }
         let bounds = block_bounds(c.ffn_dim, w, ffn_block);
         let ffn_mine = bounds[shard.rank]..bounds[shard.rank + 1];
@@ -449,18 +444,20 @@ impl GpuModel {
             let mut runs: Vec<(QFormat, usize, Vec<u8>)> = Vec::new();
             for (name, rows, sel) in parts {
                 let info = g.tensor(name)?;
-                let Some(format) = QFormat::of(info.ty) else {
-                    return Err(unsupported(format!(
-                        "{name} is {:?}; the GPU backend runs {:?}",
-                        info.ty,
-                        QFormat::ALL
-                    )));
-                };
+                // A format the device has no decoder for (Q4_0, Q5_K, ...)
+                // runs as F32, dequantised here row by row.
+                let native = QFormat::of(info.ty);
+                let format = native.unwrap_or(QFormat::F32);
                 let bl = format.block_len();
-                if info.n_elements != rows * cols {
+                let stored_row = info.ty.row_bytes(cols);
+                if info.n_elements != rows * cols
+                    || stored_row.is_none_or(|r| info.data.len() != rows * r)
+                {
                     return Err(unsupported(format!(
-                        "{name} holds {} values, not {rows}x{cols}",
-                        info.n_elements
+                        "{name}: {} values in {} bytes are not {rows}x{cols} {:?}",
+                        info.n_elements,
+                        info.data.len(),
+                        info.ty
                     )));
                 }
                 if !cols.is_multiple_of(bl)
@@ -472,11 +469,21 @@ impl GpuModel {
                          of {bl}"
                     )));
                 }
-                let data = info.data;
                 let block = format.block_bytes();
-                let row_bytes = cols / bl * block;
                 let (from, to) = (cols_sel.start / bl * block, cols_sel.end / bl * block);
-                for row in data.chunks_exact(row_bytes).take(sel.end).skip(sel.start) {
+                let (mut values, mut widened) = (vec![0.0f32; cols], Vec::new());
+                let stored_rows = info.data.chunks_exact(stored_row.unwrap_or(1));
+                for stored in stored_rows.take(sel.end).skip(sel.start) {
+                    let row = match native {
+                        Some(_) => stored,
+                        None => {
+                            dequantize_row(info.ty, stored, &mut values)
+                                .map_err(|e| unsupported(format!("{name}: {e}")))?;
+                            widened.clear();
+                            widened.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+                            &widened[..]
+                        }
+                    };
                     // A new part where the format changes or the part is
                     // full (a device binds a bounded range per buffer).
                     let full = |r: &(QFormat, usize, Vec<u8>)| {
@@ -556,19 +563,8 @@ impl GpuModel {
         } else {
             "token_embd.weight"
         };
-        let head_ty = g.tensor(head_name)?.ty;
         let vocab = c.vocab_size;
-        let head = match QFormat::of(head_ty) {
-            Some(_) => Head::Quantised(stacked(&[(head_name.into(), vocab, 0..vocab)], d, 0..d)?),
-            None if vocab * d * 4 <= PART_BYTES => {
-                Head::F32(dev.upload(&f32_tensor(g, head_name, vocab * d)?))
-            }
-            None => {
-                return Err(unsupported(format!(
-                    "a {head_ty:?} head of {vocab}x{d} (f32 beyond one device buffer)"
-                )));
-            }
-        };
+        let head = stacked(&[(head_name.into(), vocab, 0..vocab)], d, 0..d)?;
         let out_norm = dev.upload(&f32_tensor(g, "output_norm.weight", d)?);
         let rope = Rope::new(c.rope_style, c.rope_dims, c.rope_theta);
         let sin_cos: Vec<f32> = (0..max_ctx)
@@ -917,10 +913,7 @@ impl GpuModel {
             rows
         };
         let logits = dev.empty(want.len() * c.vocab_size);
-        match &self.head {
-            Head::Quantised(w) => w.matmul(dev, &rows, &logits)?,
-            Head::F32(w) => kernels::matmul(dev, &rows, w, d, &logits)?,
-        }
+        self.head.matmul(dev, &rows, &logits)?;
         Ok(Some(logits))
     }
 

@@ -463,6 +463,102 @@ fn attention_split_to_fit_its_scores_buffer_changes_no_bit() {
     assert!(run(&whole) == run(&split));
 }
 
+/// A model's tensors with its matrices (embeddings and head too)
+/// re-stored in `ty` by the CPU's quantiser, from their values in `from`.
+struct Restored(Vec<(String, Stored)>, ModelFiles);
+
+/// A re-stored tensor: its type, bytes, values and row length.
+type Stored = (tandem_kernels::GgmlType, Vec<u8>, usize, usize);
+
+impl Restored {
+    fn files(from: ModelFiles, ty: tandem_kernels::GgmlType) -> ModelFiles {
+        let c = from.config.clone();
+        let mut names = vec!["token_embd.weight".to_string()];
+        for i in 0..c.n_layers {
+            for m in [
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
+            ] {
+                names.push(format!("blk.{i}.{m}.weight"));
+            }
+        }
+        let mut out = Vec::new();
+        for name in names {
+            let t = from.tensors.tensor(&name).expect("tensor");
+            let (cols, rows) = (t.row_len, t.n_elements / t.row_len);
+            let stored = t.ty.row_bytes(cols).expect("whole blocks");
+            let mut values = vec![0.0f32; cols];
+            let row_bytes = ty.row_bytes(cols).expect("whole blocks");
+            let mut bytes = vec![0u8; rows * row_bytes];
+            for (src, dst) in t
+                .data
+                .chunks_exact(stored)
+                .zip(bytes.chunks_exact_mut(row_bytes))
+            {
+                tandem_kernels::dequantize_row(t.ty, src, &mut values).expect("dequantise");
+                tandem_kernels::quantize_row(ty, &values, dst).expect("quantise");
+            }
+            out.push((name, (ty, bytes, rows * cols, cols)));
+        }
+        ModelFiles {
+            config: c,
+            tensors: Box::new(Restored(out, from)),
+        }
+    }
+}
+
+impl tandem_gpu::weights::Tensors for Restored {
+    fn tensor(&self, name: &str) -> Result<tandem_gpu::weights::Tensor<'_>, tandem_gpu::GpuError> {
+        let Some((_, (ty, data, n_elements, row_len))) = self.0.iter().find(|(n, _)| n == name)
+        else {
+            return self.1.tensors.tensor(name);
+        };
+        Ok(tandem_gpu::weights::Tensor {
+            ty: *ty,
+            row_len: *row_len,
+            n_elements: *n_elements,
+            data,
+        })
+    }
+}
+
+#[test]
+fn a_format_the_device_lacks_runs_dequantised_to_f32() {
+    // SmolLM2 re-stored in Q4_0 (no device decoder: loaded as F32 rows,
+    // split into parts as they fill) against the same values stored as F32
+    // (the device's own F32 format): the logits are the same bits.
+    let q4_0 = Restored::files(
+        ModelFiles::open(&gguf_path()).expect("model files"),
+        tandem_kernels::GgmlType::Q4_0,
+    );
+    let values = q4_0.tensors.tensor("blk.0.attn_q.weight").expect("tensor");
+    assert_eq!(values.ty, tandem_kernels::GgmlType::Q4_0);
+    let dev = || GpuDevice::open(0).expect("a Vulkan device");
+    let fallback = GpuModel::load(dev(), &q4_0, 64, 16).expect("loads");
+    let f32 = Restored::files(q4_0, tandem_kernels::GgmlType::F32);
+    let native = GpuModel::load(dev(), &f32, 64, 16).expect("loads");
+    let prompt: Vec<u32> = (0..5).map(|i| 300 + 17 * i).collect();
+    let run = |m: &GpuModel| {
+        let pool = m.new_pool(1).expect("pool");
+        let chunk = Chunk {
+            tokens: &prompt,
+            start_pos: 0,
+            blocks: &[0],
+            want_logits: true,
+        };
+        let logits = m.forward(&pool, &[chunk]).expect("step").expect("logits");
+        m.device().download(&logits).expect("read")
+    };
+    let (a, b) = (run(&fallback), run(&native));
+    assert!(a.iter().all(|v| v.is_finite()));
+    assert!(a == b);
+}
+
 /// Block `b` of a peer rank's host pool (shaped `c`), as bytes.
 #[allow(clippy::mut_from_ref)]
 fn peer_block<'a>(pool: &'a KvPool, c: &KvCacheConfig, b: usize) -> &'a mut [u8] {
