@@ -71,8 +71,8 @@ pub struct GenerateArgs {
     #[arg(long, env = "TANDEM_PREFILL_CHUNK", default_value_t = 512)]
     prefill_chunk: usize,
     /// Where the model runs: `cpu`, or one GPU `gpu:N` (a Vulkan device;
-    /// Mesa's lavapipe where there is no GPU). The GPU runs GGUF files
-    /// with Q4_1 layer weights (SmolLM2) for now.
+    /// Mesa's lavapipe where there is no GPU). The GPU runs Llama and
+    /// Qwen2 models, from GGUF files or HF safetensors directories.
     #[arg(long, env = "TANDEM_DEVICES", default_value = "cpu")]
     devices: String,
 }

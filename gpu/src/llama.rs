@@ -101,7 +101,7 @@ impl Embeddings {
     }
 }
 
-/// A matrix stacked from the rows of several GGUF tensors: neighbouring
+/// A matrix stacked from the rows of several tensors: neighbouring
 /// tensors of one format are one [`QMatrix`] (one launch); each part
 /// writes its rows at its offset of the output's rows.
 struct Stacked {
@@ -440,7 +440,7 @@ impl GpuModel {
                        cols: usize,
                        cols_sel: std::ops::Range<usize>|
          -> Result<Stacked, GpuError> {
-            // (format, rows, GGUF bytes) of each run of one format.
+            // (format, rows, stored bytes) of each run of one format.
             let mut runs: Vec<(QFormat, usize, Vec<u8>)> = Vec::new();
             for (name, rows, sel) in parts {
                 let info = g.tensor(name)?;

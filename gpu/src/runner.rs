@@ -49,7 +49,7 @@ pub enum KvCopyBack {
     Never,
 }
 
-/// A GGUF model loaded on one GPU, or split over the ranks of a
+/// A model loaded on one GPU, or split over the ranks of a
 /// tensor-parallel group, served through the scheduler.
 pub struct GpuServed {
     /// Rank `i`'s share of the model, on its device (the whole model for
@@ -72,7 +72,8 @@ impl std::fmt::Debug for GpuServed {
 }
 
 impl GpuServed {
-    /// Loads the GGUF file `meta` was read from onto the GPUs `devices`,
+    /// Loads the model `meta` was read from (a GGUF file or an HF
+    /// directory) onto the GPUs `devices`,
     /// one tensor-parallel rank per entry (an index may repeat: ranks
     /// sharing a device), for sequences of up to `max_ctx` tokens in KV
     /// blocks of `block_size`. `meta` (tokenizer, template, weights hash)
