@@ -301,6 +301,92 @@ fn the_down_projection_over_swiglu_is_swiglu_then_the_matmul_bit_for_bit() {
 }
 
 #[test]
+fn rope_and_kv_write_in_one_launch_are_rope_then_kv_write_bit_for_bit() {
+    // Q rotated in place and K rotated into the pool with V, as the two
+    // kernels do one after the other, on both RoPE styles and at token
+    // positions out of order.
+    use kernels::{KvLayout, KvRows};
+    let d = dev();
+    let mut rng = SeededRng::new(31);
+    let layout = KvLayout {
+        n_layers: 2,
+        n_kv_heads: 2,
+        head_dim: 64,
+        block_size: 16,
+    };
+    let (q_heads, hd, pairs) = (4, 64, 32);
+    let (qd, kvd) = (q_heads * hd, 2 * hd);
+    let at = KvRows {
+        stride: qd + 2 * kvd,
+        k_at: qd,
+        v_at: qd + kvd,
+    };
+    let positions: Vec<u32> = vec![5, 0, 17, 40];
+    let slots: Vec<u32> = vec![1, 5, 0, 0, 2, 1, 3, 8];
+    let sin_cos: Vec<f32> = (0..64 * pairs)
+        .flat_map(|k| {
+            let a = (k / pairs) as f32 * 0.37f32.powi((k % pairs) as i32);
+            [a.sin(), a.cos()]
+        })
+        .collect();
+    let (pos, sl, sc) = (d.upload(&positions), d.upload(&slots), d.upload(&sin_cos));
+    let words = 4 * layout.block_words();
+    for neox in [false, true] {
+        let rows = values(&mut rng, positions.len() * at.stride, -2.0, 2.0);
+        let (apart, pool_apart) = (d.upload(&rows), d.upload(&vec![0u32; words]));
+        kernels::rope(d, &apart, &pos, &sc, qd + kvd, at.stride, hd, pairs, neox).expect("rope");
+        kernels::kv_write(d, &apart, at, &pool_apart, &layout, 1, &sl).expect("kv_write");
+        let (fused, pool_fused) = (d.upload(&rows), d.upload(&vec![0u32; words]));
+        kernels::rope_kv_write(
+            d,
+            &fused,
+            at,
+            q_heads,
+            &pos,
+            &sc,
+            pairs,
+            neox,
+            &pool_fused,
+            &layout,
+            1,
+            &sl,
+        )
+        .expect("fused");
+        let (a, f) = (
+            d.download(&apart).expect("read"),
+            d.download(&fused).expect("read"),
+        );
+        for t in 0..positions.len() {
+            let (a, f, r) = (
+                &a[t * at.stride..],
+                &f[t * at.stride..],
+                &rows[t * at.stride..],
+            );
+            assert!(a[..qd] == f[..qd], "Q, token {t}, neox {neox}");
+            assert!(
+                f[qd..at.stride] == r[qd..at.stride],
+                "K and V stay, token {t}"
+            );
+        }
+        let (pa, pf) = (
+            d.download(&pool_apart).expect("read"),
+            d.download(&pool_fused).expect("read"),
+        );
+        assert!(pa.iter().any(|&w| w != 0));
+        assert!(pa == pf, "pool, neox {neox}");
+    }
+    // Q heads overlapping K are refused.
+    let pool = d.upload(&vec![0u32; words]);
+    let rows = d.zeros(positions.len() * at.stride);
+    assert!(
+        kernels::rope_kv_write(
+            d, &rows, at, 5, &pos, &sc, pairs, false, &pool, &layout, 1, &sl
+        )
+        .is_err()
+    );
+}
+
+#[test]
 fn a_token_s_matmul_row_is_bitwise_the_same_in_any_batch() {
     // Tokens share weight loads in tiles of up to 8, but each token's sum
     // runs in the one-token order: batching must not change a bit (the
