@@ -9,7 +9,7 @@ use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
 
 mod quant;
-pub use quant::{QFormat, QMatrix, matmul_q, matmul_q_swiglu};
+pub use quant::{QFormat, QMatrix, matmul_q};
 
 /// Units per cube for the row-wise kernels (a power of two).
 const ROW_UNITS: usize = 64;

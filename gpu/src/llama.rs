@@ -117,19 +117,6 @@ impl Stacked {
         }
         Ok(())
     }
-
-    /// `out[t] = w . swiglu(gate_up[t])` (the FFN's down projection).
-    fn matmul_swiglu(
-        &self,
-        dev: &GpuDevice,
-        gate_up: &Buffer,
-        out: &Buffer,
-    ) -> Result<(), GpuError> {
-        for (m, at) in &self.parts {
-            kernels::matmul_q_swiglu(dev, gate_up, m, out, self.rows, *at)?;
-        }
-        Ok(())
-    }
 }
 
 /// One sequence's share of a batch step: `tokens` at positions
@@ -834,7 +821,7 @@ impl GpuModel {
             v_at: qd + kvd,
         };
         let att = dev.empty(n * qd);
-        let gate_up = dev.empty(2 * n * self.ffn);
+        let (gate_up, h) = (dev.empty(2 * n * self.ffn), dev.empty(n * self.ffn));
         let (o, ffn_out) = (dev.empty(n * d), dev.empty(n * d));
         // Attention runs in groups of tokens whose scores fit the cap (a
         // long prompt's would not fit one buffer a device can bind).
@@ -900,7 +887,8 @@ impl GpuModel {
             stage(&mut failed, || {
                 kernels::add_rms_norm(dev, &x, &o, &l.ffn_norm, c.rms_eps, &xn)?;
                 l.gate_up.matmul(dev, &xn, &gate_up)?;
-                l.down.matmul_swiglu(dev, &gate_up, &ffn_out)
+                kernels::swiglu(dev, &gate_up, self.ffn, &h)?;
+                l.down.matmul(dev, &h, &ffn_out)
             });
             self.all_reduce(comm, &ffn_out, &mut failed, met)?;
             let next_norm = self

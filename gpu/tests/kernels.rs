@@ -271,36 +271,6 @@ fn every_quantised_matmul_matches_its_dequantised_weights_within_1e_5() {
 }
 
 #[test]
-fn the_down_projection_over_swiglu_is_swiglu_then_the_matmul_bit_for_bit() {
-    // The FFN's down projection reads gate/up rows and applies SwiGLU as
-    // it loads them, instead of a launch of its own: the same values.
-    let d = dev();
-    let mut rng = SeededRng::new(21);
-    let (rows, cols) = (40, 512);
-    for format in QFormat::ALL {
-        let q = random_blocks(&mut rng, format, rows, cols);
-        let w = QMatrix::upload(d, format, rows, cols, &q).expect("upload");
-        for n_tok in [1, 3, 11] {
-            let gate_up = d.upload(&values(&mut rng, n_tok * 2 * cols, -4.0, 4.0));
-            let h = d.zeros(n_tok * cols);
-            kernels::swiglu(d, &gate_up, cols, &h).expect("swiglu");
-            let (apart, fused) = (d.zeros(n_tok * rows), d.zeros(n_tok * rows));
-            kernels::matmul_q(d, &h, &w, &apart, rows, 0).expect("matmul");
-            kernels::matmul_q_swiglu(d, &gate_up, &w, &fused, rows, 0).expect("fused");
-            let (a, f) = (
-                d.download(&apart).expect("read"),
-                d.download(&fused).expect("read"),
-            );
-            assert!(a.iter().all(|v| v.is_finite()), "{format:?}");
-            assert!(a == f, "{format:?}, {n_tok} tokens");
-        }
-    }
-    // Rows of gate/up must be twice the weights' columns.
-    let w = QMatrix::upload(d, QFormat::Q8_0, 1, 32, &[0; 34]).expect("one block");
-    assert!(kernels::matmul_q_swiglu(d, &d.zeros(48), &w, &d.zeros(1), 1, 0).is_err());
-}
-
-#[test]
 fn rope_and_kv_write_in_one_launch_are_rope_then_kv_write_bit_for_bit() {
     // Q rotated in place and K rotated into the pool with V, as the two
     // kernels do one after the other, on both RoPE styles and at token

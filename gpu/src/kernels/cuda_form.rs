@@ -13,7 +13,7 @@ use cubecl_cpp::shared::{CompilationOptions, CppCompiler};
 use cubecl_cpp::target::Cuda;
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use super::quant::{XRows, quant_matmul_kernel};
+use super::quant::quant_matmul_kernel;
 use super::*;
 
 /// CUDA C++ for `kernel`, or why CubeCL's C++ backend refused it.
@@ -131,25 +131,22 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
             tile
         );
         // The quantised kernel in every format, at columns every format's
-        // blocks divide, writing rows 8.. of rows of 600; on rows and on
-        // SwiGLU of gate/up rows.
+        // blocks divide, writing rows 8.. of rows of 600.
         for format in QFormat::ALL {
-            for swiglu in [false, true] {
-                kernel!(
-                    quant_matmul_kernel,
-                    (count.clone(), dim),
-                    arg(&f),
-                    arg(&u),
-                    arg(&f),
-                    n,
-                    600,
-                    8,
-                    XRows { cols: 512, swiglu },
-                    MATMUL_UNITS,
-                    tile,
-                    format
-                );
-            }
+            kernel!(
+                quant_matmul_kernel,
+                (count.clone(), dim),
+                arg(&f),
+                arg(&u),
+                arg(&f),
+                n,
+                600,
+                8,
+                512,
+                MATMUL_UNITS,
+                tile,
+                format
+            );
         }
     }
     kernel!(

@@ -204,57 +204,21 @@ pub fn matmul_q(
     stride: usize,
     at: usize,
 ) -> Result<(), GpuError> {
-    launch_q(dev, x, false, w, out, stride, at)
-}
-
-/// [`matmul_q`] of `silu(gate[t]) * up[t]` ([`super::swiglu`]'s values,
-/// computed as the weights are read) for rows `gate_up[t]` of `2 *
-/// w.cols()`, gate then up: the FFN's down projection without a launch of
-/// its own for SwiGLU.
-pub fn matmul_q_swiglu(
-    dev: &GpuDevice,
-    gate_up: &Buffer,
-    w: &QMatrix,
-    out: &Buffer,
-    stride: usize,
-    at: usize,
-) -> Result<(), GpuError> {
-    launch_q(dev, gate_up, true, w, out, stride, at)
-}
-
-/// Rows of the matmul's input as the kernel reads them: `cols` values,
-/// or with `swiglu` SwiGLU of rows of `2 * cols` (gate, then up).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) struct XRows {
-    pub cols: usize,
-    pub swiglu: bool,
-}
-
-fn launch_q(
-    dev: &GpuDevice,
-    x: &Buffer,
-    swiglu: bool,
-    w: &QMatrix,
-    out: &Buffer,
-    stride: usize,
-    at: usize,
-) -> Result<(), GpuError> {
     const KERNEL: &str = "quantised matmul";
     let (rows, cols) = (w.rows, w.cols);
-    let width = if swiglu { 2 * cols } else { cols };
-    if cols == 0 || !x.len().is_multiple_of(width) || at + rows > stride {
+    if cols == 0 || !x.len().is_multiple_of(cols) || at + rows > stride {
         return Err(shape(
             KERNEL,
             format!(
-                "x {} must be rows of {width}; rows {at}..{} of {stride}",
+                "x {} must be rows of {cols}; rows {at}..{} of {stride}",
                 x.len(),
                 at + rows
             ),
         ));
     }
-    let n = x.len() / width;
+    let n = x.len() / cols;
     // The output holds `stride` rows per token (this part writes some).
-    matmul_shape(KERNEL, n * cols, stride, cols, out.len())?;
+    matmul_shape(KERNEL, x.len(), stride, cols, out.len())?;
     let (Ok(stride32), Ok(at32)) = (u32::try_from(stride), u32::try_from(at)) else {
         return Err(shape(KERNEL, format!("rows of {stride} beyond 32 bits")));
     };
@@ -271,26 +235,12 @@ fn launch_q(
         n_tok,
         stride32,
         at32,
-        XRows { cols, swiglu },
+        cols,
         MATMUL_UNITS,
         tile,
         w.format,
     );
     Ok(())
-}
-
-/// Token `t`'s input value `c`: `x[t][c]`, or SwiGLU of its gate and up.
-#[cube]
-fn x_at(x: &[f32], t: usize, c: usize, #[comptime] xr: XRows) -> f32 {
-    let cols = comptime!(xr.cols);
-    if comptime!(xr.swiglu) {
-        // As `swiglu_kernel` computes it.
-        let at = t * 2 * cols + c;
-        let g = x[at];
-        g / (1.0f32 + f32::exp(-g)) * x[at + cols]
-    } else {
-        x[t * cols + c]
-    }
 }
 
 /// Adds `v * x[t][c]` to each of the tile's tokens from `t0` (of `n`).
@@ -302,13 +252,13 @@ fn accumulate(
     c: usize,
     t0: usize,
     n: usize,
-    #[comptime] xr: XRows,
+    #[comptime] cols: usize,
     #[comptime] tile: usize,
 ) {
     #[unroll]
     for j in 0..tile {
         if t0 + j < n {
-            acc[j] += v * x_at(x, t0 + j, c, xr);
+            acc[j] += v * x[(t0 + j) * cols + c];
         }
     }
 }
@@ -348,14 +298,14 @@ pub(super) fn quant_matmul_kernel(
     n_tok: u32,
     stride: u32,
     at: u32,
-    #[comptime] xr: XRows,
+    #[comptime] cols: usize,
     #[comptime] units: usize,
     #[comptime] tile: usize,
     #[comptime] format: QFormat,
 ) {
     let words = comptime!(format.block_words());
     let per_block = comptime!(units_per_block(format));
-    let nb = comptime!(xr.cols) / comptime!(format.block_len());
+    let nb = cols / comptime!(format.block_len());
     let rows = w.len() / (nb * words);
     let r = matmul_row(rows);
     let t0 = CUBE_POS_Z as usize * tile;
@@ -374,13 +324,13 @@ pub(super) fn quant_matmul_kernel(
             if b < nb {
                 let blk = (r * nb + b) * words;
                 match comptime!(format) {
-                    QFormat::Q4_1 => q4_1_word(&mut acc, x, w, blk, q, b, t0, n, xr, tile),
-                    QFormat::Q5_0 => q5_0_word(&mut acc, x, w, blk, q, b, t0, n, xr, tile),
-                    QFormat::Q8_0 => q8_0_word(&mut acc, x, w, blk, q, b, t0, n, xr, tile),
-                    QFormat::Q4_K => q4_k_word(&mut acc, x, w, blk, q, b, t0, n, xr, tile),
-                    QFormat::Q6_K => q6_k_word(&mut acc, x, w, blk, q, b, t0, n, xr, tile),
-                    QFormat::F16 => half_word(&mut acc, x, w, blk, q, b, t0, n, xr, tile, false),
-                    QFormat::BF16 => half_word(&mut acc, x, w, blk, q, b, t0, n, xr, tile, true),
+                    QFormat::Q4_1 => q4_1_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile),
+                    QFormat::Q5_0 => q5_0_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile),
+                    QFormat::Q8_0 => q8_0_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile),
+                    QFormat::Q4_K => q4_k_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile),
+                    QFormat::Q6_K => q6_k_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile),
+                    QFormat::F16 => half_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile, false),
+                    QFormat::BF16 => half_word(&mut acc, x, w, blk, q, b, t0, n, cols, tile, true),
                     QFormat::F32 => {
                         let v = f32::reinterpret(w[blk + q]);
                         accumulate(
@@ -390,7 +340,7 @@ pub(super) fn quant_matmul_kernel(
                             b * comptime!(PLAIN_BLOCK) + q,
                             t0,
                             n,
-                            xr,
+                            cols,
                             tile,
                         );
                     }
@@ -423,7 +373,7 @@ fn q4_1_word(
     b: usize,
     t0: usize,
     n: usize,
-    #[comptime] xr: XRows,
+    #[comptime] cols: usize,
     #[comptime] tile: usize,
 ) {
     let dm = w[blk];
@@ -436,8 +386,14 @@ fn q4_1_word(
         let lo = d * (v & 0xf) as f32 + m;
         let hi = d * (v >> 4) as f32 + m;
         // Per token: the low value's product, then the high one's.
-        accumulate(acc, x, lo, c + byte, t0, n, xr, tile);
-        accumulate(acc, x, hi, c + byte + 16, t0, n, xr, tile);
+        #[unroll]
+        for j in 0..tile {
+            if t0 + j < n {
+                let xb = (t0 + j) * cols + c + byte;
+                acc[j] += lo * x[xb];
+                acc[j] += hi * x[xb + 16];
+            }
+        }
     }
 }
 
@@ -455,7 +411,7 @@ fn q5_0_word(
     b: usize,
     t0: usize,
     n: usize,
-    #[comptime] xr: XRows,
+    #[comptime] cols: usize,
     #[comptime] tile: usize,
 ) {
     let d = half_to_f32(w[blk] & 0xffff);
@@ -469,8 +425,8 @@ fn q5_0_word(
         let lo = d * (((v & 0xf) | (h0 << 4)) as f32 - 16.0f32);
         let hi = d * (((v >> 4) | (h1 << 4)) as f32 - 16.0f32);
         let c = b * 32 + e;
-        accumulate(acc, x, lo, c, t0, n, xr, tile);
-        accumulate(acc, x, hi, c + 16, t0, n, xr, tile);
+        accumulate(acc, x, lo, c, t0, n, cols, tile);
+        accumulate(acc, x, hi, c + 16, t0, n, cols, tile);
     }
 }
 
@@ -487,14 +443,14 @@ fn q8_0_word(
     b: usize,
     t0: usize,
     n: usize,
-    #[comptime] xr: XRows,
+    #[comptime] cols: usize,
     #[comptime] tile: usize,
 ) {
     let d = half_to_f32(w[blk] & 0xffff);
     let word = w[blk + 1 + q];
     for byte in 0..4usize {
         let v = signed((word >> (byte as u32 * 8)) & 0xff);
-        accumulate(acc, x, d * v, b * 32 + q * 4 + byte, t0, n, xr, tile);
+        accumulate(acc, x, d * v, b * 32 + q * 4 + byte, t0, n, cols, tile);
     }
 }
 
@@ -514,7 +470,7 @@ fn q4_k_word(
     b: usize,
     t0: usize,
     n: usize,
-    #[comptime] xr: XRows,
+    #[comptime] cols: usize,
     #[comptime] tile: usize,
 ) {
     let g = q / 8;
@@ -543,8 +499,8 @@ fn q4_k_word(
         let v = (word >> (byte as u32 * 8)) & 0xff;
         let lo = d1 * (v & 0xf) as f32 - m1;
         let hi = d2 * (v >> 4) as f32 - m2;
-        accumulate(acc, x, lo, c + byte, t0, n, xr, tile);
-        accumulate(acc, x, hi, c + 32 + byte, t0, n, xr, tile);
+        accumulate(acc, x, lo, c + byte, t0, n, cols, tile);
+        accumulate(acc, x, hi, c + 32 + byte, t0, n, cols, tile);
     }
 }
 
@@ -566,7 +522,7 @@ fn q6_k_word(
     b: usize,
     t0: usize,
     n: usize,
-    #[comptime] xr: XRows,
+    #[comptime] cols: usize,
     #[comptime] tile: usize,
 ) {
     let h = q / 16;
@@ -589,8 +545,8 @@ fn q6_k_word(
         let q_hi = (v >> 4) | (((hb >> (4 + 2 * part as u32)) & 3) << 4);
         let lo = d_lo * (q_lo as f32 - 32.0f32);
         let hi = d_hi * (q_hi as f32 - 32.0f32);
-        accumulate(acc, x, lo, c + byte, t0, n, xr, tile);
-        accumulate(acc, x, hi, c + 64 + byte, t0, n, xr, tile);
+        accumulate(acc, x, lo, c + byte, t0, n, cols, tile);
+        accumulate(acc, x, hi, c + 64 + byte, t0, n, cols, tile);
     }
 }
 
@@ -607,7 +563,7 @@ fn half_word(
     b: usize,
     t0: usize,
     n: usize,
-    #[comptime] xr: XRows,
+    #[comptime] cols: usize,
     #[comptime] tile: usize,
     #[comptime] brain: bool,
 ) {
@@ -624,6 +580,6 @@ fn half_word(
         half_to_f32(word >> 16)
     };
     let c = b * comptime!(PLAIN_BLOCK) + q * 2;
-    accumulate(acc, x, lo, c, t0, n, xr, tile);
-    accumulate(acc, x, hi, c + 1, t0, n, xr, tile);
+    accumulate(acc, x, lo, c, t0, n, cols, tile);
+    accumulate(acc, x, hi, c + 1, t0, n, cols, tile);
 }
