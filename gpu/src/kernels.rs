@@ -650,7 +650,7 @@ fn round_f16_precision(x: f32) -> f32 {
 /// Where a head's K and V rows live in a KV pool of f16 pairs (32-bit
 /// words), the CPU pool's layout: block-major, then layer, then K|V, then
 /// head, then `block_size` rows of `head_dim`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
     pub n_layers: usize,
     pub n_kv_heads: usize,
@@ -1051,7 +1051,7 @@ fn kv_write_kernel(
 /// Where a token's K and V sit in rows of `stride` values: K from `k_at`
 /// on, V from `v_at` on, `n_kv_heads * head_dim` values each (the tail of
 /// a fused QKV row, or rows of K then V).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvRows {
     pub stride: usize,
     pub k_at: usize,
@@ -1111,184 +1111,6 @@ pub fn kv_write(
         layout.head_dim,
         layout.n_kv_heads,
         layout.block_size,
-    );
-    Ok(())
-}
-
-/// One value of a head's row `x[base..]` rotated by [`rope`]: dimension
-/// `e`, with the same products as `rope_kernel`; dimensions past the
-/// rotated pairs are left as they are.
-#[cube]
-fn rotated(
-    // Read only; `&mut` because the kernel's rows are.
-    x: &mut [f32],
-    base: usize,
-    e: usize,
-    pos: usize,
-    cos_sin: &[f32],
-    #[comptime] pairs: usize,
-    #[comptime] neox: bool,
-) -> f32 {
-    let mut out = x[base + e];
-    if e < 2 * pairs {
-        // The pair's index, its first and second member, and whether
-        // `e` is the first.
-        let mut i = e / 2;
-        let mut a = base + 2 * i;
-        let mut b = a + 1;
-        let mut first = (e & 1) == 0;
-        if neox {
-            first = e < pairs;
-            i = e % pairs;
-            a = base + i;
-            b = base + i + pairs;
-        }
-        let at = (pos * pairs + i) * 2;
-        let (sin, cos) = (cos_sin[at], cos_sin[at + 1]);
-        let (x0, x1) = (x[a], x[b]);
-        if first {
-            out = x0 * cos - x1 * sin;
-        } else {
-            out = x0 * sin + x1 * cos;
-        }
-    }
-    out
-}
-
-#[cube(launch, create_dummy_kernel)]
-#[allow(clippy::too_many_arguments)]
-fn rope_kv_write_kernel(
-    rows: &mut [f32],
-    pool: &mut [u32],
-    pos: &[u32],
-    slots: &[u32],
-    cos_sin: &[f32],
-    layer: u32,
-    block_words: u32,
-    #[comptime] at: KvRows,
-    #[comptime] n_q: usize,
-    #[comptime] layout: KvLayout,
-    #[comptime] pairs: usize,
-    #[comptime] neox: bool,
-) {
-    let hd = comptime!(layout.head_dim);
-    let n_kv = comptime!(layout.n_kv_heads);
-    let stride = comptime!(at.stride);
-    let half = hd / 2;
-    let q_units = n_q * pairs;
-    let per_token = q_units + n_kv * half;
-    let id = ABSOLUTE_POS;
-    let t = id / per_token;
-    if t < pos.len() {
-        let r = id % per_token;
-        let p = pos[t] as usize;
-        if r < q_units {
-            // Q: `rope_kernel`'s unit (token, head, pair), in place.
-            let (head, i) = (r / pairs, r % pairs);
-            let row = t * stride + head * hd;
-            let mut a = row + 2 * i;
-            let mut b = a + 1;
-            if neox {
-                a = row + i;
-                b = row + i + pairs;
-            }
-            let c = (p * pairs + i) * 2;
-            let (sin, cos) = (cos_sin[c], cos_sin[c + 1]);
-            let (x0, x1) = (rows[a], rows[b]);
-            rows[a] = x0 * cos - x1 * sin;
-            rows[b] = x0 * sin + x1 * cos;
-        } else {
-            // K and V: `kv_write_kernel`'s unit (token, KV head, value
-            // pair), K rotated on the way (the row's K stays as it was).
-            let r = r - q_units;
-            let (g, i) = (r / half, r % half);
-            let head_words = comptime!(layout.block_size) * half;
-            let slot = slots[t * 2] as usize * block_words as usize
-                + layer as usize * 2 * n_kv * head_words
-                + g * head_words
-                + slots[t * 2 + 1] as usize * half
-                + i;
-            let k = t * stride + comptime!(at.k_at) + g * hd;
-            let k0 = rotated(rows, k, 2 * i, p, cos_sin, pairs, neox);
-            let k1 = rotated(rows, k, 2 * i + 1, p, cos_sin, pairs, neox);
-            let v = t * stride + comptime!(at.v_at) + g * hd + 2 * i;
-            pool[slot] = f32_to_half_bits(k0) | (f32_to_half_bits(k1) << 16);
-            pool[slot + n_kv * head_words] =
-                f32_to_half_bits(rows[v]) | (f32_to_half_bits(rows[v + 1]) << 16);
-        }
-    }
-}
-
-/// [`rope`] and [`kv_write`] in one launch, over tokens' fused QKV rows
-/// (`at`, Q heads first): the `q_heads` heads of Q rotated in place, and
-/// K rotated (as `rope` would) and V stored into `pool` at `slots`, as
-/// `kv_write` stores them; K in the rows stays unrotated, since attention
-/// reads K from the pool. Token `t` is at position `pos[t]`.
-#[allow(clippy::too_many_arguments)]
-pub fn rope_kv_write(
-    dev: &GpuDevice,
-    rows: &Buffer,
-    at: KvRows,
-    q_heads: usize,
-    pos: &Buffer<u32>,
-    sin_cos: &Buffer,
-    pairs: usize,
-    neox: bool,
-    pool: &Buffer<u32>,
-    layout: &KvLayout,
-    layer: usize,
-    slots: &Buffer<u32>,
-) -> Result<(), GpuError> {
-    let hd = layout.head_dim;
-    let kv_dim = layout.n_kv_heads * hd;
-    let n_tok = pos.len();
-    if hd == 0
-        || !hd.is_multiple_of(2)
-        || pairs == 0
-        || 2 * pairs > hd
-        || q_heads * hd > at.k_at.min(at.v_at)
-        || at.k_at.max(at.v_at) + kv_dim > at.stride
-        || (at.k_at < at.v_at + kv_dim && at.v_at < at.k_at + kv_dim)
-        || layer >= layout.n_layers
-        || slots.len() != 2 * n_tok
-        || rows.len() != n_tok * at.stride
-        || sin_cos.len() % (2 * pairs) != 0
-        || !pool.len().is_multiple_of(layout.block_words().max(1))
-    {
-        return Err(shape(
-            "rope_kv_write",
-            format!(
-                "rows {} must be {n_tok} tokens of {at:?} with {q_heads} Q heads first, K and V \
-                 of {kv_dim} for {layout:?} layer {layer}, {pairs} pairs, {} slots",
-                rows.len(),
-                slots.len()
-            ),
-        ));
-    }
-    let (Ok(layer), Ok(words)) = (u32::try_from(layer), u32::try_from(layout.block_words())) else {
-        return Err(shape("rope_kv_write", "sizes beyond 32 bits".into()));
-    };
-    let units = n_tok * (q_heads * pairs + kv_dim / 2);
-    if units == 0 {
-        return Ok(());
-    }
-    let (count, dim) = line(units);
-    rope_kv_write_kernel::launch(
-        dev.client(),
-        count,
-        dim,
-        arg(rows),
-        arg(pool),
-        arg(pos),
-        arg(slots),
-        arg(sin_cos),
-        layer,
-        words,
-        at,
-        q_heads,
-        *layout,
-        pairs,
-        neox,
     );
     Ok(())
 }

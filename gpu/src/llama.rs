@@ -849,20 +849,18 @@ impl GpuModel {
                 if let Some(b) = &l.qkv_bias {
                     kernels::add_bias(dev, &qkv, b)?;
                 }
-                kernels::rope_kv_write(
+                kernels::rope(
                     dev,
                     &qkv,
-                    kv_rows,
-                    heads,
                     &positions,
                     sc,
+                    qd + kvd,
+                    qkv_width,
+                    hd,
                     pairs,
                     neox,
-                    kv,
-                    &layer_layout,
-                    0,
-                    &slots,
                 )?;
+                kernels::kv_write(dev, &qkv, kv_rows, kv, &layer_layout, 0, &slots)?;
                 for first in (0..n).step_by(group) {
                     kernels::attention(
                         dev,

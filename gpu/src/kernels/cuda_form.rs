@@ -193,33 +193,6 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         3,
         16
     );
-    for neox in [false, true] {
-        kernel!(
-            rope_kv_write_kernel,
-            grid(),
-            arg(&f),
-            arg(&u),
-            arg(&u),
-            arg(&u),
-            arg(&f),
-            0,
-            4096,
-            KvRows {
-                stride: 960,
-                k_at: 576,
-                v_at: 768,
-            },
-            9,
-            KvLayout {
-                n_layers: 30,
-                n_kv_heads: 3,
-                head_dim: 64,
-                block_size: 16,
-            },
-            32,
-            neox
-        );
-    }
     kernel!(add_kernel, grid(), arg(&f), arg(&f));
     kernel!(add_bias_kernel, grid(), arg(&f), arg(&f));
     kernel!(copy_kernel, grid(), arg(&f), arg(&f));
