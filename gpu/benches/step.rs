@@ -7,8 +7,15 @@
 //!
 //! Seen on an H200 through NVIDIA's Vulkan driver, SmolLM2 Q4_1, with 430
 //! launches per step: batch 1, 3.18 ms enqueued of a 4.37 ms step (73%,
-//! 229 tok/s); batch 64, 4.71 of 16.89 ms (28%, 3789 tok/s). Small
-//! batches are bound by the launch path.
+//! 229 tok/s); batch 64, 4.71 of 16.89 ms (28%, 3789 tok/s). With 300
+//! (10 per layer): batch 1, 2.10 of 3.85 ms (55%, 260 tok/s); batch 8,
+//! 6.01 ms; batch 32, 9.83 ms; batch 64, 2.42 of 15.57 ms (16%, 4111
+//! tok/s). Qwen2.5-0.5B Q4_K_M: batch 1, 2.50 of 4.79 ms (209 tok/s);
+//! batch 32, 23.15 ms (1383 tok/s). Two fusions that took one launch per
+//! layer each were measured and reverted: SwiGLU inside the down
+//! projection made batches of 8-64 15-24% slower (each cube of rows
+//! recomputes it), RoPE with the KV write changed nothing beyond the
+//! run-to-run noise (batch 1 varied from 3.85 to 4.31 ms).
 //!
 //! `cargo bench -p tandem-gpu --bench step [-- GGUF]` (default:
 //! `$TANDEM_TEST_GGUF`); `TANDEM_GPU_BENCH_SCALE=small` runs batches small
