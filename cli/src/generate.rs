@@ -14,7 +14,6 @@ use tandem_engine::sampler::SamplingParams;
 use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::GpuLlama;
 use tandem_gpu::weights::ModelFiles;
-use tandem_modelfile::ModelMeta;
 use tandem_modelfile::ModelText;
 use tandem_modelfile::chat::ChatMessage;
 use tandem_modelfile::fetch;
@@ -204,10 +203,10 @@ fn report(req: &GenerateRequest, out: &GenerateOutput) {
 /// weights on the device (nothing of the CPU engine is loaded).
 fn run_on_gpu(args: &GenerateArgs, path: &Path, id: usize) -> Result<()> {
     let t0 = std::time::Instant::now();
-    let meta = ModelMeta::load(path).with_context(|| format!("reading {}", path.display()))?;
-    let (config, text) = (&meta.config, &meta.text);
+    let (config, text) = tandem_modelfile::meta::read_config_and_text(path)
+        .with_context(|| format!("reading {}", path.display()))?;
     let files = ModelFiles::open(path).with_context(|| format!("reading {}", path.display()))?;
-    let req = request(args, text)?;
+    let req = request(args, &text)?;
     let limits = RequestLimits {
         max_length: config.context_length,
         vocab_size: config.vocab_size,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::meta;
-use tandem_modelfile::safetensors::SafetensorsDir;
+use tandem_modelfile::safetensors::{SafetensorsDir, hf_name};
 
 use crate::error::ModelError;
 use crate::model::{DecoderModel, FfnWeights, LayerWeights, ModelWeights};
@@ -29,7 +29,7 @@ pub(crate) fn read_weights(dir: &Path) -> Result<(ModelConfig, ModelWeights, u64
     let (config, tie) = meta::hf_config(dir)?;
     let files = SafetensorsDir::open(dir)?;
     let weights = hf_weights(&files, &config, tie)?;
-    Ok((config, weights, files.weights_hash))
+    Ok((config, weights, files.weights_hash()))
 }
 
 fn hf_weights(t: &SafetensorsDir, c: &ModelConfig, tie: bool) -> Result<ModelWeights, ModelError> {
@@ -64,14 +64,19 @@ fn hf_weights(t: &SafetensorsDir, c: &ModelConfig, tie: bool) -> Result<ModelWei
         };
         to_f32(name, l.ty, &l.backing[l.range.clone()], n)
     };
+    // The dense tensors' HF names, from GGUF's (one mapping, shared with
+    // the GPU loader).
+    let hf = |gguf: String| hf_name(&gguf).ok_or(ModelError::MissingTensor(gguf));
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
         let n = |s: &str| format!("model.layers.{i}.{s}.weight");
+        let w = |s: &str| hf(format!("blk.{i}.{s}.weight"));
+        let b = |s: &str| hf(format!("blk.{i}.{s}.bias"));
         let ffn = match &c.moe {
             None => FfnWeights::Dense {
-                gate: matrix(&n("mlp.gate_proj"))?,
-                up: matrix(&n("mlp.up_proj"))?,
-                down: matrix(&n("mlp.down_proj"))?,
+                gate: matrix(&w("ffn_gate")?)?,
+                up: matrix(&w("ffn_up")?)?,
+                down: matrix(&w("ffn_down")?)?,
             },
             Some(moe) => {
                 let e = |j: usize, w: &str| n(&format!("block_sparse_moe.experts.{j}.{w}"));
@@ -97,12 +102,12 @@ fn hf_weights(t: &SafetensorsDir, c: &ModelConfig, tie: bool) -> Result<ModelWei
             }
         };
         layers.push(LayerWeights {
-            attn_norm: vector(&n("input_layernorm"))?,
-            wq: matrix(&n("self_attn.q_proj"))?,
-            wk: matrix(&n("self_attn.k_proj"))?,
-            wv: matrix(&n("self_attn.v_proj"))?,
-            wo: matrix(&n("self_attn.o_proj"))?,
-            ffn_norm: vector(&n("post_attention_layernorm"))?,
+            attn_norm: vector(&w("attn_norm")?)?,
+            wq: matrix(&w("attn_q")?)?,
+            wk: matrix(&w("attn_k")?)?,
+            wv: matrix(&w("attn_v")?)?,
+            wo: matrix(&w("attn_output")?)?,
+            ffn_norm: vector(&w("ffn_norm")?)?,
             ffn,
             // Qwen2's Q/K/V biases; Gemma-only parts have no HF family yet.
             qkv_bias: c
@@ -110,9 +115,9 @@ fn hf_weights(t: &SafetensorsDir, c: &ModelConfig, tie: bool) -> Result<ModelWei
                 .qkv_bias
                 .then(|| -> Result<_, ModelError> {
                     Ok([
-                        vector(&format!("model.layers.{i}.self_attn.q_proj.bias"))?,
-                        vector(&format!("model.layers.{i}.self_attn.k_proj.bias"))?,
-                        vector(&format!("model.layers.{i}.self_attn.v_proj.bias"))?,
+                        vector(&b("attn_q")?)?,
+                        vector(&b("attn_k")?)?,
+                        vector(&b("attn_v")?)?,
                     ])
                 })
                 .transpose()?,
@@ -120,15 +125,16 @@ fn hf_weights(t: &SafetensorsDir, c: &ModelConfig, tie: bool) -> Result<ModelWei
             post_norms: None,
         });
     }
-    let output = if !tie && t.contains("lm_head.weight") {
-        Some(matrix("lm_head.weight")?)
+    let head = hf("output.weight".into())?;
+    let output = if !tie && t.contains(&head) {
+        Some(matrix(&head)?)
     } else {
         None
     };
     Ok(ModelWeights {
-        token_embd: matrix("model.embed_tokens.weight")?,
+        token_embd: matrix(&hf("token_embd.weight".into())?)?,
         layers,
-        output_norm: vector("model.norm.weight")?,
+        output_norm: vector(&hf("output_norm.weight".into())?)?,
         output,
     })
 }

@@ -42,48 +42,55 @@ impl ModelMeta {
     /// hashed by streaming through a small buffer, never mapped whole, so
     /// the process's memory stays that of the tokenizer.
     pub fn load(path: &Path) -> Result<Self, ModelError> {
-        if path.is_dir() {
-            let (config, _) = hf_config(path)?;
-            let (tokenizer, chat_template) = hf_text(path, &config)?;
-            let mut weights_hash = 0;
+        let (config, text) = read_config_and_text(path)?;
+        let weights_hash = if path.is_dir() {
+            let mut h = 0;
             for f in hf_weight_files(path)? {
-                weights_hash = chain_file_hash(weights_hash, hash_file(&f)?);
+                h = chain_file_hash(h, hash_file(&f)?);
             }
-            Ok(Self {
-                path: path.to_path_buf(),
-                config,
-                text: ModelText {
-                    name: file_stem(path),
-                    tokenizer,
-                    chat_template,
-                },
-                weights_hash,
-            })
-        } else if path.is_file() {
-            let (config, tokenizer, chat_template, name) = {
-                let g = GgufFile::open(path)?;
-                let config = ModelConfig::from_gguf(&g)?;
-                let (tokenizer, template) = gguf_text(&g, &config)?;
-                (config, tokenizer, template, gguf_name(&g, path))
-            };
-            Ok(Self {
-                path: path.to_path_buf(),
-                config,
-                text: ModelText {
-                    name,
-                    tokenizer,
-                    chat_template,
-                },
-                weights_hash: hash_file(path)?,
-            })
+            h
         } else {
-            Err(ModelError::NotFound(path.display().to_string()))
-        }
+            hash_file(path)?
+        };
+        Ok(Self {
+            path: path.to_path_buf(),
+            config,
+            text,
+            weights_hash,
+        })
     }
 
     /// What a peer must match to share KV blocks of `block_size` tokens.
     pub fn fingerprint(&self, block_size: usize) -> ModelFingerprint {
         fingerprint(&self.text.name, self.weights_hash, &self.config, block_size)
+    }
+}
+
+/// `path`'s configuration and text side (name, tokenizer, chat template):
+/// [`ModelMeta`] without the weights' hash, for a process that has no KV
+/// to share (`tandem generate`).
+pub fn read_config_and_text(path: &Path) -> Result<(ModelConfig, ModelText), ModelError> {
+    if path.is_dir() {
+        let (config, _) = hf_config(path)?;
+        let (tokenizer, chat_template) = hf_text(path, &config)?;
+        let text = ModelText {
+            name: file_stem(path),
+            tokenizer,
+            chat_template,
+        };
+        Ok((config, text))
+    } else if path.is_file() {
+        let g = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&g)?;
+        let (tokenizer, chat_template) = gguf_text(&g, &config)?;
+        let text = ModelText {
+            name: gguf_name(&g, path),
+            tokenizer,
+            chat_template,
+        };
+        Ok((config, text))
+    } else {
+        Err(ModelError::NotFound(path.display().to_string()))
     }
 }
 

@@ -33,21 +33,26 @@ impl StTensor {
 #[derive(Debug)]
 pub struct SafetensorsDir {
     tensors: HashMap<String, StTensor>,
-    /// A hash of the files' bytes, chained in file-name order.
-    pub weights_hash: u64,
+    /// The mapped files, in file-name order.
+    files: Vec<Arc<Backing>>,
 }
 
 impl SafetensorsDir {
     pub fn open(dir: &Path) -> Result<SafetensorsDir, ModelError> {
         let mut tensors = HashMap::new();
-        let mut weights_hash = 0u64;
+        let mut files = Vec::new();
         for f in &meta::hf_weight_files(dir)? {
-            let h = index_file(f, &mut tensors)?;
-            weights_hash = meta::chain_file_hash(weights_hash, h);
+            files.push(index_file(f, &mut tensors)?);
         }
-        Ok(SafetensorsDir {
-            tensors,
-            weights_hash,
+        Ok(SafetensorsDir { tensors, files })
+    }
+
+    /// A hash of the files' bytes, chained in file-name order (what
+    /// `ModelMeta` computes by streaming them): read on demand, since only
+    /// a process that shares KV needs it.
+    pub fn weights_hash(&self) -> u64 {
+        self.files.iter().fold(0, |h, f| {
+            meta::chain_file_hash(h, xxhash_rust::xxh3::xxh3_64(f))
         })
     }
 
@@ -60,8 +65,11 @@ impl SafetensorsDir {
     }
 }
 
-/// Indexes one file's tensors; returns the hash of its bytes.
-fn index_file(path: &Path, out: &mut HashMap<String, StTensor>) -> Result<u64, ModelError> {
+/// Indexes one file's tensors; returns its mapping.
+fn index_file(
+    path: &Path,
+    out: &mut HashMap<String, StTensor>,
+) -> Result<Arc<Backing>, ModelError> {
     let bad = |problem: String| ModelError::Safetensors {
         path: path.display().to_string(),
         problem,
@@ -97,7 +105,7 @@ fn index_file(path: &Path, out: &mut HashMap<String, StTensor>) -> Result<u64, M
             return Err(bad(format!("tensor {name} appears in more than one file")));
         }
     }
-    Ok(xxhash_rust::xxh3::xxh3_64(&backing))
+    Ok(backing)
 }
 
 /// The HF (`LlamaForCausalLM` / `Qwen2ForCausalLM`) name of the dense
