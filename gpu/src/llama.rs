@@ -950,7 +950,7 @@ impl GpuModel {
 }
 
 impl GpuLlama {
-    /// Uploads `g`'s weights to `dev`, with room for `max_ctx` positions.
+    /// Uploads the model's weights to `dev`, with room for `max_ctx` positions.
     pub fn load(dev: GpuDevice, files: &ModelFiles, max_ctx: usize) -> Result<GpuLlama, GpuError> {
         let model = GpuModel::load(dev, files, max_ctx, BLOCK_SIZE)?;
         let blocks = max_ctx.div_ceil(BLOCK_SIZE);
