@@ -5,6 +5,8 @@
 
 use cubecl::prelude::*;
 
+use tandem_modelfile::arch::Activation;
+
 use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
 
@@ -152,22 +154,43 @@ fn rms_norm_kernel(
 }
 
 #[cube(launch, create_dummy_kernel)]
+#[allow(clippy::too_many_arguments)]
 fn add_rms_norm_kernel(
     x: &mut [f32],
     delta: &[f32],
+    post: &[f32],
     w: &[f32],
     out: &mut [f32],
     eps: f32,
     #[comptime] d: usize,
     #[comptime] units: usize,
+    #[comptime] has_post: bool,
 ) {
     let base = CUBE_POS_X as usize * d;
     let unit = UNIT_POS_X as usize;
+    // With a post norm, `delta` is normalised (with weights `post`) before
+    // it is added, as `rms_norm` would compute it.
+    let mut post_scale = 1.0f32;
+    if has_post {
+        let mut ss = 0.0f32;
+        for k in 0..d.div_ceil(units) {
+            let i = unit + k * units;
+            if i < d {
+                let v = delta[base + i];
+                ss += v * v;
+            }
+        }
+        post_scale = rms_scale(ss, eps, d, units);
+    }
     let mut ss = 0.0f32;
     for k in 0..d.div_ceil(units) {
         let i = unit + k * units;
         if i < d {
-            let v = x[base + i] + delta[base + i];
+            let mut dv = delta[base + i];
+            if has_post {
+                dv = (dv * post_scale) * post[i];
+            }
+            let v = x[base + i] + dv;
             x[base + i] = v;
             ss += v * v;
         }
@@ -178,6 +201,48 @@ fn add_rms_norm_kernel(
         let i = unit + k * units;
         if i < d {
             out[base + i] = (x[base + i] * scale) * w[i];
+        }
+    }
+}
+
+/// Per-head RMSNorm in place over the first `q_heads + k_heads` heads of
+/// `hd` values of each row of `stride` (a fused `[q | k | v]` row): query
+/// heads with weights `wq`, key heads with `wk` (Gemma 3's QK norms).
+#[cube(launch, create_dummy_kernel)]
+#[allow(clippy::too_many_arguments)]
+fn head_rms_norm_kernel(
+    x: &mut [f32],
+    wq: &[f32],
+    wk: &[f32],
+    eps: f32,
+    #[comptime] stride: usize,
+    #[comptime] q_heads: usize,
+    #[comptime] hd: usize,
+    #[comptime] units: usize,
+) {
+    // One cube per (head, row): the grid's x axis covers the query and
+    // key heads only.
+    let h = CUBE_POS_X as usize;
+    let base = CUBE_POS_Y as usize * stride + h * hd;
+    let unit = UNIT_POS_X as usize;
+    let mut ss = 0.0f32;
+    for k in 0..hd.div_ceil(units) {
+        let i = unit + k * units;
+        if i < hd {
+            let v = x[base + i];
+            ss += v * v;
+        }
+    }
+    let scale = rms_scale(ss, eps, hd, units);
+    // Each unit rewrites only the values it read itself.
+    for k in 0..hd.div_ceil(units) {
+        let i = unit + k * units;
+        if i < hd {
+            let mut wv = wk[i];
+            if h < q_heads {
+                wv = wq[i];
+            }
+            x[base + i] = (x[base + i] * scale) * wv;
         }
     }
 }
@@ -236,15 +301,26 @@ pub fn rms_norm(
 /// The residual connection and the next norm in one launch:
 /// `x += delta`, then `out = rms_norm(x) * w`, as [`add`] then
 /// [`rms_norm`] compute them (the same operations in the same order).
+/// With `post` (Gemma's norms on the attention and FFN outputs), `delta`
+/// is first normalised with those weights: `x += rms_norm(delta) * post`.
 pub fn add_rms_norm(
     dev: &GpuDevice,
     x: &Buffer,
     delta: &Buffer,
+    post: Option<&Buffer>,
     w: &Buffer,
     eps: f32,
     out: &Buffer,
 ) -> Result<(), GpuError> {
     let rows = norm_rows("add_rms_norm", x, Some(delta), w, out)?;
+    if let Some(p) = post
+        && p.len() != w.len()
+    {
+        return Err(shape(
+            "add_rms_norm",
+            format!("post-norm weights {} for rows of {}", p.len(), w.len()),
+        ));
+    }
     if rows > 0 {
         let (count, dim) = rows_grid(rows);
         add_rms_norm_kernel::launch(
@@ -253,33 +329,112 @@ pub fn add_rms_norm(
             dim,
             arg(x),
             arg(delta),
+            // Unread without a post norm.
+            arg(post.unwrap_or(w)),
             arg(w),
             arg(out),
             eps,
             w.len(),
             ROW_UNITS,
+            post.is_some(),
         );
     }
     Ok(())
 }
 
+/// RMSNorm in place of each of the first `q_heads + k_heads` heads of
+/// `hd` values in every row of `stride` values of `x` (a fused `[q | k |
+/// v]` row): the query heads with weights `wq`, the key heads with `wk`,
+/// as the CPU engine normalises Gemma 3's queries and keys.
+#[allow(clippy::too_many_arguments)]
+pub fn head_rms_norm(
+    dev: &GpuDevice,
+    x: &Buffer,
+    stride: usize,
+    q_heads: usize,
+    k_heads: usize,
+    wq: &Buffer,
+    wk: &Buffer,
+    eps: f32,
+) -> Result<(), GpuError> {
+    let hd = wq.len();
+    let heads = q_heads + k_heads;
+    if hd == 0 || wk.len() != hd || heads * hd > stride || !x.len().is_multiple_of(stride) {
+        return Err(shape(
+            "head_rms_norm",
+            format!(
+                "x {} in rows of {stride} with {heads} heads of weights {} and {}",
+                x.len(),
+                wq.len(),
+                wk.len()
+            ),
+        ));
+    }
+    let rows = x.len() / stride;
+    if rows == 0 || heads == 0 {
+        return Ok(());
+    }
+    let (Ok(h32), Ok(r32), true) = (
+        u32::try_from(heads),
+        u32::try_from(rows),
+        rows <= MAX_CUBES_X && heads <= MAX_CUBES_X,
+    ) else {
+        return Err(shape(
+            "head_rms_norm",
+            format!("{rows} rows of {heads} heads exceed the grid"),
+        ));
+    };
+    head_rms_norm_kernel::launch(
+        dev.client(),
+        CubeCount::Static(h32, r32, 1),
+        CubeDim::new_1d(ROW_UNITS as u32),
+        arg(x),
+        arg(wq),
+        arg(wk),
+        eps,
+        stride,
+        q_heads,
+        hd,
+        ROW_UNITS,
+    );
+    Ok(())
+}
+
+/// `2 sqrt(2 / pi)` and the cubic coefficient of GELU's tanh form, as the
+/// CPU's `vmath` has them.
+const GELU_K2: f32 = 1.595_769_2;
+const GELU_C: f32 = 0.044_715;
+
 #[cube(launch, create_dummy_kernel)]
-fn swiglu_kernel(gate_up: &[f32], out: &mut [f32], #[comptime] ffn: usize) {
+fn glu_kernel(gate_up: &[f32], out: &mut [f32], #[comptime] ffn: usize, #[comptime] gelu: bool) {
     let i = ABSOLUTE_POS;
     if i < out.len() {
         let at = (i / ffn) * 2 * ffn + i % ffn;
         let g = gate_up[at];
-        out[i] = g / (1.0f32 + f32::exp(-g)) * gate_up[at + ffn];
+        // SiLU is `g / (1 + e^-g)`; GELU's tanh form `g / (1 + e^-z)` with
+        // the CPU's `z`, in its order of operations.
+        let mut z = g;
+        if gelu {
+            z = (GELU_K2 * g) * (1.0f32 + GELU_C * (g * g));
+        }
+        out[i] = g / (1.0f32 + f32::exp(-z)) * gate_up[at + ffn];
     }
 }
 
-/// SwiGLU over rows of `2 * ffn` values, the gate projection then the up
-/// projection (one matmul's output over both weights): `out[t][i] =
-/// silu(gate[t][i]) * up[t][i]`.
-pub fn swiglu(dev: &GpuDevice, gate_up: &Buffer, ffn: usize, out: &Buffer) -> Result<(), GpuError> {
+/// A gated FFN's activation over rows of `2 * ffn` values, the gate
+/// projection then the up projection (one matmul's output over both
+/// weights): `out[t][i] = act(gate[t][i]) * up[t][i]`, `act` SiLU
+/// (SwiGLU) or GELU's tanh form (GeGLU).
+pub fn glu(
+    dev: &GpuDevice,
+    gate_up: &Buffer,
+    ffn: usize,
+    act: Activation,
+    out: &Buffer,
+) -> Result<(), GpuError> {
     if ffn == 0 || gate_up.len() != 2 * out.len() || !out.len().is_multiple_of(ffn) {
         return Err(shape(
-            "swiglu",
+            "glu",
             format!(
                 "gate_up {} must be rows of 2 x {ffn}, out {} rows of {ffn}",
                 gate_up.len(),
@@ -291,7 +446,8 @@ pub fn swiglu(dev: &GpuDevice, gate_up: &Buffer, ffn: usize, out: &Buffer) -> Re
         return Ok(());
     }
     let (count, dim) = line(out.len());
-    swiglu_kernel::launch(dev.client(), count, dim, arg(gate_up), arg(out), ffn);
+    let gelu = act == Activation::GeluTanh;
+    glu_kernel::launch(dev.client(), count, dim, arg(gate_up), arg(out), ffn, gelu);
     Ok(())
 }
 
@@ -679,6 +835,7 @@ fn attention_kernel(
     block_words: u32,
     max_ctx: u32,
     first: u32,
+    window: u32,
     #[comptime] q_stride: usize,
     #[comptime] hd: usize,
     #[comptime] n_heads: usize,
@@ -695,18 +852,20 @@ fn attention_kernel(
     let g = (qi % n_heads) / (n_heads / n_kv);
     let n = meta[t * 2] as usize;
     let table = meta[t * 2 + 1] as usize;
+    // A sliding window's first position (`window` is u32::MAX for none).
+    let lo = n - usize::min(n, window as usize);
     let half = hd / 2;
     let head_words = bs * half;
     let k_off = layer as usize * 2 * n_kv * head_words + g * head_words;
     let v_off = k_off + n_kv * head_words;
     let srow = CUBE_POS_X as usize * max_ctx as usize;
     let qrow = t * q_stride + (qi % n_heads) * hd;
-    let steps = n.div_ceil(units);
+    let steps = (n - lo).div_ceil(units);
     let mut sh = Shared::<[f32]>::new_slice(units);
 
     let mut local_max = (-3.402_823_5e38f32).runtime();
     for k in 0..steps {
-        let p = unit + k * units;
+        let p = lo + unit + k * units;
         if p < n {
             let base =
                 tables[table + p / bs] as usize * block_words as usize + k_off + (p % bs) * half;
@@ -726,7 +885,7 @@ fn attention_kernel(
 
     let mut local_sum = 0.0f32;
     for k in 0..steps {
-        let p = unit + k * units;
+        let p = lo + unit + k * units;
         if p < n {
             let e = f32::exp(scores[srow + p] - max);
             scores[srow + p] = e;
@@ -744,7 +903,7 @@ fn attention_kernel(
         if d < hd {
             let shift = ((d % 2) * 16) as u32;
             let mut acc = 0.0f32;
-            for p in 0..n {
+            for p in lo..n {
                 let base = tables[table + p / bs] as usize * block_words as usize
                     + v_off
                     + (p % bs) * half;
@@ -761,9 +920,10 @@ fn attention_kernel(
 /// values per token starting with its `n_heads` heads (a fused QKV row,
 /// or just the heads), `out` the heads' results; token `t` sees positions
 /// `0..meta[2t]` of the sequence whose block table starts at
-/// `tables[meta[2t + 1]]`. One launch runs the queries of `tokens` (a
-/// range of the tokens in `meta`), with `scores` as scratch of
-/// `n_heads * max_ctx` values per token launched. Block ids and lengths are read on the device: the
+/// `tables[meta[2t + 1]]`, or with a sliding `window` only the last
+/// `window` of them. One launch runs the queries of `tokens` (a range of
+/// the tokens in `meta`), with `scores` as scratch of `n_heads * max_ctx`
+/// values per token launched. Block ids and lengths are read on the device: the
 /// caller keeps them in range (the scheduler's block tables are checked
 /// where they are built; out-of-range reads on Vulkan are clamped, never
 /// outside the buffer).
@@ -781,6 +941,7 @@ pub fn attention(
     tokens: std::ops::Range<usize>,
     max_ctx: usize,
     scale: f32,
+    window: Option<usize>,
     scores: &Buffer,
     out: &Buffer,
 ) -> Result<(), GpuError> {
@@ -830,11 +991,18 @@ pub fn attention(
             scores.len()
         ));
     }
-    let (Ok(layer), Ok(words), Ok(max_ctx32), Ok(first)) = (
+    // A window of 0 positions would attend to nothing.
+    if window == Some(0) {
+        return bad("a sliding window of 0 positions".into());
+    }
+    // No window: every position (u32::MAX, more than any context holds).
+    let window = window.map_or(Ok(u32::MAX), u32::try_from);
+    let (Ok(layer), Ok(words), Ok(max_ctx32), Ok(first), Ok(window)) = (
         u32::try_from(layer),
         u32::try_from(words),
         u32::try_from(max_ctx),
         u32::try_from(tokens.start),
+        window,
     ) else {
         return bad("sizes beyond 32 bits".into());
     };
@@ -857,6 +1025,7 @@ pub fn attention(
         words,
         max_ctx32,
         first,
+        window,
         q_stride,
         head_dim,
         n_heads,

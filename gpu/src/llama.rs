@@ -1,6 +1,9 @@
-//! Llama-family models on the device: SmolLM2's shape (layer weights in
-//! any of the quantised formats [`QFormat`] lists, embeddings and head of
-//! any type the CPU dequantises, no biases, no sliding windows).
+//! Llama-family models on the device, with the variations the families of
+//! `tandem_modelfile::arch` bring (Qwen2's Q/K/V biases; Gemma 3's QK
+//! norms, post norms, GeGLU, scaled embeddings and sliding-window layers
+//! with their own RoPE base): layer weights in any of the quantised
+//! formats [`QFormat`] lists, embeddings and head of any type the CPU
+//! dequantises.
 //! [`GpuModel`] holds the weights and runs the forward pass of a batch of
 //! chunks (prompt pieces and decode tokens of several sequences) over a
 //! paged KV pool in device memory, laid out as the CPU engine's pool, so a
@@ -37,6 +40,13 @@ struct Layer {
     attn_norm: Buffer,
     /// The Q, K and V biases (Qwen2), stacked as `wqkv`'s rows.
     qkv_bias: Option<Buffer>,
+    /// Per-head norms of the queries and keys (Gemma 3).
+    qk_norm: Option<[Buffer; 2]>,
+    /// Norms of the attention and FFN outputs before their residual adds
+    /// (Gemma 3).
+    post_norms: Option<[Buffer; 2]>,
+    /// The positions a sliding-window layer attends to.
+    window: Option<usize>,
     /// The Q, K and V projections' rows, one matrix: one launch computes
     /// a token's `[q | k | v]` row (a launch per format where they differ).
     wqkv: Stacked,
@@ -282,6 +292,9 @@ pub struct GpuModel {
     out_norm: Buffer,
     /// `(sin, cos)` per position and rotated pair: the CPU's angles.
     sin_cos: Buffer,
+    /// The same at the sliding-window layers' RoPE base, where they have
+    /// one.
+    sin_cos_sliding: Option<Buffer>,
     layout: KvLayout,
     max_ctx: usize,
     /// Bytes of attention scores one step may allocate.
@@ -378,16 +391,10 @@ impl GpuModel {
         let c = files.config.clone();
         let g = files.tensors.as_ref();
         let f = c.family;
-        if f.qk_norm
-            || f.post_norms
-            || f.scale_embeddings
-            || f.moe
-            || c.moe.is_some()
-            || c.sliding.is_some()
-            || c.final_logit_softcap.is_some()
-        {
+        if f.moe || c.moe.is_some() || c.final_logit_softcap.is_some() {
             return Err(unsupported(
-                "only Llama-like families (Llama, Qwen2: no extra norms, MoE or sliding windows)",
+                "mixture-of-experts layers and soft-capped logits (dense Llama, Qwen2 and Gemma 3 \
+                 run)",
             ));
         }
         if c.rope_dims != c.head_dim || max_ctx == 0 || block_size == 0 {
@@ -526,9 +533,24 @@ impl GpuModel {
             } else {
                 None
             };
+            let pair = |names: [&str; 2], len: usize| -> Result<[Buffer; 2], GpuError> {
+                Ok([
+                    dev.upload(&f32_tensor(g, &t(names[0]), len)?),
+                    dev.upload(&f32_tensor(g, &t(names[1]), len)?),
+                ])
+            };
             layers.push(Layer {
                 attn_norm: dev.upload(&f32_tensor(g, &t("attn_norm"), d)?),
                 qkv_bias,
+                qk_norm: f
+                    .qk_norm
+                    .then(|| pair(["attn_q_norm", "attn_k_norm"], c.head_dim))
+                    .transpose()?,
+                post_norms: f
+                    .post_norms
+                    .then(|| pair(["post_attention_norm", "post_ffw_norm"], d))
+                    .transpose()?,
+                window: c.layer_window(i),
                 wqkv: stacked(
                     &[
                         (t("attn_q"), qd, mine(qd)),
@@ -566,16 +588,21 @@ impl GpuModel {
         let vocab = c.vocab_size;
         let head = stacked(&[(head_name.into(), vocab, 0..vocab)], d, 0..d)?;
         let out_norm = dev.upload(&f32_tensor(g, "output_norm.weight", d)?);
-        let rope = Rope::new(c.rope_style, c.rope_dims, c.rope_theta);
-        let sin_cos: Vec<f32> = (0..max_ctx)
-            .flat_map(|p| {
-                let a = rope.angles(p);
-                a.sin_cos()
-                    .iter()
-                    .flat_map(|&(s, c)| [s, c])
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        // The CPU's angles at a RoPE base, for every position.
+        let sin_cos = |theta: f32| -> Buffer {
+            let rope = Rope::new(c.rope_style, c.rope_dims, theta);
+            let table: Vec<f32> = (0..max_ctx)
+                .flat_map(|p| {
+                    let a = rope.angles(p);
+                    a.sin_cos()
+                        .iter()
+                        .flat_map(|&(s, c)| [s, c])
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            dev.upload(&table)
+        };
+        let sin_cos_sliding = c.sliding.map(|s| sin_cos(s.rope_theta));
         let layout = KvLayout {
             n_layers: c.n_layers,
             n_kv_heads: kv_heads,
@@ -583,7 +610,8 @@ impl GpuModel {
             block_size,
         };
         Ok(GpuModel {
-            sin_cos: dev.upload(&sin_cos),
+            sin_cos: sin_cos(c.rope_theta),
+            sin_cos_sliding,
             dev,
             c,
             shard,
@@ -747,6 +775,7 @@ impl GpuModel {
         met: &mut usize,
     ) -> Result<Option<Buffer>, GpuError> {
         let c = &self.c;
+        let f = c.family;
         let bs = self.layout.block_size;
         let pool_blocks = pool.blocks;
         let bad = |what: String| {
@@ -803,7 +832,13 @@ impl GpuModel {
         let n = tokens.len();
         let dev = &self.dev;
         let (d, hd) = (c.d_model, c.head_dim);
-        let x = dev.upload(&self.embd.rows(&tokens)?);
+        let mut embedded = self.embd.rows(&tokens)?;
+        if let Some(scale) = c.embedding_scale() {
+            for v in &mut embedded {
+                *v *= scale;
+            }
+        }
+        let x = dev.upload(&embedded);
         let positions = dev.upload(&positions);
         let slots = dev.upload(&slots);
         let meta = dev.upload(&meta);
@@ -833,7 +868,6 @@ impl GpuModel {
         let neox = c.rope_style == RopeStyle::Neox;
         let pairs = c.rope_dims / 2;
         let scale = 1.0 / (hd as f32).sqrt();
-        let sc = &self.sin_cos;
         match self.layers.first() {
             Some(first) => kernels::rms_norm(dev, &x, &first.attn_norm, c.rms_eps, &xn)?,
             None => kernels::rms_norm(dev, &x, &self.out_norm, c.rms_eps, &xn)?,
@@ -849,6 +883,15 @@ impl GpuModel {
                 if let Some(b) = &l.qkv_bias {
                     kernels::add_bias(dev, &qkv, b)?;
                 }
+                if let Some([qn, kn]) = &l.qk_norm {
+                    let (hq, hk) = (self.heads, self.kv_heads);
+                    kernels::head_rms_norm(dev, &qkv, qkv_width, hq, hk, qn, kn, c.rms_eps)?;
+                }
+                // Sliding layers turn at their own base where they have one.
+                let sc = match (l.window, &self.sin_cos_sliding) {
+                    (Some(_), Some(sliding)) => sliding,
+                    _ => &self.sin_cos,
+                };
                 kernels::rope(
                     dev,
                     &qkv,
@@ -875,6 +918,7 @@ impl GpuModel {
                         first..(first + group).min(n),
                         longest,
                         scale,
+                        l.window,
                         &scores,
                         &att,
                     )?;
@@ -882,10 +926,14 @@ impl GpuModel {
                 l.wo.matmul(dev, &att, &o)
             });
             self.all_reduce(comm, &o, &mut failed, met)?;
+            let [post_attn, post_ffn] = match &l.post_norms {
+                Some([a, f]) => [Some(a), Some(f)],
+                None => [None, None],
+            };
             stage(&mut failed, || {
-                kernels::add_rms_norm(dev, &x, &o, &l.ffn_norm, c.rms_eps, &xn)?;
+                kernels::add_rms_norm(dev, &x, &o, post_attn, &l.ffn_norm, c.rms_eps, &xn)?;
                 l.gate_up.matmul(dev, &xn, &gate_up)?;
-                kernels::swiglu(dev, &gate_up, self.ffn, &h)?;
+                kernels::glu(dev, &gate_up, self.ffn, f.activation, &h)?;
                 l.down.matmul(dev, &h, &ffn_out)
             });
             self.all_reduce(comm, &ffn_out, &mut failed, met)?;
@@ -894,7 +942,7 @@ impl GpuModel {
                 .get(li + 1)
                 .map_or(&self.out_norm, |n| &n.attn_norm);
             stage(&mut failed, || {
-                kernels::add_rms_norm(dev, &x, &ffn_out, next_norm, c.rms_eps, &xn)
+                kernels::add_rms_norm(dev, &x, &ffn_out, post_ffn, next_norm, c.rms_eps, &xn)
             });
         }
         if let Some(e) = failed {

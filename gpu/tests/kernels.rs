@@ -71,7 +71,7 @@ fn add_rms_norm_is_add_then_rms_norm() {
             d.upload(&w),
             d.zeros(x.len()),
         );
-        kernels::add_rms_norm(d, &xb, &db, &wb, 1e-5, &ob).expect("launch");
+        kernels::add_rms_norm(d, &xb, &db, None, &wb, 1e-5, &ob).expect("launch");
         assert_eq!(d.download(&xb).expect("read"), sum, "the residual");
         let err = worst_rel(&d.download(&ob).expect("read"), &want, 1e-6);
         assert!(
@@ -90,25 +90,127 @@ fn add_rms_norm_is_add_then_rms_norm() {
 }
 
 #[test]
-fn swiglu_matches_the_cpu_within_1e_6_relative() {
+fn add_rms_norm_with_a_post_norm_matches_the_cpu_residual_norm() {
+    // Gemma's sandwich norms: x += rms_norm(delta) * post, then the next
+    // norm, as the CPU engine's residual step computes them (its sums of
+    // squares run in f64, the device's in f32 in another order).
+    let d = dev();
+    let mut rng = SeededRng::new(14);
+    for (rows, width) in [(1, 640), (3, 1000)] {
+        let x = values(&mut rng, rows * width, -3.0, 3.0);
+        let delta = values(&mut rng, rows * width, -40.0, 40.0);
+        let post = values(&mut rng, width, 0.5, 1.5);
+        let w = values(&mut rng, width, 0.5, 1.5);
+        let (mut sum, mut want) = (x.clone(), vec![0.0; x.len()]);
+        for ((xr, dr), o) in sum
+            .chunks_exact_mut(width)
+            .zip(delta.chunks_exact(width))
+            .zip(want.chunks_exact_mut(width))
+        {
+            let mut normed = dr.to_vec();
+            tandem_kernels::ops::rms_norm_in_place(&mut normed, &post, 1e-6);
+            tandem_kernels::ops::add_assign(xr, &normed);
+            tandem_kernels::ops::rms_norm(xr, &w, 1e-6, o);
+        }
+        let (xb, db, pb, wb, ob) = (
+            d.upload(&x),
+            d.upload(&delta),
+            d.upload(&post),
+            d.upload(&w),
+            d.zeros(x.len()),
+        );
+        kernels::add_rms_norm(d, &xb, &db, Some(&pb), &wb, 1e-6, &ob).expect("launch");
+        let err = worst_rel(&d.download(&xb).expect("read"), &sum, 1.0);
+        assert!(
+            err <= 2e-6,
+            "rows {rows} width {width}: residual off by {err}"
+        );
+        // Relative to the rows' scale (about 1): the residual's rounding
+        // differences carry over to the values near 0.
+        let err = worst_rel(&d.download(&ob).expect("read"), &want, 1.0);
+        assert!(err <= 4e-6, "rows {rows} width {width}: worst error {err}");
+    }
+    // Post-norm weights must match the row width.
+    let (a, b) = (d.zeros(8), d.zeros(4));
+    let err = kernels::add_rms_norm(d, &a, &a, Some(&d.zeros(3)), &b, 1e-6, &d.zeros(8));
+    assert!(err.is_err());
+}
+
+#[test]
+fn head_rms_norm_normalises_query_and_key_heads_and_leaves_values() {
+    let d = dev();
+    let mut rng = SeededRng::new(15);
+    // Gemma 3 270M's heads (4 query, 1 KV, 256 wide), and a smaller shape
+    // whose heads do not fill a cube's units evenly.
+    for (rows, hq, hk, hd) in [(3, 4, 1, 256), (2, 6, 2, 40)] {
+        let stride = (hq + 2 * hk) * hd;
+        let x = values(&mut rng, rows * stride, -5.0, 5.0);
+        let wq = values(&mut rng, hd, 0.5, 1.5);
+        let wk = values(&mut rng, hd, 0.5, 1.5);
+        let mut want = x.clone();
+        for row in want.chunks_exact_mut(stride) {
+            for (h, head) in row[..(hq + hk) * hd].chunks_exact_mut(hd).enumerate() {
+                let w = if h < hq { &wq } else { &wk };
+                tandem_kernels::ops::rms_norm_in_place(head, w, 1e-6);
+            }
+        }
+        let xb = d.upload(&x);
+        let (qb, kb) = (d.upload(&wq), d.upload(&wk));
+        kernels::head_rms_norm(d, &xb, stride, hq, hk, &qb, &kb, 1e-6).expect("launch");
+        let got = d.download(&xb).expect("read");
+        let err = worst_rel(&got, &want, 1e-6);
+        assert!(
+            err <= 2e-6,
+            "{hq}+{hk} heads of {hd}: worst relative error {err}"
+        );
+        // The values' part of each row is untouched.
+        for (g, w) in got.chunks_exact(stride).zip(x.chunks_exact(stride)) {
+            assert_eq!(g[(hq + hk) * hd..], w[(hq + hk) * hd..]);
+        }
+    }
+    // Heads that do not fit the row, or weights of two widths: refused.
+    let (x, w4, w3) = (d.zeros(16), d.zeros(4), d.zeros(3));
+    assert!(kernels::head_rms_norm(d, &x, 8, 2, 1, &w4, &w4, 1e-6).is_err());
+    assert!(kernels::head_rms_norm(d, &x, 8, 1, 1, &w4, &w3, 1e-6).is_err());
+}
+
+#[test]
+fn swiglu_and_geglu_match_the_cpu_within_1e_6_and_4e_6_relative() {
+    use tandem_modelfile::arch::Activation;
     let d = dev();
     let mut rng = SeededRng::new(2);
     // (tokens, ffn): rows of [gate | up], as one matmul over both writes.
-    for (n, ffn) in [(1, 1), (3, 21), (2, 1536)] {
+    for (act, n, ffn) in [
+        (Activation::Silu, 1, 1),
+        (Activation::Silu, 3, 21),
+        (Activation::Silu, 2, 1536),
+        (Activation::GeluTanh, 1, 1),
+        (Activation::GeluTanh, 3, 21),
+        (Activation::GeluTanh, 2, 2048),
+    ] {
         let gate = values(&mut rng, n * ffn, -8.0, 8.0);
         let up = values(&mut rng, n * ffn, -2.0, 2.0);
         let mut want = gate.clone();
-        tandem_kernels::ops::silu_mul(&mut want, &up);
+        match act {
+            Activation::Silu => tandem_kernels::ops::silu_mul(&mut want, &up),
+            Activation::GeluTanh => tandem_kernels::ops::gelu_tanh_mul(&mut want, &up),
+        }
         let rows: Vec<f32> = gate
             .chunks_exact(ffn)
             .zip(up.chunks_exact(ffn))
             .flat_map(|(g, u)| g.iter().chain(u).copied())
             .collect();
         let out = d.zeros(n * ffn);
-        kernels::swiglu(d, &d.upload(&rows), ffn, &out).expect("launch");
+        kernels::glu(d, &d.upload(&rows), ffn, act, &out).expect("launch");
         let got = d.download(&out).expect("read");
         let err = worst_rel(&got, &want, 1e-6);
-        assert!(err <= 1e-6, "{n}x{ffn}: worst relative error {err}");
+        // GELU's `exp` argument is computed and reaches about 45 in
+        // magnitude here, which magnifies its rounding in the result.
+        let tol = match act {
+            Activation::Silu => 1e-6,
+            Activation::GeluTanh => 4e-6,
+        };
+        assert!(err <= tol, "{act:?} {n}x{ffn}: worst relative error {err}");
     }
 }
 
@@ -354,7 +456,7 @@ fn mismatched_shapes_are_errors_not_launches() {
     let out = d.zeros(6);
     let err = kernels::rms_norm(d, &a, &b, 1e-5, &out).expect_err("6 is not rows of 4");
     assert!(err.to_string().contains("rms_norm"), "{err}");
-    assert!(kernels::swiglu(d, &a, 4, &b).is_err());
+    assert!(kernels::glu(d, &a, 4, tandem_modelfile::arch::Activation::Silu, &b).is_err());
     assert!(kernels::copy(d, &a, &b).is_err());
     assert!(kernels::matmul(d, &a, &b, 4, &out).is_err());
     // 20 bytes are one Q4_1 block, not 33 values or two rows.
@@ -392,7 +494,8 @@ fn paged_attention_matches_the_cpu_kernel_on_the_cpu_pool_layout() {
     // causal prefill chunk) and one decoding token with a longer context.
     let seq_a: Vec<u32> = vec![5, 2, 11];
     let seq_b: Vec<u32> = vec![0, 7, 3, 14, 9, 1, 12];
-    let tokens = [(&seq_a, 0, 36), (&seq_a, 0, 37), (&seq_b, seq_a.len(), 100)];
+    let tokens: [(&Vec<u32>, usize, usize); 3] =
+        [(&seq_a, 0, 36), (&seq_a, 0, 37), (&seq_b, seq_a.len(), 100)];
     let (layer, scale) = (1, 0.125);
     let q = values(&mut rng, tokens.len() * n_heads * hd, -1.0, 1.0);
 
@@ -402,26 +505,34 @@ fn paged_attention_matches_the_cpu_kernel_on_the_cpu_pool_layout() {
             b as usize * block_len + (layer * 2 + kv) * layout.n_kv_heads * bs * hd + g * bs * hd;
         &pool[off..off + bs * hd]
     };
-    let mut want = vec![0.0f32; q.len()];
-    let mut scratch = Vec::new();
-    for (t, &(table, _, n)) in tokens.iter().enumerate() {
-        for h in 0..n_heads {
-            let g = h / (n_heads / layout.n_kv_heads);
-            let ks: Vec<&[f16]> = table.iter().map(|&b| slice(b, 0, g)).collect();
-            let vs: Vec<&[f16]> = table.iter().map(|&b| slice(b, 1, g)).collect();
-            let at = (t * n_heads + h) * hd;
-            tandem_kernels::attention::attend(
-                &q[at..at + hd],
-                &ks,
-                &vs,
-                bs,
-                n,
-                scale,
-                &mut scratch,
-                &mut want[at..at + hd],
-            );
+    // Without a window, and with sliding windows of 20 positions (inside
+    // a block: every token's window starts mid-block) and of 40 (wider than
+    // the first two tokens' contexts).
+    let reference = |window: Option<usize>| {
+        let mut want = vec![0.0f32; q.len()];
+        let mut scratch = Vec::new();
+        for (t, &(table, _, n)) in tokens.iter().enumerate() {
+            let first: Vec<usize> = window.map(|w| n.saturating_sub(w)).into_iter().collect();
+            for h in 0..n_heads {
+                let g = h / (n_heads / layout.n_kv_heads);
+                let ks: Vec<&[f16]> = table.iter().map(|&b| slice(b, 0, g)).collect();
+                let vs: Vec<&[f16]> = table.iter().map(|&b| slice(b, 1, g)).collect();
+                let at = (t * n_heads + h) * hd;
+                tandem_kernels::attention::attend_tile(
+                    &q[at..at + hd],
+                    &first,
+                    &[n],
+                    &ks,
+                    &vs,
+                    bs,
+                    scale,
+                    &mut scratch,
+                    &mut want[at..at + hd],
+                );
+            }
         }
-    }
+        want
+    };
 
     let bytes: Vec<u8> = pool.iter().flat_map(|h| h.to_le_bytes()).collect();
     let tables: Vec<u32> = seq_a.iter().chain(&seq_b).copied().collect();
@@ -444,40 +555,42 @@ fn paged_attention_matches_the_cpu_kernel_on_the_cpu_pool_layout() {
     );
     let (sb, ob) = (d.zeros(q.len() / hd * max_ctx), d.zeros(q.len()));
     let n = tokens.len();
-    kernels::attention(
-        d,
-        &qb,
-        q_stride,
-        &pb,
-        &layout,
-        layer,
-        n_heads,
-        &tb,
-        &mb,
-        0..n,
-        max_ctx,
-        scale,
-        &sb,
-        &ob,
-    )
-    .expect("launch");
-    let got = d.download(&ob).expect("read");
-    // In two launches (tokens 0..1, then the rest), reusing the scratch:
-    // the same bits.
-    let split = d.zeros(ob.len());
-    for tokens in [0..1, 1..n] {
+    for window in [None, Some(20), Some(40)] {
         kernels::attention(
-            d, &qb, q_stride, &pb, &layout, layer, n_heads, &tb, &mb, tokens, max_ctx, scale, &sb,
-            &split,
+            d,
+            &qb,
+            q_stride,
+            &pb,
+            &layout,
+            layer,
+            n_heads,
+            &tb,
+            &mb,
+            0..n,
+            max_ctx,
+            scale,
+            window,
+            &sb,
+            &ob,
         )
         .expect("launch");
+        let got = d.download(&ob).expect("read");
+        // In two launches (tokens 0..1, then the rest), reusing the scratch:
+        // the same bits.
+        let split = d.zeros(ob.len());
+        for tokens in [0..1, 1..n] {
+            kernels::attention(
+                d, &qb, q_stride, &pb, &layout, layer, n_heads, &tb, &mb, tokens, max_ctx, scale,
+                window, &sb, &split,
+            )
+            .expect("launch");
+        }
+        assert!(d.download(&split).expect("read") == got, "split launches");
+        // Same roundings as the CPU (f16 queries and probabilities); the dot
+        // products and sums run in another order, and `exp` is the device's.
+        let err = worst_rel(&got, &reference(window), 1.0);
+        assert!(err <= 1e-4, "window {window:?}: worst error {err}");
     }
-    assert!(d.download(&split).expect("read") == got, "split launches");
-    // Same roundings as the CPU (f16 queries and probabilities); the dot
-    // products and sums run in another order, and `exp` is the device's.
-    let err = worst_rel(&got, &want, 1.0);
-
-    assert!(err <= 1e-4, "worst error {err}");
 }
 
 #[test]

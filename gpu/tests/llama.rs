@@ -1,13 +1,14 @@
-//! SmolLM2 and Qwen2.5 on the GPU backend (lavapipe here) against the CPU
+//! SmolLM2, Qwen2.5 and Gemma 3 on the GPU backend (lavapipe here) against the CPU
 //! engine on the same GGUF: greedy generation agrees up to near-ties. Past the shared
 //! weights the two round differently (the CPU quantises activations to
 //! int8 before each matmul, as llama.cpp does; the GPU keeps them f32), so
 //! tokens may part where the top two logits are close; where they part,
 //! the CPU's token must be the GPU's runner-up within `NEAR_TIE`.
 //!
-//! Needs `TANDEM_TEST_GGUF` (SmolLM2-135M-Instruct Q4_1) and
-//! `TANDEM_TEST_QWEN2_GGUF` (Qwen2.5-Coder-0.5B-Instruct Q4_K_M);
-//! `scripts/test.sh` sets both.
+//! Needs `TANDEM_TEST_GGUF` (SmolLM2-135M-Instruct Q4_1),
+//! `TANDEM_TEST_QWEN2_GGUF` (Qwen2.5-Coder-0.5B-Instruct Q4_K_M) and
+//! `TANDEM_TEST_GEMMA3_GGUF` (Gemma 3 270M Q4_K_M); `scripts/test.sh`
+//! sets them.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -33,7 +34,7 @@ use tandem_modelfile::ModelMeta;
 /// seen was at a GPU gap of 0.22.
 const NEAR_TIE: f32 = 0.5;
 /// Tokens generated after the prompt.
-const STEPS: usize = 24;
+const STEPS: usize = 16;
 
 fn gguf_path() -> PathBuf {
     PathBuf::from(std::env::var_os("TANDEM_TEST_GGUF").expect(
@@ -155,6 +156,26 @@ fn qwen2_5_q4_k_m_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
     assert_eq!(l2.len(), l1.len());
     assert!(worst <= 0.05, "logits differ by {worst}");
     assert_eq!(argmax(&l1), argmax(&l2));
+}
+
+#[test]
+fn gemma3_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
+    // A third family: per-head QK norms, norms on the attention and FFN
+    // outputs, GeGLU, embeddings scaled by sqrt(640), and five sliding
+    // layers (RoPE base 10,000) to each global one (1,000,000), with a
+    // tied 262,144-token head. The prompt stays inside the 512-position
+    // window (lavapipe is slow); the window itself is checked against the
+    // CPU kernel in tests/kernels.rs.
+    let path =
+        PathBuf::from(std::env::var_os("TANDEM_TEST_GEMMA3_GGUF").expect(
+            "set TANDEM_TEST_GEMMA3_GGUF to Gemma 3 270M Q4_K_M (scripts/test.sh does this)",
+        ));
+    let dev = GpuDevice::open(0).expect("a Vulkan device (lavapipe: mesa-vulkan-drivers)");
+    let g = ModelFiles::open(&path).expect("model files");
+    assert!(g.config.sliding.is_some() && g.config.family.qk_norm);
+    let gpu = GpuLlama::load(dev, &g, 64).expect("loads on the device");
+    let cpu = tandem_engine::load(&path).expect("model loads");
+    near_ties(&gpu, &cpu, "The capital of France is", 8);
 }
 
 /// The SmolLM2 HF fixture (`TANDEM_TEST_HF_DIR`, F32 safetensors made

@@ -76,18 +76,41 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         576,
         ROW_UNITS
     );
+    // Without and with a post norm (Gemma's).
+    for post in [false, true] {
+        kernel!(
+            add_rms_norm_kernel,
+            rows_grid(2),
+            arg(&f),
+            arg(&f),
+            arg(&f),
+            arg(&f),
+            arg(&f),
+            1e-5,
+            576,
+            ROW_UNITS,
+            post
+        );
+    }
     kernel!(
-        add_rms_norm_kernel,
-        rows_grid(2),
+        head_rms_norm_kernel,
+        (
+            CubeCount::Static(5, 2, 1),
+            CubeDim::new_1d(ROW_UNITS as u32)
+        ),
         arg(&f),
         arg(&f),
         arg(&f),
-        arg(&f),
-        1e-5,
-        576,
+        1e-6,
+        1536,
+        4,
+        256,
         ROW_UNITS
     );
-    kernel!(swiglu_kernel, grid(), arg(&f), arg(&f), 1536);
+    // SwiGLU and GeGLU.
+    for gelu in [false, true] {
+        kernel!(glu_kernel, grid(), arg(&f), arg(&f), 1536, gelu);
+    }
     kernel!(
         rope_kernel,
         grid(),
@@ -171,6 +194,8 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         4096,
         512,
         0,
+        // A sliding window of 512 positions (u32::MAX: none).
+        512,
         960,
         64,
         9,
