@@ -5,6 +5,7 @@
 
 use cubecl::prelude::*;
 
+use tandem_kernels::ops::{GELU_C, GELU_K2};
 use tandem_modelfile::arch::Activation;
 
 use crate::device::{Buffer, GpuDevice};
@@ -399,11 +400,6 @@ pub fn head_rms_norm(
     );
     Ok(())
 }
-
-/// `2 sqrt(2 / pi)` and the cubic coefficient of GELU's tanh form, as the
-/// CPU's `vmath` has them.
-const GELU_K2: f32 = 1.595_769_2;
-const GELU_C: f32 = 0.044_715;
 
 #[cube(launch, create_dummy_kernel)]
 fn glu_kernel(gate_up: &[f32], out: &mut [f32], #[comptime] ffn: usize, #[comptime] gelu: bool) {

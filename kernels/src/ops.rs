@@ -130,8 +130,8 @@ impl RopeAngles {
 /// the model was trained with.
 pub use crate::vmath::gelu_mul as gelu_tanh_mul;
 pub use crate::vmath::{
-    gelu_mul_with_isa, max, round_through_f16, silu_mul, silu_mul_with_isa, softmax,
-    softmax_with_isa,
+    GELU_C, GELU_K2, gelu_mul_with_isa, max, round_through_f16, silu_mul, silu_mul_with_isa,
+    softmax, softmax_with_isa,
 };
 
 /// `acc[i] += x[i]`.

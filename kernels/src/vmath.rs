@@ -68,9 +68,10 @@ fn silu(g: f32) -> f32 {
     g / (1.0 + exp(-g))
 }
 
-/// `2 sqrt(2 / pi)` and the cubic coefficient of the tanh form of GELU.
-const GELU_K2: f32 = 1.595_769_2;
-const GELU_C: f32 = 0.044_715;
+/// `2 sqrt(2 / pi)` and the cubic coefficient of the tanh form of GELU
+/// (public so that other backends compute the same `z`).
+pub const GELU_K2: f32 = 1.595_769_2;
+pub const GELU_C: f32 = 0.044_715;
 
 /// GELU's tanh form, `0.5 g (1 + tanh(u))` with `u = sqrt(2/pi) (g + C g^3)`,
 /// computed as the equal `g / (1 + e^-2u)`: one [`exp`] instead of libm's
