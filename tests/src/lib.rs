@@ -108,7 +108,16 @@ pub fn reference_output(
     sampling: SamplingParams,
     max_tokens: usize,
 ) -> GenerateOutput {
-    let m = model();
+    reference_output_of(model(), prompt, sampling, max_tokens)
+}
+
+/// [`reference_output`] of model `m`.
+pub fn reference_output_of(
+    m: &LoadedModel,
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    max_tokens: usize,
+) -> GenerateOutput {
     let req = GenerateRequest {
         prompt,
         sampling,
@@ -131,7 +140,17 @@ pub const GPU_NEAR_TIE: f64 = 0.5;
 /// part, the CPU's token is the run's runner-up within [`GPU_NEAR_TIE`].
 /// Returns where they parted, if they did.
 pub fn assert_greedy_up_to_near_ties(prompt: &str, max_tokens: usize, v: &Value) -> Option<usize> {
-    let tok = &model().text.tokenizer;
+    assert_greedy_up_to_near_ties_of(model(), prompt, max_tokens, v)
+}
+
+/// [`assert_greedy_up_to_near_ties`] against model `m`.
+pub fn assert_greedy_up_to_near_ties_of(
+    m: &LoadedModel,
+    prompt: &str,
+    max_tokens: usize,
+    v: &Value,
+) -> Option<usize> {
+    let tok = &m.text.tokenizer;
     let piece =
         |id: u32| String::from_utf8_lossy(&tok.token_to_piece_bytes(id).unwrap()).into_owned();
     let with_lp = SamplingParams {
@@ -139,7 +158,7 @@ pub fn assert_greedy_up_to_near_ties(prompt: &str, max_tokens: usize, v: &Value)
         top_logprobs: 5,
         ..SamplingParams::greedy()
     };
-    let want = reference_output(tok.encode(prompt, true).unwrap(), with_lp, max_tokens);
+    let want = reference_output_of(m, tok.encode(prompt, true).unwrap(), with_lp, max_tokens);
     let lp = &v["choices"][0]["logprobs"];
     let got: Vec<&str> = lp["tokens"]
         .as_array()

@@ -5,7 +5,8 @@
 //! Qwen's prefill node runs TP=2 (its ranks write their KV head slices
 //! into a TP=1 decode node); Gemma's prompts are longer than its 512-token
 //! sliding window, so the decode node continues from handed-over KV whose
-//! local layers already skip blocks.
+//! local layers already skip blocks; a decode node on `gpu:0` (lavapipe
+//! without a GPU) continues such KV on the device.
 //!
 //! Needs the release binary, `TANDEM_TEST_QWEN2_GGUF`,
 //! `TANDEM_TEST_GEMMA3_GGUF`, etcd and libucx (scripts/test.sh provides
@@ -22,7 +23,7 @@ use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::{LoadedModel, load};
 use tandem_tests::cluster::{Node, Router, unique_cluster};
-use tandem_tests::{Proc, http, metric, ports_in};
+use tandem_tests::{Proc, assert_greedy_up_to_near_ties_of, http, metric, ports_in};
 
 const MAX_TOKENS: usize = 16;
 
@@ -212,4 +213,46 @@ fn gemma3_serves_and_runs_disaggregated_past_its_sliding_window() {
     drop(serve_proc);
 
     disaggregated(&m, model, "gemma3", &[], &prompts);
+}
+
+#[test]
+fn gemma3_decodes_on_a_gpu_past_its_sliding_window_from_cpu_prefilled_kv() {
+    // The prompt's KV, computed by a CPU prefill node past the 512-token
+    // window, crosses over UCX into a GPU decode node, whose sliding layers
+    // attend to the last 512 positions (their own RoPE base) and global
+    // layers to all of them. The continuation is the CPU engine's up to
+    // near-ties; a few tokens, since lavapipe runs Gemma's 262,144-token
+    // head slowly.
+    let path = model_path("TANDEM_TEST_GEMMA3_GGUF");
+    let m = load(&path).unwrap();
+    let model = path.to_str().unwrap();
+    let etcd = EtcdServer::start().unwrap();
+    let cluster = unique_cluster("gemma3-gpu");
+    let flags = ["--model", model, "--max-length", "1024"];
+    let p = Node::start(&etcd.url(), &cluster, "prefill", "p-cpu", &flags);
+    let gpu: Vec<&str> = flags
+        .iter()
+        .copied()
+        .chain(["--devices", "gpu:0"])
+        .collect();
+    let d = Node::start(&etcd.url(), &cluster, "decode", "d-gpu", &gpu);
+    let r = Router::start_with(&etcd.url(), &cluster, &flags);
+    r.wait_members(1, 1, Duration::from_secs(20));
+    let prompt = long_story(7);
+    let n = 4;
+    let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 5});
+    let resp = http(r.port, "POST", "/v1/completions", &body.to_string());
+    assert_eq!(resp.status, 200, "{}\n{}", resp.body, d.proc.stderr());
+    assert_greedy_up_to_near_ties_of(&m, &prompt, n, &resp.json());
+    assert_eq!(
+        metric(
+            &d.metrics(),
+            "tandem_decode_prefills_total",
+            "outcome=\"remote\""
+        ),
+        1.0,
+        "prefilled by the prefill node"
+    );
+    p.assert_idle();
+    d.assert_idle();
 }
