@@ -7,7 +7,8 @@
 # (benches/kernels.rs, benches/step.rs), and lib/ with the shared libraries
 # tandem links (UCX, libnuma). GGUF is SmolLM2's; the Qwen2.5 test runs only
 # with TANDEM_TEST_QWEN2_GGUF set (its file is 4x larger to carry), the
-# safetensors one only with TANDEM_TEST_HF_DIR (SmolLM2's F32 fixture).
+# Gemma 3 one only with TANDEM_TEST_GEMMA3_GGUF, the safetensors one only
+# with TANDEM_TEST_HF_DIR (SmolLM2's F32 fixture).
 # Runs: every kernel against its CPU reference on the device, the device's
 # copy bandwidth and decode matmuls against it; with GGUF also SmolLM2
 # teacher-forced against the CPU engine, the scheduler's GPU runner
@@ -51,6 +52,7 @@ if [[ -n $gguf && $checks == *model* ]]; then
   step "SmolLM2 on the GPU vs the CPU engine (teacher-forced greedy)"
   skip=()
   [[ -n ${TANDEM_TEST_QWEN2_GGUF:-} ]] || skip+=(--skip qwen2_5)
+  [[ -n ${TANDEM_TEST_GEMMA3_GGUF:-} ]] || skip+=(--skip gemma3)
   [[ -n ${TANDEM_TEST_HF_DIR:-} ]] || skip+=(--skip bf16_safetensors)
   TANDEM_TEST_GGUF=$gguf check "$bin/test-llama" --nocapture "${skip[@]}"
   if [[ -x $bin/bench-step ]]; then

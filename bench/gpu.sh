@@ -2,7 +2,8 @@
 # Tandem on a GPU against Tandem on the CPU, same GGUF, one run.
 #   usage: bench/gpu.sh [DEVICE]        (default gpu:0)
 # Environment:
-#   GGUF=path / MODEL=alias  the model (default: SmolLM2-135M-Instruct Q4_1)
+#   GGUF=path / MODEL=alias  the model (default: SmolLM2-135M-Instruct Q4_1;
+#                     qwen2.5-coder-0.5b and gemma3-270m run on the GPU too)
 #   ROUNDS=n          alternating CPU/GPU rounds (default 2); best wins
 #   PROMPT_WORDS=n    prompt length in words (default 200)
 #   GEN_TOKENS=n      generated tokens (default 128)
