@@ -1049,6 +1049,14 @@ fn add_bias_kernel(x: &mut [f32], bias: &[f32]) {
 }
 
 #[cube(launch, create_dummy_kernel)]
+fn softcap_kernel(x: &mut [f32], cap: f32) {
+    let i = ABSOLUTE_POS;
+    if i < x.len() {
+        x[i] = cap * f32::tanh(x[i] / cap);
+    }
+}
+
+#[cube(launch, create_dummy_kernel)]
 fn copy_kernel(src: &[f32], dst: &mut [f32]) {
     let i = ABSOLUTE_POS;
     if i < dst.len() {
@@ -1134,6 +1142,19 @@ pub fn add_bias(dev: &GpuDevice, x: &Buffer, bias: &Buffer) -> Result<(), GpuErr
     if !x.is_empty() {
         let (count, dim) = line(x.len());
         add_bias_kernel::launch(dev.client(), count, dim, arg(x), arg(bias));
+    }
+    Ok(())
+}
+
+/// Soft-caps logits in place: `x = cap * tanh(x / cap)`, as the CPU
+/// engine's `ops::softcap` (Gemma's final logit soft-capping).
+pub fn softcap(dev: &GpuDevice, x: &Buffer, cap: f32) -> Result<(), GpuError> {
+    if !(cap.is_finite() && cap > 0.0) {
+        return Err(shape("softcap", format!("a cap of {cap}")));
+    }
+    if !x.is_empty() {
+        let (count, dim) = line(x.len());
+        softcap_kernel::launch(dev.client(), count, dim, arg(x), cap);
     }
     Ok(())
 }

@@ -391,10 +391,9 @@ impl GpuModel {
         let c = files.config.clone();
         let g = files.tensors.as_ref();
         let f = c.family;
-        if f.moe || c.moe.is_some() || c.final_logit_softcap.is_some() {
+        if f.moe || c.moe.is_some() {
             return Err(unsupported(
-                "mixture-of-experts layers and soft-capped logits (dense Llama, Qwen2 and Gemma 3 \
-                 run)",
+                "mixture-of-experts layers (dense Llama, Qwen2 and Gemma 3 run)",
             ));
         }
         if c.rope_dims != c.head_dim || max_ctx == 0 || block_size == 0 {
@@ -962,6 +961,9 @@ impl GpuModel {
         };
         let logits = dev.empty(want.len() * c.vocab_size);
         self.head.matmul(dev, &rows, &logits)?;
+        if let Some(cap) = c.final_logit_softcap {
+            kernels::softcap(dev, &logits, cap)?;
+        }
         Ok(Some(logits))
     }
 

@@ -215,6 +215,27 @@ fn swiglu_and_geglu_match_the_cpu_within_1e_6_and_4e_6_relative() {
 }
 
 #[test]
+fn softcap_matches_the_cpu_within_1e_6_of_the_cap() {
+    let d = dev();
+    let mut rng = SeededRng::new(16);
+    let x = values(&mut rng, 4099, -200.0, 200.0);
+    for cap in [30.0f32, 2.5] {
+        let mut want = x.clone();
+        tandem_kernels::ops::softcap(&mut want, cap);
+        let xb = d.upload(&x);
+        kernels::softcap(d, &xb, cap).expect("launch");
+        let got = d.download(&xb).expect("read");
+        // The device's tanh is not libm's: relative to the cap, the scale
+        // of every capped value.
+        let err = worst_rel(&got, &want, cap);
+        assert!(err <= 1e-6, "cap {cap}: worst error {err}");
+    }
+    for cap in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        assert!(kernels::softcap(d, &d.zeros(4), cap).is_err(), "cap {cap}");
+    }
+}
+
+#[test]
 fn rope_matches_the_cpu_within_1e_6_on_both_styles() {
     use tandem_kernels::ops::{Rope, RopeStyle};
     let d = dev();

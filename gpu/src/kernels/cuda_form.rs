@@ -220,6 +220,7 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
     );
     kernel!(add_kernel, grid(), arg(&f), arg(&f));
     kernel!(add_bias_kernel, grid(), arg(&f), arg(&f));
+    kernel!(softcap_kernel, grid(), arg(&f), 30.0);
     kernel!(copy_kernel, grid(), arg(&f), arg(&f));
     kernel!(gather_rows_kernel, grid(), arg(&f), arg(&u), arg(&f), 576);
 
