@@ -126,6 +126,27 @@ fn rms_scale(ss: f32, eps: f32, #[comptime] d: usize, #[comptime] units: usize) 
     1.0f32 / f32::sqrt(ss / d as f32 + eps)
 }
 
+/// This unit's share of the sum of squares of `x[base..base + d]` (units
+/// stride over it).
+#[cube]
+fn sum_squares(
+    x: &[f32],
+    base: usize,
+    unit: usize,
+    #[comptime] d: usize,
+    #[comptime] units: usize,
+) -> f32 {
+    let mut ss = 0.0f32;
+    for k in 0..d.div_ceil(units) {
+        let i = unit + k * units;
+        if i < d {
+            let v = x[base + i];
+            ss += v * v;
+        }
+    }
+    ss
+}
+
 #[cube(launch, create_dummy_kernel)]
 fn rms_norm_kernel(
     x: &[f32],
@@ -137,15 +158,7 @@ fn rms_norm_kernel(
 ) {
     let base = CUBE_POS_X as usize * d;
     let unit = UNIT_POS_X as usize;
-    let mut ss = 0.0f32;
-    for k in 0..d.div_ceil(units) {
-        let i = unit + k * units;
-        if i < d {
-            let v = x[base + i];
-            ss += v * v;
-        }
-    }
-    let scale = rms_scale(ss, eps, d, units);
+    let scale = rms_scale(sum_squares(x, base, unit, d, units), eps, d, units);
     for k in 0..d.div_ceil(units) {
         let i = unit + k * units;
         if i < d {
@@ -173,15 +186,7 @@ fn add_rms_norm_kernel(
     // it is added, as `rms_norm` would compute it.
     let mut post_scale = 1.0f32;
     if has_post {
-        let mut ss = 0.0f32;
-        for k in 0..d.div_ceil(units) {
-            let i = unit + k * units;
-            if i < d {
-                let v = delta[base + i];
-                ss += v * v;
-            }
-        }
-        post_scale = rms_scale(ss, eps, d, units);
+        post_scale = rms_scale(sum_squares(delta, base, unit, d, units), eps, d, units);
     }
     let mut ss = 0.0f32;
     for k in 0..d.div_ceil(units) {
@@ -226,6 +231,7 @@ fn head_rms_norm_kernel(
     let h = CUBE_POS_X as usize;
     let base = CUBE_POS_Y as usize * stride + h * hd;
     let unit = UNIT_POS_X as usize;
+    // (`sum_squares` takes a read-only slice; this kernel's is mutable.)
     let mut ss = 0.0f32;
     for k in 0..hd.div_ceil(units) {
         let i = unit + k * units;
