@@ -71,6 +71,15 @@ impl Node {
         http(self.metrics, "GET", "/metrics", "").body
     }
 
+    /// Prompts this decode node had a prefill node compute.
+    pub fn remote_prefills(&self) -> f64 {
+        crate::metric(
+            &self.metrics(),
+            "tandem_decode_prefills_total",
+            "outcome=\"remote\"",
+        )
+    }
+
     pub fn health(&self) -> Value {
         http(self.metrics, "GET", "/health", "").json()
     }

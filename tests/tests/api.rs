@@ -194,11 +194,7 @@ fn cluster_honours_the_sampling_extensions() {
     sampling_extensions(r.port);
     // The long prompts went to the prefill node (which honoured min_tokens
     // and logit_bias on the first token).
-    let remote = tandem_tests::metric(
-        &d.metrics(),
-        "tandem_decode_prefills_total",
-        "outcome=\"remote\"",
-    );
+    let remote = d.remote_prefills();
     assert!(remote >= 4.0, "only {remote} remote prefills");
     d.assert_idle();
 }

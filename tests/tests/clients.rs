@@ -156,11 +156,7 @@ fn real_clients_against_a_cluster() {
     r.wait_members(1, 1, Duration::from_secs(20));
     python_clients(r.port);
     aiperf(r.port);
-    let remote = tandem_tests::metric(
-        &d.metrics(),
-        "tandem_decode_prefills_total",
-        "outcome=\"remote\"",
-    );
+    let remote = d.remote_prefills();
     assert!(remote >= 10.0, "only {remote} remote prefills");
     d.assert_idle();
 }

@@ -728,15 +728,8 @@ fn prefill_and_decode_with_different_tensor_parallelism() {
             assert_eq!(text, expected(&prompt, MAX_TOKENS), "{prompt:?}");
         }
     });
-    let remote = |n: &Node| {
-        metric(
-            &n.metrics(),
-            "tandem_decode_prefills_total",
-            "outcome=\"remote\"",
-        )
-    };
     assert_eq!(
-        remote(&d0) + remote(&d1),
+        d0.remote_prefills() + d1.remote_prefills(),
         4.0,
         "every prompt prefilled by the TP=3 node"
     );
@@ -764,7 +757,7 @@ fn prefill_and_decode_with_different_tensor_parallelism() {
         let text = v["choices"][0]["text"].as_str().unwrap();
         assert_eq!(text, expected(&prompt, MAX_TOKENS), "{prompt:?}");
     }
-    assert_eq!(remote(&d), 3.0);
+    assert_eq!(d.remote_prefills(), 3.0);
     assert!(metric(&p.metrics(), "tandem_dkv_bytes_transferred_bytes_total", "") > 0.0);
     p.assert_idle();
     d.assert_idle();
@@ -848,14 +841,7 @@ fn gpu_and_cpu_nodes_hand_kv_to_each_other_both_ways() {
     let resp = http(r.port, "POST", "/v1/completions", &body.to_string());
     assert_eq!(resp.status, 200, "{}\n{}", resp.body, p.proc.stderr());
     assert_greedy_up_to_near_ties(prompt, n, &resp.json());
-    assert_eq!(
-        metric(
-            &d.metrics(),
-            "tandem_decode_prefills_total",
-            "outcome=\"remote\""
-        ),
-        1.0
-    );
+    assert_eq!(d.remote_prefills(), 1.0);
     p.assert_idle();
     d.assert_idle();
 }

@@ -109,11 +109,7 @@ fn disaggregated(
         );
     }
     assert_eq!(
-        metric(
-            &d.metrics(),
-            "tandem_decode_prefills_total",
-            "outcome=\"remote\""
-        ),
+        d.remote_prefills(),
         prompts.len() as f64,
         "every prompt prefilled by the prefill node"
     );
@@ -244,15 +240,7 @@ fn gemma3_decodes_on_a_gpu_past_its_sliding_window_from_cpu_prefilled_kv() {
     let resp = http(r.port, "POST", "/v1/completions", &body.to_string());
     assert_eq!(resp.status, 200, "{}\n{}", resp.body, d.proc.stderr());
     assert_greedy_up_to_near_ties_of(&m, &prompt, n, &resp.json());
-    assert_eq!(
-        metric(
-            &d.metrics(),
-            "tandem_decode_prefills_total",
-            "outcome=\"remote\""
-        ),
-        1.0,
-        "prefilled by the prefill node"
-    );
+    assert_eq!(d.remote_prefills(), 1.0, "prefilled by the prefill node");
     p.assert_idle();
     d.assert_idle();
 }

@@ -27,7 +27,6 @@ use tandem_proto::pb::worker_client::WorkerClient;
 use tandem_proto::tls::{ClusterTls, PeerConnector, TlsFiles};
 use tandem_testkit::tls::{PemFiles, TestCa};
 use tandem_tests::cluster::{Node, Router, expected, long_prompt, short_prompt, unique_cluster};
-use tandem_tests::metric;
 use tokio_rustls::rustls;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
@@ -305,14 +304,7 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
             "{prompt}"
         );
     }
-    assert_eq!(
-        metric(
-            &d.metrics(),
-            "tandem_decode_prefills_total",
-            "outcome=\"remote\""
-        ),
-        1.0
-    );
+    assert_eq!(d.remote_prefills(), 1.0);
     // Plain HTTP on the HTTPS port gets no answer.
     assert!(
         tandem_tests::try_http(tandem_tests::client(), r.port, "GET", "/health", "", &[])
@@ -380,11 +372,7 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
     assert!(r2.is_err());
     assert!(p.proc.is_running() && d.proc.is_running(), "a node died");
     assert_eq!(
-        metric(
-            &d.metrics(),
-            "tandem_decode_prefills_total",
-            "outcome=\"remote\""
-        ),
+        d.remote_prefills(),
         1.0,
         "the stranger's Generate reached the decode node"
     );

@@ -346,11 +346,7 @@ fn cluster_output_matches_the_schema() {
     assert_eq!(n, 0, "{n} of 16 short-prompt outputs invalid, e.g. {bad:?}");
     // The long prompts were prefilled remotely: the prefill node sampled
     // their first token under the constraint.
-    let remote = tandem_tests::metric(
-        &d.metrics(),
-        "tandem_decode_prefills_total",
-        "outcome=\"remote\"",
-    );
+    let remote = d.remote_prefills();
     assert!(remote >= 48.0, "only {remote} remote prefills");
     let bad_rf = json!({
         "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
