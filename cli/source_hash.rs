@@ -5,19 +5,26 @@
 
 use std::path::{Path, PathBuf};
 
-/// The crates the binary is built from, relative to the workspace root.
-const CRATES: [&str; 10] = [
-    "proto",
-    "kernels",
-    "engine",
-    "dkv",
-    "discovery",
-    "worker",
-    "prefill-node",
-    "decode-node",
-    "router",
-    "cli",
-];
+/// Workspace members the binary is not built from: the tests' own crates.
+const NOT_IN_BINARY: [&str; 2] = ["tests", "testkit"];
+
+/// The crates the binary is built from, relative to the workspace root:
+/// the workspace's members (read from its manifest, so a new crate is
+/// never missed) but the tests' own.
+fn crates(root: &Path) -> Vec<String> {
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap_or_default();
+    let members = manifest
+        .split_once("members = [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(list, _)| list)
+        .unwrap_or_else(|| panic!("no `members = [...]` in {}", root.join("Cargo.toml").display()));
+    members
+        .split(',')
+        .map(|m| m.trim().trim_matches('"'))
+        .filter(|m| !m.is_empty() && !NOT_IN_BINARY.contains(m))
+        .map(String::from)
+        .collect()
+}
 
 fn collect(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -40,7 +47,7 @@ fn source_hash(root: &Path) -> String {
     for f in ["Cargo.toml", "Cargo.lock"] {
         files.push(root.join(f));
     }
-    for c in CRATES {
+    for c in crates(root) {
         let dir = root.join(c);
         for f in ["Cargo.toml", "build.rs", "source_hash.rs"] {
             if dir.join(f).is_file() {
