@@ -87,19 +87,34 @@ impl GpuServed {
         copy_back: KvCopyBack,
     ) -> Result<GpuServed, GpuError> {
         let files = ModelFiles::open(&meta.path)?;
+        Self::load_files(meta, &files, devices, max_ctx, block_size, copy_back)
+    }
+
+    /// [`load`](Self::load) from files already open, whose configuration
+    /// is the one served (in place of `meta`'s): a model re-stored or cut
+    /// to its first layers, as tests run the runner's mechanics. The
+    /// tokenizer and the weights hash are still `meta`'s.
+    pub fn load_files(
+        meta: ModelMeta,
+        files: &ModelFiles,
+        devices: &[usize],
+        max_ctx: usize,
+        block_size: usize,
+        copy_back: KvCopyBack,
+    ) -> Result<GpuServed, GpuError> {
         let world = devices.len();
-        Shard::check(&meta.config, world)?;
+        Shard::check(&files.config, world)?;
         let ranks = devices
             .iter()
             .enumerate()
             .map(|(rank, &index)| {
                 let shard = Shard { rank, world };
-                GpuModel::load_shard(GpuDevice::open(index)?, &files, max_ctx, block_size, shard)
+                GpuModel::load_shard(GpuDevice::open(index)?, files, max_ctx, block_size, shard)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(GpuServed {
             ranks,
-            config: meta.config,
+            config: files.config.clone(),
             copy_back,
             text: Arc::new(meta.text),
             weights_hash: meta.weights_hash,
