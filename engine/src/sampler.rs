@@ -152,18 +152,97 @@ impl Sampler {
         }
     }
 
+    /// How many of a row's largest logits decide this sampler's next
+    /// token, its log-probability and its `top_logprobs`, given also the
+    /// row's log-sum-exp: [`Sampler::sample_top`] over them then gives
+    /// what [`Sampler::sample`] gives over the whole row. `None` when the
+    /// whole row matters: a bias, a penalty or a `min_tokens` ban moves
+    /// logits outside the top, and a draw without `top_k` weighs every
+    /// token.
+    pub fn candidates(&self) -> Option<usize> {
+        let p = &self.params;
+        let ban = p
+            .min_tokens
+            .as_ref()
+            .is_some_and(|m| self.generated < m.count as usize);
+        if !p.logit_bias.is_empty()
+            || ban
+            || p.repetition_penalty != 1.0
+            || p.frequency_penalty != 0.0
+            || p.presence_penalty != 0.0
+        {
+            return None;
+        }
+        let drawn = match (p.temperature == 0.0, p.top_k) {
+            (true, _) => 1,
+            (false, 0) => return None,
+            (false, k) => k,
+        };
+        Some(drawn.max(p.top_logprobs))
+    }
+
+    /// [`Sampler::sample`] over a row's largest logits only: `ids` and
+    /// `values` (largest first, as many as [`Sampler::candidates`] asked
+    /// for, or fewer where the row had fewer finite values) and the
+    /// row's log-sum-exp `log_z`. The caller checked `candidates()`; if
+    /// it said `None`, this samples as if the row held only these.
+    pub fn sample_top(&mut self, ids: &[u32], values: &[f32], log_z: f32) -> Sampled {
+        let (temperature, top_logprobs) = (self.params.temperature, self.params.top_logprobs);
+        let want_lp = self.params.logprobs || top_logprobs > 0;
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let mut top: Vec<(u32, f32)> = ids
+            .iter()
+            .zip(values)
+            .filter(|(_, l)| l.is_finite())
+            .map(|(&i, &l)| (i, l))
+            .collect();
+        top.sort_unstable_by(by_logit);
+        let token = if temperature == 0.0 {
+            top.first().map_or(0, |c| c.0)
+        } else {
+            let cand = top.iter().map(|&(i, l)| (i, l / temperature)).collect();
+            self.draw_from(cand)
+        };
+        *self.output_counts.entry(token).or_insert(0) += 1;
+        self.generated += 1;
+        let (logprob, top) = if want_lp {
+            let lp = |l: f32| (f64::from(l) - f64::from(log_z)) as f32;
+            let chosen = top.iter().find(|c| c.0 == token).map(|c| lp(c.1));
+            let shown = top
+                .iter()
+                .take(top_logprobs)
+                .map(|&(i, l)| (i, lp(l)))
+                .collect();
+            (chosen, shown)
+        } else {
+            (None, Vec::new())
+        };
+        Sampled {
+            token,
+            logprob,
+            top,
+        }
+    }
+
     fn draw(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        // Candidates sorted by logit, most likely first (ties: lower id first).
-        let mut cand: Vec<(u32, f32)> = logits
+        let cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
             .filter(|(_, l)| l.is_finite())
             .map(|(i, &l)| (i as u32, l / p.temperature))
             .collect();
+        self.draw_from(cand)
+    }
+
+    /// A draw among `cand` (token, logit / temperature): top-k, softmax,
+    /// top-p, min-p.
+    fn draw_from(&mut self, mut cand: Vec<(u32, f32)>) -> u32 {
+        let p = &self.params;
         if cand.is_empty() {
             return 0;
         }
+        // Most likely first (ties: lower id first).
         let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < cand.len() {
             cand.select_nth_unstable_by(p.top_k - 1, by_logit);
@@ -626,6 +705,115 @@ mod tests {
     fn support(p: &SamplingParams, l: &[f32]) -> Vec<usize> {
         let want = reference(p, &penalised(p, &[], &[], l));
         (0..l.len()).filter(|&t| want[t] > 0.0).collect()
+    }
+
+    /// A row's `k` largest logits (ties: lower id first) and its
+    /// log-sum-exp, as a device returns them.
+    fn top_of(l: &[f32], k: usize) -> (Vec<u32>, Vec<f32>, f32) {
+        let mut all: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+        all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        all.truncate(k);
+        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = l.iter().map(|&v| f64::from(v - max).exp()).sum();
+        let log_z = (f64::from(max) + sum.ln()) as f32;
+        (
+            all.iter().map(|c| c.0).collect(),
+            all.iter().map(|c| c.1).collect(),
+            log_z,
+        )
+    }
+
+    proptest::proptest! {
+        /// Over the candidates it asks for, `sample_top` draws what
+        /// `sample` draws over the whole row, with the same seed, step
+        /// after step, and reports the same log-probabilities.
+        #[test]
+        fn sampling_the_top_candidates_is_sampling_the_row(
+            seed in 0u64..1000,
+            // Quarter steps: many ties, also at the k-th place.
+            row in proptest::collection::vec(-12i32..12, 2..300),
+            temperature in proptest::sample::select(vec![0.0f32, 0.5, 1.0, 1.7]),
+            top_k in 1usize..40,
+            top_p in proptest::sample::select(vec![1.0f32, 0.9, 0.3]),
+            min_p in proptest::sample::select(vec![0.0f32, 0.05, 0.5]),
+            top_logprobs in 0usize..6,
+            logprobs: bool,
+        ) {
+            let l: Vec<f32> = row.iter().map(|&v| v as f32 / 4.0).collect();
+            let p = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                top_logprobs,
+                logprobs,
+                ..seeded(seed)
+            };
+            let mut whole = Sampler::new(p.clone(), &[]).expect("valid params");
+            let mut top = Sampler::new(p, &[]).expect("valid params");
+            for step in 0..4 {
+                let k = top.candidates();
+                proptest::prop_assert!(k.is_some(), "no penalties or bias, a bounded draw");
+                let (ids, values, log_z) = top_of(&l, k.unwrap_or(0));
+                let want = whole.sample(&mut l.clone());
+                let got = top.sample_top(&ids, &values, log_z);
+                proptest::prop_assert_eq!(got.token, want.token, "step {}", step);
+                let close = |a: Option<f32>, b: Option<f32>| match (a, b) {
+                    (Some(a), Some(b)) => (a - b).abs() <= 1e-5,
+                    (a, b) => a.is_none() && b.is_none(),
+                };
+                proptest::prop_assert!(close(got.logprob, want.logprob), "{:?} vs {:?}", got.logprob, want.logprob);
+                proptest::prop_assert_eq!(got.top.len(), want.top.len());
+                for (g, w) in got.top.iter().zip(&want.top) {
+                    proptest::prop_assert_eq!(g.0, w.0);
+                    proptest::prop_assert!((g.1 - w.1).abs() <= 1e-5);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_are_needed_whole_where_a_token_outside_the_top_matters() {
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        };
+        let with = |f: &dyn Fn(&mut SamplingParams)| {
+            let mut p = greedy.clone();
+            f(&mut p);
+            Sampler::new(p, &[1, 2]).expect("valid params").candidates()
+        };
+        assert_eq!(with(&|_| {}), Some(1));
+        assert_eq!(with(&|p| p.top_logprobs = 5), Some(5));
+        assert_eq!(
+            with(&|p| {
+                p.temperature = 0.8;
+                p.top_k = 40;
+                p.top_logprobs = 3;
+            }),
+            Some(40)
+        );
+        assert_eq!(
+            with(&|p| p.temperature = 0.8),
+            None,
+            "a draw over every token"
+        );
+        assert_eq!(with(&|p| p.logit_bias = vec![(3, 5.0)]), None);
+        assert_eq!(with(&|p| p.repetition_penalty = 1.1), None);
+        assert_eq!(with(&|p| p.frequency_penalty = 0.5), None);
+        assert_eq!(with(&|p| p.presence_penalty = -0.5), None);
+        let ban = |p: &mut SamplingParams| {
+            p.min_tokens = Some(tandem_types::MinTokens {
+                count: 1,
+                stop_ids: vec![0],
+            });
+        };
+        assert_eq!(with(&ban), None, "stop tokens banned");
+        let mut p = greedy.clone();
+        ban(&mut p);
+        let mut s = Sampler::new(p, &[]).expect("valid params");
+        s.accept_external(4);
+        assert_eq!(s.candidates(), Some(1), "the ban is over");
     }
 
     fn seeded(seed: u64) -> SamplingParams {
