@@ -30,7 +30,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use crate::kernel_args::KernelArgs;
-use tandem_engine::backend::RunnerConfig;
+use tandem_engine::backend::{LogitsForm, RunnerConfig, StepLogits};
 use tandem_engine::kv_cache::KvCache;
 use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
@@ -204,9 +204,9 @@ impl Bench {
 
     /// One forward call (on every rank); its logits.
     fn forward(&self, chunks: &[SeqChunk<'_>], pool: &mut Pool) -> Result<Vec<f32>> {
-        let mut logits = Vec::new();
+        let mut logits = StepLogits::default();
         self.forward_into(chunks, pool, &mut logits)?;
-        Ok(logits)
+        Ok(logits.values)
     }
 
     /// One forward call into a kept logits buffer.
@@ -214,10 +214,15 @@ impl Bench {
         &self,
         chunks: &[SeqChunk<'_>],
         pool: &mut Pool,
-        logits: &mut Vec<f32>,
+        logits: &mut StepLogits,
     ) -> Result<()> {
-        pool.runner
-            .forward(chunks, &mut pool.cache, &mut |_| {}, logits)?;
+        pool.runner.forward(
+            chunks,
+            &mut pool.cache,
+            &mut |_| {},
+            LogitsForm::Full,
+            logits,
+        )?;
         Ok(())
     }
 
@@ -271,7 +276,7 @@ impl Bench {
             pool,
         )?;
         let mut tok = argmax(logits.get(..self.vocab).context("short logits")?);
-        let mut logits = Vec::new();
+        let mut logits = StepLogits::default();
         let t0 = Instant::now();
         for pos in 1..=n {
             self.forward_into(
@@ -284,7 +289,7 @@ impl Bench {
                 pool,
                 &mut logits,
             )?;
-            tok = argmax(logits.get(..self.vocab).context("short logits")?);
+            tok = argmax(logits.values.get(..self.vocab).context("short logits")?);
         }
         Ok(t0.elapsed())
     }
@@ -350,7 +355,7 @@ impl Bench {
         let t_pp = t0.elapsed();
 
         // One logits buffer for every step, as the scheduler keeps one.
-        let mut logits = Vec::new();
+        let mut logits = StepLogits::default();
         let t1 = Instant::now();
         for step in 0..ntg {
             let toks = next.clone();
@@ -363,6 +368,7 @@ impl Bench {
                 })
                 .collect();
             self.forward_into(&chunks, pool, &mut logits)?;
+            let logits = &logits.values;
             if logits.len() != b * self.vocab {
                 bail!(
                     "forward returned {} logits, want {}",
@@ -415,7 +421,7 @@ impl Bench {
             pool.cache.reserve(&mut t, per_seq)?;
             tables.push(t);
         }
-        let mut logits = Vec::new();
+        let mut logits = StepLogits::default();
         let mut times = Vec::with_capacity(steps);
         for step in 0..=steps {
             let toks = self.rng.tokens(b, self.vocab);

@@ -59,20 +59,76 @@ pub trait ServedModel: Send + Sync + std::fmt::Debug {
 }
 
 /// Computes batch steps. Owned by the scheduler's thread.
+/// The form in which a step returns its logits, chosen by the scheduler
+/// for each step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsForm {
+    /// Each row whole: `vocab_size` values.
+    Full,
+    /// Each row's `k` largest values with their token ids, and the row's
+    /// log-sum-exp: all a sampler needs when `Sampler::candidates` says
+    /// so, and far less to move off a device than a whole row.
+    Top(usize),
+}
+
+/// A step's logits: a row for each chunk that wants them, in chunk order.
+#[derive(Debug)]
+pub struct StepLogits {
+    /// The rows' form. A runner asked for [`LogitsForm::Top`] may answer
+    /// with full rows; never the other way round.
+    pub form: LogitsForm,
+    /// `Full`: rows of `vocab_size`. `Top(k)`: rows of `k`, largest first
+    /// (on equal values the lower token id first).
+    pub values: Vec<f32>,
+    /// `Top(k)`: the token ids of `values`. An id past the vocabulary
+    /// marks the end of a row with fewer than `k` values.
+    pub ids: Vec<u32>,
+    /// `Top(k)`: each row's log-sum-exp over the whole vocabulary.
+    pub log_z: Vec<f32>,
+}
+
+impl Default for StepLogits {
+    fn default() -> Self {
+        Self {
+            form: LogitsForm::Full,
+            values: Vec::new(),
+            ids: Vec::new(),
+            log_z: Vec::new(),
+        }
+    }
+}
+
+impl StepLogits {
+    /// Full rows to be written into `values`.
+    pub fn full(&mut self) -> &mut Vec<f32> {
+        self.form = LogitsForm::Full;
+        self.ids.clear();
+        self.log_z.clear();
+        &mut self.values
+    }
+}
+
 pub trait StepRunner: Send {
     /// Rank 0's KV pool shape (its share of the KV heads under TP).
     fn kv_cache_config(&self) -> KvCacheConfig;
     /// Pools of tensor-parallel ranks 1.., at rank 0's block ids.
     fn peer_pools(&self) -> Vec<Arc<KvPool>>;
+    /// The most candidates per row this runner returns in
+    /// [`LogitsForm::Top`]; 0 when it returns only full rows.
+    fn max_top_logits(&self) -> usize {
+        0
+    }
     /// Runs one step: writes the chunks' K/V into `cache`, calls
     /// `layer_done(l)` once layer `l` of every chunk is written, and leaves
-    /// `vocab_size` logits per chunk with `want_logits` in `logits`.
+    /// a row of logits per chunk with `want_logits` in `logits`, in the
+    /// form `want` where the runner can (see [`StepLogits::form`]).
     fn forward(
         &self,
         chunks: &[SeqChunk<'_>],
         cache: &mut KvCache,
         layer_done: &mut dyn FnMut(usize),
-        logits: &mut Vec<f32>,
+        want: LogitsForm,
+        logits: &mut StepLogits,
     ) -> Result<(), RequestError>;
     /// `blocks` of `cache`'s pool were written from outside the runner (a
     /// KV import landed in them) and are read from the next step on. A
@@ -231,13 +287,16 @@ impl StepRunner for TpExecutor {
         chunks: &[SeqChunk<'_>],
         cache: &mut KvCache,
         layer_done: &mut dyn FnMut(usize),
-        logits: &mut Vec<f32>,
+        _want: LogitsForm,
+        logits: &mut StepLogits,
     ) -> Result<(), RequestError> {
         if !self.peers.is_empty() {
             let input = Arc::new(StepInput::new(chunks));
             self.peers.broadcast(|| Arc::clone(&input))?;
         }
-        let mine = self.rank0().forward_into(chunks, cache, layer_done, logits);
+        let mine = self
+            .rank0()
+            .forward_into(chunks, cache, layer_done, logits.full());
         // Every rank's answer, even after a failure here: the next step
         // must not meet a stale one.
         let peers = self.peers.gather(|e| e);

@@ -30,6 +30,14 @@ pub enum RequestError {
     /// A device backend (a GPU) failed to run the step.
     #[error("device failure: {0}")]
     Device(String),
+    /// A runner returned logits that do not fit the step's rows (a bug in
+    /// the runner, not in the request).
+    #[error("the step returned {got} logits for {rows} rows of {width}")]
+    LogitsShape {
+        rows: usize,
+        width: usize,
+        got: usize,
+    },
     /// The mock engine found KV it did not write (a broken handoff).
     #[error("mock engine: {0}")]
     Mock(String),

@@ -18,7 +18,7 @@ use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::{ModelMeta, ModelText};
 use tandem_perfmodel::EngineProfile;
 
-use crate::backend::{RunnerConfig, ServedModel, StepRunner};
+use crate::backend::{LogitsForm, RunnerConfig, ServedModel, StepLogits, StepRunner};
 use crate::error::RequestError;
 use crate::kv_cache::{KvCache, KvCacheConfig, KvPool};
 use crate::model::SeqChunk;
@@ -253,9 +253,11 @@ impl StepRunner for MockRunner {
         chunks: &[SeqChunk<'_>],
         cache: &mut KvCache,
         layer_done: &mut dyn FnMut(usize),
-        logits: &mut Vec<f32>,
+        _want: LogitsForm,
+        logits: &mut StepLogits,
     ) -> Result<(), RequestError> {
         let t0 = Instant::now();
+        let logits = logits.full();
         let vocab = self.model.config.vocab_size;
         let bs = self.kv.block_size;
         let rows = chunks.iter().filter(|c| c.want_logits).count();

@@ -31,7 +31,7 @@ use tokio::sync::mpsc as tmpsc;
 use tandem_grammar::{ConstraintState, GrammarCompiler, GrammarError, TokenMask};
 use tandem_types::{Constraint, FinishReason, GenFailure, InvalidRequest, RequestLimits};
 
-use crate::backend::{RunnerConfig, ServedModel, StepRunner};
+use crate::backend::{LogitsForm, RunnerConfig, ServedModel, StepLogits, StepRunner};
 use crate::block_manager::{BlockHash, KvEvent, block_hashes, chain_hash};
 use crate::error::RequestError;
 use crate::kv_cache::{BlockId, ExternalMemory, KvCache, KvCacheConfig, KvCacheError, KvPool};
@@ -469,7 +469,7 @@ impl Scheduler {
             kv_sink: sink,
             stats,
             admitted: 0,
-            logits: Vec::new(),
+            logits: StepLogits::default(),
         };
         let thread = std::thread::Builder::new()
             .name("tandem-scheduler".into())
@@ -628,7 +628,37 @@ struct Actor {
     stats: Arc<SchedulerStats>,
     admitted: u64,
     /// The last step's logits, kept so each step reuses the memory.
-    logits: Vec<f32>,
+    logits: StepLogits,
+}
+
+/// Whether a runner's `logits` hold `rows` rows in the form asked for
+/// (`want`) or full: the sampling below indexes them.
+fn check_logits(
+    logits: &StepLogits,
+    want: LogitsForm,
+    rows: usize,
+    vocab: usize,
+) -> Result<(), RequestError> {
+    let (width, fits) = match (logits.form, want) {
+        (LogitsForm::Full, _) => (vocab, logits.values.len() == rows * vocab),
+        (LogitsForm::Top(k), LogitsForm::Top(asked)) => (
+            k,
+            k >= asked
+                && logits.values.len() == rows * k
+                && logits.ids.len() == rows * k
+                && logits.log_z.len() == rows,
+        ),
+        (LogitsForm::Top(k), LogitsForm::Full) => (k, false),
+    };
+    if fits {
+        Ok(())
+    } else {
+        Err(RequestError::LogitsShape {
+            rows,
+            width,
+            got: logits.values.len(),
+        })
+    }
 }
 
 /// Why a sequence leaves the batch after a step.
@@ -856,6 +886,7 @@ impl Actor {
                     .map(|c| (p.seq, c))
             })
             .collect();
+        let want = self.logits_form(&plan, constrained.is_empty());
         // The step's logits, in a buffer kept across steps.
         let mut logits = std::mem::take(&mut self.logits);
         let (result, masks) = std::thread::scope(|scope| {
@@ -880,9 +911,9 @@ impl Actor {
                 })
                 .collect();
             let t0 = std::time::Instant::now();
-            let result = self
-                .exec
-                .forward(&chunks, &mut self.cache, &mut layer_done, &mut logits);
+            let result =
+                self.exec
+                    .forward(&chunks, &mut self.cache, &mut layer_done, want, &mut logits);
             metrics().forward_time.record(
                 t0.elapsed().as_secs_f64() * 1e3,
                 &[KeyValue::new("batch_type", batch_type.label())],
@@ -904,6 +935,15 @@ impl Actor {
             self.running[i].constraint = Some(c);
         }
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        let vocab = self.model.config().vocab_size;
+        let rows = plan
+            .iter()
+            .filter(|p| {
+                let s = &self.running[p.seq];
+                s.computed + p.len == s.tokens.len()
+            })
+            .count();
+        let result = result.and_then(|()| check_logits(&logits, want, rows, vocab));
         match result {
             Ok(()) => self.stats.failed_steps_in_a_row.store(0, Ordering::Relaxed),
             Err(e) => {
@@ -929,7 +969,6 @@ impl Actor {
                 return true;
             }
         };
-        let vocab = self.model.config().vocab_size;
         let mut row = 0;
         // Sequences leaving the batch: finished (Some) or exported (None).
         let mut leaving = Vec::new();
@@ -940,11 +979,10 @@ impl Actor {
             if s.computed < s.tokens.len() {
                 continue;
             }
-            // Sampled in place: each row belongs to one sequence.
-            let l = &mut logits[row * vocab..(row + 1) * vocab];
+            let this = row;
             row += 1;
-            match masks.remove(&p.seq) {
-                Some(Ok(mask)) => mask.apply(l),
+            let mask = match masks.remove(&p.seq) {
+                Some(Ok(mask)) => Some(mask),
                 Some(Err(e)) => {
                     leaving.push((p.seq, Leave::Failed(e)));
                     continue;
@@ -956,9 +994,38 @@ impl Actor {
                     ));
                     continue;
                 }
-                None => {}
-            }
-            let sampled = s.sampler.sample(l);
+                None => None,
+            };
+            // The rows' shape was checked above.
+            let sampled = match (logits.form, mask) {
+                (LogitsForm::Full, mask) => {
+                    // Sampled in place: each row belongs to one sequence.
+                    let l = &mut logits.values[this * vocab..(this + 1) * vocab];
+                    if let Some(mask) = mask {
+                        mask.apply(l);
+                    }
+                    s.sampler.sample(l)
+                }
+                (LogitsForm::Top(k), None) => {
+                    let at = this * k..(this + 1) * k;
+                    let ids = &logits.ids[at.clone()];
+                    let n = ids.iter().take_while(|&&i| (i as usize) < vocab).count();
+                    let values = &logits.values[at];
+                    s.sampler
+                        .sample_top(&ids[..n], &values[..n], logits.log_z[this])
+                }
+                // Top rows are asked for only when no sequence is
+                // constrained.
+                (LogitsForm::Top(_), Some(_)) => {
+                    leaving.push((
+                        p.seq,
+                        Leave::Failed(GrammarError::Engine(
+                            "a constrained sequence got reduced logits".into(),
+                        )),
+                    ));
+                    continue;
+                }
+            };
             if let Some(c) = &mut s.constraint
                 && let Err(e) = c.consume(sampled.token)
             {
@@ -1000,6 +1067,33 @@ impl Actor {
             }
         }
         true
+    }
+
+    /// The form of this step's logits: each row's top candidates where the
+    /// runner can reduce rows and every sequence sampling this step needs
+    /// no more than it gives (see `Sampler::candidates`), so that only
+    /// those leave the device; full rows otherwise.
+    fn logits_form(&self, plan: &[Planned], unconstrained: bool) -> LogitsForm {
+        let max = self.exec.max_top_logits();
+        if max == 0 || !unconstrained {
+            return LogitsForm::Full;
+        }
+        let mut k = 0;
+        for p in plan {
+            let s = &self.running[p.seq];
+            if s.computed + p.len < s.tokens.len() {
+                continue;
+            }
+            match s.sampler.candidates() {
+                Some(n) if n <= max => k = k.max(n),
+                _ => return LogitsForm::Full,
+            }
+        }
+        if k == 0 {
+            LogitsForm::Full
+        } else {
+            LogitsForm::Top(k)
+        }
     }
 
     /// Chooses this step's work; reserves the KV blocks it needs.

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use tandem_engine::RequestError;
 use tandem_engine::ServedModel;
-use tandem_engine::backend::RunnerConfig;
+use tandem_engine::backend::{LogitsForm, RunnerConfig, StepLogits};
 use tandem_engine::kv_cache::KvCache;
 use tandem_engine::mock::MockModel;
 use tandem_engine::model::SeqChunk;
@@ -59,7 +59,7 @@ fn picks_the_chain_continuation_times_steps_and_detects_foreign_kv() {
     let prompt: Vec<u32> = (0..64).map(|i| 1000 + 7 * i).collect();
     let want = m.continuation(&prompt, 3);
 
-    let mut logits = Vec::new();
+    let mut logits = StepLogits::default();
     let t0 = Instant::now();
     runner
         .forward(
@@ -71,12 +71,13 @@ fn picks_the_chain_continuation_times_steps_and_detects_foreign_kv() {
             }],
             &mut cache,
             &mut |_| {},
+            LogitsForm::Full,
             &mut logits,
         )
         .unwrap();
     assert!(t0.elapsed().as_secs_f64() >= 0.064, "{:?}", t0.elapsed());
-    assert_eq!(logits.len(), vocab);
-    assert_eq!(argmax(&logits), want[0]);
+    assert_eq!(logits.values.len(), vocab);
+    assert_eq!(argmax(&logits.values), want[0]);
 
     // Decoding reads the chain back from the cache.
     let mut layers = Vec::new();
@@ -90,10 +91,11 @@ fn picks_the_chain_continuation_times_steps_and_detects_foreign_kv() {
             }],
             &mut cache,
             &mut |l| layers.push(l),
+            LogitsForm::Full,
             &mut logits,
         )
         .unwrap();
-    assert_eq!(argmax(&logits), want[1]);
+    assert_eq!(argmax(&logits.values), want[1]);
     assert_eq!(layers, (0..kv.n_layers).collect::<Vec<_>>());
 
     // One layer's row at the last position overwritten, as a transfer
@@ -110,6 +112,7 @@ fn picks_the_chain_continuation_times_steps_and_detects_foreign_kv() {
         }],
         &mut cache,
         &mut |_| {},
+        LogitsForm::Full,
         &mut logits,
     );
     assert!(matches!(r, Err(RequestError::Mock(_))), "{r:?}");

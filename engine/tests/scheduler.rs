@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use tandem_engine::backend::{RunnerConfig, ServedModel, StepRunner};
+use tandem_engine::backend::{LogitsForm, RunnerConfig, ServedModel, StepLogits, StepRunner};
 use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::kv_cache::{KvCache, KvCacheConfig, KvPool};
 use tandem_engine::model::SeqChunk;
@@ -574,12 +574,13 @@ impl StepRunner for FailingRunner {
         chunks: &[SeqChunk<'_>],
         cache: &mut KvCache,
         layer_done: &mut dyn FnMut(usize),
-        logits: &mut Vec<f32>,
+        want: LogitsForm,
+        logits: &mut StepLogits,
     ) -> Result<(), RequestError> {
         if self.fail.load(Ordering::Relaxed) {
             return Err(RequestError::Device("injected failure".into()));
         }
-        self.inner.forward(chunks, cache, layer_done, logits)
+        self.inner.forward(chunks, cache, layer_done, want, logits)
     }
 }
 
@@ -615,5 +616,217 @@ fn a_failing_step_fails_its_requests_and_the_scheduler_goes_on() {
     let (tokens, _) = collect(h.submit(request(&p[3], 6)).expect("accepted"));
     assert_eq!(tokens, alone(&p[3], 6));
     assert!(!h.stats().failing());
+    wait_idle(h);
+}
+
+/// The real model behind a runner that reduces rows to their top
+/// candidates on the host when a step asks for them, as a GPU runner does
+/// on its device; it records each step's asked form, and with `misshapen`
+/// set drops a value, as a broken runner would.
+#[derive(Debug)]
+struct Reducing {
+    model: Arc<LoadedModel>,
+    asked: Arc<std::sync::Mutex<Vec<LogitsForm>>>,
+    misshapen: bool,
+}
+
+struct ReducingRunner {
+    inner: Box<dyn StepRunner>,
+    asked: Arc<std::sync::Mutex<Vec<LogitsForm>>>,
+    misshapen: bool,
+    vocab: usize,
+}
+
+/// Most candidates a [`ReducingRunner`] returns.
+const REDUCING_MAX: usize = 32;
+
+impl ServedModel for Reducing {
+    fn config(&self) -> &tandem_modelfile::config::ModelConfig {
+        self.model.config()
+    }
+    fn text(&self) -> &Arc<tandem_modelfile::ModelText> {
+        self.model.text()
+    }
+    fn weights_hash(&self) -> u64 {
+        self.model.weights_hash()
+    }
+    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String> {
+        Ok(Box::new(ReducingRunner {
+            inner: Arc::clone(&self.model).runner(config)?,
+            asked: Arc::clone(&self.asked),
+            misshapen: self.misshapen,
+            vocab: self.model.config().vocab_size,
+        }))
+    }
+}
+
+impl StepRunner for ReducingRunner {
+    fn kv_cache_config(&self) -> KvCacheConfig {
+        self.inner.kv_cache_config()
+    }
+    fn peer_pools(&self) -> Vec<Arc<KvPool>> {
+        self.inner.peer_pools()
+    }
+    fn max_top_logits(&self) -> usize {
+        REDUCING_MAX
+    }
+    fn forward(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+        layer_done: &mut dyn FnMut(usize),
+        want: LogitsForm,
+        logits: &mut StepLogits,
+    ) -> Result<(), RequestError> {
+        self.asked.lock().expect("lock").push(want);
+        self.inner
+            .forward(chunks, cache, layer_done, LogitsForm::Full, logits)?;
+        if let LogitsForm::Top(k) = want {
+            // Rounded up, as a device keeps few kernel variants.
+            let k = k.next_power_of_two();
+            let full = std::mem::take(&mut logits.values);
+            let (mut ids, mut values, mut log_z) = (Vec::new(), Vec::new(), Vec::new());
+            for row in full.chunks_exact(self.vocab) {
+                let mut all: Vec<(u32, f32)> = row
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| (i as u32, v))
+                    .collect();
+                all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                ids.extend(all[..k].iter().map(|c| c.0));
+                values.extend(all[..k].iter().map(|c| c.1));
+                let max = all[0].1;
+                let sum: f64 = row.iter().map(|&v| f64::from(v - max).exp()).sum();
+                log_z.push((f64::from(max) + sum.ln()) as f32);
+            }
+            *logits = StepLogits {
+                form: LogitsForm::Top(k),
+                values,
+                ids,
+                log_z,
+            };
+        }
+        if self.misshapen {
+            logits.values.pop();
+        }
+        Ok(())
+    }
+}
+
+fn collect_sampled(mut stream: RequestStream) -> Vec<tandem_types::sampling::Sampled> {
+    let mut out = Vec::new();
+    loop {
+        match stream.blocking_next() {
+            Some(Event::Token(s)) => out.push(s),
+            Some(Event::Finished(_)) => return out,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn steps_on_top_candidates_sample_what_full_rows_sample() {
+    let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let reducing = Scheduler::spawn(
+        Arc::new(Reducing {
+            model: model(),
+            asked: Arc::clone(&asked),
+            misshapen: false,
+        }),
+        config(),
+    )
+    .expect("spawns");
+    let plain = Scheduler::spawn(model(), config()).expect("spawns");
+    let p = prompts();
+    let greedy = SamplingParams {
+        logprobs: true,
+        top_logprobs: 3,
+        ..SamplingParams::greedy()
+    };
+    let drawn = SamplingParams {
+        temperature: 0.9,
+        top_k: 20,
+        top_p: 0.95,
+        seed: Some(7),
+        logprobs: true,
+        ..SamplingParams::default()
+    };
+    let penalised = SamplingParams {
+        frequency_penalty: 0.5,
+        ..drawn.clone()
+    };
+    let run = |h: &SchedulerHandle, params: &[SamplingParams]| {
+        let streams: Vec<_> = params
+            .iter()
+            .zip(&p)
+            .map(|(s, q)| {
+                let r = Request {
+                    sampling: s.clone(),
+                    ..request(q, 8)
+                };
+                h.submit(r).expect("accepted")
+            })
+            .collect();
+        streams.into_iter().map(collect_sampled).collect::<Vec<_>>()
+    };
+    for (what, params) in [
+        (
+            "greedy and top-k draws",
+            vec![greedy.clone(), drawn.clone()],
+        ),
+        ("with a penalised draw", vec![greedy, drawn, penalised]),
+    ] {
+        asked.lock().expect("lock").clear();
+        let got = run(reducing.handle(), &params);
+        let want = run(plain.handle(), &params);
+        for (g, w) in got.iter().zip(&want) {
+            let tokens = |s: &[tandem_types::sampling::Sampled]| {
+                s.iter().map(|s| s.token).collect::<Vec<_>>()
+            };
+            assert_eq!(tokens(g), tokens(w), "{what}");
+            for (g, w) in g.iter().zip(w) {
+                let (g, w) = (g.logprob.expect("asked"), w.logprob.expect("asked"));
+                assert!((g - w).abs() < 1e-4, "{what}: logprob {g} vs {w}");
+            }
+        }
+        let asked = asked.lock().expect("lock").clone();
+        if params.len() == 2 {
+            // Every step samples from top rows: 3 (the greedy request's
+            // top_logprobs) while it runs alone, 20 (the draw's top_k)
+            // once the draw is in.
+            assert!(asked.contains(&LogitsForm::Top(20)), "{asked:?}");
+            assert!(
+                asked.iter().all(|f| matches!(f, LogitsForm::Top(3 | 20))),
+                "{asked:?}"
+            );
+        } else {
+            // The penalty needs whole rows while its request samples.
+            assert!(asked.contains(&LogitsForm::Full), "{asked:?}");
+        }
+    }
+    wait_idle(reducing.handle());
+}
+
+#[test]
+fn a_runner_returning_misshapen_logits_fails_its_step_only() {
+    let sched = Scheduler::spawn(
+        Arc::new(Reducing {
+            model: model(),
+            asked: Arc::default(),
+            misshapen: true,
+        }),
+        config(),
+    )
+    .expect("spawns");
+    let h = sched.handle();
+    let p = prompts();
+    let mut s = h.submit(request(&p[0], 4)).expect("accepted");
+    match s.blocking_next() {
+        Some(Event::Failed(GenFailure::Internal(msg))) => {
+            assert!(msg.contains("logits"), "{msg}");
+        }
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    assert!(s.blocking_next().is_none(), "events after the failure");
     wait_idle(h);
 }

@@ -794,6 +794,173 @@ pub fn argmax(dev: &GpuDevice, x: &Buffer, n: usize, out: &Buffer<u32>) -> Resul
     Ok(())
 }
 
+/// Most candidates [`top_k`] returns per row.
+pub const TOP_K_MAX: usize = 64;
+
+/// Marks an empty slot in [`top_k_kernel`]'s lists and output.
+const NO_TOKEN: u32 = 0xffff_ffff;
+
+#[cube(launch, create_dummy_kernel)]
+fn top_k_kernel(
+    x: &[f32],
+    ids: &mut [u32],
+    vals: &mut [f32],
+    log_z: &mut [f32],
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] units: usize,
+) {
+    let row = CUBE_POS_X as usize;
+    let base = row * n;
+    let unit = UNIT_POS_X as usize;
+    // This unit's k largest of its strided share, largest first. Its
+    // share is read in index order and a value moves up only past smaller
+    // ones, so equal values keep the lower index first, as on the CPU.
+    let mut best_v = Array::<f32>::new(k);
+    let mut best_i = Array::<u32>::new(k);
+    let mut filled = 0usize;
+    for s in 0..n.div_ceil(units) {
+        let i = unit + s * units;
+        if i < n {
+            let v = x[base + i];
+            let mut keep = filled < k;
+            if !keep {
+                keep = v > best_v[k - 1];
+            }
+            if keep {
+                let mut j = filled;
+                if filled == k {
+                    j = k - 1;
+                } else {
+                    filled += 1;
+                }
+                loop {
+                    if j == 0 {
+                        break;
+                    }
+                    if v > best_v[j - 1] {
+                        best_v[j] = best_v[j - 1];
+                        best_i[j] = best_i[j - 1];
+                        j -= 1;
+                    } else {
+                        break;
+                    }
+                }
+                best_v[j] = v;
+                best_i[j] = i as u32;
+            }
+        }
+    }
+    // k rounds: the largest head among the units' lists (the lower index
+    // on equal values) is the row's next value; its unit moves past it.
+    let mut sv = Shared::<[f32]>::new_slice(units);
+    let mut si = Shared::<[u32]>::new_slice(units);
+    let mut head = 0usize;
+    let mut row_max = 0.0f32;
+    for out in 0..k {
+        sv[unit] = 0.0f32;
+        si[unit] = NO_TOKEN;
+        if head < filled {
+            sv[unit] = best_v[head];
+            si[unit] = best_i[head];
+        }
+        sync_cube();
+        #[unroll]
+        for level in 0..units.trailing_zeros() {
+            let stride = units >> (level + 1);
+            if unit < stride {
+                let (v, i) = (sv[unit + stride], si[unit + stride]);
+                let mine = si[unit];
+                let wins = i != NO_TOKEN
+                    && (mine == NO_TOKEN || v > sv[unit] || (v == sv[unit] && i < mine));
+                if wins {
+                    sv[unit] = v;
+                    si[unit] = i;
+                }
+            }
+            sync_cube();
+        }
+        let (v, i) = (sv[0], si[0]);
+        if out == 0 {
+            row_max = v;
+        }
+        if unit == 0 {
+            vals[row * k + out] = v;
+            ids[row * k + out] = i;
+        }
+        if head < filled && best_i[head] == i {
+            head += 1;
+        }
+        // Every unit has read the winner before the next round writes.
+        sync_cube();
+    }
+    // log-sum-exp over the row, around its largest value.
+    let mut sum = 0.0f32;
+    for s in 0..n.div_ceil(units) {
+        let i = unit + s * units;
+        if i < n {
+            sum += f32::exp(x[base + i] - row_max);
+        }
+    }
+    let mut sh = Shared::<[f32]>::new_slice(units);
+    let total = cube_reduce(&mut sh, sum, unit, units, false);
+    if unit == 0 {
+        log_z[row] = row_max + f32::ln(total);
+    }
+}
+
+/// Each row's `k` largest values (largest first; on equal values the
+/// lower index first) and their indices, and the row's log-sum-exp, for
+/// rows of `n`: what a sampler needs of a row (see `Sampler::candidates`
+/// in tandem-engine), `k` values instead of `n`. A row with fewer than
+/// `k` values ends its indices with `u32::MAX`.
+pub fn top_k(
+    dev: &GpuDevice,
+    x: &Buffer,
+    n: usize,
+    k: usize,
+    ids: &Buffer<u32>,
+    vals: &Buffer,
+    log_z: &Buffer,
+) -> Result<(), GpuError> {
+    let rows = x.len().checked_div(n).unwrap_or(0);
+    if n == 0 || x.len() % n != 0 || u32::try_from(n).is_err() {
+        return Err(shape("top_k", format!("x {} is not rows of {n}", x.len())));
+    }
+    if !(1..=TOP_K_MAX).contains(&k)
+        || ids.len() != rows * k
+        || vals.len() != rows * k
+        || log_z.len() != rows
+    {
+        return Err(shape(
+            "top_k",
+            format!(
+                "k {k} (1..={TOP_K_MAX}) over {rows} rows: ids {}, values {} and log_z {}",
+                ids.len(),
+                vals.len(),
+                log_z.len()
+            ),
+        ));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let (count, dim) = rows_grid(rows);
+    top_k_kernel::launch(
+        dev.client(),
+        count,
+        dim,
+        arg(x),
+        arg(ids),
+        arg(vals),
+        arg(log_z),
+        n,
+        k,
+        ROW_UNITS,
+    );
+    Ok(())
+}
+
 /// `x` rounded to the nearest f16-precision value (ties to even) for
 /// values in f16's normal range, as the CPU rounds attention's queries and
 /// probabilities. Below it (|x| < 2^-14) the f32 precision is kept: those

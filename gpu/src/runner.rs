@@ -20,7 +20,9 @@
 
 use std::sync::Arc;
 
-use tandem_engine::backend::{RunnerConfig, ServedModel, StepInput, StepRunner};
+use tandem_engine::backend::{
+    LogitsForm, RunnerConfig, ServedModel, StepInput, StepLogits, StepRunner,
+};
 use tandem_engine::block_allocator::BlockId;
 use tandem_engine::comm::{Communicator, CpuComm, CpuGroup};
 use tandem_engine::error::RequestError;
@@ -31,8 +33,9 @@ use tandem_modelfile::ModelText;
 use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::meta::ModelMeta;
 
-use crate::device::GpuDevice;
+use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
+use crate::kernels;
 use crate::llama::{Chunk, DevicePool, GpuModel, Shard};
 use crate::weights::ModelFiles;
 
@@ -358,6 +361,37 @@ fn upload(
     Ok(())
 }
 
+/// The step's logits (`out`, rows of the vocabulary) off the device:
+/// each row's top candidates where the step asks for them, or whole rows.
+fn read_logits(
+    model: &GpuModel,
+    out: &Buffer,
+    want: LogitsForm,
+    logits: &mut StepLogits,
+) -> Result<(), GpuError> {
+    let dev = model.device();
+    let vocab = model.config().vocab_size;
+    match want {
+        LogitsForm::Top(k) if (1..=kernels::TOP_K_MAX).contains(&k) => {
+            // Rounded up to a power of two: few kernel variants to compile.
+            let k = k.next_power_of_two();
+            let rows = out.len() / vocab;
+            let (ids, values, log_z) = (dev.empty(rows * k), dev.empty(rows * k), dev.empty(rows));
+            kernels::top_k(dev, out, vocab, k, &ids, &values, &log_z)?;
+            logits.form = LogitsForm::Top(k);
+            logits.ids = dev.download(&ids)?;
+            logits.values = dev.download(&values)?;
+            logits.log_z = dev.download(&log_z)?;
+        }
+        _ => {
+            let full = logits.full();
+            full.clear();
+            full.extend(dev.download(out)?);
+        }
+    }
+    Ok(())
+}
+
 fn device_error(e: GpuError) -> RequestError {
     match e {
         GpuError::Collective(e) => RequestError::Collective(e.to_string()),
@@ -380,12 +414,17 @@ impl StepRunner for GpuRunner {
         self.peer_pools.clone()
     }
 
+    fn max_top_logits(&self) -> usize {
+        kernels::TOP_K_MAX
+    }
+
     fn forward(
         &self,
         chunks: &[SeqChunk<'_>],
         cache: &mut KvCache,
         layer_done: &mut dyn FnMut(usize),
-        logits: &mut Vec<f32>,
+        want: LogitsForm,
+        logits: &mut StepLogits,
     ) -> Result<(), RequestError> {
         let model = self.rank0()?;
         if !self.peers.is_empty() {
@@ -399,11 +438,13 @@ impl StepRunner for GpuRunner {
                 // Waits for the step; the logits' read below then only copies.
                 copy_back(model, &self.pool, chunks, cache)?;
             }
-            logits.clear();
-            if let Some(out) = out {
-                logits.extend(model.device().download(&out)?);
+            match out {
+                Some(out) => read_logits(model, &out, want, logits),
+                None => {
+                    logits.full().clear();
+                    Ok(())
+                }
             }
-            Ok(())
         })()
         .map_err(device_error);
         // Every rank's answer, even after a failure here: the next step

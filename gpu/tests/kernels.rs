@@ -471,6 +471,72 @@ fn argmax_is_the_cpu_greedy_choice_first_maximum_on_ties() {
 }
 
 #[test]
+fn top_k_is_the_cpu_samplers_candidates_and_log_sum_exp() {
+    let d = dev();
+    let mut rng = SeededRng::new(16);
+    let n = 49_152;
+    // Rows of a vocabulary: spread values; quarter steps, so equal values
+    // fall at the k-th place; one value repeated everywhere; and a row
+    // shorter than k.
+    let spread: Vec<f32> = values(&mut rng, n, -30.0, 30.0);
+    let steps: Vec<f32> = (0..n)
+        .map(|_| (rng.f32(-8.0, 8.0) * 4.0).round() / 4.0)
+        .collect();
+    let flat = vec![-1.5f32; n];
+    for k in [1, 8, 64] {
+        for (what, rows, width) in [
+            (
+                "three rows",
+                [spread.clone(), steps.clone(), flat.clone()].concat(),
+                n,
+            ),
+            ("a short row", vec![0.5, 2.0, -1.0, 2.0, 7.0], 5),
+        ] {
+            let r = rows.len() / width;
+            let (xb, ib, vb, zb) = (
+                d.upload(&rows),
+                d.empty::<u32>(r * k),
+                d.zeros(r * k),
+                d.zeros(r),
+            );
+            kernels::top_k(d, &xb, width, k, &ib, &vb, &zb).expect("launch");
+            let (ids, vals, log_z) = (
+                d.download(&ib).expect("read"),
+                d.download(&vb).expect("read"),
+                d.download(&zb).expect("read"),
+            );
+            for (j, row) in rows.chunks_exact(width).enumerate() {
+                // The CPU sampler's order: larger first, then lower id.
+                let mut want: Vec<(u32, f32)> = row
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| (i as u32, v))
+                    .collect();
+                want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                want.truncate(k);
+                let got = &ids[j * k..(j + 1) * k];
+                let kept = want.len();
+                let want_ids: Vec<u32> = want.iter().map(|c| c.0).collect();
+                let want_vals: Vec<f32> = want.iter().map(|c| c.1).collect();
+                assert_eq!(&got[..kept], &want_ids[..], "{what}, k {k}, row {j}: ids");
+                assert!(
+                    got[kept..].iter().all(|&i| i == u32::MAX),
+                    "{what}: past the row"
+                );
+                assert_eq!(&vals[j * k..j * k + kept], &want_vals[..], "{what}: values");
+                let lp = tandem_engine::sampler::log_softmax(row);
+                let want_z = row[0] - lp[0];
+                assert!(
+                    (log_z[j] - want_z).abs() <= 1e-5 * want_z.abs().max(1.0),
+                    "{what}, k {k}, row {j}: log-sum-exp {} vs {want_z}",
+                    log_z[j]
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn mismatched_shapes_are_errors_not_launches() {
     let d = dev();
     let (a, b) = (d.upload(&[1.0f32; 6]), d.upload(&[1.0f32; 4]));
@@ -491,6 +557,11 @@ fn mismatched_shapes_are_errors_not_launches() {
     assert!(kernels::matmul_q(d, &x, &w, &d.zeros(1), 1, 0).is_err());
     let idx = d.upload(&[0u32; 2]);
     assert!(kernels::argmax(d, &a, 4, &idx).is_err());
+    // k past the most, and outputs that do not hold rows x k.
+    let (ids, z) = (d.upload(&[0u32; 130]), d.zeros(2));
+    assert!(kernels::top_k(d, &a, 3, 65, &ids, &d.zeros(130), &z).is_err());
+    assert!(kernels::top_k(d, &a, 3, 2, &idx, &d.zeros(4), &z).is_err());
+    assert!(kernels::top_k(d, &a, 3, 0, &idx, &d.zeros(2), &z).is_err());
 }
 
 #[test]

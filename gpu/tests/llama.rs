@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tandem_engine::backend::{RunnerConfig, ServedModel, StepRunner};
+use tandem_engine::backend::{LogitsForm, RunnerConfig, ServedModel, StepLogits, StepRunner};
 use tandem_engine::comm::CpuGroup;
 use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::kv_cache::{KvCache, KvCacheConfig, KvPool};
@@ -157,9 +157,16 @@ fn qwen2_5_q4_k_m_greedy_on_the_gpu_agrees_with_the_cpu_up_to_near_ties() {
         block_table: &[0, 1, 2, 3],
         want_logits: true,
     };
-    let mut l2 = Vec::new();
-    r2.forward(&[chunk], &mut cache2, &mut |_| {}, &mut l2)
-        .expect("a step on two ranks");
+    let mut l2 = StepLogits::default();
+    r2.forward(
+        &[chunk],
+        &mut cache2,
+        &mut |_| {},
+        LogitsForm::Full,
+        &mut l2,
+    )
+    .expect("a step on two ranks");
+    let l2 = l2.values;
     let l1 = gpu.forward(&prompt, 0, true).expect("a step on one");
     let worst = l1
         .iter()
@@ -306,6 +313,15 @@ fn two_block_prompt(served: &GpuServed) -> Vec<u32> {
 }
 
 fn step(r: &dyn StepRunner, cache: &mut KvCache, chunks: &[(&[u32], usize, &[u32])]) -> Vec<f32> {
+    step_in(r, cache, chunks, LogitsForm::Full).values
+}
+
+fn step_in(
+    r: &dyn StepRunner,
+    cache: &mut KvCache,
+    chunks: &[(&[u32], usize, &[u32])],
+    want: LogitsForm,
+) -> StepLogits {
     let chunks: Vec<SeqChunk<'_>> = chunks
         .iter()
         .map(|&(tokens, start_pos, block_table)| SeqChunk {
@@ -316,8 +332,8 @@ fn step(r: &dyn StepRunner, cache: &mut KvCache, chunks: &[(&[u32], usize, &[u32
         })
         .collect();
     let mut layers = Vec::new();
-    let mut logits = Vec::new();
-    r.forward(&chunks, cache, &mut |l| layers.push(l), &mut logits)
+    let mut logits = StepLogits::default();
+    r.forward(&chunks, cache, &mut |l| layers.push(l), want, &mut logits)
         .expect("a step");
     let n_layers = cache.config().n_layers;
     assert_eq!(
@@ -326,6 +342,47 @@ fn step(r: &dyn StepRunner, cache: &mut KvCache, chunks: &[(&[u32], usize, &[u32
         "every layer reported"
     );
     logits
+}
+
+#[test]
+fn a_step_asked_for_top_candidates_returns_the_top_of_its_full_rows() {
+    let served = gpu_served();
+    let prompt = two_block_prompt(&served);
+    let (r, mut cache) = tp_runner(&served, 1, 8);
+    let vocab = served.config().vocab_size;
+    let batch: &[(&[u32], usize, &[u32])] = &[(&prompt, 0, &[0, 1]), (&prompt[..5], 0, &[2])];
+    let full = step_in(r.as_ref(), &mut cache, batch, LogitsForm::Full);
+    assert_eq!(full.form, LogitsForm::Full);
+    assert_eq!(full.values.len(), 2 * vocab);
+    // Asked for 5, the runner rounds up to 8 (fewer kernel variants).
+    let top = step_in(r.as_ref(), &mut cache, batch, LogitsForm::Top(5));
+    assert_eq!(top.form, LogitsForm::Top(8));
+    assert_eq!(
+        (top.ids.len(), top.values.len(), top.log_z.len()),
+        (16, 16, 2)
+    );
+    for (j, row) in full.values.chunks_exact(vocab).enumerate() {
+        let mut want: Vec<(u32, f32)> = row
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (i as u32, v))
+            .collect();
+        want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let got: Vec<(u32, f32)> = top.ids[j * 8..(j + 1) * 8]
+            .iter()
+            .copied()
+            .zip(top.values[j * 8..(j + 1) * 8].iter().copied())
+            .collect();
+        // The same step twice computes the same logits, bit for bit.
+        assert_eq!(got, want[..8], "row {j}");
+        let lp = tandem_engine::sampler::log_softmax(row);
+        let want_z = row[0] - lp[0];
+        assert!(
+            (top.log_z[j] - want_z).abs() <= 1e-4,
+            "row {j}: {} vs {want_z}",
+            top.log_z[j]
+        );
+    }
 }
 
 #[test]

@@ -1069,6 +1069,27 @@ fn serve_on_a_gpu_agrees_with_the_cpu_up_to_near_ties() {
         assert_eq!(r.status, 200, "{}", r.body);
         assert_greedy_up_to_near_ties(text, n, &r.json());
     }
+    // A seeded top-k draw, sampled from the candidates the device picked
+    // out of each row: the same seed, the same text.
+    let body = json!({"model": name, "prompt": "The capital of France is", "max_tokens": 2,
+                      "temperature": 0.8, "top_k": 10, "seed": 5, "logprobs": 2});
+    let drawn: Vec<Value> = (0..2)
+        .map(|_| {
+            let r = server.post("/v1/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.body);
+            r.json()
+        })
+        .collect();
+    assert_eq!(drawn[0]["usage"]["completion_tokens"], 2, "{}", drawn[0]);
+    assert_eq!(drawn[0]["choices"][0], drawn[1]["choices"][0]);
+    let lps = &drawn[0]["choices"][0]["logprobs"]["token_logprobs"];
+    assert!(
+        lps.as_array()
+            .unwrap()
+            .iter()
+            .all(|lp| lp.as_f64().unwrap() <= 0.0),
+        "{lps}"
+    );
 
     // Requests run as one batch and all finish; a prompt of whole blocks
     // run again is served from the prefix cache (KV computed on the

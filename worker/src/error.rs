@@ -46,6 +46,7 @@ impl From<WorkerError> for Status {
                 | RequestError::Kernel(_)
                 | RequestError::Collective(_)
                 | RequestError::Device(_)
+                | RequestError::LogitsShape { .. }
                 | RequestError::Mock(_),
             ) => Code::Internal,
             WorkerError::Transfer(DkvError::OutOfBounds(_) | DkvError::InvalidDescriptor(_)) => {

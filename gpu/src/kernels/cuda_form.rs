@@ -180,6 +180,19 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         49_152,
         ROW_UNITS
     );
+    for k in [1, 8, TOP_K_MAX] {
+        kernel!(
+            top_k_kernel,
+            rows_grid(1),
+            arg(&f),
+            arg(&u),
+            arg(&f),
+            arg(&f),
+            49_152,
+            k,
+            ROW_UNITS
+        );
+    }
     kernel!(
         attention_kernel,
         rows_grid(9),
