@@ -51,6 +51,7 @@ fn main() {
     println!("| batch | enqueue ms | step ms | enqueue share | tok/s |");
     println!("| --- | --- | --- | --- | --- |");
     let per_seq = ctx.div_ceil(BLOCK);
+    let mut reads = Vec::new();
     for &b in batches {
         let pool = model.new_pool(b * per_seq).expect("pool");
         let tables: Vec<Vec<u32>> = (0..b)
@@ -71,6 +72,7 @@ fn main() {
             model.device().download(&l).expect("read");
         }
         let (mut enqueue, mut total) = (Duration::ZERO, Duration::ZERO);
+        let mut last = None;
         // The first step compiles this batch's kernels: not counted.
         for step in 0..=steps {
             let token = [200 + step as u32];
@@ -86,9 +88,10 @@ fn main() {
             let t0 = Instant::now();
             let logits = model.forward(&pool, &chunks).expect("step");
             let t1 = Instant::now();
-            if let Some(l) = logits {
-                model.device().download(&l).expect("read");
+            if let Some(l) = &logits {
+                model.device().download(l).expect("read");
             }
+            last = logits;
             if step > 0 {
                 enqueue += t1 - t0;
                 total += t0.elapsed();
@@ -105,5 +108,63 @@ fn main() {
             100.0 * e / t,
             b as f64 / t
         );
+        if let Some(l) = last {
+            reads.push((b, read_times(&model, &l, steps)));
+        }
     }
+    println!();
+    println!(
+        "Reading a step's logits: whole rows, or the top {TOP} of each (the kernel and three reads)"
+    );
+    println!();
+    println!("| batch | whole rows ms | bytes | top {TOP} ms | bytes |");
+    println!("| --- | --- | --- | --- | --- |");
+    let vocab = model.config().vocab_size;
+    for (b, (full, top)) in reads {
+        println!(
+            "| {b} | {:.3} | {} | {:.3} | {} |",
+            full * 1e3,
+            b * vocab * 4,
+            top * 1e3,
+            b * (TOP * 8 + 4)
+        );
+    }
+}
+
+/// Candidates per row in the logits-read comparison (a greedy step with
+/// `top_logprobs` up to 8).
+const TOP: usize = 8;
+
+/// Seconds per read of the logits `l` off the device: whole, and as each
+/// row's top [`TOP`] with its log-sum-exp (best of `n`; the first of each
+/// warms up).
+fn read_times(model: &GpuModel, l: &tandem_gpu::Buffer, n: usize) -> (f64, f64) {
+    let dev = model.device();
+    let vocab = model.config().vocab_size;
+    let rows = l.len() / vocab;
+    let best = |f: &dyn Fn()| {
+        (0..=n)
+            .map(|_| {
+                let t0 = Instant::now();
+                f();
+                t0.elapsed().as_secs_f64()
+            })
+            .skip(1)
+            .fold(f64::INFINITY, f64::min)
+    };
+    let full = best(&|| {
+        dev.download(l).expect("read");
+    });
+    let top = best(&|| {
+        let (ids, vals, z) = (
+            dev.empty::<u32>(rows * TOP),
+            dev.empty::<f32>(rows * TOP),
+            dev.empty::<f32>(rows),
+        );
+        tandem_gpu::kernels::top_k(dev, l, vocab, TOP, &ids, &vals, &z).expect("top_k");
+        dev.download(&ids).expect("read");
+        dev.download(&vals).expect("read");
+        dev.download(&z).expect("read");
+    });
+    (full, top)
 }
