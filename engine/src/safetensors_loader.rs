@@ -64,12 +64,11 @@ fn hf_weights(t: &SafetensorsDir, c: &ModelConfig, tie: bool) -> Result<ModelWei
         };
         to_f32(name, l.ty, &l.backing[l.range.clone()], n)
     };
-    // The dense tensors' HF names, from GGUF's (one mapping, shared with
-    // the GPU loader).
+    // The tensors' HF names, from GGUF's (one mapping, shared with the GPU
+    // loader).
     let hf = |gguf: String| hf_name(&gguf).ok_or(ModelError::MissingTensor(gguf));
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
-        let n = |s: &str| format!("model.layers.{i}.{s}.weight");
         let w = |s: &str| hf(format!("blk.{i}.{s}.weight"));
         let b = |s: &str| hf(format!("blk.{i}.{s}.bias"));
         let ffn = match &c.moe {
@@ -79,11 +78,10 @@ fn hf_weights(t: &SafetensorsDir, c: &ModelConfig, tie: bool) -> Result<ModelWei
                 down: matrix(&w("ffn_down")?)?,
             },
             Some(moe) => {
-                let e = |j: usize, w: &str| n(&format!("block_sparse_moe.experts.{j}.{w}"));
-                let bias =
-                    format!("model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias");
+                let e = |s: &str, j: usize| w(&format!("{s}.{j}"));
+                let bias = b("exp_probs_b")?;
                 FfnWeights::Moe(MoeWeights {
-                    router: matrix(&n("block_sparse_moe.gate"))?,
+                    router: matrix(&w("ffn_gate_inp")?)?,
                     correction_bias: if t.contains(&bias) {
                         Some(vector(&bias)?)
                     } else {
@@ -92,9 +90,9 @@ fn hf_weights(t: &SafetensorsDir, c: &ModelConfig, tie: bool) -> Result<ModelWei
                     experts: (0..moe.n_experts)
                         .map(|j| {
                             Ok(Expert {
-                                gate: matrix(&e(j, "w1"))?,
-                                up: matrix(&e(j, "w3"))?,
-                                down: matrix(&e(j, "w2"))?,
+                                gate: matrix(&e("ffn_gate", j)?)?,
+                                up: matrix(&e("ffn_up", j)?)?,
+                                down: matrix(&e("ffn_down", j)?)?,
                             })
                         })
                         .collect::<Result<_, ModelError>>()?,

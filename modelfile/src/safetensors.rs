@@ -124,6 +124,26 @@ pub fn hf_name(gguf: &str) -> Option<String> {
     if kind != "weight" && kind != "bias" {
         return None;
     }
+    // Mixture of experts: the router, its selection bias, and expert j's
+    // matrices as `ffn_{gate,up,down}.j` (GGUF stacks the experts in one
+    // tensor; these per-expert names are the loaders' own).
+    let moe = |s: &str| Some(format!("model.layers.{layer}.block_sparse_moe.{s}"));
+    match (part.split_once('.'), kind) {
+        (None, "weight") if part == "ffn_gate_inp" => return moe("gate.weight"),
+        (None, "bias") if part == "exp_probs_b" => return moe("gate.e_score_correction_bias"),
+        (Some((matrix, j)), "weight") => {
+            let j: usize = j.parse().ok()?;
+            let w = match matrix {
+                "ffn_gate" => "w1",
+                "ffn_up" => "w3",
+                "ffn_down" => "w2",
+                _ => return None,
+            };
+            return moe(&format!("experts.{j}.{w}.weight"));
+        }
+        (Some(_), _) => return None,
+        _ => {}
+    }
     let hf = match part {
         "attn_norm" => "input_layernorm",
         "attn_q" => "self_attn.q_proj",
@@ -154,6 +174,20 @@ mod tests {
             Some("model.layers.0.post_attention_layernorm.weight")
         );
         assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
+        assert_eq!(
+            hf_name("blk.1.ffn_gate_inp.weight").as_deref(),
+            Some("model.layers.1.block_sparse_moe.gate.weight")
+        );
+        assert_eq!(
+            hf_name("blk.0.exp_probs_b.bias").as_deref(),
+            Some("model.layers.0.block_sparse_moe.gate.e_score_correction_bias")
+        );
+        assert_eq!(
+            hf_name("blk.2.ffn_down.7.weight").as_deref(),
+            Some("model.layers.2.block_sparse_moe.experts.7.w2.weight")
+        );
+        assert_eq!(hf_name("blk.2.ffn_down.x.weight"), None);
+        assert_eq!(hf_name("blk.2.attn_q.3.weight"), None);
         for odd in [
             "blk.x.attn_q.weight",
             "blk.1.attn_q",
