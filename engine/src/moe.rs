@@ -193,7 +193,7 @@ impl MoeBlock {
         self.router.matmul(xn, n_tok, &mut logits)?;
         Ok(logits
             .chunks_exact(n)
-            .map(|l| route_one(&self.cfg, &self.bias, l))
+            .map(|l| route_token(&self.cfg, &self.bias, l))
             .collect())
     }
 
@@ -341,8 +341,9 @@ impl MoeBlock {
     }
 }
 
-/// Chooses `top_k` experts from one token's router logits.
-fn route_one(cfg: &MoeConfig, bias: &[f32], logits: &[f32]) -> Route {
+/// Chooses `top_k` experts and their weights from one token's router
+/// logits (public as the reference a device's routing is tested against).
+pub fn route_token(cfg: &MoeConfig, bias: &[f32], logits: &[f32]) -> Route {
     let scores: Vec<f32> = match cfg.scoring {
         Scoring::Softmax => {
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -626,7 +627,7 @@ mod tests {
             routed_scaling: 1.0,
         };
         // Ties pick the lower index.
-        let r = route_one(&cfg, &[0.0; 4], &[1.0, 2.0, 2.0, 2.0]);
+        let r = route_token(&cfg, &[0.0; 4], &[1.0, 2.0, 2.0, 2.0]);
         assert_eq!(r.iter().map(|p| p.0).collect::<Vec<_>>(), vec![1, 2]);
         assert!((r[0].1 - 0.5).abs() < 1e-6);
         // Sigmoid: the bias changes the choice, not the weights.
@@ -637,7 +638,7 @@ mod tests {
             ..cfg
         };
         let logits = [2.0, 1.0, 0.0, -1.0];
-        let r = route_one(&cfg, &[0.0, 0.0, 0.0, 5.0], &logits);
+        let r = route_token(&cfg, &[0.0, 0.0, 0.0, 5.0], &logits);
         assert_eq!(r.iter().map(|p| p.0).collect::<Vec<_>>(), vec![3, 0]);
         let sig = |l: f32| 1.0 / (1.0 + (-l).exp());
         assert!((r[0].1 - 2.0 * sig(-1.0)).abs() < 1e-6);
@@ -650,7 +651,7 @@ mod tests {
                 ([nan, 1.0, 0.5, 0.0], [1, 2]),
                 ([1.0, 0.5, nan, 2.0], [3, 0]),
             ] {
-                let r = route_one(&cfg, &[0.0; 4], &logits);
+                let r = route_token(&cfg, &[0.0; 4], &logits);
                 let what = format!("logits {logits:?}, NaN sign bit {}", nan.is_sign_negative());
                 assert_eq!(r.iter().map(|p| p.0).collect::<Vec<_>>(), want, "{what}");
                 for (&(e, w), l) in r.iter().zip(want.map(|e| logits[e])) {

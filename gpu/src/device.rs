@@ -13,9 +13,13 @@ use cubecl_runtime::runtime::Runtime;
 use crate::error::GpuError;
 
 /// An opened GPU: where buffers live and kernels run.
+#[derive(Clone)]
 pub struct GpuDevice {
     client: Client,
     name: String,
+    /// `[u32::MAX]`: the row count of a matmul whose rows are all live
+    /// (see `kernels::matmul_q_live`).
+    all_rows: Buffer<u32>,
 }
 
 impl std::fmt::Debug for GpuDevice {
@@ -53,7 +57,7 @@ impl<T> Buffer<T> {
 const NO_CUDA: &str = "this build has no CUDA runtime (NVIDIA GPUs run through Vulkan)";
 
 /// Devices opened so far: `gpu:N`'s index, its client, its name.
-static OPENED: Mutex<Vec<(usize, Client, String)>> = Mutex::new(Vec::new());
+static OPENED: Mutex<Vec<(usize, GpuDevice)>> = Mutex::new(Vec::new());
 
 impl GpuDevice {
     /// Opens GPU `index` (`gpu:index` on the command line): the index-th
@@ -64,19 +68,26 @@ impl GpuDevice {
     /// each device once per process.
     pub fn open(index: usize) -> Result<GpuDevice, GpuError> {
         let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, client, name)) = opened.iter().find(|(i, ..)| *i == index) {
-            return Ok(GpuDevice {
-                client: client.clone(),
-                name: name.clone(),
-            });
+        if let Some((_, dev)) = opened.iter().find(|(i, _)| *i == index) {
+            return Ok(dev.clone());
         }
         let (client, name) = open_vulkan(index).map_err(|vulkan| GpuError::NoDevice {
             index,
             cuda: NO_CUDA.into(),
             vulkan,
         })?;
-        opened.push((index, client.clone(), name.clone()));
-        Ok(GpuDevice { client, name })
+        let all_rows = Buffer {
+            handle: client.create_from_slice(u32::as_bytes(&[u32::MAX])),
+            len: 1,
+            _t: PhantomData,
+        };
+        let dev = GpuDevice {
+            client,
+            name,
+            all_rows,
+        };
+        opened.push((index, dev.clone()));
+        Ok(dev)
     }
 
     /// The adapter, as the startup line names it.
@@ -86,6 +97,10 @@ impl GpuDevice {
 
     pub(crate) fn client(&self) -> &Client {
         &self.client
+    }
+
+    pub(crate) fn all_rows(&self) -> &Buffer<u32> {
+        &self.all_rows
     }
 
     /// Copies `data` to a new device buffer.

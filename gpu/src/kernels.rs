@@ -11,8 +11,10 @@ use tandem_modelfile::arch::Activation;
 use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
 
+mod moe;
 mod quant;
-pub use quant::{QFormat, QMatrix, matmul_q};
+pub use moe::{MOE_MAX_EXPERTS, MoeRouting, moe_gather, moe_route, moe_scatter_add};
+pub use quant::{QFormat, QMatrix, matmul_q, matmul_q_live};
 
 /// Units per cube for the row-wise kernels (a power of two).
 const ROW_UNITS: usize = 64;
@@ -1227,6 +1229,23 @@ fn softcap_kernel(x: &mut [f32], cap: f32) {
     if i < x.len() {
         x[i] = cap * f32::tanh(x[i] / cap);
     }
+}
+
+#[cube(launch, create_dummy_kernel)]
+fn fill_kernel(x: &mut [f32], v: f32) {
+    let i = ABSOLUTE_POS;
+    if i < x.len() {
+        x[i] = v;
+    }
+}
+
+/// Sets every value of `x` to `v`.
+pub fn fill(dev: &GpuDevice, x: &Buffer, v: f32) -> Result<(), GpuError> {
+    if !x.is_empty() {
+        let (count, dim) = line(x.len());
+        fill_kernel::launch(dev.client(), count, dim, arg(x), v);
+    }
+    Ok(())
 }
 
 #[cube(launch, create_dummy_kernel)]

@@ -16,7 +16,8 @@
 
 use tandem_kernels::dequantize_row;
 use tandem_kernels::ops::{Rope, RopeStyle};
-use tandem_modelfile::config::ModelConfig;
+use tandem_modelfile::arch::Activation;
+use tandem_modelfile::config::{ModelConfig, Scoring};
 
 use tandem_engine::comm::Communicator;
 use tandem_engine::error::RequestError;
@@ -25,7 +26,7 @@ use tandem_engine::model::block_bounds;
 
 use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
-use crate::kernels::{self, KvLayout, KvRows, QFormat, QMatrix};
+use crate::kernels::{self, KvLayout, KvRows, MoeRouting, QFormat, QMatrix};
 use crate::weights::{ModelFiles, Tensors};
 
 /// KV rows per block of [`GpuLlama`]'s pool.
@@ -52,9 +53,25 @@ struct Layer {
     wqkv: Stacked,
     wo: Stacked,
     ffn_norm: Buffer,
-    /// The gate and up projections' rows, one matrix.
-    gate_up: Stacked,
-    down: Stacked,
+    ffn: Ffn,
+}
+
+/// A layer's feed-forward block.
+enum Ffn {
+    /// The gate and up projections' rows, one matrix; the down projection.
+    Dense { gate_up: Stacked, down: Stacked },
+    /// A mixture of SwiGLU experts, all on this rank.
+    Moe(MoeFfn),
+}
+
+struct MoeFfn {
+    routing: MoeRouting,
+    /// `experts x d`.
+    router: Stacked,
+    /// Per-expert selection bias (zeros where the model has none).
+    bias: Buffer,
+    /// Each expert's gate and up rows (one matrix) and down projection.
+    experts: Vec<(Stacked, Stacked)>,
 }
 
 /// Largest stored bytes of one part of a [`Stacked`] matrix: half of the
@@ -124,6 +141,64 @@ impl Stacked {
     fn matmul(&self, dev: &GpuDevice, x: &Buffer, out: &Buffer) -> Result<(), GpuError> {
         for (m, at) in &self.parts {
             kernels::matmul_q(dev, x, m, out, self.rows, *at)?;
+        }
+        Ok(())
+    }
+
+    /// [`Stacked::matmul`] for the first `live[live_at]` token rows only
+    /// (see [`kernels::matmul_q_live`]).
+    fn matmul_live(
+        &self,
+        dev: &GpuDevice,
+        x: &Buffer,
+        out: &Buffer,
+        live: &Buffer<u32>,
+        live_at: usize,
+    ) -> Result<(), GpuError> {
+        for (m, at) in &self.parts {
+            kernels::matmul_q_live(dev, x, m, out, self.rows, *at, live, live_at)?;
+        }
+        Ok(())
+    }
+}
+
+impl MoeFfn {
+    /// The block's output for the `n` token rows of `xn` into `out` (rows
+    /// of `d`): routing and grouping on the device, then each expert over
+    /// its own tokens only, added in ascending expert order. `gate_up` and
+    /// `h` are the dense FFN's scratch (`2 * ffn` and `ffn` per token).
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        dev: &GpuDevice,
+        xn: &Buffer,
+        n: usize,
+        (gate_up, h): (&Buffer, &Buffer),
+        ffn: usize,
+        activation: Activation,
+        out: &Buffer,
+    ) -> Result<(), GpuError> {
+        let r = &self.routing;
+        let d = xn.len() / n.max(1);
+        let logits = dev.empty(n * r.experts);
+        self.router.matmul(dev, xn, &logits)?;
+        let (sel, sel_w) = (dev.empty(n * r.top_k), dev.empty(n * r.top_k));
+        let (order, weight, counts) = (
+            dev.empty(r.experts * n),
+            dev.empty(r.experts * n),
+            dev.empty(r.experts),
+        );
+        kernels::moe_route(
+            dev, &logits, &self.bias, r, &sel, &sel_w, &order, &weight, &counts,
+        )?;
+        let (rows, y) = (dev.empty(n * d), dev.empty(n * d));
+        kernels::fill(dev, out, 0.0)?;
+        for (e, (w_gate_up, down)) in self.experts.iter().enumerate() {
+            kernels::moe_gather(dev, xn, &order, &counts, e, d, &rows)?;
+            w_gate_up.matmul_live(dev, &rows, gate_up, &counts, e)?;
+            kernels::glu(dev, gate_up, ffn, activation, h)?;
+            down.matmul_live(dev, h, &y, &counts, e)?;
+            kernels::moe_scatter_add(dev, &y, &order, &weight, &counts, e, d, out)?;
         }
         Ok(())
     }
@@ -391,10 +466,25 @@ impl GpuModel {
         let c = files.config.clone();
         let g = files.tensors.as_ref();
         let f = c.family;
-        if f.moe || c.moe.is_some() {
-            return Err(unsupported(
-                "mixture-of-experts layers (dense Llama, Qwen2 and Gemma 3 run)",
-            ));
+        match &c.moe {
+            Some(_) if shard.world > 1 => {
+                return Err(unsupported(
+                    "mixture-of-experts layers on more than one rank (one GPU runs them)",
+                ));
+            }
+            Some(m) if m.n_experts > kernels::MOE_MAX_EXPERTS => {
+                return Err(unsupported(format!(
+                    "{} experts (at most {})",
+                    m.n_experts,
+                    kernels::MOE_MAX_EXPERTS
+                )));
+            }
+            None if f.moe => {
+                return Err(unsupported(
+                    "a mixture-of-experts family without its routing",
+                ));
+            }
+            _ => {}
         }
         if c.rope_dims != c.head_dim || max_ctx == 0 || block_size == 0 {
             return Err(unsupported(
@@ -422,7 +512,11 @@ impl GpuModel {
         // CPU engine cuts them.
         let mut ffn_block = 32;
         for i in 0..c.n_layers {
-            let name = format!("blk.{i}.ffn_down.weight");
+            // (An MoE model runs on one rank: its cut is the whole FFN.)
+            let name = match c.moe {
+                Some(_) => format!("blk.{i}.ffn_down.0.weight"),
+                None => format!("blk.{i}.ffn_down.weight"),
+            };
             let ty = g.tensor(&name)?.ty;
             ffn_block = ffn_block.max(QFormat::of(ty).map_or(ty.block_len(), QFormat::block_len));
         }
@@ -561,19 +655,67 @@ impl GpuModel {
                 )?,
                 wo: stacked(&[(t("attn_output"), d, all_rows(d))], qd, mine(qd))?,
                 ffn_norm: dev.upload(&f32_tensor(g, &t("ffn_norm"), d)?),
-                gate_up: stacked(
-                    &[
-                        (t("ffn_gate"), c.ffn_dim, ffn_mine.clone()),
-                        (t("ffn_up"), c.ffn_dim, ffn_mine.clone()),
-                    ],
-                    d,
-                    all_d.clone(),
-                )?,
-                down: stacked(
-                    &[(t("ffn_down"), d, all_rows(d))],
-                    c.ffn_dim,
-                    ffn_mine.clone(),
-                )?,
+                ffn: match &c.moe {
+                    None => Ffn::Dense {
+                        gate_up: stacked(
+                            &[
+                                (t("ffn_gate"), c.ffn_dim, ffn_mine.clone()),
+                                (t("ffn_up"), c.ffn_dim, ffn_mine.clone()),
+                            ],
+                            d,
+                            all_d.clone(),
+                        )?,
+                        down: stacked(
+                            &[(t("ffn_down"), d, all_rows(d))],
+                            c.ffn_dim,
+                            ffn_mine.clone(),
+                        )?,
+                    },
+                    Some(m) => {
+                        // Expert `j`'s matrices (`tandem_modelfile::safetensors::hf_name`).
+                        let x = |s: &str, j: usize| format!("blk.{i}.{s}.{j}.weight");
+                        let e = m.n_experts;
+                        let bias_name = format!("blk.{i}.exp_probs_b.bias");
+                        let bias = if g.contains(&bias_name) {
+                            f32_tensor(g, &bias_name, e)?
+                        } else {
+                            vec![0.0; e]
+                        };
+                        let expert = |j: usize| -> Result<(Stacked, Stacked), GpuError> {
+                            Ok((
+                                stacked(
+                                    &[
+                                        (x("ffn_gate", j), c.ffn_dim, all_rows(c.ffn_dim)),
+                                        (x("ffn_up", j), c.ffn_dim, all_rows(c.ffn_dim)),
+                                    ],
+                                    d,
+                                    all_d.clone(),
+                                )?,
+                                stacked(
+                                    &[(x("ffn_down", j), d, all_rows(d))],
+                                    c.ffn_dim,
+                                    all_rows(c.ffn_dim),
+                                )?,
+                            ))
+                        };
+                        Ffn::Moe(MoeFfn {
+                            routing: MoeRouting {
+                                experts: e,
+                                top_k: m.top_k,
+                                sigmoid: m.scoring == Scoring::Sigmoid,
+                                norm: m.norm_topk_prob,
+                                scaling: m.routed_scaling,
+                            },
+                            router: stacked(
+                                &[(t("ffn_gate_inp"), e, all_rows(e))],
+                                d,
+                                all_d.clone(),
+                            )?,
+                            bias: dev.upload(&bias),
+                            experts: (0..e).map(expert).collect::<Result<_, _>>()?,
+                        })
+                    }
+                },
             });
         }
         let embd = Embeddings::load(g, c.vocab_size, d)?;
@@ -931,9 +1073,22 @@ impl GpuModel {
             };
             stage(&mut failed, || {
                 kernels::add_rms_norm(dev, &x, &o, post_attn, &l.ffn_norm, c.rms_eps, &xn)?;
-                l.gate_up.matmul(dev, &xn, &gate_up)?;
-                kernels::glu(dev, &gate_up, self.ffn, f.activation, &h)?;
-                l.down.matmul(dev, &h, &ffn_out)
+                match &l.ffn {
+                    Ffn::Dense { gate_up: w, down } => {
+                        w.matmul(dev, &xn, &gate_up)?;
+                        kernels::glu(dev, &gate_up, self.ffn, f.activation, &h)?;
+                        down.matmul(dev, &h, &ffn_out)
+                    }
+                    Ffn::Moe(m) => m.forward(
+                        dev,
+                        &xn,
+                        n,
+                        (&gate_up, &h),
+                        self.ffn,
+                        f.activation,
+                        &ffn_out,
+                    ),
+                }
             });
             self.all_reduce(comm, &ffn_out, &mut failed, met)?;
             let next_norm = self

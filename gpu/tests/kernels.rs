@@ -432,6 +432,158 @@ fn a_token_s_matmul_row_is_bitwise_the_same_in_any_batch() {
 }
 
 #[test]
+fn a_live_matmul_computes_the_counted_rows_bitwise_and_leaves_the_rest() {
+    let d = dev();
+    let mut rng = SeededRng::new(17);
+    let (rows, cols, n_tok) = (24, 256, 13);
+    let x = d.upload(&values(&mut rng, n_tok * cols, -1.0, 1.0));
+    let q = random_blocks(&mut rng, QFormat::Q8_0, rows, cols);
+    let w = QMatrix::upload(d, QFormat::Q8_0, rows, cols, &q).expect("upload");
+    let all = d.zeros(n_tok * rows);
+    kernels::matmul_q(d, &x, &w, &all, rows, 0).expect("launch");
+    let all = d.download(&all).expect("read");
+    // Counts 0, 5 (a part tile) and 13; the one at index 1 applies.
+    for live in [0u32, 5, 9, 13] {
+        let counts = d.upload(&[7, live, 2]);
+        let out = d.upload(&vec![-7.0f32; n_tok * rows]);
+        kernels::matmul_q_live(d, &x, &w, &out, rows, 0, &counts, 1).expect("launch");
+        let got = d.download(&out).expect("read");
+        let cut = live as usize * rows;
+        assert_eq!(got[..cut], all[..cut], "{live} live rows");
+        assert!(
+            got[cut..].iter().all(|&v| v == -7.0),
+            "{live}: rows past the count"
+        );
+    }
+    let counts = d.upload(&[1u32]);
+    assert!(
+        kernels::matmul_q_live(d, &x, &w, &d.zeros(n_tok * rows), rows, 0, &counts, 1).is_err()
+    );
+}
+
+#[test]
+fn moe_routing_and_grouping_follow_the_cpu_engine() {
+    use tandem_engine::moe::{MoeConfig, Scoring, route_token};
+    let d = dev();
+    let mut rng = SeededRng::new(18);
+    let (n, experts, k, width) = (37, 8, 2, 48);
+    let mut logits = values(&mut rng, n * experts, -3.0, 3.0);
+    // Ties: equal logits pick the lower expert first.
+    logits[..experts].fill(0.5);
+    let x = values(&mut rng, n * width, -1.0, 1.0);
+    for (scoring, bias, scaling) in [
+        (Scoring::Softmax, vec![0.0; experts], 1.0),
+        (Scoring::Sigmoid, values(&mut rng, experts, -0.3, 0.3), 2.5),
+    ] {
+        let cfg = MoeConfig {
+            n_experts: experts,
+            top_k: k,
+            scoring,
+            norm_topk_prob: true,
+            routed_scaling: scaling,
+        };
+        let r = kernels::MoeRouting {
+            experts,
+            top_k: k,
+            sigmoid: scoring == Scoring::Sigmoid,
+            norm: true,
+            scaling,
+        };
+        let (sel, sel_w) = (d.empty::<u32>(n * k), d.zeros(n * k));
+        let (order, weight, counts) = (
+            d.empty::<u32>(experts * n),
+            d.zeros(experts * n),
+            d.empty::<u32>(experts),
+        );
+        let (lb, bb) = (d.upload(&logits), d.upload(&bias));
+        kernels::moe_route(d, &lb, &bb, &r, &sel, &sel_w, &order, &weight, &counts)
+            .expect("launch");
+        let (order_h, weight_h, counts_h) = (
+            d.download(&order).expect("read"),
+            d.download(&weight).expect("read"),
+            d.download(&counts).expect("read"),
+        );
+        // The CPU's routes, grouped per expert in token order.
+        let routes: Vec<_> = logits
+            .chunks_exact(experts)
+            .map(|l| route_token(&cfg, &bias, l))
+            .collect();
+        if scoring == Scoring::Softmax {
+            // (A selection bias breaks the tie otherwise.)
+            let first: Vec<usize> = routes[0].iter().map(|r| r.0).collect();
+            assert_eq!(first, [0, 1], "ties");
+        }
+        let (xb, packed, out) = (d.upload(&x), d.zeros(n * width), d.zeros(n * width));
+        let mut want_out = vec![0.0f32; n * width];
+        for e in 0..experts {
+            let group: Vec<(usize, f32)> = routes
+                .iter()
+                .enumerate()
+                .filter_map(|(t, r)| r.iter().find(|c| c.0 == e).map(|c| (t, c.1)))
+                .collect();
+            let c = counts_h[e] as usize;
+            assert_eq!(c, group.len(), "{scoring:?}: expert {e}'s count");
+            for (i, &(t, w)) in group.iter().enumerate() {
+                assert_eq!(order_h[e * n + i] as usize, t, "{scoring:?}: expert {e}");
+                let got = weight_h[e * n + i];
+                assert!(
+                    (got - w).abs() <= 1e-6 * w.abs().max(1.0),
+                    "{scoring:?}: {got} vs {w}"
+                );
+            }
+            // Packed rows, then (as an expert's output) added back weighted.
+            kernels::moe_gather(d, &xb, &order, &counts, e, width, &packed).expect("launch");
+            let got = d.download(&packed).expect("read");
+            for (i, &(t, w)) in group.iter().enumerate() {
+                assert_eq!(
+                    got[i * width..(i + 1) * width],
+                    x[t * width..(t + 1) * width]
+                );
+                for (o, v) in want_out[t * width..(t + 1) * width]
+                    .iter_mut()
+                    .zip(&x[t * width..])
+                {
+                    *o += w * v;
+                }
+            }
+            kernels::moe_scatter_add(d, &packed, &order, &weight, &counts, e, width, &out)
+                .expect("launch");
+        }
+        let got = d.download(&out).expect("read");
+        let err = worst_rel(&got, &want_out, 1e-3);
+        assert!(
+            err <= 1e-5,
+            "{scoring:?}: scatter-add worst relative error {err}"
+        );
+    }
+    // Shapes: more picks than experts, and a group past the counts.
+    let u = d.empty::<u32>(8);
+    let bad = kernels::MoeRouting {
+        experts: 2,
+        top_k: 3,
+        sigmoid: false,
+        norm: true,
+        scaling: 1.0,
+    };
+    assert!(
+        kernels::moe_route(
+            d,
+            &d.zeros(4),
+            &d.zeros(2),
+            &bad,
+            &u,
+            &d.zeros(6),
+            &u,
+            &d.zeros(4),
+            &d.empty(2)
+        )
+        .is_err()
+    );
+    let counts = d.empty::<u32>(2);
+    assert!(kernels::moe_gather(d, &d.zeros(8), &u, &counts, 2, 2, &d.zeros(8)).is_err());
+}
+
+#[test]
 fn copy_and_add_cover_buffers_past_one_grid_axis() {
     let d = dev();
     let mut rng = SeededRng::new(12);

@@ -877,3 +877,96 @@ fn a_rank_that_fails_a_step_still_meets_its_peers() {
     assert_eq!(argmax(&want), argmax(got));
     assert!(outcomes[1].1.is_none() && outcomes[2].1.is_none());
 }
+
+/// transformers' float64 logits for a tiny checkpoint: its prompts and,
+/// per prompt and position, the vocabulary's logits.
+#[derive(serde::Deserialize)]
+struct Reference {
+    prompts: Vec<Vec<u32>>,
+    logits: Vec<Vec<Vec<f32>>>,
+}
+
+/// The tiny random Mixtral checkpoints of the CPU engine's MoE tests
+/// (softmax routing; sigmoid routing with a selection bias, normalised
+/// and scaled) against transformers' logits (`scripts/moe/make_tiny_moe.py`):
+/// every position one step at a time (one token: one expert group of at
+/// most one row), and all prompts in one batch (35 tokens spread over
+/// the experts unevenly). Logits span about ±9; the CPU engine's
+/// tolerance against the same reference is 0.01.
+#[test]
+fn mixture_of_experts_layers_match_transformers() {
+    const TOL: f32 = 0.01;
+    let max_diff = |a: &[f32], b: &[f32]| {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    };
+    for name in ["tiny-moe", "tiny-moe-sigmoid"] {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../engine/tests/data")
+            .join(name);
+        let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference");
+        let r: Reference = serde_json::from_str(&text).expect("reference json");
+        let files = ModelFiles::open(&dir).expect("model files");
+        let dev = GpuDevice::open(0).expect("a Vulkan device (lavapipe: mesa-vulkan-drivers)");
+        let block = 4;
+        let m = GpuModel::load(dev, &files, 64, block).expect("an MoE model loads");
+        let tables: Vec<Vec<u32>> = {
+            let mut next = 0u32;
+            r.prompts
+                .iter()
+                .map(|p| {
+                    let n = p.len().div_ceil(block) as u32;
+                    next += n;
+                    (next - n..next).collect()
+                })
+                .collect()
+        };
+        let pool = m.new_pool(tables.iter().map(Vec::len).sum()).expect("pool");
+        let mut worst = 0.0f32;
+        for ((p, want), table) in r.prompts.iter().zip(&r.logits).zip(&tables) {
+            for pos in 0..p.len() {
+                let chunk = Chunk {
+                    tokens: &p[pos..pos + 1],
+                    start_pos: pos,
+                    blocks: table,
+                    want_logits: true,
+                };
+                let l = m.forward(&pool, &[chunk]).expect("step").expect("logits");
+                let got = m.device().download(&l).expect("read");
+                let d = max_diff(&got, &want[pos]);
+                assert!(d <= TOL, "{name}: prompt of {} at {pos}: {d}", p.len());
+                worst = worst.max(d);
+            }
+        }
+        let chunks: Vec<Chunk<'_>> = r
+            .prompts
+            .iter()
+            .zip(&tables)
+            .map(|(p, t)| Chunk {
+                tokens: p,
+                start_pos: 0,
+                blocks: t,
+                want_logits: true,
+            })
+            .collect();
+        let l = m.forward(&pool, &chunks).expect("batch").expect("logits");
+        let got = m.device().download(&l).expect("read");
+        let vocab = got.len() / r.prompts.len();
+        for (i, row) in got.chunks_exact(vocab).enumerate() {
+            let want = r.logits[i].last().expect("a position");
+            let d = max_diff(row, want);
+            assert!(d <= TOL, "{name}: batched prompt {i}: {d}");
+            worst = worst.max(d);
+        }
+        eprintln!("{name}: largest difference from transformers {worst}");
+
+        // Experts stay on one rank: a share of two is refused, by name.
+        let two = Shard { rank: 0, world: 2 };
+        let dev = m.device().clone();
+        let err = GpuModel::load_shard(dev, &files, 64, block, two).expect_err("MoE on 2 ranks");
+        assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+    }
+}

@@ -13,6 +13,7 @@ use cubecl_cpp::shared::{CompilationOptions, CppCompiler};
 use cubecl_cpp::target::Cuda;
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
+use super::moe::{moe_gather_kernel, moe_group_kernel, moe_route_kernel, moe_scatter_kernel};
 use super::quant::quant_matmul_kernel;
 use super::*;
 
@@ -162,6 +163,8 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
                 arg(&f),
                 arg(&u),
                 arg(&f),
+                arg(&u),
+                0,
                 n,
                 600,
                 8,
@@ -236,6 +239,56 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
     kernel!(softcap_kernel, grid(), arg(&f), 30.0);
     kernel!(copy_kernel, grid(), arg(&f), arg(&f));
     kernel!(gather_rows_kernel, grid(), arg(&f), arg(&u), arg(&f), 576);
+    kernel!(fill_kernel, grid(), arg(&f), 0.0);
+    // Softmax routing (Mixtral), and sigmoid with normalised weights
+    // (DeepSeek-V3's 256 experts).
+    for (experts, top_k, sigmoid) in [(8, 2, false), (256, 8, true)] {
+        kernel!(
+            moe_route_kernel,
+            grid(),
+            arg(&f),
+            arg(&f),
+            arg(&u),
+            arg(&f),
+            2.5,
+            experts,
+            top_k,
+            sigmoid,
+            sigmoid
+        );
+        kernel!(
+            moe_group_kernel,
+            grid(),
+            arg(&u),
+            arg(&f),
+            arg(&u),
+            arg(&f),
+            arg(&u),
+            experts,
+            top_k
+        );
+    }
+    kernel!(
+        moe_gather_kernel,
+        grid(),
+        arg(&f),
+        arg(&u),
+        arg(&u),
+        arg(&f),
+        3,
+        576
+    );
+    kernel!(
+        moe_scatter_kernel,
+        grid(),
+        arg(&f),
+        arg(&u),
+        arg(&f),
+        arg(&u),
+        arg(&f),
+        3,
+        576
+    );
 
     let mut failed = Vec::new();
     for (name, source) in &kernels {

@@ -204,7 +204,32 @@ pub fn matmul_q(
     stride: usize,
     at: usize,
 ) -> Result<(), GpuError> {
+    matmul_q_live(dev, x, w, out, stride, at, dev.all_rows(), 0)
+}
+
+/// [`matmul_q`] over only the first `live[live_at]` token rows of `x`
+/// (the rest of `out` is left as it was), a count the device wrote: the
+/// grid covers every row of `x`, and the tiles past the count end at
+/// once, reading no weights. So a mixture-of-experts layer runs each
+/// expert over its tokens without the host learning how many.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_q_live(
+    dev: &GpuDevice,
+    x: &Buffer,
+    w: &QMatrix,
+    out: &Buffer,
+    stride: usize,
+    at: usize,
+    live: &Buffer<u32>,
+    live_at: usize,
+) -> Result<(), GpuError> {
     const KERNEL: &str = "quantised matmul";
+    let Some(live_at32) = u32::try_from(live_at).ok().filter(|_| live_at < live.len()) else {
+        return Err(shape(
+            KERNEL,
+            format!("live count {live_at} of {}", live.len()),
+        ));
+    };
     let (rows, cols) = (w.rows, w.cols);
     if cols == 0 || !x.len().is_multiple_of(cols) || at + rows > stride {
         return Err(shape(
@@ -232,6 +257,8 @@ pub fn matmul_q(
         arg(x),
         arg(&w.w),
         arg(out),
+        arg(live),
+        live_at32,
         n_tok,
         stride32,
         at32,
@@ -295,6 +322,8 @@ pub(super) fn quant_matmul_kernel(
     x: &[f32],
     w: &[u32],
     out: &mut [f32],
+    live: &[u32],
+    live_at: u32,
     n_tok: u32,
     stride: u32,
     at: u32,
@@ -309,14 +338,17 @@ pub(super) fn quant_matmul_kernel(
     let rows = w.len() / (nb * words);
     let r = matmul_row(rows);
     let t0 = CUBE_POS_Z as usize * tile;
-    let n = n_tok as usize;
+    // The launch covers `n_tok` rows of `x`; the first `live[live_at]` of
+    // them are computed (a count the device wrote: an expert's tokens).
+    let n = u32::min(n_tok, live[live_at as usize]) as usize;
     let unit = UNIT_POS_X as usize % units;
     let mut acc = Array::<f32>::new(tile);
     #[unroll]
     for j in 0..tile {
         acc[j] = 0.0f32;
     }
-    if r < rows {
+    // A tile past the live rows reads no weights.
+    if r < rows && t0 < n {
         let q = unit % per_block;
         let per_pass = units / per_block;
         for i in 0..nb.div_ceil(per_pass) {
