@@ -299,6 +299,33 @@ pub fn argmax(x: &[f32]) -> u32 {
     x.iter().position(|&v| v == max).unwrap_or(0) as u32
 }
 
+/// A row's `k` largest logits (largest first; on equal values the lower
+/// token id first), their token ids, and the row's log-sum-exp: what a
+/// runner returns for the row in `LogitsForm::Top(k)`, computed on the
+/// host (the reference a device's reduction is tested against).
+pub fn top_candidates(row: &[f32], k: usize) -> (Vec<u32>, Vec<f32>, f32) {
+    let mut all: Vec<(u32, f32)> = row
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| (i as u32, v))
+        .collect();
+    let by = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let k = k.min(all.len());
+    if k > 0 && k < all.len() {
+        all.select_nth_unstable_by(k - 1, by);
+    }
+    all.truncate(k);
+    all.sort_unstable_by(by);
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&v| f64::from(v - max).exp()).sum();
+    let log_z = (f64::from(max) + sum.ln()) as f32;
+    (
+        all.iter().map(|c| c.0).collect(),
+        all.iter().map(|c| c.1).collect(),
+        log_z,
+    )
+}
+
 /// `log(softmax(x))`, computed stably in `f64`.
 pub fn log_softmax(x: &[f32]) -> Vec<f32> {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -707,22 +734,6 @@ mod tests {
         (0..l.len()).filter(|&t| want[t] > 0.0).collect()
     }
 
-    /// A row's `k` largest logits (ties: lower id first) and its
-    /// log-sum-exp, as a device returns them.
-    fn top_of(l: &[f32], k: usize) -> (Vec<u32>, Vec<f32>, f32) {
-        let mut all: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
-        all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        all.truncate(k);
-        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = l.iter().map(|&v| f64::from(v - max).exp()).sum();
-        let log_z = (f64::from(max) + sum.ln()) as f32;
-        (
-            all.iter().map(|c| c.0).collect(),
-            all.iter().map(|c| c.1).collect(),
-            log_z,
-        )
-    }
-
     proptest::proptest! {
         /// Over the candidates it asks for, `sample_top` draws what
         /// `sample` draws over the whole row, with the same seed, step
@@ -754,7 +765,7 @@ mod tests {
             for step in 0..4 {
                 let k = top.candidates();
                 proptest::prop_assert!(k.is_some(), "no penalties or bias, a bounded draw");
-                let (ids, values, log_z) = top_of(&l, k.unwrap_or(0));
+                let (ids, values, log_z) = top_candidates(&l, k.unwrap_or(0));
                 let want = whole.sample(&mut l.clone());
                 let got = top.sample_top(&ids, &values, log_z);
                 proptest::prop_assert_eq!(got.token, want.token, "step {}", step);

@@ -12,7 +12,7 @@ use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::kv_cache::{KvCache, KvCacheConfig, KvPool};
 use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
-use tandem_engine::sampler::SamplingParams;
+use tandem_engine::sampler::{SamplingParams, top_candidates};
 use tandem_engine::scheduler::{
     Event, FAILING_AFTER, ImportOutcome, KvHandoff, Request, RequestStream, Scheduler,
     SchedulerConfig, SchedulerHandle, Usage,
@@ -687,17 +687,10 @@ impl StepRunner for ReducingRunner {
             let full = std::mem::take(&mut logits.values);
             let (mut ids, mut values, mut log_z) = (Vec::new(), Vec::new(), Vec::new());
             for row in full.chunks_exact(self.vocab) {
-                let mut all: Vec<(u32, f32)> = row
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &v)| (i as u32, v))
-                    .collect();
-                all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-                ids.extend(all[..k].iter().map(|c| c.0));
-                values.extend(all[..k].iter().map(|c| c.1));
-                let max = all[0].1;
-                let sum: f64 = row.iter().map(|&v| f64::from(v - max).exp()).sum();
-                log_z.push((f64::from(max) + sum.ln()) as f32);
+                let (i, v, z) = top_candidates(row, k);
+                ids.extend(i);
+                values.extend(v);
+                log_z.push(z);
             }
             *logits = StepLogits {
                 form: LogitsForm::Top(k),

@@ -658,26 +658,15 @@ fn top_k_is_the_cpu_samplers_candidates_and_log_sum_exp() {
                 d.download(&zb).expect("read"),
             );
             for (j, row) in rows.chunks_exact(width).enumerate() {
-                // The CPU sampler's order: larger first, then lower id.
-                let mut want: Vec<(u32, f32)> = row
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &v)| (i as u32, v))
-                    .collect();
-                want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-                want.truncate(k);
+                let (want_ids, want_vals, want_z) = tandem_engine::sampler::top_candidates(row, k);
                 let got = &ids[j * k..(j + 1) * k];
-                let kept = want.len();
-                let want_ids: Vec<u32> = want.iter().map(|c| c.0).collect();
-                let want_vals: Vec<f32> = want.iter().map(|c| c.1).collect();
+                let kept = want_ids.len();
                 assert_eq!(&got[..kept], &want_ids[..], "{what}, k {k}, row {j}: ids");
                 assert!(
                     got[kept..].iter().all(|&i| i == u32::MAX),
                     "{what}: past the row"
                 );
                 assert_eq!(&vals[j * k..j * k + kept], &want_vals[..], "{what}: values");
-                let lp = tandem_engine::sampler::log_softmax(row);
-                let want_z = row[0] - lp[0];
                 assert!(
                     (log_z[j] - want_z).abs() <= 1e-5 * want_z.abs().max(1.0),
                     "{what}, k {k}, row {j}: log-sum-exp {} vs {want_z}",
