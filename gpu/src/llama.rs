@@ -65,12 +65,17 @@ enum Ffn {
 }
 
 struct MoeFfn {
+    /// The first of this rank's experts (expert parallelism: the ranks
+    /// hold contiguous shares, route every token alike, and their outputs
+    /// are added across ranks as a split dense FFN's are).
+    first_expert: usize,
     routing: MoeRouting,
     /// `experts x d`.
     router: Stacked,
     /// Per-expert selection bias (zeros where the model has none).
     bias: Buffer,
-    /// Each expert's gate and up rows (one matrix) and down projection.
+    /// Each of this rank's experts' gate and up rows (one matrix) and
+    /// down projection.
     experts: Vec<(Stacked, Stacked)>,
 }
 
@@ -164,8 +169,9 @@ impl Stacked {
 
 impl MoeFfn {
     /// The block's output for the `n` token rows of `xn` into `out` (rows
-    /// of `d`): routing and grouping on the device, then each expert over
-    /// its own tokens only, added in ascending expert order. `gate_up` and
+    /// of `d`): routing and grouping on the device, then each of this
+    /// rank's experts over its own tokens only, added in ascending expert
+    /// order (this rank's share of the sum, under expert parallelism). `gate_up` and
     /// `h` are the dense FFN's scratch (`2 * ffn` and `ffn` per token).
     #[allow(clippy::too_many_arguments)]
     fn forward(
@@ -193,7 +199,8 @@ impl MoeFfn {
         )?;
         let (rows, y) = (dev.empty(n * d), dev.empty(n * d));
         kernels::fill(dev, out, 0.0)?;
-        for (e, (w_gate_up, down)) in self.experts.iter().enumerate() {
+        for (j, (w_gate_up, down)) in self.experts.iter().enumerate() {
+            let e = self.first_expert + j;
             kernels::moe_gather(dev, xn, &order, &counts, e, d, &rows)?;
             w_gate_up.matmul_live(dev, &rows, gate_up, &counts, e)?;
             kernels::glu(dev, gate_up, ffn, activation, h)?;
@@ -467,10 +474,12 @@ impl GpuModel {
         let g = files.tensors.as_ref();
         let f = c.family;
         match &c.moe {
-            Some(_) if shard.world > 1 => {
-                return Err(unsupported(
-                    "mixture-of-experts layers on more than one rank (one GPU runs them)",
-                ));
+            Some(m) if !m.n_experts.is_multiple_of(shard.world.max(1)) => {
+                return Err(unsupported(format!(
+                    "mixture-of-experts layers of {} experts over {} ranks (each rank holds \
+                     as many whole experts)",
+                    m.n_experts, shard.world
+                )));
             }
             Some(m) if m.n_experts > kernels::MOE_MAX_EXPERTS => {
                 return Err(unsupported(format!(
@@ -510,18 +519,19 @@ impl GpuModel {
         // down projection has, as even as they allow (Qwen2.5-0.5B's 4864
         // columns are 19 Q4_K/Q6_K blocks: 9 and 10 on two ranks), as the
         // CPU engine cuts them.
+        // (Experts are not cut: each rank holds whole experts.)
         let mut ffn_block = 32;
-        for i in 0..c.n_layers {
-            // (An MoE model runs on one rank: its cut is the whole FFN.)
-            let name = match c.moe {
-                Some(_) => format!("blk.{i}.ffn_down.0.weight"),
-                None => format!("blk.{i}.ffn_down.weight"),
-            };
-            let ty = g.tensor(&name)?.ty;
+        for i in (0..c.n_layers).filter(|_| c.moe.is_none()) {
+            let ty = g.tensor(&format!("blk.{i}.ffn_down.weight"))?.ty;
             ffn_block = ffn_block.max(QFormat::of(ty).map_or(ty.block_len(), QFormat::block_len));
         }
-        let bounds = block_bounds(c.ffn_dim, w, ffn_block);
-        let ffn_mine = bounds[shard.rank]..bounds[shard.rank + 1];
+        let ffn_mine = match c.moe {
+            Some(_) => 0..c.ffn_dim,
+            None => {
+                let bounds = block_bounds(c.ffn_dim, w, ffn_block);
+                bounds[shard.rank]..bounds[shard.rank + 1]
+            }
+        };
         let ffn = ffn_mine.len();
         if ffn == 0 {
             return Err(unsupported(format!(
@@ -698,7 +708,11 @@ impl GpuModel {
                                 )?,
                             ))
                         };
+                        // This rank's experts (all of them on one).
+                        let per = e / w;
+                        let first = shard.rank * per;
                         Ffn::Moe(MoeFfn {
+                            first_expert: first,
                             routing: MoeRouting {
                                 experts: e,
                                 top_k: m.top_k,
@@ -712,7 +726,7 @@ impl GpuModel {
                                 all_d.clone(),
                             )?,
                             bias: dev.upload(&bias),
-                            experts: (0..e).map(expert).collect::<Result<_, _>>()?,
+                            experts: (first..first + per).map(expert).collect::<Result<_, _>>()?,
                         })
                     }
                 },

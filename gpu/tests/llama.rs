@@ -881,8 +881,8 @@ struct Reference {
 /// and scaled) against transformers' logits (`scripts/moe/make_tiny_moe.py`):
 /// every position one step at a time (one token: one expert group of at
 /// most one row), and all prompts in one batch (35 tokens spread over
-/// the experts unevenly). Logits span about ±9; the CPU engine's
-/// tolerance against the same reference is 0.01.
+/// the experts unevenly), also split over two ranks. Logits span about
+/// ±9; the CPU engine's tolerance against the same reference is 0.01.
 #[test]
 fn mixture_of_experts_layers_match_transformers() {
     const TOL: f32 = 0.01;
@@ -953,10 +953,43 @@ fn mixture_of_experts_layers_match_transformers() {
         }
         eprintln!("{name}: largest difference from transformers {worst}");
 
-        // Experts stay on one rank: a share of two is refused, by name.
-        let two = Shard { rank: 0, world: 2 };
+        // Expert parallelism: two ranks of 4 experts (and 4 of the 8
+        // heads) each, their FFN outputs added across the ranks.
+        let logits: Vec<Option<Vec<f32>>> = std::thread::scope(|s| {
+            let ranks: Vec<_> = CpuGroup::new(2)
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    let (files, tables, chunks) = (&files, &tables, &chunks);
+                    s.spawn(move || {
+                        let dev = GpuDevice::open(0).expect("a Vulkan device");
+                        let shard = Shard { rank, world: 2 };
+                        let m = GpuModel::load_shard(dev, files, 64, block, shard).expect("loads");
+                        let pool = m.new_pool(tables.iter().map(Vec::len).sum()).expect("pool");
+                        m.forward_rank(&pool, chunks, Some(&comm))
+                            .expect("a step")
+                            .map(|l| m.device().download(&l).expect("read"))
+                    })
+                })
+                .collect();
+            ranks
+                .into_iter()
+                .map(|r| r.join().expect("a rank"))
+                .collect()
+        });
+        assert!(logits[1].is_none(), "rank 1 makes no logits");
+        let got = logits[0].as_ref().expect("rank 0's logits");
+        let mut worst = 0.0f32;
+        for (i, row) in got.chunks_exact(vocab).enumerate() {
+            let d = max_diff(row, r.logits[i].last().expect("a position"));
+            assert!(d <= TOL, "{name}: two ranks, prompt {i}: {d}");
+            worst = worst.max(d);
+        }
+        eprintln!("{name}, two ranks: largest difference {worst}");
+        // Each rank holds as many whole experts: not 8 over 3.
+        let three = Shard { rank: 0, world: 3 };
         let dev = m.device().clone();
-        let err = GpuModel::load_shard(dev, &files, 64, block, two).expect_err("MoE on 2 ranks");
-        assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+        let err = GpuModel::load_shard(dev, &files, 64, block, three).expect_err("8 over 3");
+        assert!(err.to_string().contains("8 experts over 3 ranks"), "{err}");
     }
 }
