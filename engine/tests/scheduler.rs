@@ -531,20 +531,22 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
     assert_idle_handoffs(h);
 }
 
-/// The real model behind a runner whose steps fail while `fail` is set: a
-/// device (or kernel) failure as the scheduler sees it.
-#[derive(Debug)]
-struct Failing {
+/// The real model served through a runner that wraps the model's own:
+/// how the tests below stand in for a device runner's behaviours.
+struct Wrapped {
     model: Arc<LoadedModel>,
-    fail: Arc<std::sync::atomic::AtomicBool>,
+    wrap: Box<Wrap>,
 }
 
-struct FailingRunner {
-    inner: Box<dyn StepRunner>,
-    fail: Arc<std::sync::atomic::AtomicBool>,
+type Wrap = dyn Fn(Box<dyn StepRunner>) -> Box<dyn StepRunner> + Send + Sync;
+
+impl std::fmt::Debug for Wrapped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Wrapped").finish_non_exhaustive()
+    }
 }
 
-impl ServedModel for Failing {
+impl ServedModel for Wrapped {
     fn config(&self) -> &tandem_modelfile::config::ModelConfig {
         self.model.config()
     }
@@ -555,11 +557,24 @@ impl ServedModel for Failing {
         self.model.weights_hash()
     }
     fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String> {
-        Ok(Box::new(FailingRunner {
-            inner: Arc::clone(&self.model).runner(config)?,
-            fail: Arc::clone(&self.fail),
-        }))
+        Ok((self.wrap)(Arc::clone(&self.model).runner(config)?))
     }
+}
+
+fn wrapped(
+    wrap: impl Fn(Box<dyn StepRunner>) -> Box<dyn StepRunner> + Send + Sync + 'static,
+) -> Arc<Wrapped> {
+    Arc::new(Wrapped {
+        model: model(),
+        wrap: Box::new(wrap),
+    })
+}
+
+/// The model's runner, its steps failing while `fail` is set: a device
+/// (or kernel) failure as the scheduler sees it.
+struct FailingRunner {
+    inner: Box<dyn StepRunner>,
+    fail: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl StepRunner for FailingRunner {
@@ -587,9 +602,12 @@ impl StepRunner for FailingRunner {
 #[test]
 fn a_failing_step_fails_its_requests_and_the_scheduler_goes_on() {
     let fail = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let served = Arc::new(Failing {
-        model: model(),
-        fail: Arc::clone(&fail),
+    let failing = Arc::clone(&fail);
+    let served = wrapped(move |inner| {
+        Box::new(FailingRunner {
+            inner,
+            fail: Arc::clone(&failing),
+        })
     });
     let sched = Scheduler::spawn(served, config()).expect("spawns");
     let h = sched.handle();
@@ -619,17 +637,10 @@ fn a_failing_step_fails_its_requests_and_the_scheduler_goes_on() {
     wait_idle(h);
 }
 
-/// The real model behind a runner that reduces rows to their top
-/// candidates on the host when a step asks for them, as a GPU runner does
-/// on its device; it records each step's asked form, and with `misshapen`
-/// set drops a value, as a broken runner would.
-#[derive(Debug)]
-struct Reducing {
-    model: Arc<LoadedModel>,
-    asked: Arc<std::sync::Mutex<Vec<LogitsForm>>>,
-    misshapen: bool,
-}
-
+/// The model's runner, reducing rows to their top candidates on the host
+/// when a step asks for them, as a GPU runner does on its device; it
+/// records each step's asked form, and with `misshapen` set drops a
+/// value, as a broken runner would.
 struct ReducingRunner {
     inner: Box<dyn StepRunner>,
     asked: Arc<std::sync::Mutex<Vec<LogitsForm>>>,
@@ -640,24 +651,17 @@ struct ReducingRunner {
 /// Most candidates a [`ReducingRunner`] returns.
 const REDUCING_MAX: usize = 32;
 
-impl ServedModel for Reducing {
-    fn config(&self) -> &tandem_modelfile::config::ModelConfig {
-        self.model.config()
-    }
-    fn text(&self) -> &Arc<tandem_modelfile::ModelText> {
-        self.model.text()
-    }
-    fn weights_hash(&self) -> u64 {
-        self.model.weights_hash()
-    }
-    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String> {
-        Ok(Box::new(ReducingRunner {
-            inner: Arc::clone(&self.model).runner(config)?,
-            asked: Arc::clone(&self.asked),
-            misshapen: self.misshapen,
-            vocab: self.model.config().vocab_size,
-        }))
-    }
+fn reducing(asked: &Arc<std::sync::Mutex<Vec<LogitsForm>>>, misshapen: bool) -> Arc<Wrapped> {
+    let asked = Arc::clone(asked);
+    let vocab = model().config().vocab_size;
+    wrapped(move |inner| {
+        Box::new(ReducingRunner {
+            inner,
+            asked: Arc::clone(&asked),
+            misshapen,
+            vocab,
+        })
+    })
 }
 
 impl StepRunner for ReducingRunner {
@@ -720,15 +724,7 @@ fn collect_sampled(mut stream: RequestStream) -> Vec<tandem_types::sampling::Sam
 #[test]
 fn steps_on_top_candidates_sample_what_full_rows_sample() {
     let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let reducing = Scheduler::spawn(
-        Arc::new(Reducing {
-            model: model(),
-            asked: Arc::clone(&asked),
-            misshapen: false,
-        }),
-        config(),
-    )
-    .expect("spawns");
+    let reducing = Scheduler::spawn(reducing(&asked, false), config()).expect("spawns");
     let plain = Scheduler::spawn(model(), config()).expect("spawns");
     let p = prompts();
     let greedy = SamplingParams {
@@ -802,15 +798,7 @@ fn steps_on_top_candidates_sample_what_full_rows_sample() {
 
 #[test]
 fn a_runner_returning_misshapen_logits_fails_its_step_only() {
-    let sched = Scheduler::spawn(
-        Arc::new(Reducing {
-            model: model(),
-            asked: Arc::default(),
-            misshapen: true,
-        }),
-        config(),
-    )
-    .expect("spawns");
+    let sched = Scheduler::spawn(reducing(&Arc::default(), true), config()).expect("spawns");
     let h = sched.handle();
     let p = prompts();
     let mut s = h.submit(request(&p[0], 4)).expect("accepted");
