@@ -58,12 +58,12 @@ pub trait ServedModel: Send + Sync + std::fmt::Debug {
     fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String>;
 }
 
-/// Computes batch steps. Owned by the scheduler's thread.
 /// The form in which a step returns its logits, chosen by the scheduler
 /// for each step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum LogitsForm {
     /// Each row whole: `vocab_size` values.
+    #[default]
     Full,
     /// Each row's `k` largest values with their token ids, and the row's
     /// log-sum-exp: all a sampler needs when `Sampler::candidates` says
@@ -72,7 +72,7 @@ pub enum LogitsForm {
 }
 
 /// A step's logits: a row for each chunk that wants them, in chunk order.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct StepLogits {
     /// The rows' form. A runner asked for [`LogitsForm::Top`] may answer
     /// with full rows; never the other way round.
@@ -87,17 +87,6 @@ pub struct StepLogits {
     pub log_z: Vec<f32>,
 }
 
-impl Default for StepLogits {
-    fn default() -> Self {
-        Self {
-            form: LogitsForm::Full,
-            values: Vec::new(),
-            ids: Vec::new(),
-            log_z: Vec::new(),
-        }
-    }
-}
-
 impl StepLogits {
     /// Full rows to be written into `values`.
     pub fn full(&mut self) -> &mut Vec<f32> {
@@ -108,6 +97,7 @@ impl StepLogits {
     }
 }
 
+/// Computes batch steps. Owned by the scheduler's thread.
 pub trait StepRunner: Send {
     /// Rank 0's KV pool shape (its share of the KV heads under TP).
     fn kv_cache_config(&self) -> KvCacheConfig;
