@@ -189,7 +189,6 @@ impl Sampler {
     pub fn sample_top(&mut self, ids: &[u32], values: &[f32], log_z: f32) -> Sampled {
         let (temperature, top_logprobs) = (self.params.temperature, self.params.top_logprobs);
         let want_lp = self.params.logprobs || top_logprobs > 0;
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         let mut top: Vec<(u32, f32)> = ids
             .iter()
             .zip(values)
@@ -243,7 +242,6 @@ impl Sampler {
             return 0;
         }
         // Most likely first (ties: lower id first).
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < cand.len() {
             cand.select_nth_unstable_by(p.top_k - 1, by_logit);
             cand.truncate(p.top_k);
@@ -284,6 +282,12 @@ impl Sampler {
     }
 }
 
+/// (token, logit) pairs most likely first; on equal logits the lower
+/// token id first (the order every candidate list here is in).
+fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
 /// Index of the largest value; the first one wins ties (as llama.cpp's
 /// greedy sampler); NaNs never win, except a NaN at index 0 (nothing
 /// compares greater than it), which is returned as is.
@@ -304,48 +308,39 @@ pub fn argmax(x: &[f32]) -> u32 {
 /// runner returns for the row in `LogitsForm::Top(k)`, computed on the
 /// host (the reference a device's reduction is tested against).
 pub fn top_candidates(row: &[f32], k: usize) -> (Vec<u32>, Vec<f32>, f32) {
-    let mut all: Vec<(u32, f32)> = row
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| (i as u32, v))
-        .collect();
-    let by = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    let k = k.min(all.len());
-    if k > 0 && k < all.len() {
-        all.select_nth_unstable_by(k - 1, by);
-    }
-    all.truncate(k);
-    all.sort_unstable_by(by);
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = row.iter().map(|&v| f64::from(v - max).exp()).sum();
-    let log_z = (f64::from(max) + sum.ln()) as f32;
+    let top = top_n(row, k);
     (
-        all.iter().map(|c| c.0).collect(),
-        all.iter().map(|c| c.1).collect(),
-        log_z,
+        top.iter().map(|c| c.0).collect(),
+        top.iter().map(|c| c.1).collect(),
+        log_sum_exp(row) as f32,
     )
+}
+
+/// `log(sum(exp(x)))`, computed stably in `f64`.
+fn log_sum_exp(x: &[f32]) -> f64 {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
+    f64::from(max) + sum.ln()
 }
 
 /// `log(softmax(x))`, computed stably in `f64`.
 pub fn log_softmax(x: &[f32]) -> Vec<f32> {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
-    let log_z = f64::from(max) + sum.ln();
+    let log_z = log_sum_exp(x);
     x.iter().map(|&v| (f64::from(v) - log_z) as f32).collect()
 }
 
+/// The `n` largest of `lp`, in [`by_logit`] order.
 fn top_n(lp: &[f32], n: usize) -> Vec<(u32, f32)> {
     if n == 0 {
         return Vec::new();
     }
     let mut idx: Vec<(u32, f32)> = lp.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-    let by = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     let n = n.min(idx.len());
     if n < idx.len() {
-        idx.select_nth_unstable_by(n - 1, by);
+        idx.select_nth_unstable_by(n - 1, by_logit);
         idx.truncate(n);
     }
-    idx.sort_unstable_by(by);
+    idx.sort_unstable_by(by_logit);
     idx
 }
 
