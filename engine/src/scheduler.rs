@@ -676,6 +676,15 @@ struct Planned {
     len: usize,
 }
 
+impl Planned {
+    /// Whether this chunk ends its sequence's known tokens, so the step
+    /// samples the sequence's next one from the chunk's logits.
+    fn samples(&self, running: &[Seq]) -> bool {
+        let s = &running[self.seq];
+        s.computed + self.len == s.tokens.len()
+    }
+}
+
 impl Actor {
     fn run(mut self) {
         let mut idle = true;
@@ -878,10 +887,8 @@ impl Actor {
         let mut constrained: Vec<(usize, ConstraintState)> = plan
             .iter()
             .filter_map(|p| {
-                let s = &mut self.running[p.seq];
-                let samples = s.computed + p.len == s.tokens.len();
-                samples
-                    .then(|| s.constraint.take())
+                p.samples(&self.running)
+                    .then(|| self.running[p.seq].constraint.take())
                     .flatten()
                     .map(|c| (p.seq, c))
             })
@@ -906,7 +913,7 @@ impl Actor {
                         tokens: &s.tokens[s.computed..s.computed + p.len],
                         start_pos: s.computed,
                         block_table: &s.table,
-                        want_logits: s.computed + p.len == s.tokens.len(),
+                        want_logits: p.samples(&self.running),
                     }
                 })
                 .collect();
@@ -936,13 +943,7 @@ impl Actor {
         }
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let vocab = self.model.config().vocab_size;
-        let rows = plan
-            .iter()
-            .filter(|p| {
-                let s = &self.running[p.seq];
-                s.computed + p.len == s.tokens.len()
-            })
-            .count();
+        let rows = plan.iter().filter(|p| p.samples(&self.running)).count();
         let result = result.and_then(|()| check_logits(&logits, want, rows, vocab));
         match result {
             Ok(()) => self.stats.failed_steps_in_a_row.store(0, Ordering::Relaxed),
@@ -1079,12 +1080,8 @@ impl Actor {
             return LogitsForm::Full;
         }
         let mut k = 0;
-        for p in plan {
-            let s = &self.running[p.seq];
-            if s.computed + p.len < s.tokens.len() {
-                continue;
-            }
-            match s.sampler.candidates() {
+        for p in plan.iter().filter(|p| p.samples(&self.running)) {
+            match self.running[p.seq].sampler.candidates() {
                 Some(n) if n <= max => k = k.max(n),
                 _ => return LogitsForm::Full,
             }
