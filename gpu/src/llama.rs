@@ -1,9 +1,9 @@
 //! Llama-family models on the device, with the variations the families of
 //! `tandem_modelfile::arch` bring (Qwen2's Q/K/V biases; Gemma 3's QK
 //! norms, post norms, GeGLU, scaled embeddings and sliding-window layers
-//! with their own RoPE base): layer weights in any of the quantised
-//! formats [`QFormat`] lists, embeddings and head of any type the CPU
-//! dequantises.
+//! with their own RoPE base; Mixtral's mixture-of-experts layers): layer
+//! weights in any of the quantised formats [`QFormat`] lists, embeddings
+//! and head of any type the CPU dequantises.
 //! [`GpuModel`] holds the weights and runs the forward pass of a batch of
 //! chunks (prompt pieces and decode tokens of several sequences) over a
 //! paged KV pool in device memory, laid out as the CPU engine's pool, so a
@@ -60,7 +60,7 @@ struct Layer {
 enum Ffn {
     /// The gate and up projections' rows, one matrix; the down projection.
     Dense { gate_up: Stacked, down: Stacked },
-    /// A mixture of SwiGLU experts, all on this rank.
+    /// A mixture of SwiGLU experts (this rank's share of them).
     Moe(MoeFfn),
 }
 
@@ -167,45 +167,71 @@ impl Stacked {
     }
 }
 
+/// Buffers of a step's MoE layers: every layer routes the same tokens
+/// over as many experts, so one set serves them all.
+struct MoeScratch {
+    /// Router logits, `n x experts`.
+    logits: Buffer,
+    /// Each token's picks and their weights, `n x top_k`.
+    sel: Buffer<u32>,
+    sel_w: Buffer,
+    /// The picks grouped per expert (`experts x n`) and their counts.
+    order: Buffer<u32>,
+    weight: Buffer,
+    counts: Buffer<u32>,
+    /// An expert's packed input rows and its output rows, `n x d`.
+    rows: Buffer,
+    y: Buffer,
+}
+
+impl MoeScratch {
+    fn new(dev: &GpuDevice, r: &MoeRouting, n: usize, d: usize) -> MoeScratch {
+        MoeScratch {
+            logits: dev.empty(n * r.experts),
+            sel: dev.empty(n * r.top_k),
+            sel_w: dev.empty(n * r.top_k),
+            order: dev.empty(r.experts * n),
+            weight: dev.empty(r.experts * n),
+            counts: dev.empty(r.experts),
+            rows: dev.empty(n * d),
+            y: dev.empty(n * d),
+        }
+    }
+}
+
 impl MoeFfn {
-    /// The block's output for the `n` token rows of `xn` into `out` (rows
-    /// of `d`): routing and grouping on the device, then each of this
-    /// rank's experts over its own tokens only, added in ascending expert
-    /// order (this rank's share of the sum, under expert parallelism). `gate_up` and
-    /// `h` are the dense FFN's scratch (`2 * ffn` and `ffn` per token).
+    /// The block's output for the `n` token rows (of `d`) of `xn` into
+    /// `out`: routing and grouping on the device, then each of this rank's
+    /// experts over its own tokens only, added in ascending expert order
+    /// (this rank's share of the sum, under expert parallelism). `scratch`
+    /// is made at the step's first MoE layer and reused by the others;
+    /// `gate_up` and `h` are the dense FFN's (`2 * ffn` and `ffn` per
+    /// token).
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         dev: &GpuDevice,
         xn: &Buffer,
-        n: usize,
+        (n, d): (usize, usize),
+        scratch: &mut Option<MoeScratch>,
         (gate_up, h): (&Buffer, &Buffer),
-        ffn: usize,
-        activation: Activation,
+        (ffn, activation): (usize, Activation),
         out: &Buffer,
     ) -> Result<(), GpuError> {
         let r = &self.routing;
-        let d = xn.len() / n.max(1);
-        let logits = dev.empty(n * r.experts);
-        self.router.matmul(dev, xn, &logits)?;
-        let (sel, sel_w) = (dev.empty(n * r.top_k), dev.empty(n * r.top_k));
-        let (order, weight, counts) = (
-            dev.empty(r.experts * n),
-            dev.empty(r.experts * n),
-            dev.empty(r.experts),
-        );
+        let s = scratch.get_or_insert_with(|| MoeScratch::new(dev, r, n, d));
+        self.router.matmul(dev, xn, &s.logits)?;
         kernels::moe_route(
-            dev, &logits, &self.bias, r, &sel, &sel_w, &order, &weight, &counts,
+            dev, &s.logits, &self.bias, r, &s.sel, &s.sel_w, &s.order, &s.weight, &s.counts,
         )?;
-        let (rows, y) = (dev.empty(n * d), dev.empty(n * d));
         kernels::fill(dev, out, 0.0)?;
         for (j, (w_gate_up, down)) in self.experts.iter().enumerate() {
             let e = self.first_expert + j;
-            kernels::moe_gather(dev, xn, &order, &counts, e, d, &rows)?;
-            w_gate_up.matmul_live(dev, &rows, gate_up, &counts, e)?;
+            kernels::moe_gather(dev, xn, &s.order, &s.counts, e, d, &s.rows)?;
+            w_gate_up.matmul_live(dev, &s.rows, gate_up, &s.counts, e)?;
             kernels::glu(dev, gate_up, ffn, activation, h)?;
-            down.matmul_live(dev, h, &y, &counts, e)?;
-            kernels::moe_scatter_add(dev, &y, &order, &weight, &counts, e, d, out)?;
+            down.matmul_live(dev, h, &s.y, &s.counts, e)?;
+            kernels::moe_scatter_add(dev, &s.y, &s.order, &s.weight, &s.counts, e, d, out)?;
         }
         Ok(())
     }
@@ -1013,6 +1039,7 @@ impl GpuModel {
         let att = dev.empty(n * qd);
         let (gate_up, h) = (dev.empty(2 * n * self.ffn), dev.empty(n * self.ffn));
         let (o, ffn_out) = (dev.empty(n * d), dev.empty(n * d));
+        let mut moe_scratch = None;
         // Attention runs in groups of tokens whose scores fit the cap (a
         // long prompt's would not fit one buffer a device can bind).
         let heads = self.heads;
@@ -1096,10 +1123,10 @@ impl GpuModel {
                     Ffn::Moe(m) => m.forward(
                         dev,
                         &xn,
-                        n,
+                        (n, d),
+                        &mut moe_scratch,
                         (&gate_up, &h),
-                        self.ffn,
-                        f.activation,
+                        (self.ffn, f.activation),
                         &ffn_out,
                     ),
                 }
