@@ -88,6 +88,21 @@ pub enum InvalidRequest {
     PromptTooLong { prompt: usize, max: usize },
     #[error("max_tokens must be at least 1")]
     ZeroMaxTokens,
+    /// The prompt plus the tokens asked for do not fit the context.
+    /// `param` is the field that asked (`max_tokens` unless renamed by
+    /// [`InvalidRequest::asked_by`]).
+    #[error(
+        "`{param}` is too large: {max_tokens}. The prompt has {prompt} tokens and the maximum \
+         context length is {max} tokens, so at most {room} tokens can be generated; lower \
+         `{param}` (or leave it out to generate up to the context length) or shorten the prompt.",
+        room = room(*.max, *.prompt)
+    )]
+    MaxTokensTooLarge {
+        param: &'static str,
+        max_tokens: usize,
+        prompt: usize,
+        max: usize,
+    },
     #[error(transparent)]
     Sampling(#[from] SamplingError),
     /// The output constraint (`response_format`) cannot be used.
@@ -103,11 +118,50 @@ impl InvalidRequest {
                 Some("prompt")
             }
             Self::ZeroMaxTokens => Some("max_tokens"),
+            Self::MaxTokensTooLarge { param, .. } => Some(param),
             Self::ParamTokenOutOfRange { param, .. } => Some(param),
             Self::Sampling(e) => Some(e.param()),
             Self::Constraint(_) => Some("response_format"),
         }
     }
+
+    /// OpenAI's error code, where it has one: `context_length_exceeded`
+    /// when the prompt (with the tokens asked for) does not fit, and
+    /// `invalid_value` when the tokens asked for alone cannot.
+    pub fn code(&self) -> Option<&'static str> {
+        match self {
+            Self::PromptTooLong { .. } => Some("context_length_exceeded"),
+            Self::MaxTokensTooLarge {
+                max_tokens, max, ..
+            } if max_tokens >= max => Some("invalid_value"),
+            Self::MaxTokensTooLarge { .. } => Some("context_length_exceeded"),
+            _ => None,
+        }
+    }
+
+    /// The same error, naming `field` as the one that set `max_tokens`
+    /// (`max_completion_tokens`, `max_output_tokens`).
+    pub fn asked_by(self, field: &'static str) -> Self {
+        match self {
+            Self::MaxTokensTooLarge {
+                max_tokens,
+                prompt,
+                max,
+                ..
+            } => Self::MaxTokensTooLarge {
+                param: field,
+                max_tokens,
+                prompt,
+                max,
+            },
+            other => other,
+        }
+    }
+}
+
+/// Tokens left to generate after a prompt of `prompt` in a context of `max`.
+fn room(max: usize, prompt: usize) -> usize {
+    max.saturating_sub(prompt)
 }
 
 /// The limits every request is checked against: the one place those checks
@@ -121,7 +175,9 @@ pub struct RequestLimits {
 
 impl RequestLimits {
     /// Checks a tokenized request; returns how many tokens it may generate:
-    /// `max_tokens` (all the room left when `None`) capped by the room left.
+    /// `max_tokens`, which with the prompt must fit `max_length` (as
+    /// OpenAI's API, a request asking for more is refused, not cut short),
+    /// or all the room left when `None`.
     pub fn check(
         &self,
         prompt: &[u32],
@@ -146,6 +202,15 @@ impl RequestLimits {
         if max_tokens == Some(0) {
             return Err(InvalidRequest::ZeroMaxTokens);
         }
+        let room = room(self.max_length, prompt.len());
+        if let Some(m) = max_tokens.filter(|&m| m > room) {
+            return Err(InvalidRequest::MaxTokensTooLarge {
+                param: "max_tokens",
+                max_tokens: m,
+                prompt: prompt.len(),
+                max: self.max_length,
+            });
+        }
         sampling.validate()?;
         if let Some((id, param)) = sampling
             .token_ids()
@@ -157,8 +222,7 @@ impl RequestLimits {
                 vocab: self.vocab_size,
             });
         }
-        let room = self.max_length - prompt.len();
-        Ok(max_tokens.map_or(room, |m| m.min(room)))
+        Ok(max_tokens.unwrap_or(room))
     }
 }
 
@@ -280,11 +344,44 @@ mod tests {
     }
 
     #[test]
-    fn max_tokens_is_capped_by_the_room_left() {
+    fn max_tokens_must_fit_the_room_left() {
         let s = SamplingParams::default();
         assert_eq!(LIMITS.check(&[1, 2, 3], None, &s), Ok(5));
         assert_eq!(LIMITS.check(&[1, 2, 3], Some(2), &s), Ok(2));
-        assert_eq!(LIMITS.check(&[1, 2, 3], Some(99), &s), Ok(5));
+        assert_eq!(LIMITS.check(&[1, 2, 3], Some(5), &s), Ok(5));
         assert_eq!(LIMITS.check(&[99; 7], Some(1), &s), Ok(1));
+        let too_large = |max_tokens| InvalidRequest::MaxTokensTooLarge {
+            param: "max_tokens",
+            max_tokens,
+            prompt: 3,
+            max: 8,
+        };
+        for m in [6, 8, 999_999_999, usize::MAX] {
+            let e = LIMITS
+                .check(&[1, 2, 3], Some(m), &s)
+                .expect_err("too large");
+            assert_eq!(e, too_large(m));
+            assert_eq!(e.param(), Some("max_tokens"));
+        }
+        // Over by one token is the context's fault; more than the context
+        // holds is the value's.
+        assert_eq!(too_large(6).code(), Some("context_length_exceeded"));
+        assert_eq!(too_large(7).code(), Some("context_length_exceeded"));
+        assert_eq!(too_large(8).code(), Some("invalid_value"));
+        assert_eq!(too_large(usize::MAX).code(), Some("invalid_value"));
+        let named = too_large(6).asked_by("max_output_tokens");
+        assert_eq!(named.param(), Some("max_output_tokens"));
+        assert_eq!(
+            named.to_string(),
+            "`max_output_tokens` is too large: 6. The prompt has 3 tokens and the maximum \
+             context length is 8 tokens, so at most 5 tokens can be generated; lower \
+             `max_output_tokens` (or leave it out to generate up to the context length) or \
+             shorten the prompt."
+        );
+        // Other errors keep their field.
+        assert_eq!(
+            InvalidRequest::ZeroMaxTokens.asked_by("x").param(),
+            Some("max_tokens")
+        );
     }
 }
