@@ -1,9 +1,7 @@
-//! The NCCL communicator's host side (`--features nccl`): device lists
+//! The NCCL communicator's host side: device lists
 //! are validated before CUDA is touched, and without a driver, libnccl or
 //! GPU (this project's CI) a group is a clean `NotAvailable`; on a lent
 //! GPU machine, a group over every GPU runs each collective.
-//! An integration test, so CI's NCCL step compiles the library once (its
-//! build is the lint of the feature's code) and links this to it.
 
 #![allow(clippy::unwrap_used)]
 

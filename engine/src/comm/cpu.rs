@@ -382,7 +382,6 @@ impl CpuComm {
 
     /// Agrees on sizes without moving data (backends whose data path is
     /// elsewhere, e.g. NCCL).
-    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     pub(crate) fn check_sizes(&self, op: Op, len: usize, out_len: usize) -> Result<(), CommError> {
         let mut seq = self.lock_seq();
         let meta = Meta {

@@ -2,8 +2,8 @@
 //!
 //! A [`Communicator`] is one rank's handle on a group of `world_size()`
 //! ranks. Backends: [`CpuGroup`] (ranks are threads of one process, over
-//! shared memory) and, with the `nccl` feature, `NcclComm` (one GPU per
-//! rank). [`parse_devices`] reads the `--devices` flag and [`new_group`]
+//! shared memory) and `NcclComm` (one GPU per rank; CUDA and NCCL loaded
+//! at run time). [`parse_devices`] reads the `--devices` flag and [`new_group`]
 //! builds the matching group.
 //!
 //! # Contract
@@ -31,12 +31,10 @@
 
 mod cpu;
 mod devices;
-#[cfg(feature = "nccl")]
 mod nccl;
 
 pub use cpu::{CpuComm, CpuGroup};
 pub use devices::{DeviceSpec, GpuSelection, parse_devices};
-#[cfg(feature = "nccl")]
 pub use nccl::NcclComm;
 
 /// Why a collective (or building a group) failed.
@@ -114,14 +112,13 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
 
 /// Builds the ranks of a group for a parsed `--devices` value: `cpu:N`
 /// gives `N` thread ranks, `gpu:...` gives NCCL ranks (or `NotAvailable`
-/// when built without the `nccl` feature or run without a GPU).
+/// without a CUDA driver, libnccl or GPU).
 pub fn new_group(spec: &DeviceSpec) -> Result<Vec<Box<dyn Communicator>>, CommError> {
     match spec {
         DeviceSpec::Cpu { ranks } => Ok(CpuGroup::new(*ranks)
             .into_iter()
             .map(|c| Box::new(c) as Box<dyn Communicator>)
             .collect()),
-        #[cfg(feature = "nccl")]
         DeviceSpec::Gpu(sel) => {
             let devices = match sel {
                 GpuSelection::All => (0..NcclComm::device_count()?).collect(),
@@ -132,10 +129,6 @@ pub fn new_group(spec: &DeviceSpec) -> Result<Vec<Box<dyn Communicator>>, CommEr
                 .map(|c| Box::new(c) as Box<dyn Communicator>)
                 .collect())
         }
-        #[cfg(not(feature = "nccl"))]
-        DeviceSpec::Gpu(_) => Err(CommError::NotAvailable(
-            "GPU ranks need tandem-engine built with the `nccl` feature".into(),
-        )),
     }
 }
 
@@ -151,13 +144,13 @@ mod tests {
         assert_eq!(ranks, [(0, 3), (1, 3), (2, 3)]);
     }
 
-    /// This machine has no GPU (and default builds no NCCL): a GPU group is
-    /// a clean `NotAvailable`; on a GPU machine with the feature it builds.
+    /// Without a GPU a GPU group is a clean `NotAvailable`; on a GPU
+    /// machine it builds.
     #[test]
     fn gpu_group_is_not_available_here_rather_than_a_panic() {
         match new_group(&parse_devices("gpu:all").unwrap()) {
             Err(CommError::NotAvailable(msg)) => assert!(!msg.is_empty()),
-            Ok(comms) => assert!(cfg!(feature = "nccl") && !comms.is_empty()),
+            Ok(comms) => assert!(!comms.is_empty()),
             Err(e) => panic!("expected NotAvailable, got {e}"),
         }
     }

@@ -1,5 +1,5 @@
-//! NCCL backend (feature `nccl`): one rank per GPU, the ranks being threads
-//! of this process.
+//! NCCL backend: one rank per GPU, the ranks being threads of this
+//! process.
 //!
 //! The [`Communicator`] trait works on host `f32` slices, so each call here
 //! copies host -> device, runs the NCCL collective on the rank's stream and
