@@ -21,7 +21,7 @@ use tandem_frontend::auth::ApiKeys;
 use tandem_frontend::reasoning::ReasoningParser;
 use tandem_frontend::tls::HttpTls;
 use tandem_frontend::tools::ToolParser;
-use tandem_frontend::{AppState, ServerConfig};
+use tandem_frontend::{AppState, BodyPace, ServerConfig};
 use tandem_modelfile::{ModelMeta, fetch};
 use tandem_perfmodel::EngineProfile;
 
@@ -170,9 +170,20 @@ pub struct HttpArgs {
     /// an idle keep-alive connection stays open).
     #[arg(long, env = "TANDEM_HEADER_TIMEOUT_SECS", default_value_t = 10.0)]
     pub header_timeout_secs: f64,
-    /// Seconds a request body may take to arrive (408 after).
+    /// Seconds a request body may take to arrive, in all (408 after, and
+    /// the connection is closed).
     #[arg(long, env = "TANDEM_BODY_TIMEOUT_SECS", default_value_t = 30.0)]
     pub body_timeout_secs: f64,
+    /// After --body-rate-grace-secs, a request body must have arrived at
+    /// this many bytes per second on average (408 otherwise; 0: no
+    /// minimum). 64 KiB/s is below any real client's uplink, and makes a
+    /// client that holds body budget by trickling pay for it in bandwidth.
+    #[arg(long, env = "TANDEM_BODY_MIN_BYTES_PER_SEC", default_value_t = 64 << 10)]
+    pub body_min_bytes_per_sec: u64,
+    /// Seconds a request body may arrive slower than
+    /// --body-min-bytes-per-sec (connection set-up, TLS, a slow start).
+    #[arg(long, env = "TANDEM_BODY_RATE_GRACE_SECS", default_value_t = 5.0)]
+    pub body_rate_grace_secs: f64,
     /// Open connections at most; more wait to be accepted.
     #[arg(long, env = "TANDEM_MAX_CONNECTIONS", default_value_t = 4096)]
     pub max_connections: usize,
@@ -180,6 +191,12 @@ pub struct HttpArgs {
     /// length); beyond it, 503. At least --max-body-bytes.
     #[arg(long, env = "TANDEM_MAX_BUFFERED_BODY_BYTES", default_value_t = 256 << 20)]
     pub max_buffered_body_bytes: usize,
+    /// Of --max-buffered-body-bytes, what one client address (IPv6: its
+    /// /64) or one API key may hold; beyond it, 429. Default: an eighth,
+    /// at least --max-body-bytes. Behind a proxy every client has its
+    /// address: raise it to --max-buffered-body-bytes there.
+    #[arg(long, env = "TANDEM_MAX_BUFFERED_BODY_BYTES_PER_CLIENT")]
+    pub max_buffered_body_bytes_per_client: Option<usize>,
 }
 
 #[derive(Debug, Args)]
@@ -434,6 +451,20 @@ impl HttpArgs {
         if self.max_body_bytes == 0 {
             bail!("--max-body-bytes must be at least 1");
         }
+        let per_client = self
+            .max_buffered_body_bytes_per_client
+            .unwrap_or((self.max_buffered_body_bytes / 8).max(self.max_body_bytes));
+        if !(self.max_body_bytes..=self.max_buffered_body_bytes).contains(&per_client) {
+            bail!(
+                "--max-buffered-body-bytes-per-client must be between --max-body-bytes and \
+                 --max-buffered-body-bytes"
+            );
+        }
+        let body_pace = BodyPace {
+            timeout: secs("--body-timeout-secs", self.body_timeout_secs)?,
+            min_bytes_per_sec: self.body_min_bytes_per_sec,
+            grace: secs("--body-rate-grace-secs", self.body_rate_grace_secs)?,
+        };
         Ok(ServerConfig {
             allow_extra_request_fields: self.allow_extra_request_fields,
             max_concurrent_requests: self.max_concurrent_requests,
@@ -446,9 +477,10 @@ impl HttpArgs {
             protect_metrics: self.protect_metrics,
             max_concurrent_requests_per_key: self.max_concurrent_requests_per_key,
             header_timeout: secs("--header-timeout-secs", self.header_timeout_secs)?,
-            body_timeout: secs("--body-timeout-secs", self.body_timeout_secs)?,
+            body_pace,
             max_connections: self.max_connections,
             max_buffered_body_bytes: self.max_buffered_body_bytes,
+            max_buffered_body_bytes_per_client: per_client,
         })
     }
 

@@ -36,16 +36,18 @@ pub enum ApiError {
     /// A body that is not JSON (415).
     #[error("{0}")]
     UnsupportedMediaType(String),
-    /// The body did not arrive in time (408).
+    /// The body did not arrive in time (408; the connection is closed).
     #[error("{0}")]
     RequestTimeout(String),
     /// The body exceeds `max_body_bytes` (413).
     #[error("{0}")]
     PayloadTooLarge(String),
-    /// This API key has too many requests in flight (429, retryable).
+    /// This API key (or client address) holds too much (429 with
+    /// `Retry-After`).
     #[error("{0}")]
     RateLimited(String),
-    /// Too many requests in flight (503, retryable).
+    /// Too many requests in flight, or bodies being received (503 with
+    /// `Retry-After`).
     #[error("{0}")]
     Overloaded(String),
     /// The backend cannot take or finish requests now (503, retryable).
@@ -157,9 +159,13 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         self.log();
         let mut r = (self.status(), Json(self.body())).into_response();
+        use axum::http::header;
         let extra = match self {
-            Self::Unauthorized(_) => Some((axum::http::header::WWW_AUTHENTICATE, "Bearer")),
-            Self::RateLimited(_) => Some((axum::http::header::RETRY_AFTER, "1")),
+            Self::Unauthorized(_) => Some((header::WWW_AUTHENTICATE, "Bearer")),
+            Self::RateLimited(_) | Self::Overloaded(_) => Some((header::RETRY_AFTER, "1")),
+            // The rest of a body that came too slowly is not read: the
+            // connection cannot carry another request.
+            Self::RequestTimeout(_) => Some((header::CONNECTION, "close")),
             _ => None,
         };
         if let Some((name, value)) = extra {
@@ -172,12 +178,10 @@ impl IntoResponse for ApiError {
 
 impl From<InvalidRequest> for ApiError {
     fn from(e: InvalidRequest) -> Self {
-        let code =
-            matches!(e, InvalidRequest::PromptTooLong { .. }).then_some("context_length_exceeded");
         Self::InvalidRequest {
             message: e.to_string(),
             param: e.param().map(str::to_string),
-            code,
+            code: e.code(),
         }
     }
 }

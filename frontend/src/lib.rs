@@ -20,4 +20,4 @@ pub mod tools;
 pub use backend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
 pub use error::ApiError;
 pub use metrics::MetricsRenderer;
-pub use server::{AppState, ConnectionLimits, ServerConfig, app, serve, serve_router};
+pub use server::{AppState, BodyPace, ConnectionLimits, ServerConfig, app, serve, serve_router};

@@ -216,12 +216,44 @@ pub struct CompletionRequest {
     pub common: CommonParams,
 }
 
+/// How many tokens a request may generate, as the client asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxTokens {
+    /// The client's value: with the prompt it must fit the context (a 400
+    /// otherwise, by `RequestLimits::check`). `None`: the room left, or
+    /// `default` if that is less.
+    pub value: Option<usize>,
+    /// The field that set it, named in errors.
+    pub param: &'static str,
+    /// Used when the client sets none (completions: 16, OpenAI's legacy
+    /// default), capped by the room left.
+    pub default: Option<usize>,
+}
+
+impl MaxTokens {
+    /// Checks a tokenized prompt against `limits` (the one place requests
+    /// are checked); returns how many tokens it may generate.
+    pub fn check(
+        &self,
+        limits: &tandem_types::RequestLimits,
+        prompt: &[u32],
+        sampling: &SamplingParams,
+    ) -> Result<usize, tandem_types::InvalidRequest> {
+        let room = limits
+            .check(prompt, self.value, sampling)
+            .map_err(|e| e.asked_by(self.param))?;
+        Ok(match (self.value, self.default) {
+            (None, Some(d)) => room.min(d),
+            _ => room,
+        })
+    }
+}
+
 /// What the engine needs from a request, validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenParams {
     pub sampling: SamplingParams,
-    /// `None`: up to the context length.
-    pub max_tokens: Option<usize>,
+    pub max_tokens: MaxTokens,
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
@@ -426,9 +458,12 @@ impl ChatRequest {
         }
         let logprobs = self.logprobs.unwrap_or(false);
         let top = self.top_logprobs.unwrap_or(0);
-        let max_tokens = self.max_completion_tokens.or(self.common.max_tokens);
+        let (value, param) = match self.max_completion_tokens {
+            Some(m) => (Some(m), "max_completion_tokens"),
+            None => (self.common.max_tokens, "max_tokens"),
+        };
         self.common
-            .params(max_tokens, logprobs, top, "top_logprobs")
+            .params((value, param, None), logprobs, top, "top_logprobs")
     }
 }
 
@@ -515,16 +550,17 @@ impl CompletionRequest {
         }
         let top = self.logprobs.unwrap_or(0);
         // OpenAI's legacy default for completions.
-        let max_tokens = Some(self.common.max_tokens.unwrap_or(16));
+        let max_tokens = (self.common.max_tokens, "max_tokens", Some(16));
         self.common
             .params(max_tokens, self.logprobs.is_some(), top, "logprobs")
     }
 }
 
 impl CommonParams {
+    /// `max_tokens`: the client's value, the field it came in, the default.
     fn params(
         &self,
-        max_tokens: Option<u64>,
+        max_tokens: (Option<u64>, &'static str, Option<usize>),
         logprobs: bool,
         top_logprobs: u64,
         top_name: &str,
@@ -576,10 +612,15 @@ impl CommonParams {
             }
             Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
         };
-        let max_tokens = match max_tokens {
-            None => None,
-            Some(0) => return Err(invalid("`max_tokens` must be at least 1", "max_tokens")),
-            Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+        let (value, param, default) = max_tokens;
+        let max_tokens = MaxTokens {
+            value: match value {
+                None => None,
+                Some(0) => return Err(invalid(format!("`{param}` must be at least 1"), param)),
+                Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+            },
+            param,
+            default,
         };
         let sampling = SamplingParams {
             temperature: self.temperature.unwrap_or(1.0),
@@ -601,9 +642,14 @@ impl CommonParams {
             .map_err(|e| invalid(e.to_string(), e.param()))?;
         let min_tokens = match self.min_tokens {
             None => 0,
-            Some(m) if max_tokens.is_some_and(|max| m > max as u64) => {
+            Some(m)
+                if max_tokens
+                    .value
+                    .or(default)
+                    .is_some_and(|max| m > max as u64) =>
+            {
                 return Err(invalid(
-                    "`min_tokens` must not exceed `max_tokens`",
+                    format!("`min_tokens` must not exceed `{param}`"),
                     "min_tokens",
                 ));
             }
@@ -940,7 +986,8 @@ mod tests {
         let r = chat(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#).unwrap();
         let p = r.params().unwrap();
         assert_eq!(p.sampling.temperature, 1.0);
-        assert_eq!(p.max_tokens, None);
+        assert_eq!(p.max_tokens.value, None);
+        assert_eq!(p.max_tokens.default, None);
         assert!(!p.stream);
         assert_eq!(
             r.messages(ToolParser::Hermes, None).unwrap(),
@@ -1137,7 +1184,8 @@ mod tests {
         )
         .unwrap();
         let p = r.params().unwrap();
-        assert_eq!(p.max_tokens, Some(7));
+        assert_eq!(p.max_tokens.value, Some(7));
+        assert_eq!(p.max_tokens.param, "max_completion_tokens");
         assert_eq!(p.sampling.top_k, 0);
         assert_eq!(p.sampling.seed, Some(u64::MAX));
         assert!(p.sampling.logprobs);
@@ -1182,7 +1230,8 @@ mod tests {
         let r = CompletionRequest::parse(br#"{"prompt":"x","logprobs":2,"echo":false}"#, false)
             .unwrap();
         let g = r.params().unwrap();
-        assert_eq!(g.max_tokens, Some(16));
+        assert_eq!(g.max_tokens.value, None);
+        assert_eq!(g.max_tokens.default, Some(16));
         assert!(g.sampling.logprobs);
         assert_eq!(g.sampling.top_logprobs, 2);
         // Chat-only fields are unknown here.

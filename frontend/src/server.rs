@@ -45,8 +45,13 @@ use crate::reasoning::ReasoningParser;
 use crate::tls::HttpTls;
 use crate::tools::{self, ToolChoice, ToolParser};
 
+mod body_budget;
+mod body_pace;
 mod choices;
 mod responses;
+
+use body_budget::{BodyBudget, KeyId};
+pub use body_pace::BodyPace;
 
 use choices::{OutputParser, UsageTally};
 
@@ -75,13 +80,17 @@ pub struct ServerConfig {
     /// A connection that sends no complete request head for this long (a
     /// new connection, or an idle keep-alive one) is closed.
     pub header_timeout: Duration,
-    /// A request body not received within this long is a 408.
-    pub body_timeout: Duration,
+    /// How long a request body may take, in all and by its rate (408
+    /// beyond, and the connection is closed).
+    pub body_pace: BodyPace,
     /// Open connections beyond this wait in the kernel's accept queue.
     pub max_connections: usize,
     /// Request bodies being received at once, in bytes (by their declared
     /// length); beyond it, 503. Bounds what slow uploads can hold.
     pub max_buffered_body_bytes: usize,
+    /// Of those, what one client address (IPv6: its /64) or one API key
+    /// may hold; beyond it, 429.
+    pub max_buffered_body_bytes_per_client: usize,
 }
 
 /// Most prompts in one `/v1/completions` request.
@@ -103,8 +112,9 @@ struct Inner {
     next_id: AtomicU64,
     draining: AtomicBool,
     metrics: OnceLock<Renderer>,
-    /// Bytes of request bodies being received (`max_buffered_body_bytes`).
-    body_budget: Arc<Semaphore>,
+    /// Bytes of request bodies being received (`max_buffered_body_bytes`),
+    /// and each client's share.
+    body_budget: Arc<BodyBudget>,
     /// Requests in flight per API key (by digest).
     per_key: std::sync::Mutex<std::collections::HashMap<[u8; 32], Arc<Semaphore>>>,
     /// Built on the first constrained request (indexing the vocabulary
@@ -130,8 +140,9 @@ impl AppState {
     /// templates them.
     pub fn new(text: Arc<ModelText>, backend: Arc<dyn Backend>, config: ServerConfig) -> Self {
         let permits = Arc::new(Semaphore::new(config.max_concurrent_requests));
-        let body_budget = Arc::new(Semaphore::new(
-            config.max_buffered_body_bytes.min(Semaphore::MAX_PERMITS),
+        let body_budget = Arc::new(BodyBudget::new(
+            config.max_buffered_body_bytes,
+            config.max_buffered_body_bytes_per_client,
         ));
         Self {
             inner: Arc::new(Inner {
@@ -275,7 +286,7 @@ impl AppState {
         }
         for prompt in prompts {
             // Choices differ only in their seed, which the check ignores.
-            let max_tokens = limits.check(&prompt, params.max_tokens, &sampling)?;
+            let max_tokens = params.max_tokens.check(&limits, &prompt, &sampling)?;
             for j in 0..params.n {
                 let mut sampling = sampling.clone();
                 sampling.seed = sampling.seed.map(|s| s.wrapping_add(j as u64));
@@ -527,8 +538,8 @@ fn done_event() -> Result<SseEvent, Infallible> {
 fn body_error(limit: usize, e: BytesRejection) -> ApiError {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
     while let Some(c) = cause {
-        if c.is::<tower_http::timeout::TimeoutError>() {
-            return ApiError::RequestTimeout("The request body did not arrive in time".into());
+        if let Some(slow) = c.downcast_ref::<body_pace::BodyTooSlow>() {
+            return ApiError::RequestTimeout(slow.to_string());
         }
         cause = c.source();
     }
@@ -1069,7 +1080,7 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
 /// `/health` and `/metrics` only when configured so.
 async fn require_key(
     State(state): State<AppState>,
-    req: axum::extract::Request,
+    mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
     let c = state.config();
@@ -1092,6 +1103,10 @@ async fn require_key(
             return e.into_response();
         }
     };
+    if let Some(key) = key {
+        // The body budget charges the key too.
+        req.extensions_mut().insert(KeyId(key));
+    }
     let limit = c.max_concurrent_requests_per_key;
     let Some(key) = key.filter(|_| limit > 0) else {
         return next.run(req).await;
@@ -1127,56 +1142,6 @@ async fn require_key(
     Response::from_parts(parts, body)
 }
 
-/// Checks a POST body's declared type, then reserves its declared length
-/// (the limit when it declares
-/// none) from the server's body budget until the request is handled, so
-/// that slow uploads cannot hold unbounded memory: 503 when it is spent.
-async fn body_budget(
-    State(state): State<AppState>,
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    if req.method() != Method::POST {
-        return next.run(req).await;
-    }
-    // Bodies are JSON: a declared type must say so (a missing one is
-    // accepted, as clients that send JSON often leave it out).
-    if let Some(ct) = req.headers().get(header::CONTENT_TYPE) {
-        let essence = ct
-            .to_str()
-            .ok()
-            .and_then(|v| v.split(';').next())
-            .map(|v| v.trim().to_ascii_lowercase());
-        let json = essence
-            .as_deref()
-            .is_some_and(|e| e == "application/json" || e.ends_with("+json"));
-        if !json {
-            let e = ApiError::UnsupportedMediaType(
-                "The request body must be JSON, sent with Content-Type: application/json".into(),
-            );
-            record_rejected(&e);
-            return e.into_response();
-        }
-    }
-    let limit = state.config().max_body_bytes;
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(limit)
-        .min(limit);
-    let bytes = u32::try_from(declared.max(1)).unwrap_or(u32::MAX);
-    let Ok(_reserved) = Arc::clone(&state.inner.body_budget).try_acquire_many_owned(bytes) else {
-        let e = ApiError::Overloaded(
-            "The server is receiving too many request bodies at once. Retry later.".into(),
-        );
-        record_rejected(&e);
-        return e.into_response();
-    };
-    next.run(req).await
-}
-
 /// The OpenAI API routes.
 pub fn app(state: AppState) -> Router {
     let limit = state.config().max_body_bytes;
@@ -1191,12 +1156,9 @@ pub fn app(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
-        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
-            state.config().body_timeout,
-        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
-            body_budget,
+            body_budget::admit_body,
         ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -1263,8 +1225,8 @@ pub async fn serve_router(
 ) -> std::io::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::service::TowerToHyperService;
+    use tower_http::add_extension::AddExtension;
 
-    let service = TowerToHyperService::new(router);
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
@@ -1280,9 +1242,9 @@ pub async fn serve_router(
             },
             () = &mut shutdown => break,
         };
-        let tcp = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             r = listener.accept() => match r {
-                Ok((tcp, _)) => tcp,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of file descriptors and the like: back off.
                     tracing::warn!("accepting a connection: {e}");
@@ -1296,7 +1258,12 @@ pub async fn serve_router(
             tracing::warn!("setting TCP_NODELAY: {e}");
         }
         let watcher = graceful.watcher();
-        let (http, service, tls) = (http.clone(), service.clone(), tls.clone());
+        // Requests know their peer (the body budget's share per address).
+        let service = TowerToHyperService::new(AddExtension::new(
+            router.clone(),
+            axum::extract::ConnectInfo(peer),
+        ));
+        let (http, tls) = (http.clone(), tls.clone());
         let handshake_timeout = limits.header_timeout;
         connections.spawn(async move {
             let _slot = slot;

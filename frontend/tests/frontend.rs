@@ -24,8 +24,8 @@ use futures_util::future::BoxFuture;
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tandem_frontend::{
-    AppState, Backend, BackendHealth, BackendRequest, GenerationStream, ServerConfig, SubmitError,
-    app, serve,
+    AppState, Backend, BackendHealth, BackendRequest, BodyPace, GenerationStream, ServerConfig,
+    SubmitError, app, serve,
 };
 use tandem_modelfile::chat::ChatMessage;
 use tandem_modelfile::{ModelMeta, ModelText};
@@ -244,9 +244,14 @@ fn config() -> ServerConfig {
         protect_metrics: false,
         max_concurrent_requests_per_key: 0,
         header_timeout: Duration::from_secs(10),
-        body_timeout: Duration::from_secs(30),
+        body_pace: BodyPace {
+            timeout: Duration::from_secs(30),
+            min_bytes_per_sec: 64 << 10,
+            grace: Duration::from_secs(5),
+        },
         max_connections: 64,
         max_buffered_body_bytes: 64 << 20,
+        max_buffered_body_bytes_per_client: 64 << 20,
     }
 }
 
@@ -837,9 +842,11 @@ async fn held_back_stop_prefix_is_released() {
 }
 
 /// `max_tokens` defaults to the room the context has left after the prompt
-/// (chat) or 16 (completions), and is capped by that room.
+/// (chat) or 16 (completions, capped by that room). A value that with the
+/// prompt does not fit the context is a 400 in OpenAI's shape naming the
+/// field the client set, never a silent cap (issues 36 and 41).
 #[tokio::test]
-async fn max_tokens_defaults_to_the_room_left_and_is_capped() {
+async fn max_tokens_defaults_to_the_room_left_and_must_fit_it() {
     let max_length = 300;
     let s = Server::new(max_length);
     let chat = chat_body("How long may you talk?");
@@ -847,30 +854,16 @@ async fn max_tokens_defaults_to_the_room_left_and_is_capped() {
     let cases = [
         (CHAT, chat.clone(), None),
         (CHAT, with(&chat, json!({"max_tokens": 5})), Some(5)),
-        (CHAT, with(&chat, json!({"max_tokens": 100_000})), None),
         (
             CHAT,
             with(&chat, json!({"max_tokens": 5, "max_completion_tokens": 7})),
             Some(7),
-        ),
-        (
-            CHAT,
-            with(
-                &chat,
-                json!({"max_completion_tokens": 1_000_000_000_000u64}),
-            ),
-            None,
         ),
         (COMPLETIONS, completion.clone(), Some(16)),
         (
             COMPLETIONS,
             with(&completion, json!({"max_tokens": 9})),
             Some(9),
-        ),
-        (
-            COMPLETIONS,
-            with(&completion, json!({"max_tokens": 100_000})),
-            None,
         ),
     ];
     for (i, (path, body, want)) in cases.iter().enumerate() {
@@ -882,6 +875,83 @@ async fn max_tokens_defaults_to_the_room_left_and_is_capped() {
         assert!(room < 300 && room > 16, "{room}");
         assert_eq!(r.max_tokens, want.unwrap_or(room), "{path} {body}");
     }
+    // A prompt of 290 tokens: 10 fit, 11 do not; a completion's default
+    // of 16 is cut to the 10 that fit.
+    let prompt = vec![1u32; max_length - 10];
+    let ids = |max_tokens: Value| json!({"prompt": prompt, "max_tokens": max_tokens});
+    s.script(say("ok", FinishReason::Length));
+    let (status, v) = s.post_json(COMPLETIONS, &ids(json!(10))).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    s.script(say("ok", FinishReason::Length));
+    let (status, v) = s.post_json(COMPLETIONS, &json!({"prompt": prompt})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let sent: Vec<usize> = s.requests()[cases.len()..]
+        .iter()
+        .map(|r| r.max_tokens)
+        .collect();
+    assert_eq!(sent, [10, 10]);
+    let refused = [
+        (
+            COMPLETIONS,
+            ids(json!(11)),
+            "max_tokens",
+            "context_length_exceeded",
+        ),
+        (
+            COMPLETIONS,
+            ids(json!(u64::MAX)),
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            COMPLETIONS,
+            ids(json!(999_999_999)),
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            CHAT,
+            with(&chat, json!({"max_tokens": 100_000})),
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            CHAT,
+            with(
+                &chat,
+                json!({"max_tokens": 5, "max_completion_tokens": u64::MAX}),
+            ),
+            "max_completion_tokens",
+            "invalid_value",
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "Hi", "max_output_tokens": 999_999_999}),
+            "max_output_tokens",
+            "invalid_value",
+        ),
+    ];
+    for (path, body, param, code) in &refused {
+        let (status, v) = s.post_json(path, body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}: {v}");
+        let (kind, got_code, got_param, message) = error_of(&v);
+        assert_eq!(kind, "invalid_request_error", "{v}");
+        assert_eq!((got_param, got_code), (Some(*param), Some(*code)), "{v}");
+        // The numbers: what was asked, the context, the room left.
+        let asked = body[param].to_string();
+        for n in [asked.as_str(), "300"] {
+            assert!(message.contains(n), "{n}: {message}");
+        }
+        assert!(message.contains(&format!("`{param}`")), "{message}");
+    }
+    let (_, v) = s.post_json(COMPLETIONS, &ids(json!(11))).await;
+    let message = error_of(&v).3;
+    assert!(
+        message.contains("290") && message.contains("at most 10"),
+        "{message}"
+    );
+    // None of them reached the backend.
+    assert_eq!(s.requests().len(), cases.len() + 2);
 }
 
 /// Requests the front end can refuse never reach the backend: a prompt
@@ -926,7 +996,7 @@ async fn request_checks_happen_before_the_backend_sees_anything() {
         (
             CHAT,
             with(&chat, json!({"max_completion_tokens": 0})),
-            "max_tokens",
+            "max_completion_tokens",
             None,
         ),
         (
@@ -2019,10 +2089,14 @@ async fn stalled_clients_are_timed_out_and_bounded() {
         2048,
         ServerConfig {
             header_timeout: Duration::from_millis(300),
-            body_timeout: Duration::from_millis(300),
+            body_pace: BodyPace {
+                timeout: Duration::from_millis(300),
+                ..config().body_pace
+            },
             max_connections: 2,
             max_body_bytes: 1500,
             max_buffered_body_bytes: 2000,
+            max_buffered_body_bytes_per_client: 2000,
             ..config()
         },
     );
@@ -2087,17 +2161,8 @@ async fn stalled_clients_are_timed_out_and_bounded() {
     .await
     .unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let mut second = tokio::net::TcpStream::connect(addr).await.unwrap();
-    second
-        .write_all(
-            format!(
-                "POST {CHAT} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-                 Content-Length: 1000\r\nConnection: close\r\n\r\n"
-            )
-            .as_bytes(),
-        )
-        .await
-        .unwrap();
+    // (From another address: this one's share is taken too.)
+    let second = post_from("127.0.0.2", addr, 1000, "", "").await;
     let answer = read_all(second).await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     // The stalled upload times out and gives its bytes back.
@@ -2118,6 +2183,210 @@ async fn stalled_clients_are_timed_out_and_bounded() {
     let answer = read_all(ok).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 
+    tcp.stop().await;
+}
+
+/// A connection from `from` (a loopback address) to `addr` with a POST
+/// head declaring `length` bytes of JSON (and `headers`) and `start` of
+/// its body written.
+async fn post_from(
+    from: &str,
+    addr: std::net::SocketAddr,
+    length: usize,
+    headers: &str,
+    start: &str,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    let mut c = socket.connect(addr).await.unwrap();
+    c.write_all(
+        format!(
+            "POST {CHAT} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {length}\r\n{headers}Connection: close\r\n\r\n{start}"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    c
+}
+
+/// Everything the server sends on `c` until it closes it (5 s at most).
+async fn answer_of(mut c: tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut out))
+        .await
+        .expect("the server ends the connection")
+        .ok();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Writes `body` on `c` in pieces of `piece` bytes, one every `every`,
+/// until it is written or the server closes the connection; then reads
+/// the answer. Returns it and how long the server took to close.
+async fn trickle(
+    mut c: tokio::net::TcpStream,
+    body: &[u8],
+    piece: usize,
+    every: Duration,
+) -> (String, Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let started = std::time::Instant::now();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let mut pieces = body.chunks(piece);
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            r = c.read(&mut buf) => match r {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            },
+            _ = tick.tick() => match pieces.next() {
+                // Writes after the server closed may fail: the read ends.
+                Some(p) => { let _ = c.write_all(p).await; }
+                None => {
+                    out.extend(answer_of(c).await.into_bytes());
+                    break;
+                }
+            },
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "never closed");
+    }
+    (
+        String::from_utf8_lossy(&out).into_owned(),
+        started.elapsed(),
+    )
+}
+
+/// A body's whole time is bounded (not just its silences), and after a
+/// grace period so is its average rate: a body that keeps sending a
+/// little is a 408 all the same, and its connection is closed at once.
+#[tokio::test]
+async fn bodies_are_bounded_in_time_and_rate() {
+    let pace = BodyPace {
+        timeout: Duration::from_millis(1500),
+        min_bytes_per_sec: 200,
+        grace: Duration::from_millis(300),
+    };
+    let s = Server::with_config(
+        2048,
+        ServerConfig {
+            body_pace: pace,
+            ..config()
+        },
+    );
+    let tcp = TcpServer::start(&s).await;
+    let body = with(&chat_body("hi"), json!({"padding": " ".repeat(400)})).to_string();
+    let post = || post_from("127.0.0.1", tcp.addr, body.len(), "", "");
+
+    // 5 bytes every 10 ms (500 B/s): in time.
+    let (answer, _) = trickle(post().await, body.as_bytes(), 5, Duration::from_millis(10)).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(
+        answer.contains("padding"),
+        "the whole body was read: {answer}"
+    );
+
+    // 1 byte every 20 ms (50 B/s) is under the rate: cut soon after the
+    // grace period, long before the timeout.
+    let (answer, took) = trickle(post().await, body.as_bytes(), 1, Duration::from_millis(20)).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request_timeout"), "{answer}");
+    assert!(answer.contains("bytes per second"), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("connection: close"),
+        "{answer}"
+    );
+    // (The server's clock started when it read the head, a little
+    // before `trickle` started its own.)
+    let early = Duration::from_millis(100);
+    assert!(
+        took + early >= pace.grace && took < pace.timeout,
+        "closed after {took:?}"
+    );
+
+    // 3 bytes every 10 ms (300 B/s) keeps the rate but would take 1.5 s
+    // for the first 450 bytes: cut at the timeout.
+    let (answer, took) = trickle(post().await, body.as_bytes(), 3, Duration::from_millis(10)).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("did not arrive within"), "{answer}");
+    assert!(
+        took + early >= pace.timeout && took < pace.timeout + Duration::from_millis(500),
+        "closed after {took:?}"
+    );
+    tcp.stop().await;
+}
+
+/// One client address, or one API key, holds at most its share of the
+/// body budget: beyond it 429 with `Retry-After`, while other addresses
+/// and keys are served; the share comes back when the body is done.
+#[tokio::test]
+async fn one_address_or_key_holds_only_its_share_of_the_body_budget() {
+    let s = Server::with_config(
+        2048,
+        ServerConfig {
+            max_body_bytes: 1500,
+            max_buffered_body_bytes: 6000,
+            max_buffered_body_bytes_per_client: 2000,
+            api_keys: tandem_frontend::auth::ApiKeys::new(&["sk-a", "sk-b"]).unwrap(),
+            ..config()
+        },
+    );
+    let tcp = TcpServer::start(&s).await;
+    let key = |k: &str| format!("Authorization: Bearer {k}\r\n");
+    // A valid request of 1000 bytes (padded with spaces), sent whole.
+    let body = format!("{:<1000}", chat_body("hi").to_string());
+    let probe = |from: &'static str, k: &'static str| {
+        let (addr, body, key) = (tcp.addr, body.clone(), key(k));
+        s.script(say("ok", FinishReason::Stop));
+        async move { answer_of(post_from(from, addr, body.len(), &key, &body).await).await }
+    };
+    // Probes until one is refused (each admitted one is served).
+    let until_refused = |from: &'static str, k: &'static str| async move {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let answer = probe(from, k).await;
+            if !answer.starts_with("HTTP/1.1 200") {
+                return answer;
+            }
+            assert!(std::time::Instant::now() < deadline, "never refused");
+        }
+    };
+    // 127.0.0.1 with key a holds 1500 of its 2000 with a stalled body.
+    let stalled = post_from("127.0.0.1", tcp.addr, 1500, &key("sk-a"), "{").await;
+    // The same address, with another key: over the address's share.
+    let answer = until_refused("127.0.0.1", "sk-b").await;
+    assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+    assert!(answer.contains("client address"), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("retry-after: 1"),
+        "{answer}"
+    );
+    // The same key, from another address: over the key's share.
+    let answer = probe("127.0.0.2", "sk-a").await;
+    assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+    assert!(answer.contains("API key"), "{answer}");
+    // Another address with another key is served.
+    let answer = probe("127.0.0.2", "sk-b").await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // Once the stalled body is given up, its address and key are served
+    // again (when the server notices the hang-up).
+    drop(stalled);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let answer = probe("127.0.0.1", "sk-a").await;
+        if answer.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the share never came back"
+        );
+    }
     tcp.stop().await;
 }
 

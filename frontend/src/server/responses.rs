@@ -236,6 +236,24 @@ fn to_chat(body: &[u8], allow_extra: bool) -> Result<(Value, Map<String, Value>)
     Ok((Value::Object(chat), req))
 }
 
+/// An error about the output length of the chat request made from a
+/// Responses request names the field the client sent, `max_output_tokens`.
+fn output_field(e: ApiError) -> ApiError {
+    const OURS: &str = "max_output_tokens";
+    match e {
+        ApiError::InvalidRequest {
+            message,
+            param: Some(p),
+            code,
+        } if p == "max_completion_tokens" => ApiError::InvalidRequest {
+            message: message.replace(&format!("`{p}`"), &format!("`{OURS}`")),
+            param: Some(OURS.into()),
+            code,
+        },
+        e => e,
+    }
+}
+
 /// The parts of a response object that echo the request.
 fn echo(req: &Map<String, Value>) -> Map<String, Value> {
     let get = |k: &str, d: Value| req.get(k).filter(|v| !v.is_null()).cloned().unwrap_or(d);
@@ -379,12 +397,14 @@ async fn responses_inner(
     let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let chat_bytes = serde_json::to_vec(&chat)
         .map_err(|e| ApiError::internal(format!("re-encoding a request: {e}")))?;
-    let chat_req = ChatRequest::parse(&chat_bytes, allow_extra)?;
+    let chat_req = ChatRequest::parse(&chat_bytes, allow_extra).map_err(output_field)?;
     let ChatJob {
         mut generations,
         output,
         ..
-    } = start_chat(&state, &chat_req, arrived, &trace).await?;
+    } = start_chat(&state, &chat_req, arrived, &trace)
+        .await
+        .map_err(output_field)?;
     // The Responses API has no `n`: one generation.
     let generation = generations
         .pop()
