@@ -83,6 +83,7 @@ fn dkv(args: &[String]) -> Result<Dkv, String> {
         transport: TransportKind::Ucx,
         ucx_tls: tls,
         ucx_net_devices: None,
+        ucx_library: None,
     })
     .map_err(|e| e.to_string())
 }

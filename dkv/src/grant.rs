@@ -272,7 +272,6 @@ impl GrantTable {
 
     /// Counts a message that was not a grant header at all (only UCX
     /// messages can be malformed).
-    #[cfg_attr(not(dkv_ucx), allow(dead_code))]
     pub(crate) fn refuse_malformed(&self) {
         self.refuse(Refusal::Malformed);
     }

@@ -18,7 +18,6 @@ mod grant;
 pub mod layout;
 mod local;
 mod metrics;
-#[cfg(dkv_ucx)]
 mod ucx;
 
 #[cfg(test)]
@@ -60,6 +59,11 @@ pub struct DkvConfig {
     /// UCX's network transports listen and connect on. `None` lets UCX use
     /// them all; a `UCX_NET_DEVICES` environment variable wins.
     pub ucx_net_devices: Option<String>,
+    /// The UCP library to load when the UCX transport starts: a file name
+    /// the dynamic loader looks up (`LD_LIBRARY_PATH` included) or a path.
+    /// `None`: `libucp.so.0`. A library that is missing or lacks a function
+    /// makes [`Dkv::new`] fail with [`DkvError::UcxUnavailable`].
+    pub ucx_library: Option<std::path::PathBuf>,
 }
 
 impl DkvConfig {
@@ -68,6 +72,7 @@ impl DkvConfig {
             transport: TransportKind::Ucx,
             ucx_tls: None,
             ucx_net_devices: None,
+            ucx_library: None,
         }
     }
 
@@ -76,6 +81,7 @@ impl DkvConfig {
             transport: TransportKind::InProcess,
             ucx_tls: None,
             ucx_net_devices: None,
+            ucx_library: None,
         }
     }
 }
@@ -127,7 +133,6 @@ fn next_id() -> u64 {
 
 enum Backend {
     Local,
-    #[cfg(dkv_ucx)]
     Ucx(ucx::UcxHandle),
 }
 
@@ -154,7 +159,6 @@ impl DkvInner {
         }
         match &self.backend {
             Backend::Local => local::remove_instance(self.id),
-            #[cfg(dkv_ucx)]
             Backend::Ucx(h) => h.shutdown(),
         }
         // Nothing lands any more; owners waiting on a grant are told.
@@ -206,9 +210,9 @@ impl Dkv {
                 local::add_instance(id, grants.clone());
                 (Backend::Local, local::address(id))
             }
-            #[cfg(dkv_ucx)]
             TransportKind::Ucx => {
                 let h = ucx::UcxHandle::start(
+                    cfg.ucx_library.as_deref(),
                     cfg.ucx_tls.as_deref(),
                     cfg.ucx_net_devices.as_deref(),
                     live.clone(),
@@ -216,14 +220,6 @@ impl Dkv {
                 )?;
                 let address = h.address.clone();
                 (Backend::Ucx(h), address)
-            }
-            #[cfg(not(dkv_ucx))]
-            TransportKind::Ucx => {
-                return Err(DkvError::UcxUnavailable(
-                    "tandem-dkv was built without UCX (pkg-config found no `ucx`, bindgen failed, or \
-                     TANDEM_DKV_NO_UCX=1); install libucx-dev, pkg-config and libclang-dev and rebuild"
-                        .into(),
-                ));
             }
         };
         let dkv = Dkv {
@@ -245,7 +241,6 @@ impl Dkv {
     pub fn connector(&self) -> &'static str {
         match self.inner.backend {
             Backend::Local => "local",
-            #[cfg(dkv_ucx)]
             Backend::Ucx(_) => "ucx",
         }
     }
@@ -330,7 +325,6 @@ impl Dkv {
                 };
                 (ptr, Release::Local, Some(owner))
             }
-            #[cfg(dkv_ucx)]
             Backend::Ucx(h) => {
                 // The actor keeps the owner with the mapping.
                 let base = h.register(id, ptr.map(|p| p as usize), len, Some(owner))?;
@@ -405,7 +399,7 @@ impl Dkv {
         remote: &RemoteRegion,
         ops: &[WriteOp],
         deadline: Instant,
-        #[cfg_attr(not(dkv_ucx), allow(unused_variables))] guard: &mut CancelGuard<'_>,
+        guard: &mut CancelGuard<'_>,
     ) -> Result<u64, DkvError> {
         if self.inner.closed.load(Ordering::Acquire) {
             return Err(DkvError::Shutdown);
@@ -425,7 +419,6 @@ impl Dkv {
                 local::write(&local.shared, remote, &token, &ops, deadline)?;
                 Ok(bytes)
             }
-            #[cfg(dkv_ucx)]
             Backend::Ucx(h) => {
                 let address = descriptor::open(
                     "worker_address",
@@ -458,7 +451,6 @@ impl Dkv {
 /// Cancels the transfer on the actor if `write`'s future is dropped early.
 struct CancelGuard<'a> {
     dkv: &'a Dkv,
-    #[cfg_attr(not(dkv_ucx), allow(dead_code))]
     id: u64,
     armed: bool,
     labels: &'a [KeyValue; 1],
@@ -469,7 +461,6 @@ impl Drop for CancelGuard<'_> {
         if !self.armed {
             return;
         }
-        #[cfg(dkv_ucx)]
         if let Backend::Ucx(h) = &self.dkv.inner.backend {
             let _ = h.send(ucx::Cmd::Cancel(self.id));
         }
@@ -573,7 +564,6 @@ enum Release {
     /// The process-wide registry.
     Local,
     /// The actor's map.
-    #[cfg(dkv_ucx)]
     Ucx(ucx::Releaser),
 }
 
@@ -581,13 +571,12 @@ impl Drop for RegionShared {
     fn drop(&mut self) {
         match &self.release {
             Release::Local => local::remove_region(self.id),
-            #[cfg(dkv_ucx)]
             Release::Ucx(r) => r.release(self.id),
         }
     }
 }
 
-#[cfg(all(test, dkv_ucx))]
+#[cfg(test)]
 impl Dkv {
     fn ucx(&self) -> &ucx::UcxHandle {
         match &self.inner.backend {

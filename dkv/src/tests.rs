@@ -72,21 +72,21 @@ fn pair(cfg: &DkvConfig) -> (Dkv, Dkv) {
     )
 }
 
-#[cfg(dkv_ucx)]
 fn tcp() -> DkvConfig {
     DkvConfig {
         transport: TransportKind::Ucx,
         ucx_tls: Some("tcp".into()),
         ucx_net_devices: Some("lo".into()),
+        ucx_library: None,
     }
 }
 
-#[cfg(dkv_ucx)]
 fn shm() -> DkvConfig {
     DkvConfig {
         transport: TransportKind::Ucx,
         ucx_tls: Some("posix,sysv,cma,self".into()),
         ucx_net_devices: None,
+        ucx_library: None,
     }
 }
 
@@ -153,13 +153,11 @@ fn patterns(cfg: DkvConfig) {
     wait_for(|| b.live_grants() == 0, "grants gone");
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_tcp_patterns() {
     patterns(tcp());
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_shm_patterns() {
     patterns(shm());
@@ -287,7 +285,6 @@ fn out_of_bounds(cfg: DkvConfig) {
     assert!(dst.bytes().iter().all(|&x| x == 0xEE));
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_out_of_bounds() {
     out_of_bounds(tcp());
@@ -432,7 +429,6 @@ fn garbage(cfg: DkvConfig, other: Option<DkvConfig>) {
     wait_for(|| b.live_grants() == 0, "grant gone");
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_garbage_descriptors() {
     garbage(tcp(), Some(DkvConfig::in_process()));
@@ -440,11 +436,7 @@ fn ucx_garbage_descriptors() {
 
 #[test]
 fn in_process_garbage_descriptors() {
-    #[cfg(dkv_ucx)]
-    let other = Some(tcp());
-    #[cfg(not(dkv_ucx))]
-    let other = None;
-    garbage(DkvConfig::in_process(), other);
+    garbage(DkvConfig::in_process(), Some(tcp()));
 }
 
 fn past_deadline(cfg: DkvConfig) {
@@ -459,7 +451,6 @@ fn past_deadline(cfg: DkvConfig) {
     assert_eq!((g.landed(), b.refused_writes()), (0, 0));
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_past_deadline() {
     past_deadline(tcp());
@@ -511,7 +502,6 @@ pub(crate) fn wait_for(mut f: impl FnMut() -> bool, what: &str) {
     }
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_region_drop_deregisters() {
     region_drop_deregisters(tcp());
@@ -524,10 +514,7 @@ fn in_process_region_drop_deregisters() {
 
 #[test]
 fn rejects_bad_registrations() {
-    #[cfg(dkv_ucx)]
     let cfgs = [tcp(), DkvConfig::in_process()];
-    #[cfg(not(dkv_ucx))]
-    let cfgs = [DkvConfig::in_process()];
     for cfg in cfgs {
         let a = Dkv::new(cfg).expect("dkv");
         let b = Buf::new(16, |_| 0);
@@ -715,7 +702,6 @@ fn every_error_has_a_bounded_reason() {
 /// A peer that stops progressing (TCP puts need the target to progress):
 /// the write fails at its deadline, its state is reclaimed, and the next
 /// write after the peer recovers succeeds.
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_deadline_with_stalled_peer() {
     let (a, b) = pair(&tcp());
@@ -784,7 +770,6 @@ fn ucx_deadline_with_stalled_peer() {
 
 /// Dropping the write future stops it: no more puts are issued, the
 /// transfer is reclaimed, and the tail of a large write never arrives.
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_drop_cancels() {
     let meter = TestMeter::new();
@@ -869,7 +854,6 @@ fn ucx_drop_cancels() {
 }
 
 /// A peer that shut down is reported as unreachable, promptly.
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_peer_gone() {
     let (a, b) = pair(&tcp());
@@ -899,7 +883,6 @@ fn ucx_peer_gone() {
 }
 
 /// Concurrent writes from several tasks to one peer share its endpoint.
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_concurrent_writes() {
     let (a, b) = pair(&tcp());
@@ -942,41 +925,76 @@ fn ucx_concurrent_writes() {
     assert_eq!(a.inspect().peers, 1);
 }
 
-/// A UCX that cannot start is reported as unavailable, as an error, in
-/// every build: with UCX compiled in, a transport list UCX rejects (its
-/// "transport is not available" lines on stderr are expected); without it,
-/// any UCX request.
+/// A UCX that cannot start is reported as unavailable, as an error: a
+/// transport list UCX rejects (its "transport is not available" lines on
+/// stderr are expected) or one that cannot be passed to it.
 #[test]
 fn ucx_unavailable_is_reported() {
-    for tls in ["no_such_transport", "tcp\0posix"] {
+    for (tls, want) in [
+        ("no_such_transport", "ucp_init"),
+        ("tcp\0posix", "contains NUL"),
+    ] {
         let cfg = DkvConfig {
-            transport: TransportKind::Ucx,
             ucx_tls: Some(tls.into()),
-            ucx_net_devices: None,
+            ..DkvConfig::ucx()
         };
-        let m = match Dkv::new(cfg) {
-            Err(DkvError::UcxUnavailable(m)) => m,
+        match Dkv::new(cfg) {
+            Err(DkvError::UcxUnavailable(m)) => assert!(m.contains(want), "UCX_TLS={tls:?}: {m}"),
             other => panic!("UCX_TLS={tls:?}: {other:?}"),
-        };
-        #[cfg(dkv_ucx)]
-        let want = if tls.contains('\0') {
-            "contains NUL"
-        } else {
-            "ucp_init"
-        };
-        #[cfg(not(dkv_ucx))]
-        let want = "without UCX";
-        assert!(m.contains(want), "UCX_TLS={tls:?}: {m}");
+        }
     }
-    // The default configuration works exactly when UCX is compiled in.
     let default = Dkv::new(DkvConfig::ucx());
-    #[cfg(dkv_ucx)]
     assert_eq!(default.expect("UCX with its defaults").connector(), "ucx");
-    #[cfg(not(dkv_ucx))]
-    assert!(
-        matches!(&default, Err(DkvError::UcxUnavailable(m)) if m.contains("without UCX")),
-        "{default:?}"
-    );
+}
+
+/// Whether UCX is there is decided when a UCX transport starts: a missing
+/// library, or one without UCP's functions, is a clean error naming it
+/// (a machine without libucx0), and everything else keeps working: the
+/// in-process transport, and UCX from the library that is there.
+#[test]
+fn a_missing_ucx_library_is_reported_at_run_time() {
+    let cases = [
+        (
+            "/nonexistent/libucp.so.0",
+            "cannot load /nonexistent/libucp.so.0",
+        ),
+        ("libucp-missing.so.0", "cannot load libucp-missing.so.0"),
+        // A real library, but not UCP: its first missing function is named.
+        ("libc.so.6", "libc.so.6 lacks a UCP function"),
+    ];
+    for (library, want) in cases {
+        let cfg = DkvConfig {
+            ucx_library: Some(library.into()),
+            ..tcp()
+        };
+        for _ in 0..2 {
+            match Dkv::new(cfg.clone()) {
+                Err(DkvError::UcxUnavailable(m)) => {
+                    assert!(m.contains(want), "{library}: {m}");
+                    assert!(m.contains("libucx0"), "{library}: {m}");
+                    if library == "libc.so.6" {
+                        assert!(m.contains("undefined symbol: uc"), "{m}");
+                    }
+                }
+                other => panic!("{library}: {other:?}"),
+            }
+        }
+    }
+    self_write(DkvConfig::in_process());
+    patterns(DkvConfig::in_process());
+    // The library that is there still loads, by name, and by the path
+    // the loader found it at.
+    self_write(tcp());
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
+    let path = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.contains("/libucp.so"))
+        .expect("libucp is mapped");
+    self_write(DkvConfig {
+        ucx_library: Some(path.into()),
+        ..tcp()
+    });
 }
 
 #[test]
@@ -1036,13 +1054,11 @@ fn self_write(cfg: DkvConfig) {
     assert_eq!(a.live_grants(), 0);
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_tcp_self_write() {
     self_write(tcp());
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_shm_self_write() {
     self_write(shm());
@@ -1054,7 +1070,6 @@ fn in_process_self_write() {
 }
 
 /// Shutting down fails a write in flight instead of leaving it hanging.
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_shutdown_fails_inflight_writes() {
     let (a, b) = pair(&tcp());
@@ -1155,7 +1170,6 @@ fn layout_end_to_end(cfg: DkvConfig) {
     assert_eq!(&dst.bytes()[o..o + n], &model[..n]);
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_layout_end_to_end() {
     layout_end_to_end(tcp());
@@ -1220,7 +1234,6 @@ fn revoke_fences_cancelled_writes(cfg: DkvConfig) {
     wait_for(|| b.live_grants() == 0, "grants gone");
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_tcp_revoke_fences_cancelled_writes() {
     revoke_fences_cancelled_writes(tcp());
@@ -1235,7 +1248,6 @@ impl Dkv {
     /// Transfers the writer still tracks (0 for in-process writes, which
     /// finish within `write`).
     fn inspect_transfers(&self) -> usize {
-        #[cfg(dkv_ucx)]
         if self.connector() == "ucx" {
             return self.inspect().transfers;
         }
@@ -1438,7 +1450,6 @@ fn forged_descriptors(cfg: DkvConfig) {
     r.no_grants_left();
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_tcp_forged_descriptors_are_refused() {
     forged_descriptors(tcp());
@@ -1503,7 +1514,6 @@ fn replays(cfg: DkvConfig) {
     r.no_grants_left();
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_tcp_replays_are_refused() {
     replays(tcp());
@@ -1593,7 +1603,6 @@ fn other_requests_blocks(cfg: DkvConfig) {
     r.no_grants_left();
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_tcp_other_requests_blocks_are_refused() {
     other_requests_blocks(tcp());
@@ -1665,7 +1674,6 @@ fn double_writes(cfg: DkvConfig) {
     r.no_grants_left();
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_tcp_double_writes_are_refused() {
     double_writes(tcp());
@@ -1712,7 +1720,6 @@ fn expired_grants(cfg: DkvConfig) {
     r.no_grants_left();
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_tcp_expired_grants_are_refused() {
     expired_grants(tcp());
@@ -1777,7 +1784,6 @@ fn large_writes(cfg: DkvConfig) {
     r.no_grants_left();
 }
 
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_tcp_large_writes() {
     large_writes(tcp());
@@ -1792,7 +1798,6 @@ fn in_process_large_writes() {
 /// receiver was busy): every message is refused, and the owner's memory
 /// stays as it was; one revoked with receives in flight is gone once they
 /// finish.
-#[cfg(dkv_ucx)]
 #[test]
 fn ucx_tcp_large_write_into_a_grant_revoked_in_flight() {
     let r = Rig::new(&tcp(), LARGE as usize);

@@ -240,3 +240,115 @@ fn reasoning_parser_splits_real_output() {
     }
     assert_eq!((r_text.as_str(), c_text.as_str()), (reasoning, answer));
 }
+
+/// `max_tokens` (and `max_completion_tokens`, `max_output_tokens`) plus
+/// the prompt must fit `--max-length` (512 here): beyond it a 400 in
+/// OpenAI's shape naming the field, never a silent cap (issues 36 and 41).
+/// Exactly the context is served to its end; no `max_tokens` gets the room
+/// left.
+fn max_tokens_must_fit_the_context(port: u16) {
+    const MAX_LENGTH: usize = 512;
+    let tok = tokenizer();
+    // A prompt of exactly 500 tokens, as token ids.
+    let words = tok
+        .encode(
+            &"The quick brown fox jumps over the lazy dog. ".repeat(60),
+            true,
+        )
+        .expect("tokenizing");
+    let prompt: Vec<u32> = words[..MAX_LENGTH - 12].to_vec();
+    let refused = |path: &str, body: Value, param: &str, code: &str| {
+        let r = http(port, "POST", path, &body.to_string());
+        assert_eq!(r.status, 400, "{path} {body}: {}", r.body);
+        let e = &r.json()["error"];
+        assert_eq!(e["type"], "invalid_request_error", "{}", r.body);
+        assert_eq!(e["param"], param, "{}", r.body);
+        assert_eq!(e["code"], code, "{}", r.body);
+        e["message"].as_str().unwrap_or_default().to_string()
+    };
+    let cmpl = |max_tokens: Value| json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+    let m = refused(
+        "/v1/completions",
+        cmpl(json!(u64::MAX)),
+        "max_tokens",
+        "invalid_value",
+    );
+    assert!(
+        m.contains(&u64::MAX.to_string()) && m.contains("512"),
+        "{m}"
+    );
+    refused(
+        "/v1/completions",
+        cmpl(json!(999_999_999)),
+        "max_tokens",
+        "invalid_value",
+    );
+    // One token over: 500 + 13 = 513.
+    let m = refused(
+        "/v1/completions",
+        cmpl(json!(13)),
+        "max_tokens",
+        "context_length_exceeded",
+    );
+    assert!(
+        m.contains("500") && m.contains("13") && m.contains("512"),
+        "{m}"
+    );
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "Hi"}]});
+        for (k, v) in extra.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        body
+    };
+    refused(
+        "/v1/chat/completions",
+        chat(json!({"max_tokens": 999_999_999})),
+        "max_tokens",
+        "invalid_value",
+    );
+    refused(
+        "/v1/chat/completions",
+        chat(json!({"max_completion_tokens": u64::MAX})),
+        "max_completion_tokens",
+        "invalid_value",
+    );
+    refused(
+        "/v1/responses",
+        json!({"input": "Hi", "max_output_tokens": 999_999_999}),
+        "max_output_tokens",
+        "invalid_value",
+    );
+
+    // Exactly the context: served, and run to its end.
+    let v = post(port, "/v1/completions", &cmpl(json!(12)));
+    assert_eq!(v["usage"]["prompt_tokens"], 500, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    // No max_tokens: the room left (a chat's default), not an error.
+    let v = post(
+        port,
+        "/v1/chat/completions",
+        &chat(json!({"temperature": 0})),
+    );
+    let used = v["usage"]["total_tokens"].as_u64().unwrap_or(u64::MAX);
+    assert!(used <= MAX_LENGTH as u64, "{v}");
+}
+
+#[test]
+fn serve_refuses_max_tokens_beyond_the_context() {
+    let (_proc, port) = start_serve(&["--max-length", "512"]);
+    max_tokens_must_fit_the_context(port);
+}
+
+#[test]
+fn cluster_refuses_max_tokens_beyond_the_context() {
+    let etcd = EtcdServer::start().expect("etcd");
+    let cluster = unique_cluster("max-tokens");
+    let _p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &[]);
+    let d = Node::start(&etcd.url(), &cluster, "decode", "d0", &[]);
+    let r = Router::start(&etcd.url(), &cluster);
+    r.wait_members(1, 1, Duration::from_secs(20));
+    max_tokens_must_fit_the_context(r.port);
+    d.assert_idle();
+}

@@ -1256,3 +1256,139 @@ fn silent_connections_are_closed_after_the_header_timeout() {
         "{waited:?}"
     );
 }
+
+/// Issue 36, item 4: bodies trickled from one address lock no one out.
+/// 64 connections from 127.0.0.1 declare 4 MiB bodies (together the whole
+/// default `--max-buffered-body-bytes`, 256 MiB) and send a byte every
+/// 250 ms, which no inactivity timeout would ever catch. The body timeout
+/// (4 s here, 30 s by default) bounds a body's whole time, so every one of
+/// them is answered and closed by then; one address holds at most its
+/// share of the budget (an eighth by default: 8 such bodies), the rest are
+/// refused at once with 429 and `Retry-After`; and a client on another
+/// address (127.0.0.2) is served throughout.
+#[test]
+fn trickled_bodies_are_cut_off_and_lock_no_one_out() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    const TIMEOUT: Duration = Duration::from_secs(4);
+    const SLACK: Duration = Duration::from_millis(1500);
+    const TRICKLERS: usize = 64;
+    let server = Server::start(&["--body-timeout-secs", "4"]);
+    let port = server.port;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    // A connection that declares 4 MiB and trickles until the server
+    // answers and closes it (or TIMEOUT + 10 s pass): how long that took
+    // from the end of its request head, and what the server said.
+    let trickle = |heads: std::sync::Arc<tokio::sync::Barrier>| async move {
+        let mut c = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{{\"prompt\": \"",
+            4 << 20
+        );
+        c.write_all(head.as_bytes()).await.unwrap();
+        let sent = tokio::time::Instant::now();
+        heads.wait().await;
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        while sent.elapsed() < TIMEOUT + Duration::from_secs(10) {
+            tokio::select! {
+                r = c.read(&mut buf) => match r {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => answer.extend_from_slice(&buf[..n]),
+                },
+                _ = tick.tick() => {
+                    // A write after the server closed may fail: the read
+                    // then sees the end.
+                    let _ = c.write_all(b"a").await;
+                }
+            }
+        }
+        (
+            sent.elapsed(),
+            String::from_utf8_lossy(&answer).into_owned(),
+        )
+    };
+    // One small request from another address.
+    let other = || async move {
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let mut c = s.connect(([127, 0, 0, 1], port).into()).await.unwrap();
+        let body = json!({"prompt": "Hello", "max_tokens": 1}).to_string();
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        c.write_all(req.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(60), c.read_to_end(&mut answer))
+            .await
+            .expect("the other client is answered")
+            .unwrap();
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    rt.block_on(async {
+        let heads = std::sync::Arc::new(tokio::sync::Barrier::new(TRICKLERS + 1));
+        let tricklers: Vec<_> = (0..TRICKLERS)
+            .map(|_| tokio::spawn(trickle(std::sync::Arc::clone(&heads))))
+            .collect();
+        heads.wait().await;
+        let mut served = 0;
+        while !tricklers.iter().all(|t| t.is_finished()) {
+            let answer = other().await;
+            assert!(
+                answer.starts_with("HTTP/1.1 200"),
+                "a client on another address was refused while bodies trickled in \
+                 ({served} served before):\n{answer}"
+            );
+            served += 1;
+        }
+        assert!(
+            served >= 3,
+            "only {served} requests while the bodies trickled"
+        );
+        let mut admitted = 0;
+        let mut latest = Duration::ZERO;
+        for t in tricklers {
+            let (took, answer) = t.await.unwrap();
+            latest = latest.max(took);
+            assert!(
+                took <= TIMEOUT + SLACK,
+                "a trickled body held its connection for {took:?} (deadline {TIMEOUT:?}):\n{answer}"
+            );
+            let status = answer.lines().next().unwrap_or("");
+            if status.starts_with("HTTP/1.1 408") {
+                // Cut off at the body timeout, not before it.
+                assert!(took + SLACK >= TIMEOUT, "{took:?}: {answer}");
+                assert!(answer.contains("request_timeout"), "{answer}");
+                admitted += 1;
+            } else {
+                assert!(status.starts_with("HTTP/1.1 429"), "{answer}");
+                assert!(
+                    answer.to_ascii_lowercase().contains("retry-after: "),
+                    "{answer}"
+                );
+            }
+        }
+        // 4 MiB bodies, an eighth of 256 MiB each address.
+        assert!((1..=8).contains(&admitted), "{admitted} bodies admitted");
+        println!(
+            "{admitted} trickled bodies admitted and cut off, the last closed {latest:?} after \
+             its head (deadline {TIMEOUT:?}); {served} other requests served meanwhile"
+        );
+    });
+    // The budget is whole again: the trickling address is served too.
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": "Hello", "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}

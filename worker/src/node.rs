@@ -94,6 +94,7 @@ impl NodeCore {
             transport: opts.transport,
             ucx_tls: opts.ucx_tls.clone(),
             ucx_net_devices: opts.ucx_net_devices.clone(),
+            ucx_library: None,
         })?;
         // The pool lives in memory the transfer engine allocates (suited to
         // its zero-copy receives); failing that, in our own memory,

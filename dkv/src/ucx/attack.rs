@@ -18,41 +18,43 @@ use crate::{Dkv, DkvConfig, TransportKind, WriteOp};
 
 /// A bare UCP context and worker with RMA, over tcp on loopback.
 struct Attacker {
+    ucp: &'static Ucp,
     ctx: ucp_context_h,
     worker: ucp_worker_h,
 }
 
 impl Attacker {
     fn new() -> Self {
+        let ucp = load(None).unwrap();
         let mut config: *mut ucp_config_t = ptr::null_mut();
         // SAFETY: plain UCX setup calls with out-pointers to locals and
         // NUL-terminated strings; every status is checked.
         unsafe {
             assert_eq!(
-                ucp_config_read(ptr::null(), ptr::null(), &mut config),
+                ucp.ucp_config_read(ptr::null(), ptr::null(), &mut config),
                 UCS_OK
             );
             assert_eq!(
-                ucp_config_modify(config, c"TLS".as_ptr(), c"tcp".as_ptr()),
+                ucp.ucp_config_modify(config, c"TLS".as_ptr(), c"tcp".as_ptr()),
                 UCS_OK
             );
             assert_eq!(
-                ucp_config_modify(config, c"NET_DEVICES".as_ptr(), c"lo".as_ptr()),
+                ucp.ucp_config_modify(config, c"NET_DEVICES".as_ptr(), c"lo".as_ptr()),
                 UCS_OK
             );
             let mut params: ucp_params_t = std::mem::zeroed();
             params.field_mask = u64::from(UCP_PARAM_FIELD_FEATURES);
             params.features = u64::from(UCP_FEATURE_RMA | UCP_FEATURE_AM);
             let mut ctx: ucp_context_h = ptr::null_mut();
-            let s = ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut ctx);
-            ucp_config_release(config);
+            let s = ucp.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut ctx);
+            ucp.ucp_config_release(config);
             assert_eq!(s, UCS_OK);
             let mut wp: ucp_worker_params_t = std::mem::zeroed();
             wp.field_mask = u64::from(UCP_WORKER_PARAM_FIELD_THREAD_MODE);
             wp.thread_mode = UCS_THREAD_MODE_SINGLE;
             let mut worker: ucp_worker_h = ptr::null_mut();
-            assert_eq!(ucp_worker_create(ctx, &wp, &mut worker), UCS_OK);
-            Self { ctx, worker }
+            assert_eq!(ucp.ucp_worker_create(ctx, &wp, &mut worker), UCS_OK);
+            Self { ucp, ctx, worker }
         }
     }
 
@@ -64,15 +66,16 @@ impl Attacker {
         if ptr_is_err(req) {
             return ptr_status(req);
         }
+        let ucp = self.ucp;
         let until = Instant::now() + Duration::from_secs(5);
         loop {
             // SAFETY: the worker is live; `req` came from it.
-            unsafe { ucp_worker_progress(self.worker) };
+            unsafe { ucp.ucp_worker_progress(self.worker) };
             // SAFETY: as above.
-            let s = unsafe { ucp_request_check_status(req) };
+            let s = unsafe { ucp.ucp_request_check_status(req) };
             if s != UCS_INPROGRESS || Instant::now() > until {
                 // SAFETY: ours, freed once.
-                unsafe { ucp_request_free(req) };
+                unsafe { ucp.ucp_request_free(req) };
                 return s;
             }
         }
@@ -81,6 +84,7 @@ impl Attacker {
     /// Everything the attacker can try against `address`, aimed at
     /// `[target, target + len)`; returns what UCX said at each step.
     fn raw_puts(&self, address: &[u8], target: u64, len: usize) -> Vec<String> {
+        let ucp = self.ucp;
         let mut said = Vec::new();
         let mut padded = address.to_vec();
         padded.resize(address.len() + 1024, 0);
@@ -92,8 +96,8 @@ impl Attacker {
             ep_params.field_mask = u64::from(UCP_EP_PARAM_FIELD_REMOTE_ADDRESS);
             ep_params.address = padded.as_ptr().cast();
             let mut ep: ucp_ep_h = ptr::null_mut();
-            let s = ucp_ep_create(self.worker, &ep_params, &mut ep);
-            said.push(format!("ep_create: {}", status_string(s)));
+            let s = ucp.ucp_ep_create(self.worker, &ep_params, &mut ep);
+            said.push(format!("ep_create: {}", self.ucp.status_string(s)));
             if s != UCS_OK {
                 return said;
             }
@@ -104,20 +108,20 @@ impl Attacker {
             mp.address = src.as_mut_ptr().cast();
             mp.length = len;
             let mut memh: ucp_mem_h = ptr::null_mut();
-            assert_eq!(ucp_mem_map(self.ctx, &mp, &mut memh), UCS_OK);
+            assert_eq!(ucp.ucp_mem_map(self.ctx, &mp, &mut memh), UCS_OK);
             let mut packed: *mut c_void = ptr::null_mut();
             let mut size = 0usize;
             assert_eq!(
-                ucp_rkey_pack(self.ctx, memh, &mut packed, &mut size),
+                ucp.ucp_rkey_pack(self.ctx, memh, &mut packed, &mut size),
                 UCS_OK
             );
             let mut rkey: ucp_rkey_h = ptr::null_mut();
-            let s = ucp_ep_rkey_unpack(ep, packed, &mut rkey);
-            said.push(format!("rkey_unpack: {}", status_string(s)));
+            let s = ucp.ucp_ep_rkey_unpack(ep, packed, &mut rkey);
+            said.push(format!("rkey_unpack: {}", self.ucp.status_string(s)));
             if s == UCS_OK {
                 for off in [0, len / 2] {
                     let p: ucp_request_param_t = std::mem::zeroed();
-                    let r = ucp_put_nbx(
+                    let r = ucp.ucp_put_nbx(
                         ep,
                         src.as_ptr().add(off).cast(),
                         len - off,
@@ -125,20 +129,20 @@ impl Attacker {
                         rkey,
                         &p,
                     );
-                    said.push(format!("put: {}", status_string(self.wait(r))));
+                    said.push(format!("put: {}", self.ucp.status_string(self.wait(r))));
                 }
                 let p: ucp_request_param_t = std::mem::zeroed();
-                let r = ucp_ep_flush_nbx(ep, &p);
-                said.push(format!("flush: {}", status_string(self.wait(r))));
-                ucp_rkey_destroy(rkey);
+                let r = ucp.ucp_ep_flush_nbx(ep, &p);
+                said.push(format!("flush: {}", self.ucp.status_string(self.wait(r))));
+                ucp.ucp_rkey_destroy(rkey);
             }
-            ucp_rkey_buffer_release(packed);
+            ucp.ucp_rkey_buffer_release(packed);
             let mut cp: ucp_request_param_t = std::mem::zeroed();
             cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
             cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-            let r = ucp_ep_close_nbx(ep, &cp);
+            let r = ucp.ucp_ep_close_nbx(ep, &cp);
             self.wait(r);
-            ucp_mem_unmap(self.ctx, memh);
+            ucp.ucp_mem_unmap(self.ctx, memh);
         }
         said
     }
@@ -146,10 +150,11 @@ impl Attacker {
 
 impl Drop for Attacker {
     fn drop(&mut self) {
+        let ucp = self.ucp;
         // SAFETY: created in `new`, destroyed once, nothing else uses them.
         unsafe {
-            ucp_worker_destroy(self.worker);
-            ucp_cleanup(self.ctx);
+            ucp.ucp_worker_destroy(self.worker);
+            ucp.ucp_cleanup(self.ctx);
         }
     }
 }
@@ -160,6 +165,7 @@ fn raw_puts_from_a_stranger_land_nowhere() {
         transport: TransportKind::Ucx,
         ucx_tls: Some("tcp".into()),
         ucx_net_devices: Some("lo".into()),
+        ucx_library: None,
     };
     let node = Dkv::new(cfg.clone()).unwrap();
     const LEN: usize = 256 * 1024;

@@ -19,6 +19,18 @@
 //! force-closed); transports without it (shared memory on 1.13) fall back to
 //! no error handling, where a stuck transfer is abandoned instead.
 
+#[allow(
+    non_camel_case_types,
+    non_upper_case_globals,
+    non_snake_case,
+    dead_code,
+    unreachable_pub,
+    unused_imports,
+    missing_debug_implementations,
+    unsafe_op_in_unsafe_fn,
+    clippy::all
+)]
+mod bindings;
 pub(crate) mod sys;
 
 #[cfg(test)]
@@ -191,11 +203,13 @@ pub(crate) struct UcxHandle {
 
 impl UcxHandle {
     pub(crate) fn start(
+        library: Option<&std::path::Path>,
         tls: Option<&str>,
         net_devices: Option<&str>,
         live: Arc<AtomicUsize>,
         grants: Arc<GrantTable>,
     ) -> Result<Self, DkvError> {
+        let ucp = sys::load(library)?;
         let wake = Arc::new(Wake::new()?);
         let (tx, rx) = mpsc::channel();
         let (init_tx, init_rx) = mpsc::sync_channel(1);
@@ -206,6 +220,7 @@ impl UcxHandle {
             .name("dkv-ucx".into())
             .spawn(move || {
                 match Actor::init(
+                    ucp,
                     tls.as_deref(),
                     net_devices.as_deref(),
                     rx,
@@ -320,6 +335,7 @@ struct Mapped {
 /// What the receive handler needs; boxed at a fixed address for the
 /// worker's lifetime (the handler's `arg`).
 struct AmCtx {
+    ucp: &'static Ucp,
     grants: Arc<GrantTable>,
     worker: ucp_worker_h,
     /// Rendezvous receives the handler started; the actor polls them.
@@ -346,6 +362,7 @@ unsafe extern "C" fn on_kv_write(
     // SAFETY: `arg` is the AmCtx the actor registered, alive while the
     // worker is (it is dropped only after ucp_worker_destroy).
     let ctx = unsafe { &*arg.cast::<AmCtx>() };
+    let ucp = ctx.ucp;
     // SAFETY: UCX passes a valid param for the duration of the call.
     let rndv = !param.is_null()
         && unsafe { (*param).recv_attr } & u64::from(UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
@@ -373,7 +390,7 @@ unsafe extern "C" fn on_kv_write(
         None => {
             if rndv {
                 // SAFETY: a rendezvous descriptor we will not receive.
-                unsafe { ucp_am_data_release(ctx.worker, data) };
+                unsafe { ucp.ucp_am_data_release(ctx.worker, data) };
             }
         }
         Some(l) if rndv => {
@@ -383,8 +400,9 @@ unsafe extern "C" fn on_kv_write(
             // SAFETY: `data` is UCX's rendezvous descriptor; the granted
             // range [dst, dst+length) lies in live memory that the landing
             // keeps alive until it is finished.
-            let r =
-                unsafe { ucp_am_recv_data_nbx(ctx.worker, data, l.dst as *mut c_void, length, &p) };
+            let r = unsafe {
+                ucp.ucp_am_recv_data_nbx(ctx.worker, data, l.dst as *mut c_void, length, &p)
+            };
             match posted(r) {
                 Posted::Done => l.done(),
                 Posted::Pending(req) => match ctx.started.try_borrow_mut() {
@@ -478,21 +496,21 @@ fn is_peer_failure(s: ucs_status_t) -> bool {
         .contains(&s)
 }
 
-fn transfer_error(op: &'static str, s: ucs_status_t) -> DkvError {
+fn transfer_error(ucp: &Ucp, op: &'static str, s: ucs_status_t) -> DkvError {
     if is_peer_failure(s) {
-        DkvError::PeerUnreachable(format!("{op}: {}", status_string(s)))
+        DkvError::PeerUnreachable(format!("{op}: {}", ucp.status_string(s)))
     } else {
         DkvError::Ucx {
             op,
-            status: status_string(s),
+            status: ucp.status_string(s),
         }
     }
 }
 
-fn ucx_err(op: &'static str, s: ucs_status_t) -> DkvError {
+fn ucx_err(ucp: &Ucp, op: &'static str, s: ucs_status_t) -> DkvError {
     DkvError::Ucx {
         op,
-        status: status_string(s),
+        status: ucp.status_string(s),
     }
 }
 
@@ -514,18 +532,19 @@ fn posted(p: ucs_status_ptr_t) -> Posted {
 }
 
 /// Status of a pending request; frees it once complete.
-fn poll_request(req: *mut c_void) -> Option<ucs_status_t> {
+fn poll_request(ucp: &Ucp, req: *mut c_void) -> Option<ucs_status_t> {
     // SAFETY: `req` came from an nbx call on our worker and is not freed yet.
-    let s = unsafe { ucp_request_check_status(req) };
+    let s = unsafe { ucp.ucp_request_check_status(req) };
     if s == UCS_INPROGRESS {
         return None;
     }
     // SAFETY: complete and owned by us; freed exactly once.
-    unsafe { ucp_request_free(req) };
+    unsafe { ucp.ucp_request_free(req) };
     Some(s)
 }
 
 struct Actor {
+    ucp: &'static Ucp,
     ctx: ucp_context_h,
     worker: ucp_worker_h,
     efd: i32,
@@ -552,6 +571,7 @@ struct Actor {
 
 impl Actor {
     fn init(
+        ucp: &'static Ucp,
         tls: Option<&str>,
         net_devices: Option<&str>,
         rx: mpsc::Receiver<Cmd>,
@@ -560,11 +580,11 @@ impl Actor {
         grants: Arc<GrantTable>,
     ) -> Result<(Self, Vec<u8>), DkvError> {
         let unavailable = |op: &str, s: ucs_status_t| {
-            DkvError::UcxUnavailable(format!("{op}: {}", status_string(s)))
+            DkvError::UcxUnavailable(format!("{op}: {}", ucp.status_string(s)))
         };
         let mut config: *mut ucp_config_t = ptr::null_mut();
         // SAFETY: out-pointer to a local; NULL prefix/file read UCX_* env vars.
-        let s = unsafe { ucp_config_read(ptr::null(), ptr::null(), &mut config) };
+        let s = unsafe { ucp.ucp_config_read(ptr::null(), ptr::null(), &mut config) };
         if s != UCS_OK {
             return Err(unavailable("ucp_config_read", s));
         }
@@ -572,13 +592,13 @@ impl Actor {
             let value = CString::new(tls)
                 .map_err(|_| DkvError::UcxUnavailable(format!("ucx_tls {tls:?} contains NUL")))?;
             // SAFETY: config is live; both strings are NUL-terminated.
-            let s = unsafe { ucp_config_modify(config, c"TLS".as_ptr(), value.as_ptr()) };
+            let s = unsafe { ucp.ucp_config_modify(config, c"TLS".as_ptr(), value.as_ptr()) };
             if s != UCS_OK {
                 // SAFETY: releasing the config we read.
-                unsafe { ucp_config_release(config) };
+                unsafe { ucp.ucp_config_release(config) };
                 return Err(DkvError::UcxUnavailable(format!(
                     "UCX_TLS={tls}: {}",
-                    status_string(s)
+                    ucp.status_string(s)
                 )));
             }
         }
@@ -592,13 +612,14 @@ impl Actor {
                 DkvError::UcxUnavailable(format!("ucx_net_devices {devices:?} contains NUL"))
             })?;
             // SAFETY: config is live; both strings are NUL-terminated.
-            let s = unsafe { ucp_config_modify(config, c"NET_DEVICES".as_ptr(), value.as_ptr()) };
+            let s =
+                unsafe { ucp.ucp_config_modify(config, c"NET_DEVICES".as_ptr(), value.as_ptr()) };
             if s != UCS_OK {
                 // SAFETY: releasing the config we read.
-                unsafe { ucp_config_release(config) };
+                unsafe { ucp.ucp_config_release(config) };
                 return Err(DkvError::UcxUnavailable(format!(
                     "UCX_NET_DEVICES={devices}: {}",
-                    status_string(s)
+                    ucp.status_string(s)
                 )));
             }
         }
@@ -616,12 +637,12 @@ impl Actor {
                 continue;
             }
             // SAFETY: config is live; both strings are NUL-terminated.
-            let s = unsafe { ucp_config_modify(config, name.as_ptr(), value.as_ptr()) };
+            let s = unsafe { ucp.ucp_config_modify(config, name.as_ptr(), value.as_ptr()) };
             if s != UCS_OK {
                 tracing::debug!(
                     env,
                     "dkv: UCX rejected a tuning option: {}",
-                    status_string(s)
+                    ucp.status_string(s)
                 );
             }
         }
@@ -633,10 +654,11 @@ impl Actor {
         params.name = c"tandem-dkv".as_ptr();
         let mut ctx: ucp_context_h = ptr::null_mut();
         // SAFETY: ucp_init is a static inline wrapper around this call.
-        let s =
-            unsafe { ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut ctx) };
+        let s = unsafe {
+            ucp.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut ctx)
+        };
         // SAFETY: the config is copied by ucp_init.
-        unsafe { ucp_config_release(config) };
+        unsafe { ucp.ucp_config_release(config) };
         if s != UCS_OK {
             return Err(unavailable("ucp_init", s));
         }
@@ -646,20 +668,21 @@ impl Actor {
         wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
         let mut worker: ucp_worker_h = ptr::null_mut();
         // SAFETY: ctx is live; out-pointer to a local.
-        let s = unsafe { ucp_worker_create(ctx, &wparams, &mut worker) };
+        let s = unsafe { ucp.ucp_worker_create(ctx, &wparams, &mut worker) };
         if s != UCS_OK {
             // SAFETY: nothing else uses ctx.
-            unsafe { ucp_cleanup(ctx) };
+            unsafe { ucp.ucp_cleanup(ctx) };
             return Err(unavailable("ucp_worker_create", s));
         }
         let cleanup = || {
             // SAFETY: worker and ctx are live and unused elsewhere.
             unsafe {
-                ucp_worker_destroy(worker);
-                ucp_cleanup(ctx);
+                ucp.ucp_worker_destroy(worker);
+                ucp.ucp_cleanup(ctx);
             }
         };
         let am = Box::new(AmCtx {
+            ucp,
             grants,
             worker,
             started: RefCell::new(Vec::new()),
@@ -679,14 +702,14 @@ impl Actor {
         hp.arg = (&raw const *am).cast_mut().cast();
         // SAFETY: worker is live; the handler's arg outlives the worker
         // (the actor drops `am` only after destroying it).
-        let s = unsafe { ucp_worker_set_am_recv_handler(worker, &hp) };
+        let s = unsafe { ucp.ucp_worker_set_am_recv_handler(worker, &hp) };
         if s != UCS_OK {
             cleanup();
             return Err(unavailable("ucp_worker_set_am_recv_handler", s));
         }
         let mut efd = -1;
         // SAFETY: worker is live; out-pointer to a local.
-        let s = unsafe { ucp_worker_get_efd(worker, &mut efd) };
+        let s = unsafe { ucp.ucp_worker_get_efd(worker, &mut efd) };
         if s != UCS_OK {
             cleanup();
             return Err(unavailable("ucp_worker_get_efd", s));
@@ -694,7 +717,7 @@ impl Actor {
         let mut addr: *mut ucp_address_t = ptr::null_mut();
         let mut addr_len = 0usize;
         // SAFETY: worker is live; out-pointers to locals.
-        let s = unsafe { ucp_worker_get_address(worker, &mut addr, &mut addr_len) };
+        let s = unsafe { ucp.ucp_worker_get_address(worker, &mut addr, &mut addr_len) };
         if s != UCS_OK || addr.is_null() {
             cleanup();
             return Err(unavailable("ucp_worker_get_address", s));
@@ -702,7 +725,7 @@ impl Actor {
         // SAFETY: UCX returned addr_len readable bytes at addr.
         let address = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), addr_len) }.to_vec();
         // SAFETY: releasing the buffer UCX gave us.
-        unsafe { ucp_worker_release_address(worker, addr) };
+        unsafe { ucp.ucp_worker_release_address(worker, addr) };
         // Shared-memory-only transport lists cannot do peer error handling
         // on 1.13; skip the attempt (and the error UCX logs for it).
         let no_peer_errors = tls.is_some_and(|t| {
@@ -715,6 +738,7 @@ impl Actor {
                 })
         });
         let actor = Self {
+            ucp,
             ctx,
             worker,
             efd,
@@ -736,6 +760,7 @@ impl Actor {
     }
 
     fn run(mut self) {
+        let ucp = self.ucp;
         let mut last_activity = Instant::now();
         'outer: loop {
             let mut activity = false;
@@ -766,7 +791,7 @@ impl Actor {
                 continue;
             }
             // SAFETY: worker is live and used only on this thread.
-            let s = unsafe { ucp_worker_arm(self.worker) };
+            let s = unsafe { ucp.ucp_worker_arm(self.worker) };
             if s == UCS_ERR_BUSY {
                 continue;
             }
@@ -822,10 +847,11 @@ impl Actor {
     }
 
     fn progress(&mut self) -> bool {
+        let ucp = self.ucp;
         let mut any = false;
         for _ in 0..64 {
             // SAFETY: worker is live and used only on this thread.
-            if unsafe { ucp_worker_progress(self.worker) } == 0 {
+            if unsafe { ucp.ucp_worker_progress(self.worker) } == 0 {
                 break;
             }
             any = true;
@@ -837,7 +863,7 @@ impl Actor {
         });
         for (peer, s) in errors {
             any = true;
-            self.evict(peer, &format!("endpoint error: {}", status_string(s)));
+            self.evict(peer, &format!("endpoint error: {}", ucp.status_string(s)));
         }
         if let Ok(mut started) = self.am.started.try_borrow_mut() {
             any |= !started.is_empty();
@@ -847,11 +873,11 @@ impl Actor {
         let before = self.receives.len();
         let mut kept = Vec::with_capacity(before);
         for (req, landing) in self.receives.drain(..) {
-            match poll_request(req) {
+            match poll_request(ucp, req) {
                 None => kept.push((req, landing)),
                 Some(st) if st == UCS_OK => landing.done(),
                 Some(st) => {
-                    tracing::debug!("dkv: a granted receive failed: {}", status_string(st));
+                    tracing::debug!("dkv: a granted receive failed: {}", ucp.status_string(st));
                     drop(landing);
                 }
             }
@@ -862,6 +888,7 @@ impl Actor {
     }
 
     fn handle(&mut self, cmd: Cmd) {
+        let ucp = self.ucp;
         match cmd {
             Cmd::Register {
                 id,
@@ -876,7 +903,7 @@ impl Actor {
                 if let Some(m) = self.regions.remove(&id) {
                     // SAFETY: memh came from ucp_mem_map on our context; no
                     // transfer holds the region (it holds the Arc that sent this).
-                    unsafe { ucp_mem_unmap(self.ctx, m.memh) };
+                    unsafe { ucp.ucp_mem_unmap(self.ctx, m.memh) };
                     self.live.fetch_sub(1, Ordering::Relaxed);
                 }
             }
@@ -911,6 +938,7 @@ impl Actor {
         len: usize,
         owner: Option<Owner>,
     ) -> Result<usize, DkvError> {
+        let ucp = self.ucp;
         // SAFETY: all-zero is a valid ucp_mem_map_params_t.
         let mut p: ucp_mem_map_params_t = unsafe { std::mem::zeroed() };
         p.field_mask = u64::from(
@@ -928,9 +956,9 @@ impl Actor {
         let mut memh: ucp_mem_h = ptr::null_mut();
         // SAFETY: the caller of Dkv::register vouched for [ptr, ptr+len);
         // with ALLOCATE, UCX picks the memory.
-        let s = unsafe { ucp_mem_map(self.ctx, &p, &mut memh) };
+        let s = unsafe { ucp.ucp_mem_map(self.ctx, &p, &mut memh) };
         if s != UCS_OK {
-            return Err(ucx_err("ucp_mem_map", s));
+            return Err(ucx_err(ucp, "ucp_mem_map", s));
         }
         let base = match ptr {
             Some(p) => p,
@@ -939,11 +967,11 @@ impl Actor {
                 let mut attr: ucp_mem_attr_t = unsafe { std::mem::zeroed() };
                 attr.field_mask = u64::from(UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH);
                 // SAFETY: memh is live; out-pointer to a local.
-                let s = unsafe { ucp_mem_query(memh, &mut attr) };
+                let s = unsafe { ucp.ucp_mem_query(memh, &mut attr) };
                 if s != UCS_OK || attr.address.is_null() || attr.length < len {
                     // SAFETY: undo the map above.
-                    unsafe { ucp_mem_unmap(self.ctx, memh) };
-                    return Err(ucx_err("ucp_mem_query", s));
+                    unsafe { ucp.ucp_mem_unmap(self.ctx, memh) };
+                    return Err(ucx_err(ucp, "ucp_mem_query", s));
                 }
                 // SAFETY: UCX allocated at least len bytes there for us.
                 unsafe { ptr::write_bytes(attr.address.cast::<u8>(), 0, len) };
@@ -962,6 +990,7 @@ impl Actor {
     }
 
     fn connect(&mut self, address: &[u8]) -> Result<u64, DkvError> {
+        let ucp = self.ucp;
         if let Some(&id) = self.by_address.get(address) {
             return Ok(id);
         }
@@ -1015,7 +1044,7 @@ impl Actor {
             let mut ep: ucp_ep_h = ptr::null_mut();
             // SAFETY: the address was checksummed as one of ours and is
             // zero-padded so UCX's length-less parse stays in bounds.
-            let s = unsafe { ucp_ep_create(self.worker, &p, &mut ep) };
+            let s = unsafe { ucp.ucp_ep_create(self.worker, &p, &mut ep) };
             (s, ep)
         };
         let mut peer_errors = !self.no_peer_errors;
@@ -1032,7 +1061,7 @@ impl Actor {
         if s != UCS_OK || ep.is_null() {
             return Err(DkvError::PeerUnreachable(format!(
                 "ucp_ep_create: {}",
-                status_string(s)
+                ucp.status_string(s)
             )));
         }
         self.peers.insert(
@@ -1095,6 +1124,7 @@ impl Actor {
 
     /// Moves every transfer along; true if anything changed.
     fn advance(&mut self, now: Instant) -> bool {
+        let ucp = self.ucp;
         let mut activity = false;
         let mut evict: Vec<(u64, String)> = Vec::new();
         for t in &mut self.transfers {
@@ -1108,29 +1138,29 @@ impl Actor {
             }
             // Reap locally completed sends (in order is the common case).
             while let Some(&(req, len, _)) = t.pending.front() {
-                match poll_request(req) {
+                match poll_request(ucp, req) {
                     None => break,
                     Some(s) => {
                         t.pending.pop_front();
                         t.pending_bytes -= len;
                         activity = true;
                         if s != UCS_OK && t.stopped.is_none() {
-                            t.fail(transfer_error("ucp_am_send_nbx", s), now);
-                            evict.push((t.peer, format!("send failed: {}", status_string(s))));
+                            t.fail(transfer_error(ucp, "ucp_am_send_nbx", s), now);
+                            evict.push((t.peer, format!("send failed: {}", ucp.status_string(s))));
                         }
                     }
                 }
             }
             if let Some(req) = t.flush
-                && let Some(s) = poll_request(req)
+                && let Some(s) = poll_request(ucp, req)
             {
                 t.flush = None;
                 activity = true;
                 if s == UCS_OK {
                     t.flushed = true;
                 } else if t.stopped.is_none() {
-                    t.fail(transfer_error("ucp_ep_flush_nbx", s), now);
-                    evict.push((t.peer, format!("flush failed: {}", status_string(s))));
+                    t.fail(transfer_error(ucp, "ucp_ep_flush_nbx", s), now);
+                    evict.push((t.peer, format!("flush failed: {}", ucp.status_string(s))));
                 }
             }
             if t.stopped.is_some()
@@ -1139,15 +1169,15 @@ impl Actor {
                 // A stopped transfer need not wait for remote completion;
                 // the flush does not touch our memory.
                 // SAFETY: releases our handle; UCX frees it on completion.
-                unsafe { ucp_request_free(req) };
+                unsafe { ucp.ucp_request_free(req) };
             }
             if t.stopped.is_none() && !t.ep_gone {
-                match post(t) {
+                match post(ucp, t) {
                     Ok(a) => activity |= a,
                     Err((op, s)) => {
                         activity = true;
-                        t.fail(transfer_error(op, s), now);
-                        evict.push((t.peer, format!("{op}: {}", status_string(s))));
+                        t.fail(transfer_error(ucp, op, s), now);
+                        evict.push((t.peer, format!("{op}: {}", ucp.status_string(s))));
                     }
                 }
             }
@@ -1193,6 +1223,7 @@ impl Actor {
     /// Closes a peer's endpoint (force when it has peer error handling),
     /// failing the transfers on it.
     fn evict(&mut self, peer_id: u64, why: &str) {
+        let ucp = self.ucp;
         let Some(peer) = self.peers.remove(&peer_id) else {
             return;
         };
@@ -1205,7 +1236,7 @@ impl Actor {
             // we only wait for sends, which read the source memory.
             if let Some(req) = t.flush.take() {
                 // SAFETY: releases our handle; UCX frees it on completion.
-                unsafe { ucp_request_free(req) };
+                unsafe { ucp.ucp_request_free(req) };
             }
         }
         tracing::debug!(peer_id, why, "dkv: closing endpoint");
@@ -1216,7 +1247,7 @@ impl Actor {
             p.flags = UCP_EP_CLOSE_FLAG_FORCE;
         }
         // SAFETY: ep is open and closed exactly once (removed from peers).
-        let r = unsafe { ucp_ep_close_nbx(peer.ep, &p) };
+        let r = unsafe { ucp.ucp_ep_close_nbx(peer.ep, &p) };
         let req = match posted(r) {
             Posted::Pending(req) => req,
             Posted::Done | Posted::Failed(_) => ptr::null_mut(),
@@ -1225,10 +1256,11 @@ impl Actor {
     }
 
     fn reap_closing(&mut self) {
+        let ucp = self.ucp;
         let transfers = &self.transfers;
         self.closing.retain_mut(|c| {
             if !c.req.is_null() {
-                match poll_request(c.req) {
+                match poll_request(ucp, c.req) {
                     None => return true,
                     Some(_) => c.req = ptr::null_mut(),
                 }
@@ -1238,6 +1270,7 @@ impl Actor {
     }
 
     fn shutdown(mut self) {
+        let ucp = self.ucp;
         let now = Instant::now();
         for t in &mut self.transfers {
             t.fail(DkvError::Shutdown, now);
@@ -1263,21 +1296,21 @@ impl Actor {
         // may the transfers' source regions go and the mappings be undone.
         let leftover = std::mem::take(&mut self.transfers);
         // SAFETY: the worker is live; nothing uses it after this.
-        unsafe { ucp_worker_destroy(self.worker) };
+        unsafe { ucp.ucp_worker_destroy(self.worker) };
         drop(leftover);
         for (_, m) in self.regions.drain() {
             // SAFETY: mapped on our context, no worker left to use it.
-            unsafe { ucp_mem_unmap(self.ctx, m.memh) };
+            unsafe { ucp.ucp_mem_unmap(self.ctx, m.memh) };
             self.live.fetch_sub(1, Ordering::Relaxed);
         }
         // SAFETY: every worker and mapping of the context is gone.
-        unsafe { ucp_cleanup(self.ctx) };
+        unsafe { ucp.ucp_cleanup(self.ctx) };
     }
 }
 
 /// Posts messages until the window is full or every op is out, then the
 /// flush.
-fn post(t: &mut Transfer) -> Result<bool, (&'static str, ucs_status_t)> {
+fn post(ucp: &Ucp, t: &mut Transfer) -> Result<bool, (&'static str, ucs_status_t)> {
     let mut activity = false;
     let token = t.token.to_bytes();
     while t.next < t.ops.len() && t.pending_bytes < WINDOW {
@@ -1296,7 +1329,7 @@ fn post(t: &mut Transfer) -> Result<bool, (&'static str, ucs_status_t)> {
         // t.region); the header lives in `pending` until the request
         // completes; ep is open (ep_gone is false).
         let r = unsafe {
-            ucp_am_send_nbx(
+            ucp.ucp_am_send_nbx(
                 t.ep,
                 AM_KV_WRITE,
                 header.as_ptr().cast(),
@@ -1325,7 +1358,7 @@ fn post(t: &mut Transfer) -> Result<bool, (&'static str, ucs_status_t)> {
         // SAFETY: all-zero is a valid ucp_request_param_t.
         let p: ucp_request_param_t = unsafe { std::mem::zeroed() };
         // SAFETY: ep is open.
-        let r = unsafe { ucp_ep_flush_nbx(t.ep, &p) };
+        let r = unsafe { ucp.ucp_ep_flush_nbx(t.ep, &p) };
         activity = true;
         match posted(r) {
             Posted::Done => t.flushed = true,
