@@ -750,6 +750,17 @@ mod tests {
         assert_eq!(c.scheduler.num_blocks, 32 * 64);
         assert!(c.scheduler.prefix_caching);
         assert_eq!(c.server.max_concurrent_requests, 256);
+        // Bodies: 30 s in all, 64 KiB/s after 5 s, an eighth of the budget
+        // per client.
+        let pace = c.server.body_pace;
+        assert_eq!(pace.timeout, Duration::from_secs(30));
+        assert_eq!(
+            (pace.min_bytes_per_sec, pace.grace),
+            (64 << 10, Duration::from_secs(5))
+        );
+        assert_eq!(c.server.max_buffered_body_bytes_per_client, 32 << 20);
+        let small = config(&["--max-buffered-body-bytes", "8000000"]).unwrap();
+        assert_eq!(small.server.max_buffered_body_bytes_per_client, 4 << 20);
     }
 
     #[test]
@@ -769,6 +780,9 @@ mod tests {
             &["--max-concurrent-requests", "0"],
             &["--threads", "0"],
             &["--max-batch-input-tokens", "4"],
+            &["--body-rate-grace-secs", "0"],
+            &["--max-buffered-body-bytes-per-client", "1000"],
+            &["--max-buffered-body-bytes-per-client", "300000000"],
         ] {
             assert!(config(flags).is_err(), "{flags:?} accepted");
         }
