@@ -27,12 +27,14 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use serde_json::Value;
-use tandem_engine::generate::{GenerateRequest, generate};
 use tandem_engine::kv_cache::KvCache;
 use tandem_engine::model::SeqChunk;
-use tandem_engine::sampler::{SamplingParams, argmax, log_softmax};
+use tandem_engine::moe::Combine;
+use tandem_engine::sampler::{Sampled, SamplingParams, argmax, log_softmax};
+use tandem_engine::scheduler::{Event, KvHandoff, Request, Scheduler, SchedulerConfig};
 use tandem_engine::{LoadedModel, load};
 use tandem_modelfile::chat::ChatTemplate;
 use tandem_modelfile::gguf::GgufFile;
@@ -216,9 +218,9 @@ macro_rules! family_tests {
         mod $name {
             use super::*;
 
-            fn model() -> &'static LoadedModel {
-                static M: std::sync::OnceLock<LoadedModel> = std::sync::OnceLock::new();
-                M.get_or_init(|| load_model(&$family))
+            fn model() -> &'static Arc<LoadedModel> {
+                static M: std::sync::OnceLock<Arc<LoadedModel>> = std::sync::OnceLock::new();
+                M.get_or_init(|| Arc::new(load_model(&$family)))
             }
 
             #[test]
@@ -425,8 +427,9 @@ fn check_chat_rendering(f: &Family) {
 /// - at least `min_full_matches` prompts match a llama.cpp variant for all
 ///   tokens, a tripwire for systematic drift.
 ///
+/// Ours are generated for all prompts together (`generate_together`).
 /// `check_perplexity` compares with llama.cpp without ties.
-fn check_greedy(f: &Family, m: &LoadedModel) {
+fn check_greedy(f: &Family, m: &Arc<LoadedModel>) {
     let refs = refs(f, "greedy");
     let prompts = refs["prompts"].as_array().expect("prompts");
     let n_predict = refs["n_predict"].as_u64().expect("n") as usize;
@@ -434,28 +437,22 @@ fn check_greedy(f: &Family, m: &LoadedModel) {
     let mut full_matches = 0;
     let mut llama_self_matches = 0;
     let mut failures = Vec::new();
-    for p in prompts {
+    let sampling = SamplingParams {
+        logprobs: true,
+        top_logprobs: 5,
+        ..SamplingParams::greedy()
+    };
+    let prompt_ids: Vec<Vec<u32>> = prompts.iter().map(|p| ids(&p["prompt_ids"])).collect();
+    let outs = generate_together(m, &prompt_ids, &sampling, n_predict);
+    for (p, sampled) in prompts.iter().zip(&outs) {
         let text = p["text"].as_str().expect("text");
-        let req = GenerateRequest {
-            prompt: ids(&p["prompt_ids"]),
-            sampling: SamplingParams {
-                logprobs: true,
-                top_logprobs: 5,
-                ..SamplingParams::greedy()
-            },
-            max_tokens: n_predict,
-            stop_token_ids: Vec::new(),
-            stop_strings: Vec::new(),
-            prefill_chunk: 512,
-        };
-        let out = generate(m, &req, |_| {}).expect("generates");
+        let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
         // Ours up to (not including) a stop token; generated without stop
         // ids so the step where llama.cpp stopped still has our logprobs.
-        let ours_end = out
-            .tokens
+        let ours_end = tokens
             .iter()
             .position(|t| stops.contains(t))
-            .unwrap_or(out.tokens.len());
+            .unwrap_or(tokens.len());
         let variants = ["flash_attn_off", "flash_attn_on"];
         // llama-server lists the stop token it ended on (stop_type "eos");
         // ours are cut before it.
@@ -467,7 +464,7 @@ fn check_greedy(f: &Family, m: &LoadedModel) {
             t
         };
         let agreement = |want: &[u32]| {
-            out.tokens[..ours_end]
+            tokens[..ours_end]
                 .iter()
                 .zip(want)
                 .take_while(|(a, b)| a == b)
@@ -480,7 +477,7 @@ fn check_greedy(f: &Family, m: &LoadedModel) {
         for (vi, variant) in variants.iter().enumerate() {
             let want = theirs_of(variant);
             let agree = agrees[vi];
-            if out.tokens[..ours_end] == want[..] {
+            if tokens[..ours_end] == want[..] {
                 matched_fully = true;
                 summary.push(format!("{variant}: all {agree}"));
                 continue;
@@ -493,7 +490,7 @@ fn check_greedy(f: &Family, m: &LoadedModel) {
                 None if want.len() < n_predict => stops.clone(),
                 None => Vec::new(),
             };
-            let Some(step) = out.sampled.get(agree) else {
+            let Some(step) = sampled.get(agree) else {
                 failures.push(format!(
                     "{text:?} vs {variant}: lengths differ after {agree} equal tokens"
                 ));
@@ -525,7 +522,7 @@ fn check_greedy(f: &Family, m: &LoadedModel) {
                     step.top,
                     m.text
                         .tokenizer
-                        .decode(&out.tokens[..(agree + 1).min(out.tokens.len())], false)
+                        .decode(&tokens[..(agree + 1).min(tokens.len())], false)
                         .unwrap_or_default()
                 ));
             }
@@ -550,6 +547,78 @@ fn check_greedy(f: &Family, m: &LoadedModel) {
         "only {full_matches} prompts match llama.cpp fully \
          (its own variants agree on {llama_self_matches})"
     );
+}
+
+/// What `generate` gives for each of `prompts` alone with `sampling` and
+/// no stop tokens (every token it samples, with its log-probabilities),
+/// generated together: the scheduler runs them in one batch, so each
+/// decode step reads the weights once for all of them instead of once per
+/// prompt. The outputs are the same: a sequence's logits are bitwise
+/// identical alone or in any batch (ARCHITECTURE.md, "Batch invariance";
+/// `tests/scheduler.rs` checks the scheduler's tokens against
+/// `generate`'s), and the scheduler samples each row with the `Sampler`
+/// that `generate` uses.
+fn generate_together(
+    m: &Arc<LoadedModel>,
+    prompts: &[Vec<u32>],
+    sampling: &SamplingParams,
+    max_tokens: usize,
+) -> Vec<Vec<Sampled>> {
+    let block_size = 16;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + max_tokens;
+    let config = SchedulerConfig {
+        max_batch_size: prompts.len(),
+        // Every prompt in the first step.
+        max_batch_input_tokens: prompts
+            .iter()
+            .map(Vec::len)
+            .sum::<usize>()
+            .max(prompts.len()),
+        max_length: longest,
+        block_size,
+        num_blocks: prompts
+            .iter()
+            .map(|p| (p.len() + max_tokens).div_ceil(block_size))
+            .sum(),
+        prefix_caching: false,
+        tp: 1,
+        moe_combine: Combine::AllReduce,
+    };
+    let sched = Scheduler::spawn(Arc::clone(m) as _, config).expect("scheduler starts");
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            sched
+                .handle()
+                .submit(Request {
+                    prompt: p.clone(),
+                    sampling: sampling.clone(),
+                    max_tokens,
+                    stop_token_ids: Vec::new(),
+                    handoff: KvHandoff::Local,
+                    constraint: None,
+                })
+                .expect("request accepted")
+        })
+        .collect();
+    let outs = streams
+        .into_iter()
+        .map(|mut stream| {
+            let mut sampled = Vec::new();
+            loop {
+                match stream.blocking_next() {
+                    Some(Event::Token(s)) => sampled.push(s),
+                    Some(Event::Finished(u)) => {
+                        assert_eq!(u.completion_tokens, max_tokens, "no stop tokens");
+                        return sampled;
+                    }
+                    other => panic!("generation did not finish: {other:?}"),
+                }
+            }
+        })
+        .collect();
+    sched.shutdown();
+    outs
 }
 
 /// Perplexity of the model on a fixed English text
