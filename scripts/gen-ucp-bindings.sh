@@ -26,7 +26,7 @@ functions=(
     ucp_worker_get_efd ucp_worker_arm ucp_worker_progress
     ucp_worker_get_address ucp_worker_release_address
     ucp_ep_create ucp_ep_close_nbx ucp_ep_flush_nbx
-    ucp_am_send_nbx ucp_am_recv_data_nbx ucp_am_data_release
+    ucp_am_send_nbx ucp_am_recv_data_nbx
     ucp_request_check_status ucp_request_free
     ucp_mem_map ucp_mem_unmap ucp_mem_query
     ucp_rkey_pack ucp_rkey_buffer_release ucp_ep_rkey_unpack ucp_rkey_destroy

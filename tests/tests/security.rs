@@ -501,3 +501,236 @@ fn bad_tls_settings_fail_startup_loudly() {
             .is_err()
     );
 }
+
+/// Issue 36: what a captured `PrefillRequest` (a real decode node's
+/// region and grant) lets its holder do against real nodes over real UCX:
+/// replayed to the real prefill node, every write it causes is refused by
+/// the decode node, which counts each refusal and stays up and correct.
+mod captured_prefill_requests {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use tandem_discovery::testing::EtcdServer;
+    use tandem_engine::sampler::SamplingParams;
+    use tandem_proto::pb;
+    use tandem_tests::cluster::{Node, unique_cluster};
+    use tandem_tests::{client, metric, model, reference_output, try_http};
+    use tokio_stream::StreamExt;
+
+    /// A `Prefill` service between a decode node and the real prefill
+    /// node: it keeps every request it passes on (what an eavesdropper on
+    /// an unprotected link, or a compromised peer, would hold).
+    struct Capture {
+        upstream: String,
+        seen: Arc<Mutex<Vec<pb::PrefillRequest>>>,
+    }
+
+    #[tonic::async_trait]
+    impl pb::prefill_server::Prefill for Capture {
+        async fn prefill(
+            &self,
+            req: tonic::Request<pb::PrefillRequest>,
+        ) -> Result<tonic::Response<pb::PrefillResponse>, tonic::Status> {
+            let req = req.into_inner();
+            self.seen.lock().unwrap().push(req.clone());
+            let mut real = pb::prefill_client::PrefillClient::connect(self.upstream.clone())
+                .await
+                .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+            real.prefill(req).await
+        }
+    }
+
+    /// The capture's endpoint, and what it saw; it serves until `rt` ends.
+    fn capture(
+        rt: &tokio::runtime::Runtime,
+        prefill_port: u16,
+    ) -> (String, Arc<Mutex<Vec<pb::PrefillRequest>>>) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let svc = Capture {
+            upstream: format!("http://127.0.0.1:{prefill_port}"),
+            seen: Arc::clone(&seen),
+        };
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        rt.spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::prefill_server::PrefillServer::new(svc))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        (endpoint, seen)
+    }
+
+    /// `n` prompt tokens (never a whole number of blocks), distinct per
+    /// `seed`.
+    pub(super) fn prompt(seed: usize, n: usize) -> Vec<u32> {
+        let text = format!(
+            "Story {seed}. {}",
+            "The river ran past the mill, and the miller counted the sacks of grain. "
+                .repeat(n / 8 + 4)
+        );
+        let mut tokens = model().text.tokenizer.encode(&text, true).unwrap();
+        assert!(tokens.len() >= n);
+        tokens.truncate(n);
+        tokens
+    }
+
+    /// `Generate` straight to the decode node with `prefill` as its one
+    /// prefill worker; the tokens it streamed.
+    pub(super) async fn generate(decode_port: u16, prompt: &[u32], prefill: &str) -> Vec<u32> {
+        let endpoint = format!("http://127.0.0.1:{decode_port}");
+        let channel = tonic::transport::Endpoint::from_shared(endpoint)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let info = pb::worker_client::WorkerClient::new(channel.clone())
+            .info(pb::InfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let req = pb::GenerateRequest {
+            version: tandem_proto::PROTOCOL_VERSION,
+            fingerprint: info.fingerprint,
+            prompt: prompt.to_vec(),
+            sampling: Some((&SamplingParams::greedy()).into()),
+            max_tokens: MAX_TOKENS as u32,
+            stop_token_ids: model().text.tokenizer.stop_ids(),
+            prefill: vec![pb::PrefillTarget {
+                worker_id: "p0".into(),
+                endpoint: prefill.into(),
+            }],
+            constraint: None,
+        };
+        let mut stream = pb::decode_client::DecodeClient::new(channel)
+            .generate(req)
+            .await
+            .unwrap()
+            .into_inner();
+        let mut tokens = Vec::new();
+        while let Some(m) = stream.next().await {
+            match m.unwrap().kind {
+                Some(pb::generate_response::Kind::Token(t)) => tokens.push(t.id),
+                Some(pb::generate_response::Kind::Finished(f)) => {
+                    assert_eq!(f.prefill_worker, "p0", "not prefilled remotely: {f:?}");
+                }
+                None => {}
+            }
+        }
+        tokens
+    }
+
+    const MAX_TOKENS: usize = 4;
+
+    /// The writes a decode node refused so far; `None` if it does not
+    /// answer.
+    fn refused(d: &Node) -> Option<f64> {
+        let r = try_http(client(), d.metrics, "GET", "/metrics", "", &[]).ok()?;
+        Some(metric(&r.body, "tandem_dkv_refused_writes_total", ""))
+    }
+
+    /// Panics, with its log's end, if `n`'s process is gone.
+    pub(super) fn assert_alive(n: &mut Node, after: &str) {
+        if !n.proc.is_running() {
+            let log = n.proc.stderr();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            panic!(
+                "{} died {after}; its log ends:\n{}",
+                n.proc.name,
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+    }
+
+    /// Issue 36 item 2: a captured request replayed 129 times with two
+    /// destination blocks, then 11 times with 13, to the real prefill node
+    /// (each replay writes every block as one rendezvous-size message,
+    /// the prompt being in the prefill node's cache by then), used to kill
+    /// the decode node within seconds: UCX released each refused
+    /// rendezvous message twice. Now every such write is refused and
+    /// counted, and the decode node serves correct output after.
+    #[test]
+    fn replayed_requests_are_refused_and_the_decode_node_lives_on() {
+        let etcd = EtcdServer::start().unwrap();
+        let cluster = unique_cluster("replay");
+        let mut p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &[]);
+        let mut d = Node::start(
+            &etcd.url(),
+            &cluster,
+            "decode",
+            "d0",
+            &["--remote-prefill-min-tokens", "1"],
+        );
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (proxy, seen) = capture(&rt, p.grpc);
+        // (destination blocks, replays, prompt tokens); blocks of 16.
+        for (seed, (blocks, replays, n)) in [(2, 129, 27), (13, 11, 200)].into_iter().enumerate() {
+            let tokens = prompt(seed, n);
+            let out = rt.block_on(generate(d.grpc, &tokens, &proxy));
+            let want = reference_output(tokens, SamplingParams::greedy(), MAX_TOKENS).tokens;
+            assert_eq!(out, want);
+            let captured = seen.lock().unwrap().pop().unwrap();
+            assert_eq!(captured.dst_blocks.len(), blocks);
+            let before = refused(&d).unwrap();
+            let started = Instant::now();
+            let answers = rt.block_on(async {
+                let channel =
+                    tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", p.grpc))
+                        .unwrap()
+                        .connect()
+                        .await
+                        .unwrap();
+                let calls = (0..replays).map(|_| {
+                    let mut c = pb::prefill_client::PrefillClient::new(channel.clone());
+                    let req = captured.clone();
+                    async move { c.prefill(req).await.map(|_| ()) }
+                });
+                futures_util::future::join_all(calls).await
+            });
+            // Each replay reaches the decode node: `blocks` writes, each
+            // refused (its grant is gone), and nothing more.
+            let want = before + (replays * blocks) as f64;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let after = format!(
+                    "{:?} into {replays} replays of {blocks} blocks",
+                    started.elapsed()
+                );
+                assert_alive(&mut d, &after);
+                let now = refused(&d);
+                if now.is_some_and(|n| n >= want) {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{now:?} - {before} of {} writes refused; replies {:?}",
+                    replays * blocks,
+                    answers
+                        .iter()
+                        .filter(|a| a.is_err())
+                        .take(3)
+                        .collect::<Vec<_>>()
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            assert_eq!(refused(&d), Some(want));
+            assert_alive(&mut p, "after the replays");
+            assert_alive(&mut d, "after the replays");
+        }
+        // Both still serve: a new prompt through the same prefill node.
+        let tokens = prompt(7, 90);
+        let out = rt.block_on(generate(
+            d.grpc,
+            &tokens,
+            &format!("http://127.0.0.1:{}", p.grpc),
+        ));
+        assert_eq!(
+            out,
+            reference_output(tokens, SamplingParams::greedy(), MAX_TOKENS).tokens
+        );
+        assert_eq!(d.remote_prefills(), 3.0);
+        p.assert_idle();
+        d.assert_idle();
+    }
+}

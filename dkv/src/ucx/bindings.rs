@@ -482,8 +482,6 @@ pub struct Ucp {
         count: usize,
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t,
-    pub ucp_am_data_release:
-        unsafe extern "C" fn(worker: ucp_worker_h, data: *mut ::std::os::raw::c_void),
     pub ucp_put_nbx: unsafe extern "C" fn(
         ep: ucp_ep_h,
         buffer: *const ::std::os::raw::c_void,
@@ -542,7 +540,6 @@ impl Ucp {
             .map(|sym| *sym)?;
         let ucp_am_send_nbx = __library.get(b"ucp_am_send_nbx\0").map(|sym| *sym)?;
         let ucp_am_recv_data_nbx = __library.get(b"ucp_am_recv_data_nbx\0").map(|sym| *sym)?;
-        let ucp_am_data_release = __library.get(b"ucp_am_data_release\0").map(|sym| *sym)?;
         let ucp_put_nbx = __library.get(b"ucp_put_nbx\0").map(|sym| *sym)?;
         let ucp_request_check_status = __library
             .get(b"ucp_request_check_status\0")
@@ -577,7 +574,6 @@ impl Ucp {
             ucp_worker_set_am_recv_handler,
             ucp_am_send_nbx,
             ucp_am_recv_data_nbx,
-            ucp_am_data_release,
             ucp_put_nbx,
             ucp_request_check_status,
             ucp_request_free,
@@ -758,13 +754,6 @@ impl Ucp {
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t {
         (self.ucp_am_recv_data_nbx)(worker, data_desc, buffer, count, param)
-    }
-    pub unsafe fn ucp_am_data_release(
-        &self,
-        worker: ucp_worker_h,
-        data: *mut ::std::os::raw::c_void,
-    ) {
-        (self.ucp_am_data_release)(worker, data)
     }
     pub unsafe fn ucp_put_nbx(
         &self,

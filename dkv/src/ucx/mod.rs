@@ -346,6 +346,17 @@ struct AmCtx {
 /// copies the bytes in (eager) or starts receiving them straight into the
 /// granted memory (rendezvous). A refused write lands nowhere.
 ///
+/// Always returns `UCS_OK`, which to UCX (1.10 and later) means "done with
+/// this message": eager data is freed after the return, and a rendezvous
+/// message that no `ucp_am_recv_data_nbx` was started for is dropped (UCX
+/// acknowledges it to the sender, whose send completes, and frees its
+/// descriptor). Refusing is therefore to do nothing at all. In particular
+/// `ucp_am_data_release` is only for data kept past the callback by
+/// returning `UCS_INPROGRESS`: called here as well, the descriptor was
+/// released and acknowledged twice, corrupting UCX's memory pool (the
+/// decode node died in `ucp_am_rndv_process_rts` after a few hundred
+/// refused rendezvous messages).
+///
 /// # Safety
 /// Called by UCX inside `ucp_worker_progress` on the actor thread, with
 /// `arg` the actor's live `AmCtx` and the header/data/param pointers UCX
@@ -387,12 +398,8 @@ unsafe extern "C" fn on_kv_write(
         }
     };
     match landing {
-        None => {
-            if rndv {
-                // SAFETY: a rendezvous descriptor we will not receive.
-                unsafe { ucp.ucp_am_data_release(ctx.worker, data) };
-            }
-        }
+        // Refused (and counted): UCX drops the message once we return.
+        None => {}
         Some(l) if rndv => {
             // SAFETY: all-zero is a valid ucp_request_param_t (contiguous
             // bytes, no callback: the actor polls the request).
@@ -413,19 +420,21 @@ unsafe extern "C" fn on_kv_write(
                     // still write it.
                     Err(_) => std::mem::forget(l),
                 },
+                // Nothing was received; UCX keeps the descriptor (a receive
+                // was started on it), and the range may be written again.
                 Posted::Failed(_) => drop(l),
             }
         }
-        Some(l) => {
-            if !data.is_null() {
-                // SAFETY: eager data: `length` readable bytes at `data`; the
-                // landing's range (same length) is granted, live memory.
-                unsafe {
-                    ptr::copy_nonoverlapping(data.cast::<u8>(), l.dst as *mut u8, length);
-                }
-                l.done();
+        Some(l) if !data.is_null() => {
+            // SAFETY: eager data: `length` readable bytes at `data`; the
+            // landing's range (same length) is granted, live memory.
+            unsafe {
+                ptr::copy_nonoverlapping(data.cast::<u8>(), l.dst as *mut u8, length);
             }
+            l.done();
         }
+        // No bytes to copy: nothing landed (the landing, dropped, says so).
+        Some(_) => {}
     }
     UCS_OK
 }
