@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 /// Workspace members the binary is not built from: the tests' own crates
 /// and the fuzz targets' bodies.
-const NOT_IN_BINARY: [&str; 3] = ["tests", "testkit", "fuzz/harness"];
+const NOT_IN_BINARY: [&str; 3] = ["tests", "testkit", "fuzz-harness"];
 
 /// The crates the binary is built from, relative to the workspace root:
 /// the workspace's members (read from its manifest, so a new crate is

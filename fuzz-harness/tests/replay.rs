@@ -16,7 +16,7 @@ use tandem_fuzz_harness::TARGETS;
 use tandem_proto::pb;
 
 fn fuzz_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz")
 }
 
 /// A seeded mutation of `base` (or of random bytes when it is empty).
