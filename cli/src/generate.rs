@@ -11,9 +11,9 @@ use tandem_engine::RequestError;
 use tandem_engine::comm::{DeviceSpec, GpuSelection, parse_devices};
 use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate, generate_on};
 use tandem_engine::sampler::SamplingParams;
-use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::GpuLlama;
 use tandem_gpu::weights::ModelFiles;
+use tandem_gpu::{GpuDevice, GpuRuntime};
 use tandem_modelfile::ModelText;
 use tandem_modelfile::chat::ChatMessage;
 use tandem_modelfile::fetch;
@@ -69,11 +69,16 @@ pub struct GenerateArgs {
     /// Longest prompt slice run in one forward pass.
     #[arg(long, env = "TANDEM_PREFILL_CHUNK", default_value_t = 512)]
     prefill_chunk: usize,
-    /// Where the model runs: `cpu`, or one GPU `gpu:N` (a Vulkan device;
-    /// Mesa's lavapipe where there is no GPU). The GPU runs Llama and
-    /// Qwen2 models, from GGUF files or HF safetensors directories.
+    /// Where the model runs: `cpu`, or one GPU `gpu:N` (a CUDA device, or
+    /// a Vulkan device; Mesa's lavapipe where there is no GPU). The GPU
+    /// runs Llama, Qwen2 and Gemma 3 models, from GGUF files or HF
+    /// safetensors directories.
     #[arg(long, env = "TANDEM_DEVICES", default_value = "cpu")]
     devices: String,
+    /// The GPU runtime: `auto` (CUDA where a CUDA driver and device are
+    /// present, else Vulkan), `cuda` or `vulkan`.
+    #[arg(long, env = "TANDEM_GPU_RUNTIME", default_value = "auto")]
+    gpu_runtime: GpuRuntime,
 }
 
 /// Which device `generate` runs on.
@@ -212,7 +217,8 @@ fn run_on_gpu(args: &GenerateArgs, path: &Path, id: usize) -> Result<()> {
         vocab_size: config.vocab_size,
     };
     let max_tokens = limits.check(&req.prompt, Some(req.max_tokens), &req.sampling)?;
-    let (mut seq, adapter) = load_on_gpu(&files, id, req.prompt.len() + max_tokens)?;
+    let (mut seq, adapter) =
+        load_on_gpu(&files, id, args.gpu_runtime, req.prompt.len() + max_tokens)?;
     eprintln!(
         "tandem: loaded {} ({} layers) on gpu:{id}, {adapter}, in {:.0} ms",
         text.name,
@@ -224,10 +230,15 @@ fn run_on_gpu(args: &GenerateArgs, path: &Path, id: usize) -> Result<()> {
     })
 }
 
-/// The model's weights on GPU `id` with a KV pool of `max_ctx` positions,
-/// and the adapter's name for the startup line.
-fn load_on_gpu(files: &ModelFiles, id: usize, max_ctx: usize) -> Result<(GpuLlama, String)> {
-    let dev = GpuDevice::open(id)?;
+/// The model's weights on GPU `id` (on `runtime`) with a KV pool of
+/// `max_ctx` positions, and the adapter's name for the startup line.
+fn load_on_gpu(
+    files: &ModelFiles,
+    id: usize,
+    runtime: GpuRuntime,
+    max_ctx: usize,
+) -> Result<(GpuLlama, String)> {
+    let dev = GpuDevice::open_on(id, runtime)?;
     let adapter = dev.name().to_string();
     Ok((GpuLlama::load(dev, files, max_ctx)?, adapter))
 }

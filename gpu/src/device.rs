@@ -10,13 +10,16 @@ use cubecl::wgpu::{
 };
 use cubecl_runtime::runtime::Runtime;
 
+use crate::cuda;
 use crate::error::GpuError;
+pub use crate::runtime::GpuRuntime;
 
 /// An opened GPU: where buffers live and kernels run.
 #[derive(Clone)]
 pub struct GpuDevice {
     client: Client,
     name: String,
+    runtime: GpuRuntime,
     /// `[u32::MAX]`: the row count of a matmul whose rows are all live
     /// (see `kernels::matmul_q_live`).
     all_rows: Buffer<u32>,
@@ -50,32 +53,27 @@ impl<T> Buffer<T> {
     }
 }
 
-/// Why no CUDA device is opened. CubeCL's CUDA runtime (cubecl-cuda 0.11)
-/// cannot be built offline: it depends on cubecl-llvm, whose build script
-/// downloads an LLVM 23 bundle. Until it is built in, NVIDIA GPUs are
-/// reached through their Vulkan driver.
-const NO_CUDA: &str = "this build has no CUDA runtime (NVIDIA GPUs run through Vulkan)";
-
 /// Devices opened so far: `gpu:N`'s index, its client, its name.
 static OPENED: Mutex<Vec<(usize, GpuDevice)>> = Mutex::new(Vec::new());
 
 impl GpuDevice {
-    /// Opens GPU `index` (`gpu:index` on the command line): the index-th
-    /// discrete, integrated or virtual Vulkan GPU, in that order of
-    /// preference, and for index 0 a CPU Vulkan device (lavapipe) when
-    /// there is no GPU at all.
+    /// Opens GPU `index` (`gpu:index` on the command line) on the
+    /// `runtime` asked for: with [`GpuRuntime::Auto`], the index-th CUDA
+    /// device where a CUDA driver is present, else the index-th discrete,
+    /// integrated or virtual Vulkan GPU, in that order of preference, and
+    /// for index 0 a CPU Vulkan device (lavapipe) when there is no GPU at
+    /// all. [`GpuDevice::name`] says which runtime was chosen.
     /// A device opened before in this process is shared: CubeCL registers
     /// each device once per process.
-    pub fn open(index: usize) -> Result<GpuDevice, GpuError> {
+    pub fn open_on(index: usize, runtime: GpuRuntime) -> Result<GpuDevice, GpuError> {
         let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, dev)) = opened.iter().find(|(i, _)| *i == index) {
+        if let Some((_, dev)) = opened
+            .iter()
+            .find(|(i, d)| *i == index && runtime.admits(d.runtime))
+        {
             return Ok(dev.clone());
         }
-        let (client, name) = open_vulkan(index).map_err(|vulkan| GpuError::NoDevice {
-            index,
-            cuda: NO_CUDA.into(),
-            vulkan,
-        })?;
+        let (client, name, chosen) = open_client(index, runtime)?;
         let all_rows = Buffer {
             handle: client.create_from_slice(u32::as_bytes(&[u32::MAX])),
             len: 1,
@@ -84,15 +82,26 @@ impl GpuDevice {
         let dev = GpuDevice {
             client,
             name,
+            runtime: chosen,
             all_rows,
         };
         opened.push((index, dev.clone()));
         Ok(dev)
     }
 
-    /// The adapter, as the startup line names it.
+    /// [`GpuDevice::open_on`] with [`GpuRuntime::Auto`].
+    pub fn open(index: usize) -> Result<GpuDevice, GpuError> {
+        Self::open_on(index, GpuRuntime::Auto)
+    }
+
+    /// The adapter and its runtime, as the startup line names them.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The runtime the device was opened on (never `Auto`).
+    pub fn runtime(&self) -> GpuRuntime {
+        self.runtime
     }
 
     pub(crate) fn client(&self) -> &Client {
@@ -220,6 +229,36 @@ impl GpuDevice {
         values.truncate(buf.len);
         Ok(values)
     }
+}
+
+/// The device `index` on `runtime`: its client, name and runtime, or why
+/// there is none on any runtime asked for.
+fn open_client(
+    index: usize,
+    runtime: GpuRuntime,
+) -> Result<(Client, String, GpuRuntime), GpuError> {
+    let not_asked = |r: &str| format!("not tried ({r} asked for)");
+    let cuda = if runtime.admits(GpuRuntime::Cuda) {
+        match cuda::open(index) {
+            Ok((client, name)) => return Ok((client, name, GpuRuntime::Cuda)),
+            Err(why) => why,
+        }
+    } else {
+        not_asked("Vulkan")
+    };
+    let vulkan = if runtime.admits(GpuRuntime::Vulkan) {
+        match open_vulkan(index) {
+            Ok((client, name)) => return Ok((client, name, GpuRuntime::Vulkan)),
+            Err(why) => why,
+        }
+    } else {
+        not_asked("CUDA")
+    };
+    Err(GpuError::NoDevice {
+        index,
+        cuda,
+        vulkan,
+    })
 }
 
 /// The index-th Vulkan adapter, or why there is none.

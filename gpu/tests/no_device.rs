@@ -1,8 +1,9 @@
-//! With no Vulkan driver to load (and no CUDA in this build), opening a
-//! GPU is a clear error naming both, not a panic. Its own test binary: the
-//! Vulkan loader reads its driver list once per process.
+//! With no Vulkan driver to load and no CUDA driver (this project's CI),
+//! opening a GPU is a clear error naming both, not a panic, whichever
+//! runtime is asked for. Its own test binary: the Vulkan loader reads its
+//! driver list once per process.
 
-use tandem_gpu::{GpuDevice, GpuError};
+use tandem_gpu::{GpuDevice, GpuError, GpuRuntime};
 
 #[test]
 fn no_vulkan_driver_is_a_clear_error_naming_cuda_and_vulkan() {
@@ -18,7 +19,21 @@ fn no_vulkan_driver_is_a_clear_error_naming_cuda_and_vulkan() {
         "{err:?}"
     );
     let msg = err.to_string();
-    for part in ["gpu:0", "CUDA", "Vulkan", "mesa-vulkan-drivers"] {
+    for part in [
+        "gpu:0",
+        "CUDA: no CUDA driver (libcuda.so.1 not found)",
+        "Vulkan",
+        "mesa-vulkan-drivers",
+    ] {
         assert!(msg.contains(part), "{part} missing from: {msg}");
     }
+    // Asking for one runtime tries only that one, and says so.
+    let cuda = GpuDevice::open_on(1, GpuRuntime::Cuda).expect_err("no CUDA driver");
+    let msg = cuda.to_string();
+    assert!(
+        msg.contains("gpu:1") && msg.contains("libcuda") && msg.contains("Vulkan: not tried"),
+        "{msg}"
+    );
+    let vulkan = GpuDevice::open_on(0, GpuRuntime::Vulkan).expect_err("no Vulkan driver");
+    assert!(vulkan.to_string().contains("CUDA: not tried"), "{vulkan}");
 }
