@@ -12,11 +12,10 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures_util::future::BoxFuture;
-use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Gauge, Histogram, UpDownCounter};
+use opentelemetry::metrics::{Histogram, UpDownCounter};
 use tandem_discovery::{EtcdConfig, Membership, Role, Snapshot};
 use tandem_frontend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
 use tandem_proto::tls::PeerConnector;
@@ -32,6 +31,10 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 use tonic::{Code, Streaming};
+
+mod probation;
+
+use probation::{Census, Standing};
 
 /// Routing weights and limits, validated at startup.
 #[derive(Debug, Clone, PartialEq)]
@@ -74,7 +77,6 @@ struct ClusterMetrics {
     lookup: Histogram<f64>,
     scheduling: Histogram<f64>,
     overlap: Histogram<u64>,
-    workers: Gauge<u64>,
     event_lag: Histogram<f64>,
     index_blocks: UpDownCounter<i64>,
     index_bytes: UpDownCounter<i64>,
@@ -109,10 +111,6 @@ fn metrics() -> &'static ClusterMetrics {
                 .u64_histogram("tandem.router.chosen_overlap")
                 .with_description("Prompt blocks already cached on the chosen decode worker")
                 .build(),
-            workers: m
-                .u64_gauge("tandem.router.workers")
-                .with_description("Workers this router routes to, by role")
-                .build(),
             event_lag: m
                 .f64_histogram("tandem.router.event_lag")
                 .with_description(
@@ -136,16 +134,6 @@ fn metrics() -> &'static ClusterMetrics {
     })
 }
 
-/// `tandem.router.workers{role}`: the workers routed to now.
-fn record_workers(workers: &BTreeMap<(Role, String), Arc<Worker>>) {
-    for role in [Role::Prefill, Role::Decode] {
-        let n = workers.values().filter(|w| w.role == role).count();
-        metrics()
-            .workers
-            .record(n as u64, &[KeyValue::new("role", role.as_str())]);
-    }
-}
-
 /// What the router knows about one worker.
 #[derive(Debug)]
 struct Worker {
@@ -159,6 +147,8 @@ struct Worker {
     kv_blocks_used: AtomicUsize,
     /// Requests this router sent that have not started yet.
     pending: AtomicUsize,
+    /// Routable, or on probation (`probation.rs`).
+    standing: Standing,
     events_task: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -243,36 +233,6 @@ fn index_bytes(set: &HashSet<BlockHash>) -> usize {
     set.capacity() * (std::mem::size_of::<BlockHash>() + 1)
 }
 
-/// Follows a worker's event stream, reconnecting (and replaying from the
-/// last event seen) until the worker leaves the membership.
-async fn follow_events(worker: std::sync::Weak<Worker>) {
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        let Some(w) = worker.upgrade() else { return };
-        let mut client = pb::worker_client::WorkerClient::new(w.channel.clone());
-        let after = w.last_event.load(Ordering::Relaxed);
-        drop(w);
-        if let Ok(resp) = client
-            .events(pb::EventsRequest {
-                after_event_id: after,
-            })
-            .await
-        {
-            let mut stream = resp.into_inner();
-            backoff = Duration::from_millis(100);
-            while let Ok(Some(e)) = stream.message().await {
-                let Some(w) = worker.upgrade() else { return };
-                if !w.apply(&e) {
-                    tracing::debug!(worker = %w.record.id, "event gap; resubscribing");
-                    break;
-                }
-            }
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
-}
-
 /// Live membership and routing state.
 #[derive(Debug)]
 pub struct Cluster {
@@ -282,6 +242,8 @@ pub struct Cluster {
     /// a connection on which it proved its identity.
     peers: PeerConnector,
     workers: RwLock<BTreeMap<(Role, String), Arc<Worker>>>,
+    /// Workers by role and standing (the worker gauges).
+    census: Arc<Census>,
     rng: AtomicU64,
 }
 
@@ -309,8 +271,10 @@ impl ClusterHandle {
             routing,
             peers,
             workers: RwLock::new(BTreeMap::new()),
+            census: Arc::default(),
             rng: AtomicU64::new(0x2545_f491_4f6c_dd1d),
         });
+        cluster.census.publish();
         let mut rx = membership.subscribe();
         let c = Arc::clone(&cluster);
         let task = tokio::spawn(async move {
@@ -342,7 +306,6 @@ impl ClusterHandle {
             .write()
             .unwrap_or_else(PoisonError::into_inner);
         workers.clear();
-        record_workers(&workers);
     }
 
     pub fn is_connected(&self) -> bool {
@@ -479,6 +442,9 @@ impl Backend for ClusterBackend {
         let mut details = serde_json::Map::new();
         details.insert("prefill_workers".into(), prefill.into());
         details.insert("decode_workers".into(), decode.into());
+        let (total, listed) = probation::health_report(&self.cluster.workers);
+        details.insert("probation_total".into(), total.into());
+        details.insert("probation_workers".into(), listed.into());
         BackendHealth {
             ready,
             reason: "no decode workers",
@@ -603,22 +569,22 @@ impl Cluster {
                 waiting: AtomicUsize::new(0),
                 kv_blocks_used: AtomicUsize::new(0),
                 pending: AtomicUsize::new(0),
+                standing: Standing::new(member.role, Arc::clone(&self.census)),
                 events_task: Mutex::new(None),
             });
-            let task = tokio::spawn(follow_events(Arc::downgrade(&w)));
+            let task = tokio::spawn(probation::follow_events(Arc::downgrade(&w)));
             *w.events_task.lock().unwrap_or_else(PoisonError::into_inner) = Some(task);
             workers.insert(key.clone(), w);
         }
-        record_workers(&workers);
     }
 
-    /// Worker ids by role (for `/health` and tests).
+    /// Ids of the workers routed to, by role (for `/health` and tests).
     pub fn members(&self) -> (Vec<String>, Vec<String>) {
         let workers = self.workers.read().unwrap_or_else(PoisonError::into_inner);
         let ids = |r: Role| {
             workers
                 .values()
-                .filter(|w| w.role == r)
+                .filter(|w| w.role == r && w.standing.is_ready())
                 .map(|w| w.record.id.clone())
                 .collect()
         };
@@ -635,8 +601,8 @@ impl Cluster {
         x
     }
 
-    /// Workers of `role` by ascending cost (random among equals), with
-    /// their overlap.
+    /// Ready workers of `role` (none on probation) by ascending cost
+    /// (random among equals), with their overlap.
     fn rank(
         &self,
         role: Role,
@@ -646,7 +612,7 @@ impl Cluster {
         let workers = self.workers.read().unwrap_or_else(PoisonError::into_inner);
         let mut scored: Vec<(f64, u64, Arc<Worker>, usize)> = workers
             .values()
-            .filter(|w| w.role == role)
+            .filter(|w| w.role == role && w.standing.is_ready())
             .map(|w| {
                 let overlap = w.overlap(hashes);
                 let cost = w.cost(&self.routing, prompt_blocks, overlap);
@@ -681,7 +647,9 @@ impl Cluster {
         let prefills = self.rank(Role::Prefill, &hashes, prompt_blocks);
         let t2 = Instant::now();
         if decodes.is_empty() {
-            return Err(GenFailure::Unavailable("no decode worker is registered".into()).into());
+            return Err(
+                GenFailure::Unavailable("no verified decode worker is available".into()).into(),
+            );
         }
         let targets: Vec<PrefillTarget> = prefills
             .iter()
@@ -746,6 +714,7 @@ mod tests {
     use super::*;
     use std::collections::VecDeque;
     use std::pin::Pin;
+    use std::time::Duration;
 
     use futures_util::Stream;
     use tandem_proto::trace::TraceContext;
@@ -787,6 +756,7 @@ mod tests {
         kv_blocks_used: usize,
         waiting: usize,
         pending: usize,
+        on_probation: bool,
     }
 
     fn spec(id: &str, role: Role) -> Spec<'_> {
@@ -799,10 +769,15 @@ mod tests {
             kv_blocks_used: 0,
             waiting: 0,
             pending: 0,
+            on_probation: false,
         }
     }
 
     fn worker(s: &Spec<'_>) -> Worker {
+        let standing = Standing::new(s.role, Arc::default());
+        if !s.on_probation {
+            standing.promote(s.id);
+        }
         Worker {
             record: WorkerRecord {
                 id: s.id.into(),
@@ -824,6 +799,7 @@ mod tests {
             waiting: AtomicUsize::new(s.waiting),
             kv_blocks_used: AtomicUsize::new(s.kv_blocks_used),
             pending: AtomicUsize::new(s.pending),
+            standing,
             events_task: Mutex::new(None),
         }
     }
@@ -838,6 +814,7 @@ mod tests {
             routing,
             peers: PeerConnector::default(),
             workers: RwLock::new(workers),
+            census: Arc::default(),
             rng: AtomicU64::new(0x2545_f491_4f6c_dd1d),
         }
     }
@@ -997,6 +974,36 @@ mod tests {
             .collect();
         first.sort();
         assert_eq!(first, ["cold-idle", "half"]);
+    }
+
+    /// A worker on probation is never ranked (so never tried, not even as
+    /// a retry) nor listed as a member, however cheap it looks.
+    #[tokio::test]
+    async fn workers_on_probation_are_not_routed_to() {
+        let (_, h) = prompt();
+        let stranger = |id| Spec {
+            cached: h.clone(),
+            on_probation: true,
+            ..spec(id, Role::Decode)
+        };
+        let c = cluster(
+            &[
+                stranger("s1"),
+                stranger("s2"),
+                Spec {
+                    kv_blocks_used: 50,
+                    ..spec("real", Role::Decode)
+                },
+                Spec {
+                    on_probation: true,
+                    ..spec("p", Role::Prefill)
+                },
+            ],
+            routing(),
+        );
+        assert_eq!(ranked(&c, Role::Decode, &h), owned(&[("real", 0)]));
+        assert!(ranked(&c, Role::Prefill, &h).is_empty());
+        assert_eq!(c.members(), (vec![], vec!["real".to_string()]));
     }
 
     /// Equal costs are broken at random, so a burst spreads over equals.
