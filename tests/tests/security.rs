@@ -502,6 +502,264 @@ fn bad_tls_settings_fail_startup_loudly() {
     );
 }
 
+/// A TCP port nothing listens on (bound, then closed).
+fn closed_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Registers a "decode worker" in etcd at `endpoint`, with the fingerprint
+/// and protocol version a real node reported (`real`), as anyone who can
+/// write etcd could.
+fn register_decode(
+    rt: &tokio::runtime::Runtime,
+    cfg: &EtcdConfig,
+    real: &pb::WorkerInfo,
+    id: &str,
+    endpoint: String,
+) -> Registration {
+    let record = pb::WorkerRecord {
+        version: real.version,
+        id: id.into(),
+        role: "decode".into(),
+        grpc_endpoint: endpoint,
+        metrics_endpoint: "http://127.0.0.1:1".into(),
+        fingerprint: real.fingerprint.clone(),
+        kv_blocks_total: 4096,
+        max_batch_size: 64,
+        tp: 1,
+        dp: 1,
+    };
+    rt.block_on(Registration::start(
+        cfg,
+        Role::Decode,
+        id,
+        prost::Message::encode_to_vec(&record),
+    ))
+    .unwrap()
+}
+
+/// A log without its ANSI colour sequences (`ESC [ ... m`).
+fn plain(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut rest = log;
+    while let Some(i) = rest.find('\x1b') {
+        out.push_str(&rest[..i]);
+        rest = rest[i..].find('m').map_or("", |j| &rest[i + j + 1..]);
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The router's `/health` view of the workers on probation: id -> (role,
+/// reason).
+fn probation(h: &Value) -> std::collections::BTreeMap<String, (String, String)> {
+    h["probation_workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|w| {
+            let s = |k: &str| w[k].as_str().unwrap_or_default().to_string();
+            (s("id"), (s("role"), s("reason")))
+        })
+        .collect()
+}
+
+/// Issue 36, item 3: six decode records whose https endpoints fail
+/// verification (four TLS servers with another CA's certificate, two closed
+/// ports) made most of 30 concurrent requests fail with 503, because such
+/// workers send no load reports, ranked first, and took the retries. They
+/// must stay on probation: never routed to, not counted as available, and
+/// reported in `/health`, the metrics and the log. A real worker whose
+/// verified connection breaks goes back to probation too.
+#[test]
+fn unverifiable_workers_stay_on_probation() {
+    const FAKES_TLS: usize = 4;
+    const FAKES_CLOSED: usize = 2;
+    const REQUESTS: usize = 30;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "cluster");
+    let node_id = ca.issue("node", &[NODE_NAME]);
+    let router_id = ca.issue("router", &["127.0.0.1", "localhost"]);
+    let rogue = TestCa::new(dir.path(), "rogue");
+    let stranger = rogue.issue("stranger", &["127.0.0.1", NODE_NAME]);
+
+    let etcd = EtcdServer::start().unwrap();
+    let cluster = unique_cluster("probation");
+    let flags = tls_flags(&ca, &node_id);
+    let mut flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let p = Node::start(&etcd.url(), &cluster, "prefill", "p0", &flags);
+    // The decode node's record outlives it by a minute, so that once it is
+    // killed the router still lists it: on probation, not gone.
+    flags.extend(["--lease-ttl", "60"]);
+    let mut d = Node::start(&etcd.url(), &cluster, "decode", "d0", &flags);
+    let router_flags = tls_flags(&ca, &router_id);
+    let router_flags: Vec<&str> = router_flags.iter().map(String::as_str).collect();
+    let r = Router::start_with(&etcd.url(), &cluster, &router_flags);
+    r.wait_members(1, 1, Duration::from_secs(30));
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let real = rt
+        .block_on(probe(Caller::WithCert(&router_id), ca.ca_path(), d.grpc))
+        .unwrap();
+    let cfg = EtcdConfig {
+        endpoints: vec![etcd.url()],
+        cluster: cluster.clone(),
+        lease_ttl: Duration::from_secs(30),
+        security: Default::default(),
+    };
+    let tls_fakes: Vec<FakeWorker> = (0..FAKES_TLS)
+        .map(|_| FakeWorker::start(&rt, Some(&stranger)))
+        .collect();
+    let mut expected_reasons = std::collections::BTreeMap::new();
+    let mut registrations = Vec::new();
+    for (i, f) in tls_fakes.iter().enumerate() {
+        let id = format!("fake-tls-{i}");
+        let endpoint = format!("https://127.0.0.1:{}", f.port);
+        registrations.push(register_decode(&rt, &cfg, &real, &id, endpoint));
+        expected_reasons.insert(id, ("decode".to_string(), "tls".to_string()));
+    }
+    for i in 0..FAKES_CLOSED {
+        let id = format!("fake-closed-{i}");
+        let endpoint = format!("https://127.0.0.1:{}", closed_port());
+        registrations.push(register_decode(&rt, &cfg, &real, &id, endpoint));
+        expected_reasons.insert(id, ("decode".to_string(), "unreachable".to_string()));
+    }
+
+    // Until the router lists all six (as decode workers, or on probation
+    // after a first failed attempt to verify each).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let h = r.health();
+        let on_probation = probation(&h);
+        let listed = |id: &String| {
+            on_probation
+                .get(id)
+                .is_some_and(|(_, why)| why != "pending")
+                || h["decode_workers"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|v| v == id.as_str()))
+        };
+        if expected_reasons.keys().all(listed) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the router never tried the six records: {h}\nrouter: {}",
+            r.proc.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // 30 concurrent requests: every one served by the real decode node.
+    let prompts: Vec<String> = (0..REQUESTS)
+        .map(|i| format!("{} {i}", short_prompt()))
+        .collect();
+    let answers: Vec<(u16, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|prompt| {
+                let port = r.port;
+                s.spawn(move || {
+                    let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+                    let resp =
+                        tandem_tests::http(port, "POST", "/v1/completions", &body.to_string());
+                    (resp.status, resp.body)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let failed: Vec<&(u16, String)> = answers.iter().filter(|(s, _)| *s != 200).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {REQUESTS} requests failed, e.g. {:?}",
+        failed.len(),
+        failed[0]
+    );
+    for (prompt, (_, body)) in prompts.iter().zip(&answers) {
+        let v: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["choices"][0]["text"], expected(prompt, 4).as_str());
+    }
+
+    // Reported: listed apart from the ready workers, with the class of
+    // failure; counted in the metrics; logged once each.
+    let h = r.health();
+    assert_eq!(h["decode_workers"], json!(["d0"]), "{h}");
+    assert_eq!(h["prefill_workers"], json!(["p0"]), "{h}");
+    assert_eq!(probation(&h), expected_reasons, "{h}");
+    assert_eq!(h["probation_total"], json!(FAKES_TLS + FAKES_CLOSED), "{h}");
+    let text = tandem_tests::http(r.port, "GET", "/metrics", "").body;
+    let m = |name: &str, labels: &str| tandem_tests::metric(&text, name, labels);
+    assert_eq!(m("tandem_router_workers", "role=\"decode\""), 1.0);
+    assert_eq!(m("tandem_router_workers", "role=\"prefill\""), 1.0);
+    assert_eq!(
+        m("tandem_router_probation_workers", "role=\"decode\""),
+        (FAKES_TLS + FAKES_CLOSED) as f64
+    );
+    assert_eq!(
+        m("tandem_router_probation_workers", "role=\"prefill\""),
+        0.0
+    );
+    assert!(m("tandem_router_probation_failures_total", "reason=\"tls\"") >= FAKES_TLS as f64);
+    assert!(
+        m(
+            "tandem_router_probation_failures_total",
+            "reason=\"unreachable\""
+        ) >= FAKES_CLOSED as f64
+    );
+    let log = plain(&r.proc.stderr());
+    for (id, (_, reason)) in &expected_reasons {
+        let lines = log
+            .lines()
+            .filter(|l| {
+                l.contains("failed verification")
+                    && l.contains(&format!("worker={id} "))
+                    && l.contains(&format!("reason=\"{reason}\""))
+            })
+            .count();
+        assert_eq!(
+            lines, 1,
+            "{id}: {lines} log lines (rate limit: one a minute)\n{log}"
+        );
+    }
+    // The router did dial the TLS fakes; none got through a handshake.
+    for f in &tls_fakes {
+        assert!(f.connections.load(Ordering::SeqCst) > 0);
+        assert_eq!(f.handshakes.load(Ordering::SeqCst), 0);
+    }
+
+    // The real decode node dies; its record stays (lease of a minute). It
+    // goes back on probation at once, and no request is sent its way.
+    d.proc.kill9();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let h = loop {
+        let h = r.health();
+        if h["decode_workers"] == json!([]) {
+            break h;
+        }
+        assert!(Instant::now() < deadline, "d0 stayed routable: {h}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (role, reason) = &probation(&h)["d0"];
+    assert_eq!(role, "decode");
+    assert!(reason == "lost" || reason == "unreachable", "{h}");
+    let body = json!({"prompt": short_prompt(), "max_tokens": 4, "temperature": 0});
+    let resp = tandem_tests::http(r.port, "POST", "/v1/completions", &body.to_string());
+    assert_eq!(resp.status, 503, "{}", resp.body);
+    let log = plain(&r.proc.stderr());
+    assert!(
+        log.lines()
+            .any(|l| l.contains("lost its verified connection") && l.contains("worker=d0 ")),
+        "no log line for d0's lost connection:\n{log}"
+    );
+    drop(registrations);
+    p.assert_idle();
+}
+
 /// Issue 36: what a captured `PrefillRequest` (a real decode node's
 /// region and grant) lets its holder do against real nodes over real UCX:
 /// replayed to the real prefill node, every write it causes is refused by
