@@ -216,6 +216,13 @@ for mode in disaggregated aggregated; do
     render_validate "$chart/values.yaml" --set mode=$mode --set tls.cluster.secretName=tandem-cluster-tls \
     --set tls.http.secretName=tandem-https --set apiKeys.secretName=tandem-api-keys
 done
+# etcd's client-certificate authentication off, and an external etcd whose
+# client certificate comes from the operator's Secret.
+check "helm template | kubernetes-validate --strict -k $kube (in-chart etcd without client-certificate auth)" \
+  render_validate "$chart/values.yaml" --set etcd.auth.enabled=false
+check "helm template | kubernetes-validate --strict -k $kube (external etcd, client certificate from a Secret)" \
+  render_validate "$chart/values.yaml" --set etcd.enabled=false \
+  --set 'etcd.endpoints={https://etcd.example:2379}' --set etcd.auth.secretName=etcd-client
 echo "NOTE ServiceMonitor/PodMonitor (monitoring.coreos.com/v1) are not schema-validated: kubernetes-validate has no CRD schemas offline"
 
 check "a GPU decode role: nvidia.com/gpu and NVIDIA_DRIVER_CAPABILITIES with graphics" gpu_pods

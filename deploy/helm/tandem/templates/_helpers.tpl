@@ -28,10 +28,27 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- .Values.clusterName | default .Release.Name -}}
 {{- end -}}
 
+{{/*
+The Secret of etcd's client-certificate authentication (etcd.auth): the one
+named, or for the in-chart etcd the one the chart generates; empty when etcd
+runs without it.
+*/}}
+{{- define "tandem.etcdAuthSecret" -}}
+{{- $a := .Values.etcd.auth -}}
+{{- if $a.enabled -}}
+{{- if $a.secretName -}}
+{{- $a.secretName -}}
+{{- else if .Values.etcd.enabled -}}
+{{- include "tandem.name" (dict "root" . "component" "etcd-auth") -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The etcd client URLs the roles get in TANDEM_ETCD. */}}
 {{- define "tandem.etcdUrls" -}}
 {{- if .Values.etcd.enabled -}}
-{{- printf "http://%s:2379" (include "tandem.name" (dict "root" . "component" "etcd")) -}}
+{{- $scheme := ternary "https" "http" .Values.etcd.auth.enabled -}}
+{{- printf "%s://%s:2379" $scheme (include "tandem.name" (dict "root" . "component" "etcd")) -}}
 {{- else -}}
 {{- join "," .Values.etcd.endpoints -}}
 {{- end -}}
@@ -123,12 +140,21 @@ empty otherwise.
 {{- end }}
 {{- end -}}
 
-{{/* Env of the roles that use etcd (router, prefill, decode). */}}
+{{/* Env of the roles that use etcd (router, prefill, decode): where it
+     is, and the client certificate it demands (etcd.auth). */}}
 {{- define "tandem.etcdEnv" -}}
 - name: TANDEM_ETCD
   value: {{ include "tandem.etcdUrls" . | quote }}
 - name: TANDEM_CLUSTER
   value: {{ include "tandem.clusterName" . | quote }}
+{{- if include "tandem.etcdAuthSecret" . }}
+- name: TANDEM_ETCD_CA
+  value: /etc/tandem/etcd-tls/ca.crt
+- name: TANDEM_ETCD_CERT
+  value: /etc/tandem/etcd-tls/client.crt
+- name: TANDEM_ETCD_KEY
+  value: /etc/tandem/etcd-tls/client.key
+{{- end }}
 {{- end -}}
 
 {{/* Env, mounts and volumes of the TLS material and API keys a role uses:
@@ -160,6 +186,11 @@ empty otherwise.
 
 {{- define "tandem.securityMounts" -}}
 {{- $t := .root.Values.tls -}}
+{{- if and .etcd (include "tandem.etcdAuthSecret" .root) }}
+- name: etcd-tls
+  mountPath: /etc/tandem/etcd-tls
+  readOnly: true
+{{- end }}
 {{- if and .cluster $t.cluster.secretName }}
 - name: cluster-tls
   mountPath: /etc/tandem/cluster-tls
@@ -179,6 +210,16 @@ empty otherwise.
 
 {{- define "tandem.securityVolumes" -}}
 {{- $t := .root.Values.tls -}}
+{{- with and .etcd (include "tandem.etcdAuthSecret" .root) }}
+# The client side only: etcd's own key stays in the etcd pod.
+- name: etcd-tls
+  secret:
+    secretName: {{ . }}
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: client.crt, path: client.crt}
+      - {key: client.key, path: client.key}
+{{- end }}
 {{- if and .cluster $t.cluster.secretName }}
 - name: cluster-tls
   secret:
@@ -313,7 +354,7 @@ etcd (bool: the role uses etcd), node (bool: prefill/decode env).
 {{- $root := .root -}}
 {{- $v := .values -}}
 {{- $front := not .node -}}
-{{- $sec := dict "root" $root "cluster" .etcd "front" $front -}}
+{{- $sec := dict "root" $root "cluster" .etcd "etcd" .etcd "front" $front -}}
 {{- $scheme := ternary "HTTPS" "" (and $front (ne $root.Values.tls.http.secretName "")) -}}
 apiVersion: apps/v1
 kind: Deployment
