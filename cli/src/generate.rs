@@ -11,9 +11,9 @@ use tandem_engine::RequestError;
 use tandem_engine::comm::{DeviceSpec, GpuSelection, parse_devices};
 use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate, generate_on};
 use tandem_engine::sampler::SamplingParams;
+use tandem_gpu::GpuDevice;
 use tandem_gpu::llama::GpuLlama;
 use tandem_gpu::weights::ModelFiles;
-use tandem_gpu::{GpuDevice, GpuRuntime};
 use tandem_modelfile::ModelText;
 use tandem_modelfile::chat::ChatMessage;
 use tandem_modelfile::fetch;
@@ -75,10 +75,6 @@ pub struct GenerateArgs {
     /// safetensors directories.
     #[arg(long, env = "TANDEM_DEVICES", default_value = "cpu")]
     devices: String,
-    /// The GPU runtime: `auto` (CUDA where a CUDA driver and device are
-    /// present, else Vulkan), `cuda` or `vulkan`.
-    #[arg(long, env = "TANDEM_GPU_RUNTIME", default_value = "auto")]
-    gpu_runtime: GpuRuntime,
 }
 
 /// Which device `generate` runs on.
@@ -217,8 +213,7 @@ fn run_on_gpu(args: &GenerateArgs, path: &Path, id: usize) -> Result<()> {
         vocab_size: config.vocab_size,
     };
     let max_tokens = limits.check(&req.prompt, Some(req.max_tokens), &req.sampling)?;
-    let (mut seq, adapter) =
-        load_on_gpu(&files, id, args.gpu_runtime, req.prompt.len() + max_tokens)?;
+    let (mut seq, adapter) = load_on_gpu(&files, id, req.prompt.len() + max_tokens)?;
     eprintln!(
         "tandem: loaded {} ({} layers) on gpu:{id}, {adapter}, in {:.0} ms",
         text.name,
@@ -230,15 +225,10 @@ fn run_on_gpu(args: &GenerateArgs, path: &Path, id: usize) -> Result<()> {
     })
 }
 
-/// The model's weights on GPU `id` (on `runtime`) with a KV pool of
-/// `max_ctx` positions, and the adapter's name for the startup line.
-fn load_on_gpu(
-    files: &ModelFiles,
-    id: usize,
-    runtime: GpuRuntime,
-    max_ctx: usize,
-) -> Result<(GpuLlama, String)> {
-    let dev = GpuDevice::open_on(id, runtime)?;
+/// The model's weights on GPU `id` with a KV pool of `max_ctx` positions,
+/// and the adapter's name for the startup line.
+fn load_on_gpu(files: &ModelFiles, id: usize, max_ctx: usize) -> Result<(GpuLlama, String)> {
+    let dev = GpuDevice::open(id)?;
     let adapter = dev.name().to_string();
     Ok((GpuLlama::load(dev, files, max_ctx)?, adapter))
 }

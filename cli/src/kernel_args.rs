@@ -1,8 +1,10 @@
-//! Flags that choose how the CPU kernels run, shared by every command that
-//! loads a model.
+//! Flags that choose how the kernels run (the CPU's threads and
+//! instruction set, the GPU's runtime), shared by every command that loads
+//! a model.
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use tandem_gpu::GpuRuntime;
 use tandem_kernels::Isa;
 
 #[derive(Debug, Clone, Args)]
@@ -14,6 +16,10 @@ pub struct KernelArgs {
     /// the best this CPU has). For comparing kernel paths on one machine.
     #[arg(long, env = "TANDEM_CPU_ISA")]
     pub cpu_isa: Option<Isa>,
+    /// With --devices gpu:...: the GPU runtime, `auto` (CUDA where a CUDA
+    /// driver and device are present, else Vulkan), `cuda` or `vulkan`.
+    #[arg(long, env = "TANDEM_GPU_RUNTIME", default_value = "auto")]
+    pub gpu_runtime: GpuRuntime,
 }
 
 impl KernelArgs {
@@ -33,11 +39,12 @@ impl KernelArgs {
         Ok(())
     }
 
-    /// Validates, then fixes the kernels' instruction set and thread count
-    /// for the life of the process. Call before the model is loaded: weights
-    /// are repacked for the chosen instruction set.
+    /// Validates, then fixes the kernels' instruction set, thread count and
+    /// GPU runtime for the life of the process. Call before the model is
+    /// loaded: weights are repacked for the chosen instruction set.
     pub fn apply(&self) -> Result<()> {
         self.validate()?;
+        tandem_gpu::prefer_runtime(self.gpu_runtime).context("setting --gpu-runtime")?;
         if let Some(isa) = self.cpu_isa {
             tandem_kernels::limit_isa(isa).context("setting --cpu-isa")?;
         }

@@ -72,8 +72,8 @@ pub struct EngineArgs {
     pub tp: usize,
     /// Devices the ranks run on: `cpu` (one rank), `cpu:N` (N thread ranks,
     /// the same as --tp N), GPUs `gpu:I,J,...` (a tensor-parallel rank per
-    /// GPU; partial sums are added through host memory), `gpu:all`, or
-    /// `gpu:N` with --tp M (M ranks sharing one GPU).
+    /// GPU, on --gpu-runtime; partial sums are added through host memory),
+    /// `gpu:all`, or `gpu:N` with --tp M (M ranks sharing one GPU).
     #[arg(long, env = "TANDEM_DEVICES", default_value = "cpu")]
     pub devices: String,
     /// How a mixture-of-experts model combines experts across ranks:
@@ -226,6 +226,9 @@ impl EngineArgs {
     /// node, whose KV leaves from the host pool (a GPU copies every step's
     /// KV back to it).
     pub fn load_served(&self, exports_kv: bool) -> Result<Served> {
+        // Before `gpu()`, which may open devices (`gpu:all`) on the runtime
+        // --gpu-runtime names.
+        self.kernels.apply()?;
         if let Some(devices) = self.gpu()? {
             return self.load_on_gpu(&devices, exports_kv);
         }

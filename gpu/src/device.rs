@@ -1,5 +1,5 @@
 use std::marker::PhantomData;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use cubecl::bytes::Bytes;
 use cubecl::prelude::{Client, CubeElement};
@@ -56,6 +56,25 @@ impl<T> Buffer<T> {
 /// Devices opened so far: `gpu:N`'s index, its client, its name.
 static OPENED: Mutex<Vec<(usize, GpuDevice)>> = Mutex::new(Vec::new());
 
+/// The runtime [`GpuDevice::open`] asks for, fixed at first use.
+static PREFERRED: OnceLock<GpuRuntime> = OnceLock::new();
+
+/// The runtime chosen after a device was opened on another.
+#[derive(Debug, thiserror::Error)]
+#[error("the GPU runtime is already {0} for this process")]
+pub struct RuntimeAlreadyChosen(pub GpuRuntime);
+
+/// Chooses the runtime [`GpuDevice::open`] asks for (`--gpu-runtime`), for
+/// the life of the process, as `--cpu-isa` fixes the CPU's instruction
+/// set: call it before the first device is opened. Choosing the same one
+/// again is a no-op; another one is an error and changes nothing.
+pub fn prefer_runtime(runtime: GpuRuntime) -> Result<(), RuntimeAlreadyChosen> {
+    match *PREFERRED.get_or_init(|| runtime) {
+        chosen if chosen == runtime => Ok(()),
+        chosen => Err(RuntimeAlreadyChosen(chosen)),
+    }
+}
+
 impl GpuDevice {
     /// Opens GPU `index` (`gpu:index` on the command line) on the
     /// `runtime` asked for: with [`GpuRuntime::Auto`], the index-th CUDA
@@ -89,9 +108,10 @@ impl GpuDevice {
         Ok(dev)
     }
 
-    /// [`GpuDevice::open_on`] with [`GpuRuntime::Auto`].
+    /// [`GpuDevice::open_on`] the runtime [`prefer_runtime`] chose for this
+    /// process ([`GpuRuntime::Auto`] unless it was called).
     pub fn open(index: usize) -> Result<GpuDevice, GpuError> {
-        Self::open_on(index, GpuRuntime::Auto)
+        Self::open_on(index, *PREFERRED.get_or_init(GpuRuntime::default))
     }
 
     /// The adapter and its runtime, as the startup line names them.

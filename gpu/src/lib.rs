@@ -26,5 +26,5 @@ pub mod runner;
 mod runtime;
 pub mod weights;
 
-pub use device::{Buffer, GpuDevice, GpuRuntime};
+pub use device::{Buffer, GpuDevice, GpuRuntime, RuntimeAlreadyChosen, prefer_runtime};
 pub use error::GpuError;

@@ -3,7 +3,7 @@
 //! runtime is asked for. Its own test binary: the Vulkan loader reads its
 //! driver list once per process.
 
-use tandem_gpu::{GpuDevice, GpuError, GpuRuntime};
+use tandem_gpu::{GpuDevice, GpuError, GpuRuntime, RuntimeAlreadyChosen, prefer_runtime};
 
 #[test]
 fn no_vulkan_driver_is_a_clear_error_naming_cuda_and_vulkan() {
@@ -36,4 +36,11 @@ fn no_vulkan_driver_is_a_clear_error_naming_cuda_and_vulkan() {
     );
     let vulkan = GpuDevice::open_on(0, GpuRuntime::Vulkan).expect_err("no Vulkan driver");
     assert!(vulkan.to_string().contains("CUDA: not tried"), "{vulkan}");
+    // `open` fixed the process's runtime (auto): choosing it again is a
+    // no-op, another one an error that changes nothing.
+    assert!(prefer_runtime(GpuRuntime::Auto).is_ok());
+    assert!(matches!(
+        prefer_runtime(GpuRuntime::Cuda),
+        Err(RuntimeAlreadyChosen(GpuRuntime::Auto))
+    ));
 }
