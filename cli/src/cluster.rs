@@ -193,6 +193,13 @@ pub struct NodeArgs {
     /// (lo for 127.0.0.1), so KV ports never open on other interfaces.
     #[arg(long, env = "TANDEM_UCX_NET_DEVICES")]
     pub ucx_net_devices: Option<String>,
+    /// File holding the cluster's dKV key (64 hex digits, e.g. from
+    /// `openssl rand -hex 32`): KV addresses are sealed with it and a
+    /// peer's must verify under it. Default: the key in etcd under the
+    /// cluster's prefix, created by the first node (etcd access is then
+    /// key access: run etcd with authentication).
+    #[arg(long, env = "TANDEM_DKV_KEY_FILE")]
+    pub dkv_key_file: Option<PathBuf>,
     #[command(flatten)]
     pub tls: ClusterTlsArgs,
     /// Close gRPC connections that carried no traffic for this many seconds.
@@ -313,6 +320,8 @@ fn node_options(node: &NodeArgs, role: Role) -> Result<NodeOptions> {
             }
             None => None,
         },
+        // Set by `run_node` (it may come from etcd).
+        dkv_key: None,
         shutdown_grace: SHUTDOWN_GRACE,
         tls: node.tls.load()?,
         grpc_idle_timeout: match node.grpc_idle_timeout_secs {
@@ -328,7 +337,7 @@ fn run_node(
     role: Role,
     decode: Option<DecodeConfig>,
 ) -> Result<()> {
-    let opts = node_options(node, role)?;
+    let mut opts = node_options(node, role)?;
     if let Some(d) = &decode {
         d.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     }
@@ -338,7 +347,14 @@ fn run_node(
         let _rt = rt.enter();
         Telemetry::install(role.as_str(), &node.telemetry)?
     };
-    let result = serve_node_role(engine, &opts, decode, &rt, &telemetry);
+    let key = rt.block_on(crate::dkv_key::resolve(
+        node.dkv_key_file.as_deref(),
+        opts.etcd.as_ref(),
+    ));
+    let result = key.and_then(|key| {
+        opts.dkv_key = Some(key);
+        serve_node_role(engine, &opts, decode, &rt, &telemetry)
+    });
     telemetry.shutdown();
     rt.shutdown_timeout(Duration::from_secs(1));
     eprintln!("tandem: {} node stopped", role.as_str());
@@ -525,6 +541,10 @@ pub struct ClusterUpArgs {
     /// KV connector of the nodes.
     #[arg(long, env = "TANDEM_KV_CONNECTOR", default_value = "ucx", value_parser = ["ucx", "local"])]
     pub kv_connector: String,
+    /// The nodes' dKV key file (see `tandem prefill --help`); default: a
+    /// key the nodes create in the cluster's etcd.
+    #[arg(long, env = "TANDEM_DKV_KEY_FILE")]
+    pub dkv_key_file: Option<PathBuf>,
     /// Passed on to every process.
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
@@ -639,6 +659,9 @@ pub fn run_cluster(cmd: ClusterCommand) -> Result<()> {
         bail!("--decode must be at least 1 (the router needs a decode node)");
     }
     args.telemetry.validate()?;
+    if let Some(f) = &args.dkv_key_file {
+        crate::dkv_key::read(f)?;
+    }
     let telemetry = |c: &mut Command| {
         if let Some(e) = &args.telemetry.otlp_endpoint {
             c.args(["--otlp-endpoint", e]);
@@ -692,6 +715,9 @@ pub fn run_cluster(cmd: ClusterCommand) -> Result<()> {
             .args(["--id", &format!("{role}-{i}")])
             .args(["--threads", &args.threads.to_string()])
             .args(["--kv-connector", &args.kv_connector]);
+        if let Some(f) = &args.dkv_key_file {
+            c.arg("--dkv-key-file").arg(f);
+        }
         telemetry(&mut c);
         c
     };

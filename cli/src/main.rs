@@ -3,6 +3,7 @@
 mod bench;
 mod bench_engine;
 mod cluster;
+mod dkv_key;
 mod fetch;
 mod generate;
 mod hub;

@@ -115,6 +115,7 @@ impl Node {
             transport: TransportKind::InProcess,
             ucx_tls: None,
             ucx_net_devices: None,
+            dkv_key: None,
             shutdown_grace: Duration::from_secs(1),
             tls: None,
             grpc_idle_timeout: Duration::from_secs(60),

@@ -6,11 +6,13 @@
 //! and watch that prefix ([`Membership`]). Both survive etcd outages: the
 //! worker keeps serving and re-registers when etcd returns, the router keeps
 //! the last known membership. Values are opaque bytes: the caller encodes
-//! and validates them.
+//! and validates them. [`get_or_create_secret`] keeps cluster-wide secrets
+//! (the dKV key) under `/tandem/<cluster>/secrets/<name>`.
 
 mod client;
 mod membership;
 mod registration;
+mod secret;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -21,6 +23,7 @@ use std::time::Duration;
 pub use client::CONNECT_TIMEOUT;
 pub use membership::{Member, Membership, Snapshot};
 pub use registration::Registration;
+pub use secret::{get_or_create_secret, secret_key};
 
 /// Where etcd is and how this cluster's keys are scoped.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -84,6 +84,7 @@ fn dkv(args: &[String]) -> Result<Dkv, String> {
         ucx_tls: tls,
         ucx_net_devices: None,
         ucx_library: None,
+        key: None,
     })
     .map_err(|e| e.to_string())
 }

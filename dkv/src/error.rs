@@ -14,6 +14,12 @@ pub enum DkvError {
     OutOfBounds(String),
     #[error("invalid remote region descriptor: {0}")]
     InvalidDescriptor(String),
+    /// A peer's worker address whose tag does not verify under the
+    /// cluster's dKV key: never handed to UCX.
+    #[error("unauthenticated remote region descriptor: {0}")]
+    Unauthenticated(String),
+    #[error("invalid dKV key: {0}")]
+    InvalidKey(String),
     #[error("invalid local region: {0}")]
     InvalidRegion(String),
     #[error("invalid KV layout: {0}")]
@@ -40,7 +46,10 @@ impl DkvError {
             | Self::InvalidRegion(_)
             | Self::InvalidLayout(_) => "bounds",
             Self::Refused(_) => "refused",
-            Self::UcxUnavailable(_) | Self::Ucx { .. } | Self::Shutdown => "transport",
+            Self::Unauthenticated(_) => "unauthenticated",
+            Self::UcxUnavailable(_) | Self::Ucx { .. } | Self::Shutdown | Self::InvalidKey(_) => {
+                "transport"
+            }
         }
     }
 }

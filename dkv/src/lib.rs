@@ -14,7 +14,10 @@
 
 mod descriptor;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod grant;
+mod key;
 pub mod layout;
 mod local;
 mod metrics;
@@ -34,6 +37,7 @@ use opentelemetry::KeyValue;
 use crate::grant::{GrantTable, Token};
 pub use error::DkvError;
 pub use grant::{Grant, Refusal};
+pub use key::{DkvKey, KEY_LEN};
 pub use layout::KvLayout;
 pub use metrics::{DkvMetrics, metrics};
 
@@ -64,6 +68,11 @@ pub struct DkvConfig {
     /// `None`: `libucp.so.0`. A library that is missing or lacks a function
     /// makes [`Dkv::new`] fail with [`DkvError::UcxUnavailable`].
     pub ucx_library: Option<std::path::PathBuf>,
+    /// The cluster's dKV key: our descriptors' worker address is sealed
+    /// with it, and a peer's must verify under it before it is used (see
+    /// [`DkvKey`]). `None`: a key this process makes at random, shared by
+    /// its `Dkv`s only (tests, and everything in one process).
+    pub key: Option<DkvKey>,
 }
 
 impl DkvConfig {
@@ -73,6 +82,7 @@ impl DkvConfig {
             ucx_tls: None,
             ucx_net_devices: None,
             ucx_library: None,
+            key: None,
         }
     }
 
@@ -82,14 +92,16 @@ impl DkvConfig {
             ucx_tls: None,
             ucx_net_devices: None,
             ucx_library: None,
+            key: None,
         }
     }
 }
 
 /// Where a peer may write: plain data, carried in protobuf by the nodes.
 /// `worker_address` (the owner's UCP worker address: writers connect by
-/// address, so a node needs no listener port for dkv) and `grant` (the
-/// grant's id and secret) are opaque, checksummed blobs; `len` is the
+/// address, so a node needs no listener port for dkv; tagged under the
+/// cluster's [`DkvKey`]) and `grant` (the grant's id and secret, with a
+/// checksum) are opaque blobs; `len` is the
 /// region's length, which write offsets are relative to. A descriptor is
 /// honoured while its [`Grant`] lives, for the granted bytes only.
 #[derive(Clone, PartialEq, Eq)]
@@ -149,6 +161,8 @@ struct DkvInner {
     grants: Arc<GrantTable>,
     /// The sealed worker address of our descriptors.
     address: Vec<u8>,
+    /// What peers' addresses must verify under.
+    key: DkvKey,
     closed: AtomicBool,
 }
 
@@ -204,11 +218,20 @@ impl Dkv {
             TransportKind::InProcess => "local",
             TransportKind::Ucx => "ucx",
         };
+        let key = match cfg.key {
+            Some(k) => k,
+            None => process_key()?,
+        };
         let grants = GrantTable::new(metrics, connector);
         let (backend, address) = match cfg.transport {
             TransportKind::InProcess => {
                 local::add_instance(id, grants.clone());
-                (Backend::Local, local::address(id))
+                let address = descriptor::seal_keyed(
+                    &key,
+                    descriptor::MAGIC_LOCAL_ADDRESS,
+                    &id.to_le_bytes(),
+                );
+                (Backend::Local, address)
             }
             TransportKind::Ucx => {
                 let h = ucx::UcxHandle::start(
@@ -218,7 +241,8 @@ impl Dkv {
                     live.clone(),
                     grants.clone(),
                 )?;
-                let address = h.address.clone();
+                let address =
+                    descriptor::seal_keyed(&key, descriptor::MAGIC_UCX_ADDRESS, &h.address);
                 (Backend::Ucx(h), address)
             }
         };
@@ -230,6 +254,7 @@ impl Dkv {
                 live,
                 grants,
                 address,
+                key,
                 closed: AtomicBool::new(false),
             }),
         };
@@ -409,22 +434,18 @@ impl Dkv {
                 "local region was registered by another Dkv".into(),
             ));
         }
-        let token = Token::open(&remote.grant)?;
+        let (address, token) = self.open(remote)?;
         let (ops, bytes) = plan(local.shared.len as u64, remote.len, ops)?;
         if Instant::now() >= deadline {
             return Err(DkvError::DeadlineExceeded);
         }
         match &self.inner.backend {
             Backend::Local => {
-                local::write(&local.shared, remote, &token, &ops, deadline)?;
+                let instance = descriptor::read_u64("worker_address", address, 0)?;
+                local::write(&local.shared, instance, &token, &ops, deadline)?;
                 Ok(bytes)
             }
             Backend::Ucx(h) => {
-                let address = descriptor::open(
-                    "worker_address",
-                    descriptor::MAGIC_UCX_ADDRESS,
-                    &remote.worker_address,
-                )?;
                 if ops.is_empty() {
                     return Ok(0);
                 }
@@ -446,6 +467,52 @@ impl Dkv {
             }
         }
     }
+}
+
+impl Dkv {
+    /// Checks `remote` before any work is done for it: its worker address
+    /// must be one of this transport's kind whose tag verifies under the
+    /// cluster's key, and its grant token well formed. A failure is
+    /// counted like a failed transfer (`reason` `unauthenticated` for a
+    /// wrong tag, `bounds` for a malformed descriptor). [`Dkv::write`]
+    /// checks the same.
+    pub fn check(&self, remote: &RemoteRegion) -> Result<(), DkvError> {
+        self.open(remote).map(|_| ()).inspect_err(|e| {
+            self.inner.metrics.transfer_failures.add(
+                1,
+                &[
+                    KeyValue::new("connector", self.connector()),
+                    KeyValue::new("reason", e.reason()),
+                ],
+            );
+        })
+    }
+
+    /// `remote`'s verified worker address payload and its grant token.
+    fn open<'a>(&self, remote: &'a RemoteRegion) -> Result<(&'a [u8], Token), DkvError> {
+        let magic = match self.inner.backend {
+            Backend::Local => descriptor::MAGIC_LOCAL_ADDRESS,
+            Backend::Ucx(_) => descriptor::MAGIC_UCX_ADDRESS,
+        };
+        let address = descriptor::open_keyed(
+            &self.inner.key,
+            "worker_address",
+            magic,
+            &remote.worker_address,
+        )?;
+        Ok((address, Token::open(&remote.grant)?))
+    }
+}
+
+/// The key of `Dkv`s configured without one: random, made once, known to
+/// this process only.
+fn process_key() -> Result<DkvKey, DkvError> {
+    static KEY: std::sync::OnceLock<DkvKey> = std::sync::OnceLock::new();
+    if let Some(k) = KEY.get() {
+        return Ok(k.clone());
+    }
+    let k = DkvKey::generate()?;
+    Ok(KEY.get_or_init(|| k).clone())
 }
 
 /// Cancels the transfer on the actor if `write`'s future is dropped early.

@@ -7,9 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
-use crate::descriptor::{self, MAGIC_LOCAL_ADDRESS};
 use crate::grant::{GrantTable, Token};
-use crate::{DkvError, Owner, RegionShared, RemoteRegion, WriteOp};
+use crate::{DkvError, Owner, RegionShared, WriteOp};
 
 #[derive(Default)]
 struct Registry {
@@ -33,10 +32,6 @@ fn registry() -> MutexGuard<'static, Registry> {
     R.get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-}
-
-pub(crate) fn address(instance: u64) -> Vec<u8> {
-    descriptor::seal(MAGIC_LOCAL_ADDRESS, &instance.to_le_bytes())
 }
 
 pub(crate) fn add_instance(id: u64, grants: Arc<GrantTable>) {
@@ -81,25 +76,16 @@ pub(crate) fn remove_region(id: u64) {
     }
 }
 
-/// Copies `ops` (already validated against `local.len` and `remote.len`)
+/// Copies `ops` (already validated against `local.len` and the remote length)
 /// into the region `token` names, each op only if the receiver's grant
 /// table accepts it (as the UCX receiver does on arrival).
 pub(crate) fn write(
     local: &RegionShared,
-    remote: &RemoteRegion,
+    instance: u64,
     token: &Token,
     ops: &[WriteOp],
     deadline: Instant,
 ) -> Result<(), DkvError> {
-    let instance = descriptor::read_u64(
-        "worker_address",
-        descriptor::open(
-            "worker_address",
-            MAGIC_LOCAL_ADDRESS,
-            &remote.worker_address,
-        )?,
-        0,
-    )?;
     // Take the source's owner and the receiver's grants under the lock,
     // copy (and maybe drop them) outside it: the last drop of a region
     // takes the lock.

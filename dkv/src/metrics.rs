@@ -9,12 +9,13 @@ use opentelemetry::metrics::{Counter, Histogram, Meter};
 
 /// Every `reason` of `tandem.dkv.transfer_failures`: [`crate::DkvError::reason`]
 /// and `cancelled` (a transfer dropped before it completed).
-pub const FAILURE_REASONS: [&str; 6] = [
+pub const FAILURE_REASONS: [&str; 7] = [
     "deadline",
     "peer",
     "bounds",
     "transport",
     "refused",
+    "unauthenticated",
     "cancelled",
 ];
 
@@ -33,7 +34,9 @@ pub struct DkvMetrics {
     /// Time of successful `write` calls, submit to remote completion (ms).
     pub transfer_latency: Histogram<f64>,
     /// Failed or cancelled transfers, labeled `reason`
-    /// (deadline|peer|bounds|refused|cancelled|transport).
+    /// (deadline|peer|bounds|refused|unauthenticated|cancelled|transport);
+    /// `unauthenticated`: a peer address whose tag failed (never given to
+    /// UCX).
     pub transfer_failures: Counter<u64>,
     /// Decode-stall watchdog firings (recorded by the decode node).
     pub watchdog_firings: Counter<u64>,
@@ -118,6 +121,8 @@ mod tests {
             DkvError::PeerUnreachable(s()),
             DkvError::Shutdown,
             DkvError::Refused(crate::Refusal::Forged),
+            DkvError::Unauthenticated(s()),
+            DkvError::InvalidKey(s()),
         ];
         for e in &errors {
             assert!(FAILURE_REASONS.contains(&e.reason()), "{e:?}");

@@ -74,19 +74,16 @@ fn pair(cfg: &DkvConfig) -> (Dkv, Dkv) {
 
 fn tcp() -> DkvConfig {
     DkvConfig {
-        transport: TransportKind::Ucx,
         ucx_tls: Some("tcp".into()),
         ucx_net_devices: Some("lo".into()),
-        ucx_library: None,
+        ..DkvConfig::ucx()
     }
 }
 
 fn shm() -> DkvConfig {
     DkvConfig {
-        transport: TransportKind::Ucx,
         ucx_tls: Some("posix,sysv,cma,self".into()),
-        ucx_net_devices: None,
-        ucx_library: None,
+        ..DkvConfig::ucx()
     }
 }
 
@@ -343,24 +340,41 @@ fn garbage(cfg: DkvConfig, other: Option<DkvConfig>) {
     // The sender checks ops against the descriptor's `len` (the op below
     // ends 7 bytes past even the longer one).
     with("longer len", &|d| d.len += 1);
-    // An intact envelope around a payload UCX would abort on (found by an
-    // attacker: byte 0x28, then zeros): refused before UCX sees it.
-    if good
-        .worker_address
-        .starts_with(&crate::descriptor::MAGIC_UCX_ADDRESS)
-    {
-        let mut payload = vec![0u8; 200];
-        payload[0] = 0x28;
-        cases.push((
-            "forged UCX address".into(),
-            RemoteRegion {
-                worker_address: crate::descriptor::seal(
-                    crate::descriptor::MAGIC_UCX_ADDRESS,
-                    &payload,
-                ),
-                ..good.clone()
-            },
-        ));
+    // Addresses UCX would abort on, in envelopes a stranger can make: the
+    // real address with byte 63 set to 0xff (found by an attacker), and a
+    // payload of 0x28 then zeros, each resealed with the unkeyed checksum
+    // of older builds or tagged under another key. Refused before UCX sees
+    // them (else this process would abort in ucp_ep_create).
+    if a.connector() == "ucx" {
+        let real = crate::process_key()
+            .expect("the process key")
+            .open_address(&good.worker_address)
+            .expect("our own address")
+            .to_vec();
+        // (An address shorter than that, tcp on loopback only, is
+        // extended with zeros: UCX reads on past its end regardless.)
+        let mut byte63 = real;
+        byte63.resize(byte63.len().max(64), 0);
+        byte63[63] = 0xff;
+        let mut x28 = vec![0u8; 200];
+        x28[0] = 0x28;
+        let stranger = DkvKey::from_bytes([0x5a; 32]);
+        for (name, payload) in [("byte 63", byte63), ("0x28", x28)] {
+            cases.push((
+                format!("{name} resealed unkeyed"),
+                RemoteRegion {
+                    worker_address: crate::descriptor::seal(*b"DKua", &payload),
+                    ..good.clone()
+                },
+            ));
+            cases.push((
+                format!("{name} under another key"),
+                RemoteRegion {
+                    worker_address: stranger.seal_address(&payload),
+                    ..good.clone()
+                },
+            ));
+        }
     }
     // A descriptor of the other transport.
     let other = other.map(|cfg| {
@@ -384,7 +398,8 @@ fn garbage(cfg: DkvConfig, other: Option<DkvConfig>) {
         };
         match rt.block_on(a.write(&ra, &d, ops, deadline())) {
             Err(DkvError::OutOfBounds(_)) if what == "longer len" => {}
-            Err(DkvError::InvalidDescriptor(_)) if what != "longer len" => {}
+            Err(DkvError::InvalidDescriptor(_) | DkvError::Unauthenticated(_))
+                if what != "longer len" => {}
             other => panic!("{what}: {other:?}"),
         }
     }
@@ -576,7 +591,7 @@ fn writes_are_recorded_with_bounded_labels() {
             .map(|p| (p.label("reason").expect("a reason").to_owned(), p.value))
             .collect()
     };
-    let reasons = |counts: [f64; 6]| -> BTreeMap<String, f64> {
+    let reasons = |counts: [f64; 7]| -> BTreeMap<String, f64> {
         [
             "bounds",
             "cancelled",
@@ -584,6 +599,7 @@ fn writes_are_recorded_with_bounded_labels() {
             "peer",
             "refused",
             "transport",
+            "unauthenticated",
         ]
         .into_iter()
         .map(str::to_owned)
@@ -604,7 +620,7 @@ fn writes_are_recorded_with_bounded_labels() {
         assert_eq!(got, want);
     };
     // Every reason exists, at zero, before the first failure.
-    assert_eq!(failures(&meter.points()), reasons([0.0; 6]));
+    assert_eq!(failures(&meter.points()), reasons([0.0; 7]));
     refusals(&meter.points(), [0.0; 6]);
 
     rt.block_on(a.write(&ra, &desc, &[block_op(0, 1), block_op(2, 3)], deadline()))
@@ -623,7 +639,7 @@ fn writes_are_recorded_with_bounded_labels() {
         latency.value > 0.0 && latency.value < 10_000.0,
         "{latency:?}"
     );
-    assert_eq!(failures(&p), reasons([0.0; 6]));
+    assert_eq!(failures(&p), reasons([0.0; 7]));
 
     // One failure of each kind a local write can have.
     let bounds = rt.block_on(a.write(&ra, &desc, &[block_op(0, 4)], deadline()));
@@ -654,7 +670,7 @@ fn writes_are_recorded_with_bounded_labels() {
     assert!(matches!(closed, Err(DkvError::Shutdown)), "{closed:?}");
 
     let p = meter.points();
-    assert_eq!(failures(&p), reasons([1.0, 0.0, 1.0, 2.0, 1.0, 1.0]));
+    assert_eq!(failures(&p), reasons([1.0, 0.0, 1.0, 2.0, 1.0, 1.0, 0.0]));
     // Failures moved no bytes and took no latency sample.
     assert_eq!(p.point("tandem.dkv.bytes_transferred", &local), &bytes);
     assert_eq!(p.point("tandem.dkv.transfer_latency", &local).count, 2);
@@ -1850,4 +1866,109 @@ fn ucx_tcp_large_write_into_a_grant_revoked_in_flight() {
     drop(g);
     r.no_grants_left();
     assert_eq!(r.b.inspect().receives, 0);
+}
+
+/// Addresses are verified under the cluster's key, by `check` and by
+/// `write`, before anything else: a node of another cluster (another key)
+/// is refused with `Unauthenticated`, counted under its own reason, and
+/// nothing is sent; nodes that share the key write as usual.
+fn addresses_verify_under_the_cluster_key(cfg: DkvConfig) {
+    let meter = TestMeter::new();
+    let m = dkv_metrics(&meter);
+    let with_key = |k: u8| DkvConfig {
+        key: Some(DkvKey::from_bytes([k; 32])),
+        ..cfg.clone()
+    };
+    let receiver = Dkv::with_metrics(with_key(1), m).expect("receiver");
+    let stranger = Dkv::with_metrics(with_key(2), m).expect("stranger");
+    let peer = Dkv::with_metrics(with_key(1), m).expect("peer");
+    let dst = Buf::new(BLOCK as usize, |_| 0xEE);
+    let rb = register(&receiver, &dst);
+    let ops = [block_op(0, 0)];
+    let g = grant_ops(&rb, &ops);
+    let d = g.descriptor();
+    let src = Buf::new(BLOCK as usize, |i| i as u8);
+    let rt = rt();
+    let (rs, rp) = (register(&stranger, &src), register(&peer, &src));
+    assert!(matches!(
+        stranger.check(&d),
+        Err(DkvError::Unauthenticated(_))
+    ));
+    match rt.block_on(stranger.write(&rs, &d, &ops, deadline())) {
+        Err(DkvError::Unauthenticated(m)) => assert!(m.contains("dKV key"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    let failures = meter
+        .points()
+        .by_label("tandem.dkv.transfer_failures", "reason");
+    assert_eq!(failures.get("unauthenticated"), Some(&2.0), "{failures:?}");
+    assert_eq!(stranger.inspect_transfers(), 0);
+    assert_eq!(receiver.refused_writes(), 0);
+    peer.check(&d).expect("same key");
+    rt.block_on(peer.write(&rp, &d, &ops, deadline()))
+        .expect("same key");
+    landed(&rt, &g);
+    assert_eq!(dst.bytes(), src.bytes());
+}
+
+#[test]
+fn ucx_addresses_verify_under_the_cluster_key() {
+    addresses_verify_under_the_cluster_key(tcp());
+}
+
+#[test]
+fn in_process_addresses_verify_under_the_cluster_key() {
+    addresses_verify_under_the_cluster_key(DkvConfig::in_process());
+}
+
+/// Issue 36 item 1 at the source: over `tcp,self` a worker address is long
+/// enough that setting its byte 63 to 0xff makes `ucp_ep_create` abort the
+/// process (select.c:294, `score >= 0.0`). Resealed with the unkeyed
+/// checksum of older builds, or tagged under another key, such an address
+/// is refused, every time, and never reaches UCX: this process lives.
+#[test]
+fn forged_addresses_never_reach_ucx() {
+    let cfg = DkvConfig {
+        ucx_tls: Some("tcp,self".into()),
+        ..tcp()
+    };
+    let (a, b) = pair(&cfg);
+    let src = Buf::new(BLOCK as usize, |i| i as u8);
+    let dst = Buf::new(BLOCK as usize, |_| 0xEE);
+    let (ra, rb) = (register(&a, &src), register(&b, &dst));
+    let g = grant_all(&rb);
+    let good = g.descriptor();
+    let mut forged = crate::process_key()
+        .expect("the process key")
+        .open_address(&good.worker_address)
+        .expect("our own address")
+        .to_vec();
+    assert!(forged.len() > 63, "a UCX address of {} bytes", forged.len());
+    forged[63] = 0xff;
+    let rt = rt();
+    for i in 0..3u8 {
+        for (what, address) in [
+            ("unkeyed", crate::descriptor::seal(*b"DKua", &forged)),
+            (
+                "another key",
+                DkvKey::from_bytes([i; 32]).seal_address(&forged),
+            ),
+        ] {
+            let d = RemoteRegion {
+                worker_address: address,
+                ..good.clone()
+            };
+            assert!(a.check(&d).is_err(), "{what}");
+            match rt.block_on(a.write(&ra, &d, &[block_op(0, 0)], deadline())) {
+                Err(DkvError::InvalidDescriptor(_)) if what == "unkeyed" => {}
+                Err(DkvError::Unauthenticated(_)) if what == "another key" => {}
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(a.inspect().peers, 0, "a forged address reached UCX");
+    rt.block_on(a.write(&ra, &good, &[block_op(0, 0)], deadline()))
+        .expect("the real address");
+    landed(&rt, &g);
+    assert_eq!(dst.bytes(), src.bytes());
 }

@@ -54,6 +54,11 @@ impl PrefillService {
                 len: r.len,
             })
             .collect();
+        // Before any work: every region's address must be one a node of
+        // this cluster sealed (nothing else ever reaches UCX).
+        for r in &remotes {
+            core.dkv.check(r)?;
+        }
         let remote = &remotes[0];
         // Same sharding on both sides (TP=1 to TP=1): whole blocks and
         // layers, sent as they are computed. Otherwise head slices mapped

@@ -991,4 +991,115 @@ mod captured_prefill_requests {
         p.assert_idle();
         d.assert_idle();
     }
+
+    /// Issue 36 item 1: byte 63 of a real worker address set to 0xff
+    /// aborted the prefill node in `ucp_wireup_select_lanes` (one request
+    /// was enough), since anyone could reseal the changed address with the
+    /// unkeyed checksum. Addresses now carry a tag under the cluster's
+    /// dKV key (here the one the nodes created in etcd): resealed the old
+    /// way, or tagged under another key, the address is refused before UCX
+    /// sees it, the request fails cleanly, and the node serves on.
+    #[test]
+    fn a_forged_worker_address_is_refused_before_ucx() {
+        let etcd = EtcdServer::start().unwrap();
+        let cluster = unique_cluster("forged");
+        // Over tcp and self a worker address is long enough for the attack
+        // (79 bytes here; tcp alone gives 50).
+        let mut p = Node::start(
+            &etcd.url(),
+            &cluster,
+            "prefill",
+            "p0",
+            &["--ucx-tls", "tcp,self"],
+        );
+        let mut d = Node::start(
+            &etcd.url(),
+            &cluster,
+            "decode",
+            "d0",
+            &["--remote-prefill-min-tokens", "1", "--ucx-tls", "tcp,self"],
+        );
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (proxy, seen) = capture(&rt, p.grpc);
+        let tokens = prompt(11, 40);
+        let out = rt.block_on(generate(d.grpc, &tokens, &proxy));
+        assert_eq!(
+            out,
+            reference_output(tokens, SamplingParams::greedy(), MAX_TOKENS).tokens
+        );
+        let captured = seen.lock().unwrap().pop().unwrap();
+        let blob = captured.region.as_ref().unwrap().worker_address.clone();
+        // The envelope ends with the address (its length is at bytes 4..8,
+        // in every version of the envelope).
+        let len = u32::from_le_bytes(blob[4..8].try_into().unwrap()) as usize;
+        let mut forged = blob[blob.len() - len..].to_vec();
+        assert!(forged.len() > 63, "a UCX address of {} bytes", forged.len());
+        forged[63] = 0xff;
+        // The nodes' key is the cluster's, in etcd.
+        let cfg = tandem_discovery::EtcdConfig {
+            endpoints: vec![etcd.url()],
+            cluster: cluster.clone(),
+            lease_ttl: Duration::from_secs(2),
+            security: Default::default(),
+        };
+        let stored = rt
+            .block_on(tandem_discovery::get_or_create_secret(
+                &cfg, "dkv-key", &[0; 32],
+            ))
+            .unwrap();
+        let key = tandem_dkv::DkvKey::from_slice(&stored).unwrap();
+        assert!(key.open_address(&blob).is_ok());
+        // The unkeyed envelope of before: magic, length, xxh3, address.
+        let mut unkeyed = b"DKua".to_vec();
+        unkeyed.extend_from_slice(&(forged.len() as u32).to_le_bytes());
+        unkeyed.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&forged).to_le_bytes());
+        unkeyed.extend_from_slice(&forged);
+        let stranger = tandem_dkv::DkvKey::from_bytes([0x42; 32]).seal_address(&forged);
+        let channel = rt
+            .block_on(
+                tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", p.grpc))
+                    .unwrap()
+                    .connect(),
+            )
+            .unwrap();
+        for (what, address, code) in [
+            ("resealed unkeyed", unkeyed, tonic::Code::InvalidArgument),
+            ("under another key", stranger, tonic::Code::PermissionDenied),
+        ] {
+            let mut req = captured.clone();
+            req.region.as_mut().unwrap().worker_address = address;
+            let r =
+                rt.block_on(pb::prefill_client::PrefillClient::new(channel.clone()).prefill(req));
+            assert_alive(
+                &mut p,
+                &format!("a Prefill with byte 63 of its address {what}"),
+            );
+            let s = r.expect_err(what);
+            assert_eq!(s.code(), code, "{what}: {s:?}");
+        }
+        let pm = p.metrics();
+        assert_eq!(
+            metric(
+                &pm,
+                "tandem_dkv_transfer_failures_total",
+                "reason=\"unauthenticated\""
+            ),
+            1.0,
+            "{pm}"
+        );
+        // Both serve on, through the same prefill node.
+        let tokens = prompt(12, 60);
+        let out = rt.block_on(generate(
+            d.grpc,
+            &tokens,
+            &format!("http://127.0.0.1:{}", p.grpc),
+        ));
+        assert_eq!(
+            out,
+            reference_output(tokens, SamplingParams::greedy(), MAX_TOKENS).tokens
+        );
+        assert_alive(&mut d, "at the end");
+        p.assert_idle();
+        d.assert_idle();
+    }
 }

@@ -52,6 +52,8 @@ impl From<WorkerError> for Status {
             WorkerError::Transfer(DkvError::OutOfBounds(_) | DkvError::InvalidDescriptor(_)) => {
                 Code::InvalidArgument
             }
+            // A region whose address no node of this cluster sealed.
+            WorkerError::Transfer(DkvError::Unauthenticated(_)) => Code::PermissionDenied,
             WorkerError::Transfer(DkvError::DeadlineExceeded) | WorkerError::Deadline(_) => {
                 Code::DeadlineExceeded
             }
@@ -79,6 +81,8 @@ mod tests {
         assert_eq!(s.code(), Code::FailedPrecondition);
         let s = Status::from(WorkerError::Transfer(DkvError::DeadlineExceeded));
         assert_eq!(s.code(), Code::DeadlineExceeded);
+        let s = Status::from(WorkerError::Transfer(DkvError::Unauthenticated("x".into())));
+        assert_eq!(s.code(), Code::PermissionDenied);
         let s = Status::from(WorkerError::Stopped);
         assert_eq!(s.code(), Code::Unavailable);
     }

@@ -45,6 +45,9 @@ pub struct NodeOptions {
     pub ucx_tls: Option<String>,
     /// Interfaces dkv's UCX network transports use (`UCX_NET_DEVICES`).
     pub ucx_net_devices: Option<String>,
+    /// The cluster's dKV key (peers' KV addresses must verify under it);
+    /// `None`: a key of this process alone.
+    pub dkv_key: Option<tandem_dkv::DkvKey>,
     /// How long in-flight requests may run on after a shutdown signal.
     pub shutdown_grace: Duration,
     /// Mutual TLS for gRPC, both as a server and towards peers.
@@ -95,6 +98,7 @@ impl NodeCore {
             ucx_tls: opts.ucx_tls.clone(),
             ucx_net_devices: opts.ucx_net_devices.clone(),
             ucx_library: None,
+            key: opts.dkv_key.clone(),
         })?;
         // The pool lives in memory the transfer engine allocates (suited to
         // its zero-copy receives); failing that, in our own memory,

@@ -18,79 +18,25 @@ use std::ffi::c_void;
 use std::ptr;
 use std::time::{Duration, Instant};
 
+use super::AM_HEADER_LEN;
+use super::raw::{RawAm as Am, RawSender};
 use super::sys::*;
-use super::{AM_HEADER_LEN, AM_KV_WRITE};
-use crate::descriptor::{self, MAGIC_UCX_ADDRESS};
 use crate::grant::{TOKEN_LEN, Token};
 use crate::tests::{dkv_metrics, wait_for};
-use crate::{Dkv, DkvConfig, TransportKind, WriteOp};
+use crate::{Dkv, DkvConfig, WriteOp};
 use tandem_testkit::TestMeter;
 
-/// A bare UCP context and worker with RMA, over tcp on loopback.
-struct Attacker {
-    ucp: &'static Ucp,
-    ctx: ucp_context_h,
-    worker: ucp_worker_h,
-}
+/// The attacker of these tests: with RMA, to try raw puts too.
+struct Attacker;
 
 impl Attacker {
-    fn new() -> Self {
-        let ucp = load(None).unwrap();
-        let mut config: *mut ucp_config_t = ptr::null_mut();
-        // SAFETY: plain UCX setup calls with out-pointers to locals and
-        // NUL-terminated strings; every status is checked.
-        unsafe {
-            assert_eq!(
-                ucp.ucp_config_read(ptr::null(), ptr::null(), &mut config),
-                UCS_OK
-            );
-            assert_eq!(
-                ucp.ucp_config_modify(config, c"TLS".as_ptr(), c"tcp".as_ptr()),
-                UCS_OK
-            );
-            assert_eq!(
-                ucp.ucp_config_modify(config, c"NET_DEVICES".as_ptr(), c"lo".as_ptr()),
-                UCS_OK
-            );
-            let mut params: ucp_params_t = std::mem::zeroed();
-            params.field_mask = u64::from(UCP_PARAM_FIELD_FEATURES);
-            params.features = u64::from(UCP_FEATURE_RMA | UCP_FEATURE_AM);
-            let mut ctx: ucp_context_h = ptr::null_mut();
-            let s = ucp.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut ctx);
-            ucp.ucp_config_release(config);
-            assert_eq!(s, UCS_OK);
-            let mut wp: ucp_worker_params_t = std::mem::zeroed();
-            wp.field_mask = u64::from(UCP_WORKER_PARAM_FIELD_THREAD_MODE);
-            wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-            let mut worker: ucp_worker_h = ptr::null_mut();
-            assert_eq!(ucp.ucp_worker_create(ctx, &wp, &mut worker), UCS_OK);
-            Self { ucp, ctx, worker }
-        }
+    #[allow(clippy::new_ret_no_self)]
+    fn new() -> RawSender {
+        RawSender::new(true).unwrap()
     }
+}
 
-    /// Progresses until `req` completes (or 5 s pass); its status.
-    fn wait(&self, req: ucs_status_ptr_t) -> ucs_status_t {
-        if req.is_null() {
-            return UCS_OK;
-        }
-        if ptr_is_err(req) {
-            return ptr_status(req);
-        }
-        let ucp = self.ucp;
-        let until = Instant::now() + Duration::from_secs(5);
-        loop {
-            // SAFETY: the worker is live; `req` came from it.
-            unsafe { ucp.ucp_worker_progress(self.worker) };
-            // SAFETY: as above.
-            let s = unsafe { ucp.ucp_request_check_status(req) };
-            if s != UCS_INPROGRESS || Instant::now() > until {
-                // SAFETY: ours, freed once.
-                unsafe { ucp.ucp_request_free(req) };
-                return s;
-            }
-        }
-    }
-
+impl RawSender {
     /// Everything the attacker can try against `address`, aimed at
     /// `[target, target + len)`; returns what UCX said at each step.
     fn raw_puts(&self, address: &[u8], target: u64, len: usize) -> Vec<String> {
@@ -148,132 +94,11 @@ impl Attacker {
         }
         said
     }
-
-    /// An endpoint to the worker at `address` (a real UCX worker address).
-    fn connect(&self, address: &[u8]) -> Result<ucp_ep_h, ucs_status_t> {
-        let mut padded = address.to_vec();
-        padded.resize(address.len() + 1024, 0);
-        // SAFETY: all-zero is a valid ucp_ep_params_t; the address is
-        // zero-padded so UCX's length-less parse stays in bounds; `ep` is
-        // an out-pointer to a local.
-        unsafe {
-            let mut p: ucp_ep_params_t = std::mem::zeroed();
-            p.field_mask = u64::from(UCP_EP_PARAM_FIELD_REMOTE_ADDRESS);
-            p.address = padded.as_ptr().cast();
-            let mut ep: ucp_ep_h = ptr::null_mut();
-            match self.ucp.ucp_ep_create(self.worker, &p, &mut ep) {
-                UCS_OK => Ok(ep),
-                s => Err(s),
-            }
-        }
-    }
-
-    /// Force-closes `ep` and waits for it.
-    ///
-    /// # Safety
-    /// `ep` is an open endpoint of this worker, closed once, with no
-    /// request on it still reading memory that is gone.
-    unsafe fn close(&self, ep: ucp_ep_h) {
-        // SAFETY: all-zero is a valid ucp_request_param_t; the caller
-        // vouches for `ep`.
-        unsafe {
-            let mut cp: ucp_request_param_t = std::mem::zeroed();
-            cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-            cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-            let r = self.ucp.ucp_ep_close_nbx(ep, &cp);
-            self.wait(r);
-        }
-    }
-
-    /// Sends every message of `msgs` to `ep` as a KV write (`AM_KV_WRITE`),
-    /// at most `window` in flight, eager or rendezvous as each says; the
-    /// payload is 0x5A bytes. Returns each send's final status.
-    fn send_ams(&self, ep: ucp_ep_h, msgs: &[Am], window: usize) -> Vec<ucs_status_t> {
-        let ucp = self.ucp;
-        let longest = msgs.iter().map(|m| m.len).max().unwrap_or(0);
-        let payload = vec![0x5Au8; longest.max(1)];
-        let mut statuses = vec![UCS_INPROGRESS; msgs.len()];
-        // (message index, request); headers live in `msgs` until the end.
-        let mut pending: Vec<(usize, *mut c_void)> = Vec::new();
-        let mut next = 0;
-        let until = Instant::now() + Duration::from_secs(60);
-        while (next < msgs.len() || !pending.is_empty()) && Instant::now() < until {
-            while next < msgs.len() && pending.len() < window {
-                let m = &msgs[next];
-                // SAFETY: all-zero is a valid ucp_request_param_t; the
-                // header and payload outlive the request (waited for
-                // below); `ep` is open.
-                let r = unsafe {
-                    let mut p: ucp_request_param_t = std::mem::zeroed();
-                    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-                    p.flags = if m.rndv {
-                        UCP_AM_SEND_FLAG_RNDV
-                    } else {
-                        UCP_AM_SEND_FLAG_EAGER
-                    };
-                    ucp.ucp_am_send_nbx(
-                        ep,
-                        AM_KV_WRITE,
-                        m.header.as_ptr().cast(),
-                        m.header.len(),
-                        payload.as_ptr().cast(),
-                        m.len,
-                        &p,
-                    )
-                };
-                if r.is_null() {
-                    statuses[next] = UCS_OK;
-                } else if ptr_is_err(r) {
-                    statuses[next] = ptr_status(r);
-                } else {
-                    pending.push((next, r));
-                }
-                next += 1;
-            }
-            // SAFETY: the worker is live and used by this thread only.
-            unsafe { ucp.ucp_worker_progress(self.worker) };
-            pending.retain(|&(i, req)| {
-                // SAFETY: `req` came from this worker and is not freed yet.
-                let s = unsafe { ucp.ucp_request_check_status(req) };
-                if s == UCS_INPROGRESS {
-                    return true;
-                }
-                // SAFETY: complete and ours; freed once.
-                unsafe { ucp.ucp_request_free(req) };
-                statuses[i] = s;
-                false
-            });
-        }
-        statuses
-    }
-}
-
-/// One active message of the flood.
-struct Am {
-    header: Vec<u8>,
-    len: usize,
-    rndv: bool,
-}
-
-impl Drop for Attacker {
-    fn drop(&mut self) {
-        let ucp = self.ucp;
-        // SAFETY: created in `new`, destroyed once, nothing else uses them.
-        unsafe {
-            ucp.ucp_worker_destroy(self.worker);
-            ucp.ucp_cleanup(self.ctx);
-        }
-    }
 }
 
 #[test]
 fn raw_puts_from_a_stranger_land_nowhere() {
-    let cfg = DkvConfig {
-        transport: TransportKind::Ucx,
-        ucx_tls: Some("tcp".into()),
-        ucx_net_devices: Some("lo".into()),
-        ucx_library: None,
-    };
+    let cfg = tcp();
     let node = Dkv::new(cfg.clone()).unwrap();
     const LEN: usize = 256 * 1024;
     let pool = node.alloc(LEN).unwrap();
@@ -289,7 +114,9 @@ fn raw_puts_from_a_stranger_land_nowhere() {
             Instant::now() + Duration::from_secs(60),
         )
         .unwrap();
-    let address = descriptor::open("a", MAGIC_UCX_ADDRESS, &grant.descriptor().worker_address)
+    let address = crate::process_key()
+        .unwrap()
+        .open_address(&grant.descriptor().worker_address)
         .unwrap()
         .to_vec();
 
@@ -366,7 +193,9 @@ fn a_flood_of_refused_messages_leaves_ucx_intact() {
         )
         .unwrap();
     let desc = grant.descriptor();
-    let address = descriptor::open("a", MAGIC_UCX_ADDRESS, &desc.worker_address)
+    let address = crate::process_key()
+        .unwrap()
+        .open_address(&desc.worker_address)
         .unwrap()
         .to_vec();
     let real = Token::open(&desc.grant).unwrap();

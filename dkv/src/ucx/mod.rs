@@ -35,6 +35,7 @@ pub(crate) mod sys;
 
 #[cfg(test)]
 mod attack;
+pub(crate) mod raw;
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -49,13 +50,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use self::sys::*;
-use crate::descriptor::{self, MAGIC_UCX_ADDRESS};
 use crate::grant::{GrantTable, Landing, TOKEN_LEN, Token};
 use crate::{DkvError, Owner, RegionShared, WriteOp};
 
 /// Our one active message: a KV write, header = grant token + offset.
 const AM_KV_WRITE: u32 = 1;
-const AM_HEADER_LEN: usize = TOKEN_LEN + 8;
+pub(crate) const AM_HEADER_LEN: usize = TOKEN_LEN + 8;
 
 /// Largest single put: as fast as 4 and 16 MiB here (tcp and shm), and a
 /// cancelled transfer stops within a chunk or so.
@@ -197,7 +197,7 @@ pub(crate) struct UcxHandle {
     tx: mpsc::Sender<Cmd>,
     wake: Arc<Wake>,
     thread: Mutex<Option<JoinHandle<()>>>,
-    /// Sealed worker address, the `worker_address` of our descriptors.
+    /// Our UCP worker address (the `Dkv` seals it into its descriptors).
     pub(crate) address: Vec<u8>,
 }
 
@@ -255,7 +255,7 @@ impl UcxHandle {
             tx,
             wake,
             thread: Mutex::new(Some(thread)),
-            address: descriptor::seal(MAGIC_UCX_ADDRESS, &address),
+            address,
         })
     }
 
@@ -1003,11 +1003,11 @@ impl Actor {
         if let Some(&id) = self.by_address.get(address) {
             return Ok(id);
         }
-        // UCX asserts (aborting the process) on an address whose header
-        // names a format it does not expect, so a peer's header must be
-        // ours: the nodes of a cluster run the same UCX and address
-        // settings. (The checksum only proves the envelope is intact, not
-        // who made it.)
+        // UCX asserts (aborting the process) on addresses it does not
+        // expect. The address verified under the cluster's key, so a node
+        // of the cluster made it; its header must still be ours (the nodes
+        // of a cluster run the same UCX and address settings): a node of
+        // another UCX build is refused here, not aborted on.
         if address.first() != Some(&self.header) {
             return Err(DkvError::InvalidDescriptor(format!(
                 "worker_address: UCX address header {:#04x}, expected {:#04x} (another UCX \
@@ -1051,7 +1051,7 @@ impl Actor {
                 p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
             }
             let mut ep: ucp_ep_h = ptr::null_mut();
-            // SAFETY: the address was checksummed as one of ours and is
+            // SAFETY: the address verified under the cluster key as a node's and is
             // zero-padded so UCX's length-less parse stays in bounds.
             let s = unsafe { ucp.ucp_ep_create(self.worker, &p, &mut ep) };
             (s, ep)
