@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Installs the pinned client libraries of tests/clients/requirements.txt
-# into a venv (default $TANDEM_CACHE/clients-venv) unless it already holds
-# exactly these pins; prints the venv's python.
-#   scripts/clients-venv.sh [VENV_DIR]
+# Installs the pinned client libraries of a requirements file (default
+# tests/clients/requirements.txt) into a venv (default
+# $TANDEM_CACHE/clients-venv) unless it already holds exactly these pins;
+# prints the venv's python. Re-running it needs no network.
+#   scripts/clients-venv.sh [VENV_DIR [REQUIREMENTS]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 
-req=tests/clients/requirements.txt
 venv=${1:-${TANDEM_CACHE:-$HOME/.cache/tandem}/clients-venv}
+req=${2:-tests/clients/requirements.txt}
 stamp=$venv/.requirements.sha256
 want=$(sha256sum "$req" | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -x "$venv/bin/python" ]; then

@@ -396,20 +396,35 @@ fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
     (String::from_utf8_lossy(&bytes).into_owned(), bytes)
 }
 
+/// The least log-probability reported (OpenAI's floor): JSON has no
+/// infinity, and a typed client reads `null` as 0 (certainty) or fails.
+const LOGPROB_FLOOR: f32 = -9999.0;
+
+/// One sampled token's logprobs as OpenAI reports them. Under a constraint
+/// the sampler's log-probabilities are those of the distribution over the
+/// tokens the grammar allows, and a token it masked (minus infinity) was
+/// never possible: it is left out of `top_logprobs`, which may then hold
+/// fewer entries than asked for. Every number is finite.
 fn token_logprob(tok: &Tokenizer, s: &Sampled) -> TokenLogprob {
     let (token, bytes) = token_text(tok, s.token);
+    let logprob = s.logprob.unwrap_or(0.0);
     TokenLogprob {
         token,
-        logprob: s.logprob.unwrap_or(0.0),
+        logprob: if logprob.is_nan() {
+            LOGPROB_FLOOR
+        } else {
+            logprob.max(LOGPROB_FLOOR)
+        },
         bytes,
         top_logprobs: s
             .top
             .iter()
+            .filter(|(_, logprob)| logprob.is_finite())
             .map(|&(id, logprob)| {
                 let (token, bytes) = token_text(tok, id);
                 TopLogprob {
                     token,
-                    logprob,
+                    logprob: logprob.max(LOGPROB_FLOOR),
                     bytes,
                 }
             })

@@ -1612,6 +1612,70 @@ async fn logprobs_are_the_scripted_values() {
     assert!(!s.requests()[3].sampling.logprobs);
 }
 
+/// Under a constraint the sampler reports masked tokens at minus infinity:
+/// they are left out of `top_logprobs` (JSON has no infinity, and `null`
+/// breaks typed clients), so every logprob is a number, streamed or not.
+#[tokio::test]
+async fn masked_candidates_are_left_out_of_top_logprobs() {
+    let ids = tokens("{}");
+    let (a, b) = (tokens(" zebra")[0], tokens(" apple")[0]);
+    let scripted = || {
+        let mut steps: Vec<Step> = ids
+            .iter()
+            .map(|&id| {
+                Step::Event(GenEvent::Token(Sampled {
+                    token: id,
+                    logprob: Some(-0.5),
+                    top: vec![(id, -0.5), (a, f32::NEG_INFINITY), (b, f32::NEG_INFINITY)],
+                }))
+            })
+            .collect();
+        steps.push(Step::Finish(FinishReason::Stop));
+        Reply::Run(steps)
+    };
+    let s = Server::new(2048);
+    let chat = with(
+        &chat_body("JSON?"),
+        json!({"logprobs": true, "top_logprobs": 3}),
+    );
+    let check = |content: &Value| {
+        let content = content.as_array().unwrap();
+        assert_eq!(content.len(), ids.len(), "{content:?}");
+        for t in content {
+            assert!(t["logprob"].is_f64(), "{t}");
+            let top = t["top_logprobs"].as_array().unwrap();
+            assert_eq!(top.len(), 1, "{t}");
+            assert_eq!(top[0]["token"], t["token"], "{t}");
+            assert!(top[0]["logprob"].is_f64(), "{t}");
+        }
+    };
+    s.script(scripted());
+    let (status, v) = s.post_json(CHAT, &chat).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    check(&v["choices"][0]["logprobs"]["content"]);
+    s.script(scripted());
+    let (_, text) = s.post(CHAT, &with(&chat, json!({"stream": true}))).await;
+    let streamed: Vec<Value> = sse(&text)
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    check(&Value::Array(streamed));
+    s.script(scripted());
+    let (_, v) = s
+        .post_json(COMPLETIONS, &json!({"prompt": "JSON?", "logprobs": 3}))
+        .await;
+    let tops = v["choices"][0]["logprobs"]["top_logprobs"]
+        .as_array()
+        .unwrap();
+    assert!(
+        tops.iter().all(|t| t.as_object().unwrap().len() == 1
+            && t.as_object().unwrap().values().all(Value::is_f64)),
+        "{v}"
+    );
+}
+
 /// A client's `traceparent` is continued in the request the backend gets.
 #[tokio::test]
 async fn traceparent_reaches_the_backend() {

@@ -8,6 +8,14 @@
 //!
 //! The libraries are pinned in `tests/clients/requirements.txt`;
 //! `scripts/test.sh` installs them and sets `TANDEM_CLIENTS_PYTHON`.
+//!
+//! Two more clients, each in a place of its own, check what issue #41
+//! found with them, against Qwen2.5 (a model that writes tool calls): the
+//! Vercel AI SDK from npm (`tests/clients/ai_sdk.cjs`, pinned in
+//! `tests/clients/js`, installed by `scripts/js-clients.sh`,
+//! `TANDEM_JS_CLIENTS`) and pydantic-ai (`tests/clients/pydantic_ai_checks.py`,
+//! pinned in `tests/clients/requirements-pydantic-ai.txt`, which needs
+//! openai 3: its own venv, `TANDEM_PYDANTIC_AI_PYTHON`).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -17,7 +25,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tandem_discovery::testing::EtcdServer;
 use tandem_tests::cluster::{Node, Router, unique_cluster};
-use tandem_tests::{http, start_serve};
+use tandem_tests::{Proc, http, ports_in, start_serve};
 
 /// The model's HF tokenizer directory, for aiperf's token counts.
 fn tokenizer_dir() -> PathBuf {
@@ -123,6 +131,78 @@ fn aiperf(port: u16) {
     let counted = avg("output_sequence_length").unwrap_or(0.0);
     assert!((1.0..=16.0).contains(&usage), "{report}");
     assert!((usage - counted).abs() <= 0.1 * usage, "{report}");
+}
+
+/// A prepared client install at `cached_path(var, rel)`, or a message
+/// naming how to make it.
+fn installed(var: &str, rel: &str, how: &str) -> PathBuf {
+    let path = tandem_testkit::cached_path(var, rel);
+    assert!(
+        path.exists(),
+        "{} is missing: run {how} (scripts/test.sh does) or set {var}",
+        path.display()
+    );
+    path
+}
+
+/// `tandem serve` of Qwen2.5-Coder-0.5B-Instruct, which writes Hermes tool
+/// calls as the chat template teaches it.
+fn serve_qwen() -> (Proc, u16) {
+    let model = tandem_testkit::cached_path(
+        "TANDEM_TEST_QWEN2_GGUF",
+        "qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    );
+    let args: Vec<String> = [
+        "serve",
+        "--model",
+        &model.to_string_lossy(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--max-length",
+        "2048",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut proc = Proc::spawn("tandem serve (qwen2.5)", &args, &[]);
+    let line = proc.wait_line("tandem: serving ", Duration::from_secs(120));
+    (proc, ports_in(&line)[0])
+}
+
+/// Runs a client script's checks against `port`: every one passes.
+fn client_checks(mut cmd: Command, port: u16, checks: usize) {
+    cmd.arg(format!("http://127.0.0.1:{port}/v1"));
+    let (ok, out) = run(cmd, Duration::from_secs(300));
+    assert!(ok, "client checks failed:\n{out}");
+    let all = format!("{checks} of {checks} client checks passed");
+    assert!(out.contains(&all), "{out}");
+    eprintln!("{out}");
+}
+
+/// Issue #41 part 2, with the clients that found it: the Vercel AI SDK and
+/// pydantic-ai, each check named after what it holds (see the scripts).
+#[test]
+fn vercel_ai_sdk_and_pydantic_ai_against_serve() {
+    let (_proc, port) = serve_qwen();
+    let node_path = installed(
+        "TANDEM_JS_CLIENTS",
+        "js-clients/node_modules",
+        "scripts/js-clients.sh",
+    );
+    let mut node = Command::new("node");
+    node.arg(tandem_tests::repo_root().join("tests/clients/ai_sdk.cjs"))
+        .env("NODE_PATH", node_path);
+    client_checks(node, port, 1);
+    let python = installed(
+        "TANDEM_PYDANTIC_AI_PYTHON",
+        "pydantic-ai-venv/bin/python",
+        "scripts/clients-venv.sh \"$TANDEM_CACHE/pydantic-ai-venv\" tests/clients/requirements-pydantic-ai.txt",
+    );
+    let mut py = Command::new(python);
+    py.arg(tandem_tests::repo_root().join("tests/clients/pydantic_ai_checks.py"))
+        .env("PYTHONUNBUFFERED", "1");
+    client_checks(py, port, 1);
 }
 
 #[test]

@@ -1,0 +1,103 @@
+// The Vercel AI SDK (`ai` with `@ai-sdk/openai`'s Chat Completions model),
+// unmodified, against a Tandem server.
+//
+// Usage: NODE_PATH=<js-clients>/node_modules node ai_sdk.cjs BASE_URL [CHECK ...]
+//
+// BASE_URL is the server's API root (http://127.0.0.1:8000/v1). The
+// packages are pinned in tests/clients/js (scripts/js-clients.sh installs
+// them). Each check drives the SDK as its users do and asserts on what
+// comes back; one line per check, then "N of M client checks passed", and
+// a non-zero exit if any failed. Tool checks need a model that writes
+// Hermes tool calls (Qwen2.5); the answers rely on what the server
+// guarantees (grammars), not on the model's judgement.
+"use strict";
+
+const { generateText, streamText, Output, tool, jsonSchema } = require("ai");
+const { createOpenAI } = require("@ai-sdk/openai");
+const { z } = require("zod");
+
+let BASE = "";
+let MODEL = "";
+
+function chatModel() {
+  return createOpenAI({ baseURL: BASE, apiKey: "unused" }).chat(MODEL);
+}
+
+function assert(cond, what) {
+  if (!cond) throw new Error(`assertion failed: ${what}`);
+}
+
+const common = { temperature: 0, maxRetries: 0 };
+
+const pet = z.object({ name: z.string().max(12), age: z.number().int().min(0).max(99) });
+
+/// Every logprob in the SDK's validated `providerMetadata.openai.logprobs`
+/// is a number (a null fails the SDK's own response schema first).
+function allNumbers(logprobs) {
+  assert(Array.isArray(logprobs) && logprobs.length > 0, `logprobs ${JSON.stringify(logprobs)}`);
+  for (const t of logprobs) {
+    assert(typeof t.logprob === "number" && Number.isFinite(t.logprob), JSON.stringify(t));
+    for (const a of t.top_logprobs) {
+      assert(typeof a.logprob === "number" && Number.isFinite(a.logprob), JSON.stringify(t));
+    }
+  }
+  return logprobs.length;
+}
+
+// Issue #41.2.1: top_logprobs under a json_schema constraint held null.
+async function checkLogprobs() {
+  const args = {
+    ...common,
+    model: chatModel(),
+    prompt: "Invent a pet. Reply in JSON.",
+    output: Output.object({ schema: pet }),
+    maxOutputTokens: 120,
+    providerOptions: { openai: { logprobs: 5 } },
+  };
+  const r = await generateText(args);
+  assert(pet.safeParse(r.output).success, JSON.stringify(r.output));
+  const n = allNumbers(r.providerMetadata.openai.logprobs);
+  const s = streamText({ ...args, onError: () => {} });
+  for await (const part of s.fullStream) {
+    if (part.type === "error") throw part.error;
+  }
+  const streamed = allNumbers((await s.providerMetadata).openai.logprobs);
+  return `${n} tokens, ${streamed} streamed, all numbers; ${JSON.stringify(r.output)}`;
+}
+
+const CHECKS = {
+  logprobs: checkLogprobs,
+};
+
+async function main() {
+  const argv = process.argv.slice(2);
+  if (argv.length < 1) {
+    console.log("usage: node ai_sdk.cjs BASE_URL [CHECK ...]");
+    return 2;
+  }
+  BASE = argv[0].replace(/\/$/, "");
+  const names = argv.length > 1 ? argv.slice(1) : Object.keys(CHECKS);
+  const models = await (await fetch(`${BASE}/models`)).json();
+  MODEL = models.data[0].id;
+  const failed = [];
+  for (const name of names) {
+    try {
+      if (!CHECKS[name]) throw new Error(`no check ${name}`);
+      console.log(`ok   ${name}: ${await CHECKS[name]()}`);
+    } catch (e) {
+      failed.push(name);
+      const detail = e && e.responseBody ? `\n    response: ${e.responseBody}` : "";
+      console.log(`FAIL ${name}:\n    ${(e && e.stack) || e}${detail}`);
+    }
+  }
+  console.log(`${names.length - failed.length} of ${names.length} client checks passed`);
+  return failed.length ? 1 : 0;
+}
+
+main().then(
+  (code) => process.exit(code),
+  (e) => {
+    console.log(`FAIL: ${(e && e.stack) || e}`);
+    process.exit(1);
+  },
+);

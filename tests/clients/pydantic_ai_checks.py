@@ -1,0 +1,86 @@
+"""pydantic-ai, unmodified, against a Tandem server (its OpenAI Chat model).
+
+Usage: python pydantic_ai_checks.py BASE_URL [CHECK ...]
+
+Run with the venv of tests/clients/requirements-pydantic-ai.txt (pydantic-ai
+needs openai 3, which the main client venv cannot hold). One line per
+check, then "N of M client checks passed"; exits non-zero if any failed.
+Tool checks need a model that writes Hermes tool calls (Qwen2.5); they rely
+on what the server guarantees (grammars), not on the model's judgement.
+"""
+
+import sys
+import traceback
+
+from pydantic import BaseModel, Field
+
+BASE = ""
+MODEL = ""
+
+
+class Pet(BaseModel):
+    # Bounded, so the grammar ends the answer well within max_tokens.
+    name: str = Field(max_length=12)
+    age: int = Field(ge=0, le=99)
+
+
+def model():
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    return OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=BASE, api_key="unused"))
+
+
+def check_logprobs():
+    """Logprobs of a json_schema answer (issue #41.2.1: null in
+    top_logprobs under the constraint)."""
+    from pydantic_ai import Agent, NativeOutput
+
+    agent = Agent(model(), output_type=NativeOutput(Pet))
+    r = agent.run_sync(
+        "Invent a pet. Reply in JSON.",
+        model_settings={
+            "temperature": 0,
+            "max_tokens": 120,
+            "openai_logprobs": True,
+            "openai_top_logprobs": 5,
+        },
+    )
+    assert isinstance(r.output, Pet), r
+    logprobs = r.response.provider_details["logprobs"]
+    assert logprobs, r.response
+    for t in logprobs:
+        numbers = [t["logprob"]] + [a["logprob"] for a in t["top_logprobs"]]
+        assert all(isinstance(x, float) for x in numbers), t
+    return f"{len(logprobs)} tokens, all numbers; {r.output!r}"
+
+
+CHECKS = {
+    "logprobs": check_logprobs,
+}
+
+
+def main():
+    global BASE, MODEL
+    if len(sys.argv) < 2:
+        print(__doc__)
+        return 2
+    BASE = sys.argv[1].rstrip("/")
+    names = sys.argv[2:] or list(CHECKS)
+    from openai import OpenAI
+
+    MODEL = OpenAI(base_url=BASE, api_key="unused").models.list().data[0].id
+    failed = []
+    for name in names:
+        try:
+            detail = CHECKS[name]()
+            print(f"ok   {name}: {detail}", flush=True)
+        except Exception:
+            failed.append(name)
+            print(f"FAIL {name}:\n{traceback.format_exc()}", flush=True)
+    print(f"{len(names) - len(failed)} of {len(names)} client checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
