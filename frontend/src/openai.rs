@@ -29,7 +29,7 @@ pub(crate) const UNSUPPORTED: &[&str] = &[
     "functions",
     "function_call",
     "audio",
-    "modalities",
+    "moderation",
     "prediction",
     "suffix",
     "best_of",
@@ -39,6 +39,51 @@ pub(crate) const UNSUPPORTED: &[&str] = &[
 
 /// Fields accepted and ignored (bookkeeping that does not change the output).
 pub(crate) const IGNORED: &[&str] = &["user", "store", "metadata", "service_tier"];
+
+/// Chat fields of OpenAI's current API that are accepted when well formed
+/// and then ignored, with a debug log line: hints about OpenAI's prompt
+/// cache (the prefix cache here needs none) and abuse tracking, the
+/// `verbosity` of answers, and `modalities` (only `["text"]`: audio output
+/// is a 400).
+pub(crate) const CHAT_HINTS: &[&str] = &[
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "verbosity",
+    "modalities",
+];
+
+/// Checks a [`CHAT_HINTS`] field's value (`null` is always accepted).
+fn check_hint(key: &str, v: &Value) -> Result<(), ApiError> {
+    let ok = match (key, v) {
+        (_, Value::Null) => true,
+        ("prompt_cache_key" | "safety_identifier", Value::String(_)) => true,
+        ("prompt_cache_retention", Value::String(s)) => {
+            matches!(s.as_str(), "in_memory" | "in-memory" | "24h")
+        }
+        ("verbosity", Value::String(s)) => matches!(s.as_str(), "low" | "medium" | "high"),
+        ("modalities", Value::Array(a)) => {
+            if a.iter().any(|m| m.as_str() == Some("audio")) {
+                return Err(invalid(
+                    "`modalities` may only be [\"text\"]: this server does not generate audio",
+                    key,
+                ));
+            }
+            !a.is_empty() && a.iter().all(|m| m.as_str() == Some("text"))
+        }
+        _ => false,
+    };
+    if ok {
+        return Ok(());
+    }
+    let expected = match key {
+        "prompt_cache_retention" => "\"in_memory\" or \"24h\"",
+        "verbosity" => "\"low\", \"medium\" or \"high\"",
+        "modalities" => "[\"text\"]",
+        _ => "a string",
+    };
+    Err(invalid(format!("`{key}` must be {expected}"), key))
+}
 
 pub(crate) const CHAT_FIELDS: &[&str] = &[
     "tools",
@@ -297,6 +342,7 @@ fn is_noop(key: &str, v: &Value) -> bool {
 fn check_fields(
     body: &[u8],
     known: &[&str],
+    hints: &[&str],
     allow_extra: bool,
 ) -> Result<Map<String, Value>, ApiError> {
     let value: Value = serde_json::from_slice(body)
@@ -308,8 +354,14 @@ fn check_fields(
         ));
     };
     let mut extra = Vec::new();
+    let mut hinted = Vec::new();
     for (key, v) in &map {
         if known.contains(&key.as_str()) || IGNORED.contains(&key.as_str()) {
+            continue;
+        }
+        if hints.contains(&key.as_str()) {
+            check_hint(key, v)?;
+            hinted.push(key.as_str());
             continue;
         }
         if UNSUPPORTED.contains(&key.as_str()) {
@@ -332,6 +384,9 @@ fn check_fields(
         }
         tracing::warn!(fields = ?extra, "ignoring unknown request fields");
     }
+    if !hinted.is_empty() {
+        tracing::debug!(fields = ?hinted, "accepted and ignored: no effect on this server");
+    }
     map.retain(|k, _| known.contains(&k.as_str()));
     Ok(map)
 }
@@ -343,7 +398,7 @@ fn typed<T: serde::de::DeserializeOwned>(map: Map<String, Value>) -> Result<T, A
 
 impl ChatRequest {
     pub fn parse(body: &[u8], allow_extra: bool) -> Result<Self, ApiError> {
-        let req: Self = typed(check_fields(body, CHAT_FIELDS, allow_extra)?)?;
+        let req: Self = typed(check_fields(body, CHAT_FIELDS, CHAT_HINTS, allow_extra)?)?;
         if req.messages.len() > MAX_MESSAGES {
             return Err(invalid(
                 format!(
@@ -537,7 +592,7 @@ fn content_text(i: usize, content: Option<&Value>) -> Result<String, ApiError> {
 
 impl CompletionRequest {
     pub fn parse(body: &[u8], allow_extra: bool) -> Result<Self, ApiError> {
-        typed(check_fields(body, COMPLETION_FIELDS, allow_extra)?)
+        typed(check_fields(body, COMPLETION_FIELDS, &[], allow_extra)?)
     }
 
     pub fn params(&self) -> Result<GenParams, ApiError> {
@@ -1037,6 +1092,33 @@ mod tests {
                 .unwrap_err(),
         );
         assert!(m.contains("reasoning_effort"), "{m}");
+    }
+
+    #[test]
+    fn current_hint_fields_are_accepted_and_checked() {
+        let body = r#"{"messages":[{"role":"user","content":"hi"}],"prompt_cache_key":"k1",
+            "safety_identifier":"user-42","verbosity":"low","modalities":["text"],
+            "prompt_cache_retention":"24h"}"#;
+        let r = chat(body).unwrap();
+        assert!(r.params().is_ok());
+        for (field, value) in [
+            ("prompt_cache_key", "3"),
+            ("safety_identifier", "{}"),
+            ("verbosity", r#""loud""#),
+            ("prompt_cache_retention", r#""1y""#),
+            ("modalities", r#"["audio"]"#),
+            ("modalities", r#"["text","audio"]"#),
+            ("modalities", "[]"),
+        ] {
+            let body =
+                format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],"{field}":{value}}}"#);
+            let e = chat(&body).unwrap_err();
+            assert_eq!(e.body().error.param.as_deref(), Some(field), "{body}");
+        }
+        // Chat fields: the legacy completions endpoint does not know them.
+        let e =
+            CompletionRequest::parse(br#"{"prompt":"x","verbosity":"low"}"#, false).unwrap_err();
+        assert!(message(e).contains("verbosity"));
     }
 
     #[test]

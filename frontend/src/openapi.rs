@@ -26,8 +26,8 @@ use utoipa::OpenApi;
 
 use crate::auth::ApiKeys;
 use crate::openai::{
-    ChatCompletion, ChatCompletionChunk, ChatRequest, Completion, CompletionRequest, IGNORED,
-    MAX_MESSAGES, MAX_N, MAX_STOP, ModelList, UNSUPPORTED,
+    CHAT_HINTS, ChatCompletion, ChatCompletionChunk, ChatRequest, Completion, CompletionRequest,
+    IGNORED, MAX_MESSAGES, MAX_N, MAX_STOP, ModelList, UNSUPPORTED,
 };
 use crate::server::{MAX_PROMPTS, ServerConfig};
 use crate::tools::MAX_TOOLS;
@@ -147,6 +147,11 @@ fn base() -> Value {
                 );
             }
         }
+        if name == "ChatRequest"
+            && let Some(props) = s.get_mut("properties").and_then(Value::as_object_mut)
+        {
+            props.extend(chat_hint_schemas());
+        }
         // Unknown fields are a 400 (unless --allow-extra-request-fields).
         s.insert("additionalProperties".into(), Value::Bool(false));
     }
@@ -167,6 +172,38 @@ fn base() -> Value {
         "paths": paths(),
         "components": {"schemas": schemas},
     })
+}
+
+/// The chat fields accepted when well formed and then ignored
+/// ([`CHAT_HINTS`]), with the values accepted.
+fn chat_hint_schemas() -> Map<String, Value> {
+    let ignored = "Accepted and ignored: no effect on this server.";
+    let mut m = Map::new();
+    for (field, schema) in [
+        ("prompt_cache_key", json!({"type": ["string", "null"]})),
+        ("safety_identifier", json!({"type": ["string", "null"]})),
+        (
+            "prompt_cache_retention",
+            json!({"enum": ["in_memory", "in-memory", "24h", null]}),
+        ),
+        (
+            "verbosity",
+            json!({"enum": ["low", "medium", "high", null]}),
+        ),
+        (
+            "modalities",
+            json!({"type": ["array", "null"], "items": {"const": "text"}, "minItems": 1,
+                   "description": "Only [\"text\"]."}),
+        ),
+    ] {
+        let mut schema = schema;
+        if schema.get("description").is_none() {
+            schema["description"] = json!(ignored);
+        }
+        m.insert(field.into(), schema);
+    }
+    debug_assert!(CHAT_HINTS.iter().all(|f| m.contains_key(*f)));
+    m
 }
 
 /// A valid request for each request schema (tested).
@@ -614,6 +651,7 @@ const RESPONSES_IGNORED: &[&str] = &[
     "service_tier",
     "include",
     "prompt_cache_key",
+    "prompt_cache_retention",
     "safety_identifier",
     "background",
 ];
@@ -889,7 +927,7 @@ mod tests {
         let d = doc();
         assert_eq!(
             properties(&d, "ChatRequest"),
-            sorted(&[CHAT_FIELDS, IGNORED, UNSUPPORTED])
+            sorted(&[CHAT_FIELDS, IGNORED, UNSUPPORTED, CHAT_HINTS])
         );
         assert_eq!(
             properties(&d, "CompletionRequest"),

@@ -65,8 +65,24 @@ async function checkLogprobs() {
   return `${n} tokens, ${streamed} streamed, all numbers; ${JSON.stringify(r.output)}`;
 }
 
+// Issue #41.2.2: current Chat Completions fields were a 400.
+async function checkHintFields() {
+  const r = await generateText({
+    ...common,
+    model: chatModel(),
+    prompt: "Say hello.",
+    maxOutputTokens: 16,
+    providerOptions: {
+      openai: { promptCacheKey: "tandem-clients", safetyIdentifier: "user-1", textVerbosity: "low" },
+    },
+  });
+  assert(r.text.length > 0, JSON.stringify(r));
+  return `text ${JSON.stringify(r.text)}`;
+}
+
 const CHECKS = {
   logprobs: checkLogprobs,
+  hint_fields: checkHintFields,
 };
 
 async function main() {

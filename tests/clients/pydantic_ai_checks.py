@@ -31,6 +31,25 @@ def model():
     return OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=BASE, api_key="unused"))
 
 
+def check_output_with_hints():
+    """A structured answer (pydantic-ai's output tool, a forced call) with
+    the current Chat Completions fields set (issue #41.2.2: a 400)."""
+    from pydantic_ai import Agent
+
+    agent = Agent(model(), output_type=Pet)
+    r = agent.run_sync(
+        "Invent a pet.",
+        model_settings={
+            "temperature": 0,
+            "max_tokens": 120,
+            "openai_prompt_cache_key": "tandem-clients",
+            "openai_text_verbosity": "low",
+        },
+    )
+    assert isinstance(r.output, Pet), r
+    return f"{r.output!r}"
+
+
 def check_logprobs():
     """Logprobs of a json_schema answer (issue #41.2.1: null in
     top_logprobs under the constraint)."""
@@ -56,6 +75,7 @@ def check_logprobs():
 
 
 CHECKS = {
+    "output_with_hints": check_output_with_hints,
     "logprobs": check_logprobs,
 }
 

@@ -25,6 +25,7 @@ const IGNORED: &[&str] = &[
     "service_tier",
     "include",
     "prompt_cache_key",
+    "prompt_cache_retention",
     "safety_identifier",
     "background",
 ];
