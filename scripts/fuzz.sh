@@ -4,7 +4,8 @@
 # Usage: scripts/fuzz.sh [TARGET|all] [SECONDS]      (default: all, 60)
 #
 # Targets (fuzz/fuzz_targets): gguf_reader, openai_request, proto_messages, dkv_grants,
-# chat_template (needs TANDEM_TEST_GGUF),
+# dkv_ucx (real UCX in a child process per batch; a dead child is a finding,
+# its batch saved in fuzz/artifacts/dkv_ucx/), chat_template (needs TANDEM_TEST_GGUF),
 # stop_strings (differential, against the definition), tokenizer (needs
 # TANDEM_TEST_GGUF). Needs cargo-fuzz (`cargo install cargo-fuzz`);
 # RUSTC_BOOTSTRAP=1 lets a stable toolchain take its nightly flags.
@@ -29,9 +30,9 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     exit 1
 fi
 export RUSTC_BOOTSTRAP=1
-# The fuzz targets use dkv's in-process transport only; UCX's memory
-# hooks and AddressSanitizer's interceptors crash each other at startup.
-export TANDEM_DKV_NO_UCX=1
+# dkv loads UCX only when a UCX transport starts: in dkv_ucx's children,
+# which run it without AddressSanitizer (UCX's memory hooks and ASan's
+# interceptors crash each other); its oracle is a child that dies.
 
 if [ "$target" = all ]; then
     targets=$(cargo fuzz list)
@@ -45,11 +46,15 @@ for t in $targets; do
     if [ "$t" = gguf_reader ]; then
         cp -n seeds/*.gguf "$corpus"/
     fi
+    sanitizer=address
+    if [ "$t" = dkv_ucx ]; then
+        sanitizer=none
+    fi
     echo "== $t ($secs s)"
-    cargo fuzz run "$t" "$corpus" -- \
+    cargo fuzz run --sanitizer "$sanitizer" "$t" "$corpus" -- \
         -max_total_time="$secs" \
         -max_len=65536 \
         -rss_limit_mb=2048 \
-        -timeout=10 \
+        -timeout=60 \
         -print_final_stats=1
 done

@@ -52,6 +52,11 @@ impl RawSender {
     }
 }
 
+/// `token` (any 32 bytes) in a grant envelope with a valid checksum.
+pub fn seal_grant(token: &[u8; 32]) -> Vec<u8> {
+    crate::descriptor::seal(crate::descriptor::MAGIC_GRANT, token)
+}
+
 /// The raw 32 bytes of `remote`'s grant token (for headers of one's own).
 pub fn token_bytes(remote: &RemoteRegion) -> Result<[u8; 32], DkvError> {
     Ok(crate::grant::Token::open(&remote.grant)?.to_bytes())

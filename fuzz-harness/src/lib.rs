@@ -8,6 +8,7 @@
 
 pub mod chat_template;
 pub mod dkv_grants;
+pub mod dkv_ucx;
 pub mod gguf_reader;
 pub mod openai_request;
 pub mod proto_messages;
@@ -21,6 +22,7 @@ pub type Target = fn(&[u8]);
 pub const TARGETS: &[(&str, Target)] = &[
     ("chat_template", chat_template::run),
     ("dkv_grants", dkv_grants::run),
+    ("dkv_ucx", dkv_ucx::run),
     ("gguf_reader", gguf_reader::run),
     ("openai_request", openai_request::run),
     ("proto_messages", proto_messages::run),

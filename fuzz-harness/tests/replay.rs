@@ -93,6 +93,8 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
 fn budget(target: &str) -> usize {
     match target {
         "tokenizer" | "chat_template" | "dkv_grants" => 300,
+        // A child process with real UCX per 64 inputs.
+        "dkv_ucx" => 200,
         _ => 3000,
     }
 }
