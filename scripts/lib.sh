@@ -15,3 +15,18 @@ ensure_packages() {
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 }
+
+# ci_build_env: the one build configuration of the test command, exported
+# so that every cargo command after it (and every developer shell that
+# sources this) reuses the same artifacts. The target directory lives in
+# the cache, not in the checkout, so a fresh clone on a machine that ran
+# the tests before rebuilds only what changed. Clippy runs as the
+# workspace crates' compiler (clippy-driver compiles as rustc does and
+# lints on the way), and -D warnings makes every warning an error.
+ci_build_env() {
+  export TANDEM_CACHE=${TANDEM_CACHE:-$HOME/.cache/tandem}
+  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$TANDEM_CACHE/target}
+  export RUSTC_WORKSPACE_WRAPPER
+  RUSTC_WORKSPACE_WRAPPER=$(rustc --print sysroot)/bin/clippy-driver
+  export RUSTFLAGS="-D warnings"
+}
