@@ -24,7 +24,10 @@ use reqwest::header::{CONNECTION, CONTENT_TYPE, HeaderMap, HeaderValue};
 use serde_json::Value;
 use tandem_engine::LoadedModel;
 use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate};
-use tandem_engine::sampler::SamplingParams;
+use tandem_engine::moe::Combine;
+use tandem_engine::sampler::{Sampled, SamplingParams};
+use tandem_engine::scheduler::{Event, KvHandoff, Request, Scheduler, SchedulerConfig};
+use tandem_types::FinishReason;
 
 pub fn gguf_path() -> PathBuf {
     match std::env::var_os("TANDEM_TEST_GGUF") {
@@ -90,8 +93,15 @@ fn find_binary() -> PathBuf {
 
 /// The model in this process, for reference outputs.
 pub fn model() -> &'static LoadedModel {
-    static MODEL: OnceLock<LoadedModel> = OnceLock::new();
-    MODEL.get_or_init(|| tandem_engine::load(&gguf_path()).expect("loading the test model"))
+    shared_model()
+}
+
+/// [`model`], shareable with a scheduler ([`reference_outputs`]).
+fn shared_model() -> &'static Arc<LoadedModel> {
+    static MODEL: OnceLock<Arc<LoadedModel>> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        Arc::new(tandem_engine::load(&gguf_path()).expect("loading the test model"))
+    })
 }
 
 /// Greedy reference text of the engine's single-sequence generator.
@@ -127,6 +137,103 @@ pub fn reference_output_of(
         prefill_chunk: 512,
     };
     generate(m, &req, |_| {}).unwrap()
+}
+
+/// One sequence of [`reference_outputs`]: what [`reference_output`]
+/// gives for it, less the timings and the prompt's logits.
+#[derive(Debug, Clone)]
+pub struct Reference {
+    pub tokens: Vec<u32>,
+    pub sampled: Vec<Sampled>,
+    pub text: String,
+    pub finish: FinishReason,
+}
+
+/// [`reference_output`] of each of `requests` (a prompt and its sampling),
+/// generated together: a scheduler in this process runs them as one
+/// batch, so each decode step reads the weights once for all of them.
+/// Each output is the one generated alone: a sequence's logits are
+/// bitwise identical alone or in any batch (ARCHITECTURE.md, "Batch
+/// invariance"), the scheduler samples each row with the `Sampler` that
+/// `generate` uses (seeded draws and penalties included), stops on the
+/// same stop tokens, and the text is decoded as `generate` decodes it.
+pub fn reference_outputs(
+    requests: &[(Vec<u32>, SamplingParams)],
+    max_tokens: usize,
+) -> Vec<Reference> {
+    if requests.is_empty() {
+        return Vec::new();
+    }
+    let m = shared_model();
+    let block_size = 16;
+    let prompt_tokens: usize = requests.iter().map(|(p, _)| p.len()).sum();
+    let longest = requests.iter().map(|(p, _)| p.len()).max().unwrap_or(0) + max_tokens;
+    let config = SchedulerConfig {
+        max_batch_size: requests.len(),
+        // Every prompt in the first step.
+        max_batch_input_tokens: prompt_tokens.max(requests.len()),
+        max_length: longest,
+        block_size,
+        num_blocks: requests
+            .iter()
+            .map(|(p, _)| (p.len() + max_tokens).div_ceil(block_size))
+            .sum(),
+        prefix_caching: false,
+        tp: 1,
+        moe_combine: Combine::AllReduce,
+    };
+    let sched = Scheduler::spawn(Arc::clone(m) as _, config).unwrap();
+    let streams: Vec<_> = requests
+        .iter()
+        .map(|(prompt, sampling)| {
+            let req = Request {
+                prompt: prompt.clone(),
+                sampling: sampling.clone(),
+                max_tokens,
+                stop_token_ids: m.text.tokenizer.stop_ids(),
+                handoff: KvHandoff::Local,
+                constraint: None,
+            };
+            sched.handle().submit(req).unwrap()
+        })
+        .collect();
+    let outs = streams
+        .into_iter()
+        .map(|mut stream| {
+            let mut sampled = Vec::new();
+            let finish = loop {
+                match stream.blocking_next() {
+                    Some(Event::Token(s)) => sampled.push(s),
+                    Some(Event::Finished(usage)) => break usage.finish,
+                    other => panic!("reference generation did not finish: {other:?}"),
+                }
+            };
+            reference_of(m, sampled, finish)
+        })
+        .collect();
+    sched.shutdown();
+    outs
+}
+
+/// The [`Reference`] of `sampled` tokens that ended with `finish`, its
+/// text decoded as `generate` decodes it (no stop strings): each token's
+/// piece as it completes, and what is left only when the length ran out.
+fn reference_of(m: &LoadedModel, sampled: Vec<Sampled>, finish: FinishReason) -> Reference {
+    let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
+    let mut decoder = m.text.tokenizer.stream_decoder(true);
+    let mut text = String::new();
+    for &t in &tokens {
+        text.push_str(&decoder.push(t).unwrap());
+    }
+    if finish == FinishReason::Length {
+        text.push_str(&decoder.finish());
+    }
+    Reference {
+        tokens,
+        sampled,
+        text,
+        finish,
+    }
 }
 
 /// Largest logprob gap at which a GPU run may pick another greedy token
@@ -396,6 +503,19 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 /// came.
 pub fn http(port: u16, method: &str, path: &str, body: &str) -> Resp {
     http_with(port, method, path, body, &[])
+}
+
+/// [`http`] of every one of `bodies` at once, from threads of their own
+/// (a server batches requests that arrive together): the responses in
+/// the order of `bodies`.
+pub fn http_all(port: u16, method: &str, path: &str, bodies: &[String]) -> Vec<Resp> {
+    std::thread::scope(|s| {
+        let calls: Vec<_> = bodies
+            .iter()
+            .map(|body| s.spawn(move || http(port, method, path, body)))
+            .collect();
+        calls.into_iter().map(|c| c.join().unwrap()).collect()
+    })
 }
 
 /// `http` with extra request headers.

@@ -17,8 +17,8 @@ use serde_json::{Value, json};
 use tandem_engine::sampler::SamplingParams;
 use tandem_modelfile::chat::ChatMessage;
 use tandem_tests::{
-    Proc, Resp, assert_greedy_up_to_near_ties, gguf_path, http, http_with, metric, model, ports_in,
-    raw_request, reference, reference_output,
+    Proc, Resp, assert_greedy_up_to_near_ties, gguf_path, http, http_all, http_with, metric, model,
+    ports_in, raw_request, reference, reference_output, reference_outputs,
 };
 use tandem_types::FinishReason;
 
@@ -385,52 +385,12 @@ const LAUGH: &str = "ha ha ha ha ha ha ha ha";
 fn every_sampling_parameter_reaches_the_sampler() {
     const N: usize = 24;
     let server = Server::start(&[]);
-    let complete = |prompt: &str, params: &Value| {
-        let mut body = json!({"prompt": prompt, "max_tokens": N});
-        body.as_object_mut()
-            .unwrap()
-            .extend(params.as_object().unwrap().clone());
-        let r = server.post("/v1/completions", &body);
-        assert_eq!(r.status, 200, "{body}: {}", r.body);
-        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
-    };
-    let engine = |prompt: &str, sampling: SamplingParams| {
-        let ids = model().text.tokenizer.encode(prompt, true).unwrap();
-        reference_output(ids, sampling, N).text
-    };
-    let greedy = engine(STORY, SamplingParams::greedy());
-    assert_eq!(complete(STORY, &json!({"temperature": 0})), greedy);
-
-    // Temperature 1 with a seed: the engine's draws, token for token.
     let seeded = |seed: u64| SamplingParams {
         temperature: 1.0,
         seed: Some(seed),
         ..SamplingParams::default()
     };
-    let base = engine(STORY, seeded(1));
-    assert_ne!(base, greedy, "seed 1 happens to draw the greedy text");
-    let first = complete(STORY, &json!({"temperature": 1, "seed": 1}));
-    assert_eq!(first, base);
-    assert_eq!(
-        complete(STORY, &json!({"temperature": 1, "seed": 1})),
-        first,
-        "same seed, different text"
-    );
-    // Different seeds draw different texts (each checked against the
-    // engine, so this is no accident of the seeds chosen).
-    let mut texts = vec![first];
-    for seed in 2..=4u64 {
-        let got = complete(STORY, &json!({"temperature": 1, "seed": seed}));
-        assert_eq!(got, engine(STORY, seeded(seed)), "seed {seed}");
-        assert!(!texts.contains(&got), "seed {seed} repeats a text: {got:?}");
-        texts.push(got);
-    }
-    // A negative seed is its two's-complement bits.
-    assert_eq!(
-        complete(STORY, &json!({"temperature": 1, "seed": -7})),
-        engine(STORY, seeded(-7i64 as u64))
-    );
-
+    let story = |params: Value| (STORY, params);
     // Each parameter on top of seed 1: the engine's text, which differs
     // from seed 1's own (else the case would prove nothing).
     let cases: Vec<(&str, Value, SamplingParams)> = vec![
@@ -491,6 +451,128 @@ fn every_sampling_parameter_reaches_the_sampler() {
             },
         ),
     ];
+    // Penalties on a repetitive greedy continuation.
+    let penalties: Vec<(&str, Value, SamplingParams)> = [
+        ("presence_penalty", 2.0),
+        ("frequency_penalty", 2.0),
+        ("repetition_penalty", 2.0),
+    ]
+    .into_iter()
+    .map(|(name, value)| {
+        let mut sampling = SamplingParams::greedy();
+        match name {
+            "presence_penalty" => sampling.presence_penalty = value,
+            "frequency_penalty" => sampling.frequency_penalty = value,
+            _ => sampling.repetition_penalty = value,
+        }
+        let mut params = json!({"temperature": 0});
+        params[name] = json!(value);
+        (name, params, sampling)
+    })
+    .collect();
+    // Truncations that leave only the most likely token are greedy at
+    // temperature 1, whatever the (unseeded) draw; -1 and 0 disable top_k.
+    let truncations = [
+        json!({"temperature": 1, "top_k": 1}),
+        json!({"temperature": 1, "top_p": 1e-6}),
+        json!({"temperature": 1, "min_p": 1.0}),
+    ];
+    let no_top_k = [-1, 0].map(|k| json!({"temperature": 1, "seed": 1, "top_k": k}));
+
+    // Every completion and every engine reference the checks below read,
+    // asked for at once: the requests concurrently (the server batches
+    // them), the references in one batch (`reference_outputs`). Each is
+    // what it would be alone; the checks read them in the order asked.
+    let mut asked: Vec<(&str, Value)> = vec![
+        story(json!({"temperature": 0})),
+        story(json!({"temperature": 1, "seed": 1})),
+        story(json!({"temperature": 1, "seed": 1})),
+    ];
+    asked.extend((2..=4u64).map(|seed| story(json!({"temperature": 1, "seed": seed}))));
+    asked.push(story(json!({"temperature": 1, "seed": -7})));
+    asked.extend(cases.iter().map(|(p, params, _)| (*p, params.clone())));
+    asked.push((LAUGH, json!({"temperature": 0})));
+    asked.extend(
+        penalties
+            .iter()
+            .map(|(_, params, _)| (LAUGH, params.clone())),
+    );
+    asked.extend(truncations.iter().cloned().map(story));
+    asked.extend(no_top_k.iter().cloned().map(story));
+    let mut engine_asked: Vec<(&str, SamplingParams)> =
+        vec![(STORY, SamplingParams::greedy()), (STORY, seeded(1))];
+    engine_asked.extend((2..=4u64).map(|seed| (STORY, seeded(seed))));
+    engine_asked.push((STORY, seeded(-7i64 as u64)));
+    engine_asked.extend(cases.iter().map(|(p, _, s)| (*p, s.clone())));
+    engine_asked.push((LAUGH, SamplingParams::greedy()));
+    engine_asked.extend(penalties.iter().map(|(_, _, s)| (LAUGH, s.clone())));
+
+    let bodies: Vec<String> = asked
+        .iter()
+        .map(|(prompt, params)| {
+            let mut body = json!({"prompt": prompt, "max_tokens": N});
+            body.as_object_mut()
+                .unwrap()
+                .extend(params.as_object().unwrap().clone());
+            body.to_string()
+        })
+        .collect();
+    let engine_texts: Vec<String> = {
+        let requests: Vec<(Vec<u32>, SamplingParams)> = engine_asked
+            .iter()
+            .map(|(prompt, s)| {
+                let ids = model().text.tokenizer.encode(prompt, true).unwrap();
+                (ids, s.clone())
+            })
+            .collect();
+        reference_outputs(&requests, N)
+            .into_iter()
+            .map(|r| r.text)
+            .collect()
+    };
+    let responses = http_all(server.port, "POST", "/v1/completions", &bodies);
+    let mut answers = asked.iter().zip(&bodies).zip(responses);
+    let mut complete = |prompt: &str, params: &Value| {
+        let (((p, v), body), r) = answers.next().expect("a completion asked for");
+        assert_eq!((*p, v), (prompt, params), "read in the order asked");
+        assert_eq!(r.status, 200, "{body}: {}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let mut references = engine_asked.iter().zip(engine_texts);
+    let mut engine = |prompt: &str, sampling: SamplingParams| {
+        let ((p, s), text) = references.next().expect("a reference asked for");
+        assert_eq!((*p, s), (prompt, &sampling), "read in the order asked");
+        text
+    };
+
+    let greedy = engine(STORY, SamplingParams::greedy());
+    assert_eq!(complete(STORY, &json!({"temperature": 0})), greedy);
+
+    // Temperature 1 with a seed: the engine's draws, token for token.
+    let base = engine(STORY, seeded(1));
+    assert_ne!(base, greedy, "seed 1 happens to draw the greedy text");
+    let first = complete(STORY, &json!({"temperature": 1, "seed": 1}));
+    assert_eq!(first, base);
+    assert_eq!(
+        complete(STORY, &json!({"temperature": 1, "seed": 1})),
+        first,
+        "same seed, different text"
+    );
+    // Different seeds draw different texts (each checked against the
+    // engine, so this is no accident of the seeds chosen).
+    let mut texts = vec![first];
+    for seed in 2..=4u64 {
+        let got = complete(STORY, &json!({"temperature": 1, "seed": seed}));
+        assert_eq!(got, engine(STORY, seeded(seed)), "seed {seed}");
+        assert!(!texts.contains(&got), "seed {seed} repeats a text: {got:?}");
+        texts.push(got);
+    }
+    // A negative seed is its two's-complement bits.
+    assert_eq!(
+        complete(STORY, &json!({"temperature": 1, "seed": -7})),
+        engine(STORY, seeded(-7i64 as u64))
+    );
+
     for (prompt, params, sampling) in &cases {
         let want = engine(prompt, sampling.clone());
         assert_ne!(want, base, "{params} does not change seed 1's text");
@@ -501,41 +583,21 @@ fn every_sampling_parameter_reaches_the_sampler() {
     // in the engine.
     let laughing = engine(LAUGH, SamplingParams::greedy());
     assert_eq!(complete(LAUGH, &json!({"temperature": 0})), laughing);
-    for (name, value) in [
-        ("presence_penalty", 2.0),
-        ("frequency_penalty", 2.0),
-        ("repetition_penalty", 2.0),
-    ] {
-        let mut sampling = SamplingParams::greedy();
-        match name {
-            "presence_penalty" => sampling.presence_penalty = value,
-            "frequency_penalty" => sampling.frequency_penalty = value,
-            _ => sampling.repetition_penalty = value,
-        }
-        let want = engine(LAUGH, sampling);
+    for (name, params, sampling) in &penalties {
+        let want = engine(LAUGH, sampling.clone());
         assert_ne!(want, laughing, "{name} changes nothing: {want:?}");
-        let mut params = json!({"temperature": 0});
-        params[name] = json!(value);
-        let got = complete(LAUGH, &params);
+        let got = complete(LAUGH, params);
         assert_eq!(got, want, "{name}");
     }
 
-    // Truncations that leave only the most likely token are greedy at
-    // temperature 1, whatever the (unseeded) draw; -1 and 0 disable top_k.
-    for params in [
-        json!({"temperature": 1, "top_k": 1}),
-        json!({"temperature": 1, "top_p": 1e-6}),
-        json!({"temperature": 1, "min_p": 1.0}),
-    ] {
-        assert_eq!(complete(STORY, &params), greedy, "{params}");
+    for params in &truncations {
+        assert_eq!(complete(STORY, params), greedy, "{params}");
     }
-    for k in [-1, 0] {
-        assert_eq!(
-            complete(STORY, &json!({"temperature": 1, "seed": 1, "top_k": k})),
-            base,
-            "top_k {k}"
-        );
+    for (k, params) in [-1, 0].iter().zip(&no_top_k) {
+        assert_eq!(complete(STORY, params), base, "top_k {k}");
     }
+    assert!(answers.next().is_none(), "every completion checked");
+    assert!(references.next().is_none(), "every reference checked");
 
     // n = 1 is the one choice we serve; more is refused.
     let r = server.post(
