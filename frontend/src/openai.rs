@@ -779,16 +779,33 @@ fn response_format(v: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
         Some("text") => Ok(None),
         Some("json_object") => Ok(Some(Constraint::JsonObject)),
         Some("json_schema") => {
-            let schema = o
-                .get("json_schema")
+            let json_schema = o.get("json_schema");
+            let mut schema = json_schema
                 .and_then(|j| j.get("schema"))
                 .filter(|s| s.is_object() || s.is_boolean())
+                .cloned()
                 .ok_or_else(|| {
                     invalid(
                         "`response_format.json_schema.schema` must be a JSON schema object",
                         P,
                     )
                 })?;
+            // Strict (OpenAI's meaning): the keys named and no others,
+            // unless the schema opens an object itself. Otherwise JSON
+            // Schema's meaning: objects take keys the schema does not name.
+            let strict = match json_schema.and_then(|j| j.get("strict")) {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(invalid(
+                        "`response_format.json_schema.strict` must be a boolean",
+                        P,
+                    ));
+                }
+            };
+            if strict {
+                tandem_grammar::close_objects(&mut schema);
+            }
             Ok(Some(Constraint::JsonSchema(schema.to_string())))
         }
         Some("regex") => Ok(Some(Constraint::Regex(text("regex")?))),

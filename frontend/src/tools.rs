@@ -288,9 +288,13 @@ impl ToolParser {
         let alternatives: Vec<Value> = allowed
             .iter()
             .map(|t| {
+                // The arguments hold the parameters named and no others
+                // (OpenAI's strict mode), unless the schema opens an object.
+                let mut parameters = t.parameters.clone();
+                tandem_grammar::close_objects(&mut parameters);
                 json!({
                     "type": "object",
-                    "properties": {"name": {"const": t.name}, args_key: t.parameters},
+                    "properties": {"name": {"const": t.name}, args_key: parameters},
                     "required": ["name", args_key],
                     "additionalProperties": false,
                 })

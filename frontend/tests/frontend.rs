@@ -27,11 +27,12 @@ use tandem_frontend::{
     AppState, Backend, BackendHealth, BackendRequest, BodyPace, GenerationStream, ServerConfig,
     SubmitError, app, serve,
 };
+use tandem_grammar::GrammarCompiler;
 use tandem_modelfile::chat::ChatMessage;
 use tandem_modelfile::{ModelMeta, ModelText};
 use tandem_types::{
-    FinishReason, GenEvent, GenFailure, InvalidRequest, RequestLimits, Sampled, SamplingParams,
-    Usage,
+    Constraint, FinishReason, GenEvent, GenFailure, InvalidRequest, RequestLimits, Sampled,
+    SamplingParams, Usage,
 };
 use tokio::sync::watch;
 use tower::ServiceExt;
@@ -1674,6 +1675,89 @@ async fn masked_candidates_are_left_out_of_top_logprobs() {
             && t.as_object().unwrap().values().all(Value::is_f64)),
         "{v}"
     );
+}
+
+/// Whether `c`, compiled for the model's vocabulary, lets the model write
+/// `text` (as the tokenizer splits it) and then end.
+fn admits(c: &Constraint, text: &str) -> bool {
+    let compiler = GrammarCompiler::new(&TEXT.tokenizer).unwrap();
+    let mut state = compiler.compile(c).unwrap();
+    for id in tokens(text) {
+        if !state.mask().unwrap().allows(id) {
+            return false;
+        }
+        state.consume(id).unwrap();
+    }
+    let eos = TEXT.tokenizer.eos_id().unwrap();
+    state.mask().unwrap().allows(eos)
+}
+
+/// Strict json_schema output and forced tool arguments hold the keys
+/// their schema names and no others (issue #41: a strict schema got an
+/// invented "skill", tool arguments an invented "type"); a non-strict
+/// schema keeps JSON Schema's meaning, and a schema may open an object.
+#[tokio::test]
+async fn strict_schemas_and_tool_arguments_are_closed() {
+    let s = Server::new(2048);
+    let schema = json!({"type": "object", "properties": {"name": {"type": "string"}},
+                        "required": ["name"]});
+    let mut constraints = Vec::new();
+    for strict in [json!(true), json!(false), Value::Null] {
+        s.script(say("{}", FinishReason::Stop));
+        let format = json!({"type": "json_schema",
+            "json_schema": {"name": "hero", "strict": strict, "schema": schema}});
+        let (status, v) = s
+            .post_json(
+                CHAT,
+                &with(&chat_body("A hero?"), json!({"response_format": format})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        constraints.push(s.requests().last().unwrap().constraint.clone().unwrap());
+    }
+    let extra = r#"{"name":"Al","skill":"x"}"#;
+    assert!(admits(&constraints[0], r#"{"name":"Al"}"#));
+    assert!(
+        !admits(&constraints[0], extra),
+        "strict admits an invented key"
+    );
+    assert!(
+        admits(&constraints[1], extra),
+        "non-strict is JSON Schema's"
+    );
+    assert!(
+        admits(&constraints[2], extra),
+        "non-strict is JSON Schema's"
+    );
+
+    let tool = |params: Value| {
+        json!({"tools": [{"type": "function", "function": {"name": "get_weather",
+            "parameters": params}}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": false})
+    };
+    let call = |args: &str| {
+        format!("<tool_call>\n{{\"name\":\"get_weather\",\"arguments\":{args}}}\n</tool_call>")
+    };
+    let open = json!({"type": "object", "properties": {"city": {"type": "string"}},
+                      "additionalProperties": true});
+    for (params, invented_ok) in [(schema_city(), false), (open, true)] {
+        s.script(say("ok", FinishReason::Stop));
+        let (status, v) = s
+            .post_json(CHAT, &with(&chat_body("Weather?"), tool(params)))
+            .await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let c = s.requests().last().unwrap().constraint.clone().unwrap();
+        assert!(admits(&c, &call(r#"{"city":"Paris"}"#)));
+        assert_eq!(
+            admits(&c, &call(r#"{"city":"Paris","type":"object"}"#)),
+            invented_ok
+        );
+    }
+}
+
+fn schema_city() -> Value {
+    json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 }
 
 /// A client's `traceparent` is continued in the request the backend gets.

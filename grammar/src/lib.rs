@@ -6,6 +6,10 @@
 
 use std::sync::Arc;
 
+mod schema;
+
+pub use schema::close_objects;
+
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use tandem_modelfile::tokenizer::Tokenizer;

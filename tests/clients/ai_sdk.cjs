@@ -80,9 +80,44 @@ async function checkHintFields() {
   return `text ${JSON.stringify(r.text)}`;
 }
 
+const weatherSchema = {
+  type: "object",
+  properties: { city: { type: "string" } },
+  required: ["city"],
+};
+
+// Issue #41.2.3: open schemas let the model invent keys (forced tool
+// arguments, strict json_schema output).
+async function checkClosedSchemas() {
+  const r = await generateText({
+    ...common,
+    model: chatModel(),
+    prompt: "What is the weather in Paris?",
+    tools: { get_weather: tool({ description: "Current weather in a city.", inputSchema: jsonSchema(weatherSchema) }) },
+    toolChoice: "required",
+    maxOutputTokens: 60,
+  });
+  assert(r.toolCalls.length > 0, JSON.stringify(r.content));
+  for (const c of r.toolCalls) {
+    assert(JSON.stringify(Object.keys(c.input)) === '["city"]', `invented keys: ${JSON.stringify(c.input)}`);
+  }
+  const hero = await generateText({
+    ...common,
+    model: chatModel(),
+    prompt: "Describe a hero as JSON with a name, a skill and an age.",
+    output: Output.object({
+      schema: jsonSchema({ type: "object", properties: { name: { type: "string", maxLength: 20 } }, required: ["name"] }),
+    }),
+    maxOutputTokens: 80,
+  });
+  assert(JSON.stringify(Object.keys(hero.output)) === '["name"]', `invented keys: ${JSON.stringify(hero.output)}`);
+  return `tool ${JSON.stringify(r.toolCalls[0].input)}, strict output ${JSON.stringify(hero.output)}`;
+}
+
 const CHECKS = {
   logprobs: checkLogprobs,
   hint_fields: checkHintFields,
+  closed_schemas: checkClosedSchemas,
 };
 
 async function main() {
