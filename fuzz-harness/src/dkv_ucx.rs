@@ -98,14 +98,7 @@ impl Child {
             .write_all(&len)
             .and_then(|()| self.to.write_all(data))
             .map_err(|e| format!("the child is gone ({e})"))?;
-        let mut fds = [libc::pollfd {
-            fd: std::os::fd::AsRawFd::as_raw_fd(&self.from),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
-        // SAFETY: one valid pollfd.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 1, INPUT_LIMIT.as_millis() as i32) };
-        if ready <= 0 {
+        if !readable(&self.from, INPUT_LIMIT) {
             return Err(format!("the child hung on an input for {INPUT_LIMIT:?}"));
         }
         let mut verdict = [0u8; 1];
@@ -141,6 +134,30 @@ impl Child {
             let _ = std::fs::write(dir.join(format!("{i:03}")), input);
         }
         format!("{} (child {status})", dir.display())
+    }
+}
+
+/// Whether `f` has something to read (or hit its end) within `limit`;
+/// signals (libFuzzer's timers) do not cut the wait short.
+fn readable(f: &std::fs::File, limit: Duration) -> bool {
+    let until = Instant::now() + limit;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let mut fds = [libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(f),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        // SAFETY: one valid pollfd.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 1, left.as_millis() as i32) };
+        if ready > 0 {
+            return true;
+        }
+        let interrupted =
+            ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
+        if !interrupted || left.is_zero() {
+            return false;
+        }
     }
 }
 
