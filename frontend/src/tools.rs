@@ -303,9 +303,15 @@ impl ToolParser {
         let schema = json!({"anyOf": alternatives, "x-guidance": {"whitespace_flexible": false}});
         let grammar = match self {
             Self::Hermes | Self::None => {
-                let repeat = if parallel { "+" } else { "" };
+                // Parallel calls one per line, as chat templates write
+                // them (Qwen 2.5's: "</tool_call>\n<tool_call>").
+                let more = if parallel {
+                    " (\"\\n\" call)* \"\\n\"?"
+                } else {
+                    ""
+                };
                 format!(
-                    "start: call{repeat}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {schema}\n"
+                    "start: call{more}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {schema}\n"
                 )
             }
             Self::Llama3Json => {
@@ -617,7 +623,7 @@ mod tests {
         else {
             panic!("expected a Lark grammar");
         };
-        assert!(g.contains("call+"));
+        assert!(g.contains("(\"\\n\" call)*"), "{g}");
         assert_eq!("llama3_json".parse(), Ok(ToolParser::Llama3Json));
         assert!("xml".parse::<ToolParser>().is_err());
     }

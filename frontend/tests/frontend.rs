@@ -1756,6 +1756,39 @@ async fn strict_schemas_and_tool_arguments_are_closed() {
     }
 }
 
+/// `required` with parallel calls admits calls one per line, as chat
+/// templates write them (issue #41: no separator, so never a second call),
+/// and a trailing newline; without parallel calls, one call.
+#[tokio::test]
+async fn forced_parallel_calls_are_one_per_line() {
+    let s = Server::new(2048);
+    let call = |city: &str| {
+        format!(
+            "<tool_call>\n{{\"name\":\"get_weather\",\"arguments\":{{\"city\":\"{city}\"}}}}\n</tool_call>"
+        )
+    };
+    let two = format!("{}\n{}", call("Paris"), call("Oslo"));
+    for (parallel, many) in [
+        (json!(true), true),
+        (Value::Null, true),
+        (json!(false), false),
+    ] {
+        s.script(say("ok", FinishReason::Stop));
+        let body = with(
+            &chat_body("Weather in Paris and Oslo?"),
+            json!({"tools": [{"type": "function", "function": {"name": "get_weather",
+                    "parameters": schema_city()}}],
+                   "tool_choice": "required", "parallel_tool_calls": parallel}),
+        );
+        let (status, v) = s.post_json(CHAT, &body).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let c = s.requests().last().unwrap().constraint.clone().unwrap();
+        assert!(admits(&c, &call("Paris")), "{parallel}");
+        assert_eq!(admits(&c, &two), many, "{parallel}");
+        assert_eq!(admits(&c, &format!("{two}\n")), many, "{parallel}");
+    }
+}
+
 fn schema_city() -> Value {
     json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 }

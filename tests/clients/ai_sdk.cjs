@@ -114,10 +114,27 @@ async function checkClosedSchemas() {
   return `tool ${JSON.stringify(r.toolCalls[0].input)}, strict output ${JSON.stringify(hero.output)}`;
 }
 
+// Issue #41.2.5: `required` never yielded a second parallel call.
+async function checkParallelRequired() {
+  const r = await generateText({
+    ...common,
+    model: chatModel(),
+    prompt: "What is the weather in Paris and in Oslo? Call the tool once for each city.",
+    tools: { get_weather: tool({ description: "Current weather in a city.", inputSchema: jsonSchema(weatherSchema) }) },
+    toolChoice: "required",
+    maxOutputTokens: 120,
+  });
+  const cities = r.toolCalls.map((c) => c.input.city);
+  assert(cities.length >= 2, `calls: ${JSON.stringify(r.content)}`);
+  assert(r.finishReason === "tool-calls", `finishReason ${r.finishReason}`);
+  return `calls for ${JSON.stringify(cities)}`;
+}
+
 const CHECKS = {
   logprobs: checkLogprobs,
   hint_fields: checkHintFields,
   closed_schemas: checkClosedSchemas,
+  parallel_required: checkParallelRequired,
 };
 
 async function main() {

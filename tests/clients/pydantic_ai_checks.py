@@ -74,9 +74,44 @@ def check_logprobs():
     return f"{len(logprobs)} tokens, all numbers; {r.output!r}"
 
 
+def check_parallel_required():
+    """`required` with two things to look up (issue #41.2.5: never a second
+    call): both calls in one response, through pydantic-ai's direct model
+    request (an agent refuses `required` for its whole run)."""
+    from pydantic_ai import ModelRequest
+    from pydantic_ai.direct import model_request_sync
+    from pydantic_ai.models import ModelRequestParameters
+    from pydantic_ai.tools import ToolDefinition
+
+    weather = ToolDefinition(
+        name="get_weather",
+        description="Current weather in a city.",
+        parameters_json_schema={
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    )
+    response = model_request_sync(
+        model(),
+        [
+            ModelRequest.user_text_prompt(
+                "What is the weather in Paris and in Oslo? Call the tool once for each city."
+            )
+        ],
+        model_settings={"temperature": 0, "max_tokens": 120, "tool_choice": "required"},
+        model_request_parameters=ModelRequestParameters(function_tools=[weather]),
+    )
+    calls = [p for p in response.parts if p.part_kind == "tool-call"]
+    assert len(calls) >= 2, response
+    assert response.finish_reason == "tool_call", response
+    return f"one response, {len(calls)} calls: {[c.args for c in calls]}"
+
+
 CHECKS = {
     "output_with_hints": check_output_with_hints,
     "logprobs": check_logprobs,
+    "parallel_required": check_parallel_required,
 }
 
 
