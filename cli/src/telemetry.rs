@@ -4,13 +4,16 @@
 //! over OTLP/gRPC.
 //!
 //! Library crates record through the `opentelemetry` and `tracing` APIs
-//! only; this module is the one place that installs providers.
+//! only; this module is the one place that installs providers. It also
+//! exports the process's own heap in use (`tandem.process.heap`), which
+//! the soak test reads at quiescent points to bound growth per request.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use opentelemetry::metrics::ObservableGauge;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::Resource;
@@ -92,6 +95,7 @@ pub struct Telemetry {
     meter: SdkMeterProvider,
     tracer: Option<SdkTracerProvider>,
     render: MetricsRenderer,
+    _heap: Option<ObservableGauge<u64>>,
 }
 
 impl std::fmt::Debug for Telemetry {
@@ -144,6 +148,7 @@ impl Telemetry {
         }
         let meter = meter.build();
         opentelemetry::global::set_meter_provider(meter.clone());
+        let heap = heap_gauge();
         // Our own spans only: one per request hop, with bounded fields.
         let spans = tracer.as_ref().map(|t| {
             tracing_opentelemetry::layer()
@@ -178,6 +183,7 @@ impl Telemetry {
             meter,
             tracer,
             render,
+            _heap: heap,
         })
     }
 
@@ -200,6 +206,36 @@ impl Telemetry {
     }
 }
 
+/// `tandem.process.heap`: bytes the allocator has handed out and not had
+/// back (glibc's `mallinfo2`, every arena: `uordblks` + `hblkhd`), read at
+/// each collection. Unlike RSS it does not move with pages the allocator
+/// keeps or returns, so a leak of a few KiB per request shows at once.
+/// `None` where the allocator is not glibc's.
+fn heap_gauge() -> Option<ObservableGauge<u64>> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let gauge = opentelemetry::global::meter("tandem")
+            .u64_observable_gauge("tandem.process.heap")
+            .with_description(
+                "Heap bytes allocated and not yet freed (glibc mallinfo2, all arenas)",
+            )
+            .with_unit("By")
+            .with_callback(|o| o.observe(heap_in_use(), &[]))
+            .build();
+        Some(gauge)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    None
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn heap_in_use() -> u64 {
+    // SAFETY: mallinfo2 takes each arena's lock and only reads counters;
+    // any thread may call it at any time.
+    let m = unsafe { libc::mallinfo2() };
+    (m.uordblks + m.hblkhd) as u64
+}
+
 /// `service.name` = `tandem-<role>` unless OTEL_SERVICE_NAME sets it (the
 /// builder reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES itself).
 fn resource(role: &str) -> Resource {
@@ -215,6 +251,18 @@ fn resource(role: &str) -> Resource {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn heap_in_use_follows_allocations() {
+        let before = heap_in_use();
+        let block = vec![1u8; 64 << 20];
+        let during = heap_in_use();
+        drop(std::hint::black_box(block));
+        let after = heap_in_use();
+        assert!(during >= before + (64 << 20), "{before} -> {during}");
+        assert!(after + (64 << 20) <= during, "{during} -> {after}");
+    }
 
     #[test]
     fn endpoint_must_be_a_url() {
