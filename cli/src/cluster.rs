@@ -205,6 +205,11 @@ pub struct NodeArgs {
     /// Close gRPC connections that carried no traffic for this many seconds.
     #[arg(long, env = "TANDEM_GRPC_IDLE_TIMEOUT_SECS", default_value_t = 300)]
     pub grpc_idle_timeout_secs: u64,
+    /// Prefix-cache events kept for routers that reconnect (a router
+    /// further behind rebuilds its view from scratch); each holds a few
+    /// hundred bytes until the ring is full.
+    #[arg(long, env = "TANDEM_KV_EVENT_RING", default_value_t = tandem_worker::node::EVENT_RING)]
+    pub kv_event_ring: usize,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
@@ -327,6 +332,10 @@ fn node_options(node: &NodeArgs, role: Role) -> Result<NodeOptions> {
         grpc_idle_timeout: match node.grpc_idle_timeout_secs {
             0 => bail!("--grpc-idle-timeout-secs must be at least 1"),
             s => Duration::from_secs(s),
+        },
+        kv_event_ring: match node.kv_event_ring {
+            0 => bail!("--kv-event-ring must be at least 1"),
+            n => n,
         },
     })
 }

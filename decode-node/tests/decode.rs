@@ -119,6 +119,7 @@ impl Node {
             shutdown_grace: Duration::from_secs(1),
             tls: None,
             grpc_idle_timeout: Duration::from_secs(60),
+            kv_event_ring: 1024,
         };
         let (core, scheduler) =
             NodeCore::start(harness().model.clone(), config, &opts).expect("node starts");

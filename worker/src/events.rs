@@ -49,9 +49,16 @@ fn to_pb(e: KvEvent) -> pb::WorkerEvent {
     }
 }
 
+/// Most live messages a subscriber may fall behind before its stream ends
+/// (it then reconnects and replays from the ring).
+const LIVE_DEPTH: usize = 4096;
+
 impl EventHub {
+    /// A hub keeping the last `capacity` events; the live channel is no
+    /// deeper (up to [`LIVE_DEPTH`]), so that what a node holds for
+    /// routers, ring and channel, is bounded by `capacity`.
     pub fn new(capacity: usize) -> Arc<Self> {
-        let (live, _) = broadcast::channel(4096);
+        let (live, _) = broadcast::channel(capacity.clamp(1, LIVE_DEPTH));
         Arc::new(Self {
             ring: Mutex::new(Ring {
                 events: VecDeque::new(),

@@ -22,8 +22,9 @@ use crate::http::{Health, MetricsRenderer};
 
 pub use tandem_discovery::Role;
 
-/// KV events kept for routers that reconnect.
-const EVENT_RING: usize = 65_536;
+/// KV events kept for routers that reconnect, unless
+/// [`NodeOptions::kv_event_ring`] says otherwise.
+pub const EVENT_RING: usize = 65_536;
 /// How often load is sampled, and broadcast to routers if it changed.
 const LOAD_PERIOD: Duration = Duration::from_millis(100);
 /// An unchanged load is broadcast this often: idle nodes, most of a large
@@ -54,6 +55,9 @@ pub struct NodeOptions {
     pub tls: Option<ClusterTls>,
     /// gRPC connections with no traffic for this long are closed.
     pub grpc_idle_timeout: Duration,
+    /// Prefix-cache events kept for routers that reconnect ([`EVENT_RING`]
+    /// by default); a router further behind rebuilds its view.
+    pub kv_event_ring: usize,
 }
 
 /// Everything a node's request handlers share.
@@ -91,7 +95,7 @@ impl NodeCore {
         config: SchedulerConfig,
         opts: &NodeOptions,
     ) -> Result<(Arc<Self>, Scheduler), WorkerError> {
-        let hub = EventHub::new(EVENT_RING);
+        let hub = EventHub::new(opts.kv_event_ring);
         let fingerprint = model.fingerprint(config.block_size);
         let dkv = Dkv::new(DkvConfig {
             transport: opts.transport,
