@@ -58,8 +58,11 @@ impl DecodeConfig {
     }
 }
 
+/// Every `outcome` of `tandem.decode.prefills`.
+const PREFILL_OUTCOMES: [&str; 4] = ["local", "remote", "retried", "fallback"];
+
 struct DecodeMetrics {
-    /// Prefill placements, by `outcome` (local|remote|retried|fallback).
+    /// Prefill placements, by `outcome` ([`PREFILL_OUTCOMES`]).
     prefills: Counter<u64>,
     /// Failed transfers whose blocks were held until no write was landing.
     quarantined: Counter<u64>,
@@ -70,30 +73,36 @@ struct DecodeMetrics {
 fn metrics() -> &'static DecodeMetrics {
     static M: OnceLock<DecodeMetrics> = OnceLock::new();
     M.get_or_init(|| {
-        let m = opentelemetry::global::meter("tandem");
-        DecodeMetrics {
-            prefills: m
+        let meter = opentelemetry::global::meter("tandem");
+        let m = DecodeMetrics {
+            prefills: meter
                 .u64_counter("tandem.decode.prefills")
                 .with_description(
                     "Prompts by where they were prefilled: local (by policy), remote, \
                      retried (remote after a failed worker), fallback (local after remote failures)",
                 )
                 .build(),
-            quarantined: m
+            quarantined: meter
                 .u64_counter("tandem.decode.quarantined")
                 .with_description(
                     "Failed or abandoned KV transfers whose destination blocks were held \
                      until no write their grant accepted was still landing",
                 )
                 .build(),
-            quarantine_expired: m
+            quarantine_expired: meter
                 .u64_counter("tandem.decode.quarantine_expired")
                 .with_description(
                     "Quarantined blocks released at --quarantine-limit-secs with a write \
                      still landing",
                 )
                 .build(),
+        };
+        // Every outcome exported at zero: alerts on the fallback rate see 0
+        // rather than no series.
+        for o in PREFILL_OUTCOMES {
+            m.prefills.add(0, &[KeyValue::new("outcome", o)]);
         }
+        m
     })
 }
 

@@ -33,7 +33,15 @@ struct RouterMetrics {
 /// the binary before anything records).
 fn metrics() -> &'static RouterMetrics {
     static M: OnceLock<RouterMetrics> = OnceLock::new();
-    M.get_or_init(|| RouterMetrics::new(&opentelemetry::global::meter("tandem")))
+    M.get_or_init(|| {
+        let m = RouterMetrics::new(&opentelemetry::global::meter("tandem"));
+        // Every status exported at zero: alerts and dashboards filtering on
+        // one (the error ratio) see 0 rather than no series.
+        for s in Status::ALL {
+            m.requests.add(0, &[KeyValue::new("status", s.label())]);
+        }
+        m
+    })
 }
 
 impl RouterMetrics {
@@ -140,6 +148,13 @@ pub enum Status {
 }
 
 impl Status {
+    pub const ALL: [Status; 4] = [
+        Status::Ok,
+        Status::ClientError,
+        Status::ServerError,
+        Status::Cancelled,
+    ];
+
     pub fn label(self) -> &'static str {
         match self {
             Self::Ok => "ok",
