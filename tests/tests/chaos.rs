@@ -7,12 +7,24 @@
 //! completed correctly (greedy output equal to the engine's reference),
 //! failed cleanly (an HTTP error or an error event in OpenAI's shape, with
 //! its code), hung (past a hard deadline: must be 0), KV blocks still in
-//! use on any node once the load drained (must be 0), and the time from
-//! the heal to the first window of full throughput.
+//! use on any node once the load drained (must be 0), the time from the
+//! heal to the first window of full throughput, and what the scenario
+//! expects of its requests (`Expect`: every one correct where retries and
+//! the local-prefill fallback hide the fault; only those on a lost decode
+//! node, or routed to it before the router noticed, may fail where one is
+//! lost).
 //!
-//! `TANDEM_CHAOS_ONLY=TEXT` runs only the scenarios whose name contains
-//! TEXT (after the baseline); `TANDEM_CHAOS_DECODE_FLAGS` adds flags to the
-//! decode nodes (experiments, e.g. `--quarantine-limit-secs 30`).
+//! Each fault is held until the cluster shows its effect, not for a fixed
+//! time: faults between prefill and decode begin while the prefill node
+//! computes a prompt and hold until the decode nodes fell back to local
+//! prefill and a few long prompts started during the fault have ended;
+//! the others until a few requests started during them (or after the
+//! router dropped a lost node) have ended. The full form
+//! (`TANDEM_CHAOS_FULL=1`, or `scripts/chaos.sh`) also holds each for the
+//! duration in its name. `TANDEM_CHAOS_ONLY=TEXT` runs only the scenarios
+//! whose name contains TEXT (after the baseline); `TANDEM_CHAOS_DECODE_FLAGS`
+//! adds flags to the decode nodes (experiments, e.g.
+//! `--quarantine-limit-secs 30`).
 //!
 //! Needs root (network namespaces, veth, policy rules, tbf), etcd, libucx,
 //! the release binary and `TANDEM_TEST_GGUF`. Without namespaces it fails,
@@ -24,319 +36,200 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use tandem_tests::chaos::load::{Catalog, Load, LoadConfig, Record, Tally, recovery, throughput};
+use tandem_tests::chaos::load::{Catalog, Outcome};
+use tandem_tests::chaos::scenario::{Expect, Fault, Form, Kind, Row, Suite};
 use tandem_tests::chaos::{ChaosCluster, LEASE_TTL_S};
 
 const MAX_TOKENS: usize = 12;
-const CLIENTS: usize = 6;
-/// A request still unanswered after this is hung.
-const DEADLINE: Duration = Duration::from_secs(45);
-/// Load before each fault.
-const STEADY: Duration = Duration::from_secs(3);
-/// Full throughput: this share of the baseline over WINDOW, no failure.
-const FULL: f64 = 0.75;
-const WINDOW: Duration = Duration::from_secs(4);
-/// How long after the heal full throughput must be back.
-const RECOVERY_LIMIT: Duration = Duration::from_secs(40);
-
-struct Row {
-    name: &'static str,
-    tally: Tally,
-    correct_after_heal: usize,
-    leaked: Vec<(String, u64)>,
-    recovery: Option<Duration>,
-    /// Whether connections may fail without an HTTP answer (the router
-    /// itself was killed).
-    transport_ok: bool,
-    wall: Duration,
-}
-
-struct Suite {
-    c: ChaosCluster,
-    catalog: Arc<Catalog>,
-    baseline: f64,
-    rows: Vec<Row>,
-    seed: u64,
-}
-
-impl Suite {
-    fn load(&mut self) -> Load {
-        self.seed += 1;
-        Load::start(
-            self.c.router.addr(),
-            Arc::clone(&self.catalog),
-            &LoadConfig {
-                clients: CLIENTS,
-                deadline: DEADLINE,
-                seed: self.seed,
-                disconnect_per_mille: 100,
-            },
-        )
-    }
-
-    /// Runs `fault` under load; it returns when the fault is healed.
-    fn scenario(
-        &mut self,
-        name: &'static str,
-        transport_ok: bool,
-        fault: impl FnOnce(&mut ChaosCluster, &Load),
-    ) {
-        if let Ok(only) = std::env::var("TANDEM_CHAOS_ONLY")
-            && !name.contains(only.as_str())
-        {
-            return;
-        }
-        let t0 = Instant::now();
-        println!("--- {name}");
-        let load = self.load();
-        std::thread::sleep(STEADY);
-        fault(&mut self.c, &load);
-        let healed = Instant::now();
-        // Until a full window after the heal, or the limit.
-        let mut rec = None;
-        while healed.elapsed() < RECOVERY_LIMIT {
-            std::thread::sleep(Duration::from_millis(500));
-            rec = recovery(&load.records(), healed, self.baseline, FULL, WINDOW);
-            if rec.is_some() {
-                break;
-            }
-        }
-        let records = load.stop();
-        let row = self.judge(name, &records, healed, rec, transport_ok, t0);
-        self.rows.push(row);
-    }
-
-    fn judge(
-        &self,
-        name: &'static str,
-        records: &[Record],
-        healed: Instant,
-        recovery: Option<Duration>,
-        transport_ok: bool,
-        t0: Instant,
-    ) -> Row {
-        let tally = Tally::of(records);
-        let correct_after_heal = records
-            .iter()
-            .filter(|r| {
-                r.start >= healed && r.outcome == tandem_tests::chaos::load::Outcome::Correct
-            })
-            .count();
-        let settled = self.c.settle(Duration::from_secs(30));
-        for (id, used, h) in &settled {
-            if *used > 0 {
-                println!("{name}: {id} still busy after the load drained: {h}");
-            }
-        }
-        let row = Row {
-            name,
-            tally,
-            correct_after_heal,
-            leaked: settled.into_iter().map(|(id, u, _)| (id, u)).collect(),
-            recovery,
-            transport_ok,
-            wall: t0.elapsed(),
-        };
-        println!("{}", line(&row));
-        for w in row.tally.wrong.iter().take(5) {
-            println!("  WRONG: {w}");
-        }
-        row
-    }
-}
-
-fn line(r: &Row) -> String {
-    let leaked: u64 = r.leaked.iter().map(|(_, u)| u).sum();
-    format!(
-        "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0?} |",
-        r.name,
-        r.tally.started,
-        r.tally.correct,
-        r.tally.clean_summary(),
-        r.tally.hung,
-        r.tally.wrong.len(),
-        leaked,
-        r.recovery.map_or_else(
-            || format!("not within {RECOVERY_LIMIT:?}"),
-            |d| format!("{:.1} s", d.as_secs_f64())
-        ),
-        r.wall,
-    )
-}
+const S: fn(u64) -> Duration = Duration::from_secs;
 
 #[test]
 fn chaos_scenarios_under_steady_mixed_load() {
     let started = Instant::now();
-    // References first (the engine in this process), then the cluster.
-    let catalog = Arc::new(Catalog::build(24, 6, MAX_TOKENS));
-    println!(
-        "{} prompts with references in {:?}",
-        catalog.prompts.len(),
-        started.elapsed()
-    );
-    // A small decode KV pool (96 blocks) so that the long prompts, cycling,
+    let form = Form::from_env();
+    // References (the engine in this process) while the cluster starts. A
+    // small decode KV pool (96 blocks) so that the long prompts, cycling,
     // keep missing the decode nodes' prefix caches and go to the prefill
     // node.
-    let c = ChaosCluster::start("chaos", 1, 2, 96);
-    println!("cluster up after {:?}", started.elapsed());
-    let mut s = Suite {
-        c,
-        catalog,
-        baseline: 0.0,
-        rows: Vec::new(),
-        seed: 0,
-    };
+    let (catalog, c) = std::thread::scope(|s| {
+        let catalog = s.spawn(|| Catalog::build(24, 6, MAX_TOKENS));
+        let c = ChaosCluster::start("chaos", 1, 2, 96);
+        (catalog.join().unwrap(), c)
+    });
+    println!(
+        "{} prompts with references and the cluster up after {:?} ({} form)",
+        catalog.prompts.len(),
+        started.elapsed(),
+        if form.full { "full" } else { "short" }
+    );
+    let mut s = Suite::new(c, Arc::new(catalog), form);
+    s.baseline();
 
-    // Baseline: steady load, no fault.
-    {
-        let t0 = Instant::now();
-        let load = s.load();
-        std::thread::sleep(Duration::from_secs(12));
-        let records = load.stop();
-        let from = t0 + Duration::from_secs(3);
-        let to = records.iter().map(|r| r.end).max().unwrap();
-        s.baseline = throughput(&records, from, to);
-        println!("baseline: {:.2} correct completions/s", s.baseline);
-        let row = s.judge(
-            "no fault (baseline)",
-            &records,
-            t0,
-            Some(Duration::ZERO),
-            false,
-            t0,
-        );
-        s.rows.push(row);
-        assert!(s.baseline > 0.0);
-    }
-
+    let hidden = |kind, min| Expect::Hidden { kind, min };
     let p0 = s.c.prefills[0].space.ip;
     let proxy = s.c.net.proxy_ip();
-    s.scenario("partition prefill <-> decode 10 s", false, |c, _| {
-        for d in &c.decodes {
-            // The KV path (UCX, both ways) and the gRPC path, which goes
-            // through the proxy's address.
-            c.net.partition(p0, d.space.ip);
-            c.net.partition(proxy, d.space.ip);
-        }
-        std::thread::sleep(Duration::from_secs(10));
-        c.net.heal_partitions();
-    });
-    s.scenario("prefill -> decode KV link at 10 Mbit/s", false, |c, _| {
-        let sp = c.prefills[0].space.clone();
-        c.net.throttle(&sp, "10mbit");
-        std::thread::sleep(Duration::from_secs(10));
-        c.net.unthrottle(&sp);
-    });
     s.scenario(
-        "decode -> prefill gRPC +200 ms, then stalled",
-        false,
-        |c, _| {
-            c.proxies[0].set_latency(Duration::from_millis(200));
-            std::thread::sleep(Duration::from_secs(6));
-            c.proxies[0].set_stalled(true);
-            std::thread::sleep(Duration::from_secs(5));
-            c.proxies[0].heal();
+        "partition prefill <-> decode (10 s full)",
+        hidden(Kind::Long, 3),
+        |f| {
+            f.begin_when_prefill_busy(|c| {
+                for d in &c.decodes {
+                    // The KV path (UCX, both ways) and the gRPC path, which
+                    // goes through the proxy's address.
+                    c.net.partition(p0, d.space.ip);
+                    c.net.partition(proxy, d.space.ip);
+                }
+            });
+            f.await_fallbacks(1);
+            f.hold(f.began, Kind::Long, 3, S(10));
+            f.c.net.heal_partitions();
         },
     );
-    s.scenario("partition router <-> d1 10 s", false, |c, _| {
-        let (r, d1) = (c.router.space.ip, c.decodes[1].space.ip);
-        c.net.partition(r, d1);
-        std::thread::sleep(Duration::from_secs(10));
-        c.net.heal_partitions();
-    });
-    s.scenario("SIGSTOP prefill 8 s, SIGCONT", false, |c, _| {
-        c.prefills[0].freeze(true);
-        std::thread::sleep(Duration::from_secs(8));
-        c.prefills[0].freeze(false);
-        c.router.wait_members(1, 2, Duration::from_secs(20));
-    });
-    s.scenario("SIGSTOP decode mid-stream 6 s, SIGCONT", false, |c, _| {
-        let d0 = &c.decodes[0];
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while d0.health().is_some_and(|h| h["running"] == 0) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        d0.freeze(true);
-        std::thread::sleep(Duration::from_secs(6));
-        d0.freeze(false);
-        c.router.wait_members(1, 2, Duration::from_secs(20));
-    });
-    s.scenario("kill -9 prefill, restart same id", false, |c, _| {
-        c.prefills[0].kill9();
-        std::thread::sleep(Duration::from_secs(1));
-        c.prefills[0].restart();
-        c.router.wait_members(1, 2, Duration::from_secs(20));
-    });
-    s.scenario("kill -9 decode, restart same id", false, |c, _| {
-        c.decodes[1].kill9();
-        std::thread::sleep(Duration::from_secs(LEASE_TTL_S + 1));
-        c.decodes[1].restart();
-        c.router.wait_members(1, 2, Duration::from_secs(20));
-    });
-    s.scenario("kill -9 router, restart", true, |c, _| {
-        c.router.kill9();
-        std::thread::sleep(Duration::from_secs(2));
-        c.router.restart();
-        c.router.wait_members(1, 2, Duration::from_secs(20));
-    });
-    s.scenario("etcd killed 8 s, restarted", false, |c, _| {
-        c.etcd.kill9();
-        std::thread::sleep(Duration::from_secs(8));
-        c.etcd.restart();
-        c.router.wait_members(1, 2, Duration::from_secs(30));
+    s.scenario(
+        "prefill -> decode KV link at 10 Mbit/s (10 s full)",
+        hidden(Kind::Long, 3),
+        |f| {
+            let sp = f.c.prefills[0].space.clone();
+            f.begin_when_prefill_busy(|c| c.net.throttle(&sp, "10mbit"));
+            f.await_fallbacks(1);
+            f.hold(f.began, Kind::Long, 3, S(10));
+            f.c.net.unthrottle(&sp);
+        },
+    );
+    s.scenario(
+        "decode -> prefill gRPC +200 ms, then stalled (6 + 5 s full)",
+        hidden(Kind::Long, 6),
+        |f| {
+            f.c.proxies[0].set_latency(Duration::from_millis(200));
+            f.hold(f.began, Kind::Long, 3, S(6));
+            let stalled = Instant::now();
+            f.c.proxies[0].set_stalled(true);
+            f.await_fallbacks(1);
+            f.hold(stalled, Kind::Long, 3, S(11));
+            f.c.proxies[0].heal();
+        },
+    );
+    s.scenario(
+        "partition router <-> d1 (10 s full)",
+        Expect::NodeLost { min: 6 },
+        |f| {
+            let (r, d1) = (f.c.router.space.ip, f.c.decodes[1].space.ip);
+            f.c.net.partition(r, d1);
+            // Streams on d1 stall and resume on the heal: the router never
+            // has to drop it, and nothing started during the fault fails.
+            f.hold(f.began, Kind::Any, 6, S(10));
+            f.c.net.heal_partitions();
+        },
+    );
+    s.scenario(
+        "SIGSTOP prefill, SIGCONT (8 s full)",
+        hidden(Kind::Long, 3),
+        |f| {
+            f.begin_when_prefill_busy(|c| c.prefills[0].freeze(true));
+            f.await_fallbacks(1);
+            f.hold(f.began, Kind::Long, 3, S(8));
+            f.c.prefills[0].freeze(false);
+            f.c.router.wait_members(1, 2, S(20));
+        },
+    );
+    s.scenario(
+        "SIGSTOP decode mid-stream, SIGCONT (6 s full)",
+        Expect::NodeLost { min: 4 },
+        freeze_decode_mid_stream,
+    );
+    s.scenario(
+        "kill -9 prefill, restart same id",
+        hidden(Kind::Long, 3),
+        |f| {
+            f.begin_when_prefill_busy(|c| c.prefills[0].kill9());
+            f.await_fallbacks(1);
+            f.hold(f.began, Kind::Long, 3, S(1));
+            f.c.prefills[0].restart();
+            f.c.router.wait_members(1, 2, S(20));
+        },
+    );
+    s.scenario(
+        "kill -9 decode, restart same id",
+        Expect::NodeLost { min: 4 },
+        |f| {
+            f.c.decodes[1].kill9();
+            let id = f.c.decodes[1].id.clone();
+            f.notice_lost_decode(&id);
+            let since = f.noticed.unwrap_or_else(Instant::now);
+            f.hold(since, Kind::Any, 4, S(LEASE_TTL_S + 1));
+            f.c.decodes[1].restart();
+            f.c.router.wait_members(1, 2, S(20));
+        },
+    );
+    s.scenario("kill -9 router, restart", Expect::RouterDown, |f| {
+        f.c.router.kill9();
+        f.hold(f.began, Kind::Any, 6, S(2));
+        f.c.router.restart();
+        f.c.router.wait_members(1, 2, S(20));
     });
     s.scenario(
-        "slow clients (1 token/s) + 30% disconnects",
-        false,
-        |_, load| {
-            load.knobs.slow.store(3, Ordering::Relaxed);
-            load.knobs
-                .disconnect_per_mille
-                .store(300, Ordering::Relaxed);
-            std::thread::sleep(Duration::from_secs(15));
-            load.knobs.slow.store(0, Ordering::Relaxed);
-            load.knobs
-                .disconnect_per_mille
-                .store(100, Ordering::Relaxed);
+        "etcd killed, restarted (8 s full)",
+        hidden(Kind::Long, 3),
+        |f| {
+            f.c.etcd.kill9();
+            f.hold(f.began, Kind::Long, 3, S(8));
+            f.c.etcd.restart();
+            f.c.router.wait_members(1, 2, S(30));
+        },
+    );
+    s.scenario(
+        "slow clients (1 token/s full, 4 short) + 30% disconnects (15 s full)",
+        hidden(Kind::Slow, 1),
+        |f| {
+            let knobs = &f.load.knobs;
+            let per_token = if f.form.full { 1000 } else { 250 };
+            knobs.slow_token_ms.store(per_token, Ordering::Relaxed);
+            knobs.slow.store(3, Ordering::Relaxed);
+            knobs.disconnect_per_mille.store(300, Ordering::Relaxed);
+            f.hold(f.began, Kind::Slow, 3, S(15));
+            knobs.slow.store(0, Ordering::Relaxed);
+            knobs.disconnect_per_mille.store(100, Ordering::Relaxed);
         },
     );
 
-    println!(
-        "\n| scenario | started | correct | clean failures (codes) | hung | wrong | leaked blocks | \
-         recovery time | wall |\n|---|---|---|---|---|---|---|---|---|"
-    );
+    println!("\n{}", Row::HEADER);
     for r in &s.rows {
-        println!("{}", line(r));
+        println!("{}", r.line());
     }
     println!("chaos suite wall time {:?}", started.elapsed());
-
-    let mut problems = Vec::new();
-    for r in &s.rows {
-        let leaked: u64 = r.leaked.iter().map(|(_, u)| u).sum();
-        if r.tally.hung > 0 {
-            problems.push(format!("{}: {} hung", r.name, r.tally.hung));
-        }
-        if leaked > 0 {
-            problems.push(format!("{}: blocks left in use {:?}", r.name, r.leaked));
-        }
-        if !r.tally.wrong.is_empty() {
-            problems.push(format!("{}: wrong answers {:?}", r.name, r.tally.wrong));
-        }
-        if !r.transport_ok && !r.tally.transport.is_empty() {
-            problems.push(format!(
-                "{}: failures without an HTTP error {:?}",
-                r.name, r.tally.transport
-            ));
-        }
-        if r.correct_after_heal == 0 {
-            problems.push(format!("{}: nothing completed after the heal", r.name));
-        }
-        if r.recovery.is_none() {
-            problems.push(format!(
-                "{}: throughput not back to {FULL} of baseline within {RECOVERY_LIMIT:?}",
-                r.name
-            ));
-        }
-    }
+    let problems: Vec<String> = s.rows.iter().flat_map(Row::problems).collect();
     assert!(problems.is_empty(), "{problems:#?}");
+}
+
+/// Freezes the decode node that is verifiably running a stream (the test's
+/// own probe, started alone on an idle cluster), holds until the router
+/// stopped routing to it and requests started since completed, thaws it;
+/// the probe must have been stalled by the freeze (its stream resumed after
+/// the thaw, or failed cleanly).
+fn freeze_decode_mid_stream(f: &mut Fault) {
+    let Some((probe, i)) = f.probe_decode() else {
+        return;
+    };
+    f.c.decodes[i].freeze(true);
+    let frozen = Instant::now();
+    let id = f.c.decodes[i].id.clone();
+    f.notice_lost_decode(&id);
+    let since = f.noticed.unwrap_or_else(Instant::now);
+    f.hold(since, Kind::Any, 4, S(6));
+    f.c.decodes[i].freeze(false);
+    let thawed = Instant::now();
+    f.c.router.wait_members(1, 2, S(20));
+    let r = probe.finish();
+    let stalled = r.first_event.is_some_and(|t| t < frozen)
+        && (r.end >= thawed || matches!(r.outcome, Outcome::Clean(_)));
+    let fine = matches!(r.outcome, Outcome::Correct | Outcome::Clean(_));
+    if !(stalled && fine) {
+        f.problems.push(format!(
+            "the probe stream on {id} was not caught mid-stream by the freeze, or ended badly: \
+             {:?}, first event {:?} before the freeze, ended {:?} after the thaw",
+            r.outcome,
+            r.first_event.map(|t| frozen.saturating_duration_since(t)),
+            r.end.checked_duration_since(thawed),
+        ));
+    }
 }

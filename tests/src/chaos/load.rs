@@ -1,8 +1,9 @@
 //! A steady mixed load: client threads issuing greedy completions and chats,
 //! streaming and not, short prompts (prefilled on the decode node) and long
 //! ones (prefilled remotely), some clients hanging up at random points and,
-//! when asked, some reading their streams at one token per second. Every
-//! request has a hard deadline; each ends classified:
+//! when asked, some reading their streams slowly (one token per
+//! [`Knobs::slow_token_ms`]). Every request has a hard deadline; each ends
+//! classified:
 //!
 //! - `Correct`: the whole greedy output equals the engine's reference;
 //! - `Clean`: an HTTP error status, or an error event in a stream, in
@@ -18,19 +19,24 @@
 //! The client is a raw socket (HTTP/1.1, `Connection: close`) so that a
 //! disconnect is exactly a dropped socket and the deadline covers
 //! everything from connect to the last byte.
+//!
+//! Tests wait on the load's progress, not the clock: [`Load::wait_until`]
+//! wakes on every request that ends. The load can be paused (clients finish
+//! what they sent and wait), and a [`Probe`] runs one long stream of the
+//! test's own, to find the node serving it.
 
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tandem_types::SeededRng;
 
-use crate::cluster::long_prompt;
+use crate::cluster::{counting_prompt, long_prompt};
 use crate::{model, reference, sse_events};
 
 /// A prompt of the load with its greedy reference.
@@ -49,7 +55,14 @@ pub struct Prompt {
 pub struct Catalog {
     pub prompts: Vec<Prompt>,
     pub max_tokens: usize,
+    /// A completion the model continues for [`PROBE_TOKENS`] tokens (no
+    /// early stop), for [`Probe`]s.
+    pub probe: Prompt,
 }
+
+/// Tokens of a [`Probe`]'s stream: long enough to be found running and
+/// frozen mid-stream.
+pub const PROBE_TOKENS: usize = 64;
 
 impl Catalog {
     /// `long` distinct long completion prompts (distinct from their first
@@ -106,9 +119,17 @@ impl Catalog {
                 text: text.to_string(),
             });
         }
+        let text = counting_prompt(0);
+        let probe = Prompt {
+            chat: false,
+            long: false,
+            reference: reference(tok.encode(&text, true).unwrap(), PROBE_TOKENS),
+            text,
+        };
         Catalog {
             prompts,
             max_tokens,
+            probe,
         }
     }
 }
@@ -131,17 +152,29 @@ pub struct Record {
     pub outcome: Outcome,
     pub stream: bool,
     pub long: bool,
+    /// Read by a slow client.
+    pub slow: bool,
+    /// When the first event of a stream arrived (whatever the outcome).
+    pub first_event: Option<Instant>,
     /// Time to the first token (streams that got one).
     pub ttft: Option<Duration>,
     /// Mean time per output token after the first (streams).
     pub tpot: Option<Duration>,
 }
 
+impl Record {
+    /// Neither correct nor hung up on purpose.
+    pub fn failed(&self) -> bool {
+        !matches!(self.outcome, Outcome::Correct | Outcome::Aborted)
+    }
+}
+
 /// How the load behaves; switchable while it runs.
 #[derive(Debug)]
 pub struct Knobs {
-    /// Clients `0..slow` read streams at one token per second.
+    /// Clients `0..slow` read streams at one token per `slow_token_ms`.
     pub slow: AtomicUsize,
+    pub slow_token_ms: AtomicU64,
     /// Per mille of requests whose client hangs up at a random point.
     pub disconnect_per_mille: AtomicU64,
 }
@@ -154,12 +187,54 @@ pub struct LoadConfig {
     pub disconnect_per_mille: u64,
 }
 
+/// What the clients share with the test: every record, the requests in
+/// flight, whether new ones may start; `changed` wakes waiters on each.
+#[derive(Debug, Default)]
+struct Progress {
+    records: Vec<Record>,
+    in_flight: usize,
+    paused: bool,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    progress: Mutex<Progress>,
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits until new requests may start; false once the load stops.
+    fn begin(&self, stop: &AtomicBool) -> bool {
+        let mut p = self.lock();
+        while p.paused && !stop.load(Ordering::Relaxed) {
+            p = self.changed.wait(p).unwrap_or_else(PoisonError::into_inner);
+        }
+        if stop.load(Ordering::Relaxed) {
+            return false;
+        }
+        p.in_flight += 1;
+        true
+    }
+
+    fn end(&self, r: Record) {
+        let mut p = self.lock();
+        p.in_flight -= 1;
+        p.records.push(r);
+        drop(p);
+        self.changed.notify_all();
+    }
+}
+
 /// Running client threads; `stop` ends them and returns every record.
 #[derive(Debug)]
 pub struct Load {
     stop: Arc<AtomicBool>,
     pub knobs: Arc<Knobs>,
-    records: Arc<Mutex<Vec<Record>>>,
+    shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -168,31 +243,31 @@ impl Load {
         let stop = Arc::new(AtomicBool::new(false));
         let knobs = Arc::new(Knobs {
             slow: AtomicUsize::new(0),
+            slow_token_ms: AtomicU64::new(1000),
             disconnect_per_mille: AtomicU64::new(cfg.disconnect_per_mille),
         });
-        let records = Arc::new(Mutex::new(Vec::new()));
+        let shared = Arc::new(Shared::default());
         let threads = (0..cfg.clients)
             .map(|i| {
-                let (stop, knobs, records, catalog) = (
+                let (stop, knobs, shared, catalog) = (
                     Arc::clone(&stop),
                     Arc::clone(&knobs),
-                    Arc::clone(&records),
+                    Arc::clone(&shared),
                     Arc::clone(&catalog),
                 );
                 let deadline = cfg.deadline;
                 let seed = cfg.seed.wrapping_mul(1000).wrapping_add(i as u64);
                 std::thread::spawn(move || {
                     let mut rng = SeededRng::new(seed);
-                    while !stop.load(Ordering::Relaxed) {
-                        let slow = i < knobs.slow.load(Ordering::Relaxed);
+                    while shared.begin(&stop) {
+                        let slow = (i < knobs.slow.load(Ordering::Relaxed)).then(|| {
+                            Duration::from_millis(knobs.slow_token_ms.load(Ordering::Relaxed))
+                        });
                         let cut = rng.below(1000)
                             < knobs.disconnect_per_mille.load(Ordering::Relaxed) as usize;
                         let r = one_request(target, &catalog, &mut rng, deadline, slow, cut);
-                        let failed = !matches!(r.outcome, Outcome::Correct | Outcome::Aborted);
-                        records
-                            .lock()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .push(r);
+                        let failed = r.failed();
+                        shared.end(r);
                         if failed {
                             // A failing cluster is not hammered in a tight loop.
                             std::thread::sleep(Duration::from_millis(200));
@@ -204,33 +279,125 @@ impl Load {
         Load {
             stop,
             knobs,
-            records,
+            shared,
             threads,
         }
     }
 
     /// The records so far.
     pub fn records(&self) -> Vec<Record> {
-        self.records
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.shared.lock().records.clone()
+    }
+
+    /// Waits until `done(records, requests in flight)` holds, re-checked
+    /// each time a request ends; false if `deadline` passed first.
+    pub fn wait_until(
+        &self,
+        deadline: Instant,
+        mut done: impl FnMut(&[Record], usize) -> bool,
+    ) -> bool {
+        let mut p = self.shared.lock();
+        loop {
+            if done(&p.records, p.in_flight) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            p = self
+                .shared
+                .changed
+                .wait_timeout(p, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Clients finish the request they are in and start no new one until
+    /// [`Load::resume`]; waits (up to `deadline`) until none is in flight.
+    pub fn pause(&self, deadline: Instant) -> bool {
+        self.shared.lock().paused = true;
+        self.wait_until(deadline, |_, in_flight| in_flight == 0)
+    }
+
+    pub fn resume(&self) {
+        self.shared.lock().paused = false;
+        self.shared.changed.notify_all();
     }
 
     /// Stops issuing requests, waits for those in flight (each bounded by
     /// its deadline) and returns every record.
     pub fn stop(mut self) -> Vec<Record> {
-        self.stop.store(true, Ordering::Relaxed);
+        self.halt();
         for t in self.threads.drain(..) {
             t.join().expect("a load client panicked");
         }
         self.records()
     }
+
+    fn halt(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Paused clients wake up to see it.
+        let _guard = self.shared.lock();
+        self.shared.changed.notify_all();
+    }
 }
 
 impl Drop for Load {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.halt();
+    }
+}
+
+/// One streamed completion of the catalog's probe prompt, on a thread of
+/// its own: a test starts it on an otherwise idle cluster, waits for its
+/// first event and then knows the one node that is running a stream.
+#[derive(Debug)]
+pub struct Probe {
+    first_event: Arc<OnceLock<Instant>>,
+    thread: JoinHandle<Record>,
+}
+
+impl Probe {
+    pub fn start(target: SocketAddr, catalog: &Catalog, deadline: Duration) -> Probe {
+        let p = catalog.probe.clone();
+        let first_event = Arc::new(OnceLock::new());
+        let seen = Arc::clone(&first_event);
+        let thread = std::thread::spawn(move || {
+            let body = json!({"prompt": p.text, "max_tokens": PROBE_TOKENS, "temperature": 0,
+                              "stream": true});
+            let start = Instant::now();
+            let ex = exchange(
+                target,
+                "/v1/completions",
+                &body.to_string(),
+                start + deadline,
+                None,
+                None,
+                Some(&seen),
+            );
+            record_of(ex, start, &p, true, false)
+        });
+        Probe {
+            first_event,
+            thread,
+        }
+    }
+
+    /// When its first event arrived, if it has.
+    pub fn first_event(&self) -> Option<Instant> {
+        self.first_event.get().copied()
+    }
+
+    /// Whether the stream has ended.
+    pub fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// Waits for the stream's end (bounded by its deadline).
+    pub fn finish(self) -> Record {
+        self.thread.join().expect("the probe panicked")
     }
 }
 
@@ -247,11 +414,11 @@ fn one_request(
     catalog: &Catalog,
     rng: &mut SeededRng,
     deadline: Duration,
-    slow: bool,
+    slow: Option<Duration>,
     cut: bool,
 ) -> Record {
     let p = &catalog.prompts[rng.below(catalog.prompts.len())];
-    let stream = slow || rng.below(2) == 0;
+    let stream = slow.is_some() || rng.below(2) == 0;
     let cut = cut.then(|| match rng.below(3) {
         0 => Cut::BeforeHead,
         1 => Cut::AfterHead,
@@ -270,21 +437,34 @@ fn one_request(
                    "stream": stream}),
         )
     };
-    // Slow readers take a second per token on top.
-    let deadline = if slow {
-        deadline + Duration::from_secs(catalog.max_tokens as u64 + 2)
-    } else {
-        deadline
+    // Slow readers take their time per token on top.
+    let deadline = match slow {
+        Some(per_token) => deadline + per_token * (catalog.max_tokens as u32 + 2),
+        None => deadline,
     };
     let start = Instant::now();
-    let ex = exchange(target, path, &body.to_string(), start + deadline, slow, cut);
-    let end = Instant::now();
+    let ex = exchange(
+        target,
+        path,
+        &body.to_string(),
+        start + deadline,
+        slow,
+        cut,
+        None,
+    );
+    record_of(ex, start, p, stream, slow.is_some())
+}
+
+/// The record of one exchange that began at `start`.
+fn record_of(ex: Exchange, start: Instant, p: &Prompt, stream: bool, slow: bool) -> Record {
     let mut rec = Record {
         start,
-        end,
+        end: Instant::now(),
         outcome: Outcome::Aborted,
         stream,
         long: p.long,
+        slow,
+        first_event: None,
         ttft: None,
         tpot: None,
     };
@@ -300,6 +480,7 @@ fn one_request(
             events_seen,
         } => {
             let o = classify(status, &body, stream, p);
+            rec.first_event = first_event;
             if stream && o == Outcome::Correct {
                 rec.ttft = first_event.map(|t| t - start);
                 if let (Some(f), Some(l)) = (first_event, last_event)
@@ -327,14 +508,16 @@ enum Exchange {
     Aborted,
 }
 
-/// One request on a fresh connection, read to its end or the deadline.
+/// One request on a fresh connection, read to its end or the deadline; a
+/// slow reader takes `slow` per event; `seen` is set at the first event.
 fn exchange(
     target: SocketAddr,
     path: &str,
     body: &str,
     deadline: Instant,
-    slow: bool,
+    slow: Option<Duration>,
     cut: Option<Cut>,
+    seen: Option<&OnceLock<Instant>>,
 ) -> Exchange {
     let mut s = match TcpStream::connect_timeout(&target, Duration::from_secs(5)) {
         Ok(s) => s,
@@ -364,7 +547,7 @@ fn exchange(
         }
         let _ = s.set_read_timeout(Some(left.min(Duration::from_millis(500))));
         // A slow reader takes a little at a time.
-        let want = if slow && head_end.is_some() {
+        let want = if slow.is_some() && head_end.is_some() {
             256
         } else {
             buf.len()
@@ -384,11 +567,14 @@ fn exchange(
                     if events > events_seen {
                         let now = Instant::now();
                         first_event.get_or_insert(now);
+                        if let Some(seen) = seen {
+                            let _ = seen.set(now);
+                        }
                         last_event = Some(now);
                         let new = events - events_seen;
                         events_seen = events;
-                        if slow {
-                            std::thread::sleep(Duration::from_secs(new as u64));
+                        if let Some(per_event) = slow {
+                            std::thread::sleep(per_event * new as u32);
                         }
                     }
                     if let Some(Cut::AfterBytes(b)) = cut
@@ -600,6 +786,23 @@ pub fn throughput(records: &[Record], from: Instant, to: Instant) -> f64 {
     n as f64 / (to - from).as_secs_f64()
 }
 
+/// The mean of [`throughput`] over the `window`s that fit in `[from, to]`
+/// (every 250 ms): the rate [`recovery`] compares a window with, since a
+/// window loses the requests that straddle its edges.
+pub fn window_rate(records: &[Record], from: Instant, to: Instant, window: Duration) -> f64 {
+    let mut rates = Vec::new();
+    let mut t = from;
+    while t + window <= to {
+        rates.push(throughput(records, t, t + window));
+        t += Duration::from_millis(250);
+    }
+    if rates.is_empty() {
+        0.0
+    } else {
+        rates.iter().sum::<f64>() / rates.len() as f64
+    }
+}
+
 /// The first moment `t` at or after `healed` from which a `window` holds
 /// at least `fraction` of `baseline` correct completions per second and no
 /// failure; `None` if none within the records.
@@ -696,6 +899,8 @@ mod tests {
             },
             stream: false,
             long: false,
+            slow: false,
+            first_event: None,
             ttft: None,
             tpot: None,
         };
@@ -705,5 +910,15 @@ mod tests {
         let r = recovery(&rs, t0, 2.0, 0.5, Duration::from_secs(2)).unwrap();
         assert_eq!(r, Duration::from_millis(2750));
         assert!(recovery(&rs, t0, 20.0, 0.5, Duration::from_secs(2)).is_none());
+        // 2 correct per second from 3 s on (400 ms each), windows of 2 s:
+        // one on the half second holds 4 requests, one a quarter past 3.
+        let from = t0 + Duration::from_secs(3);
+        let rate = window_rate(
+            &rs,
+            from,
+            t0 + Duration::from_secs(15),
+            Duration::from_secs(2),
+        );
+        assert!((rate - 1.75).abs() < 0.05, "{rate}");
     }
 }

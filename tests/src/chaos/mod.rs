@@ -3,11 +3,13 @@
 //! namespace (`netns`), fault proxies in front of the prefill nodes' gRPC
 //! (`proxy`), a steady mixed load with a hard deadline per request
 //! (`load`), and the checks every scenario ends with: no hung request, no
-//! KV block left in use on any node.
+//! KV block left in use on any node (`scenario`, which also runs and
+//! judges the suite's scenarios).
 
 pub mod load;
 pub mod netns;
 pub mod proxy;
+pub mod scenario;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -265,6 +267,17 @@ impl ChaosCluster {
     /// `prefill` prefill nodes and `decode` decode nodes, each with a KV
     /// pool of `kv_blocks`.
     pub fn start(name: &str, prefill: usize, decode: usize, kv_blocks: usize) -> ChaosCluster {
+        Self::start_with(name, prefill, decode, kv_blocks, &[])
+    }
+
+    /// [`ChaosCluster::start`], with `node_flags` added to every node.
+    pub fn start_with(
+        name: &str,
+        prefill: usize,
+        decode: usize,
+        kv_blocks: usize,
+        node_flags: &[&str],
+    ) -> ChaosCluster {
         netns::require_netns();
         let mut names = vec!["etcd".to_string(), "rt".to_string()];
         names.extend((0..prefill).map(|i| format!("p{i}")));
@@ -308,6 +321,7 @@ impl ChaosCluster {
                 "--advertise-host".into(),
                 advertise.to_string(),
             ];
+            a.extend(node_flags.iter().map(|f| f.to_string()));
             if role == "decode" {
                 // Extra decode flags for experiments (e.g. a longer
                 // `--quarantine-limit-secs`), whitespace-separated.
@@ -406,6 +420,36 @@ impl ChaosCluster {
             proxies,
             net,
         }
+    }
+
+    /// Prompts each decode node prefilled locally after failed remote
+    /// attempts, or retried on another prefill node
+    /// (`tandem_decode_prefills_total{outcome="fallback"|"retried"}`; 0
+    /// where none is exported yet).
+    pub fn fallbacks(&self) -> Vec<f64> {
+        self.decodes
+            .iter()
+            .map(|d| {
+                let m = get_text(d.space.ip, d.metrics, "/metrics");
+                ["fallback", "retried"]
+                    .iter()
+                    .map(|o| {
+                        let label = format!("outcome=\"{o}\"");
+                        crate::metric(&m, "tandem_decode_prefills_total", &label)
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// Fallbacks and retries counted since `before` (a [`Self::fallbacks`]),
+    /// over every decode node (a restarted node counts from zero).
+    pub fn fallbacks_since(&self, before: &[f64]) -> f64 {
+        self.fallbacks()
+            .iter()
+            .zip(before)
+            .map(|(now, b)| if now >= b { now - b } else { *now })
+            .sum()
     }
 
     pub fn nodes(&self) -> impl Iterator<Item = &NsNode> {
