@@ -1,49 +1,191 @@
 //! Soak: a 1P1D cluster (every process in its own network namespace, as in
-//! the chaos suite) under a steady mixed load with random disconnects for
-//! `TANDEM_SOAK_SECS` seconds (120 by default, the CI version;
-//! `scripts/soak.sh` runs 600). The resident memory of every process is
-//! sampled every 10 s; after the warm-up it must be flat (its least-squares
-//! slope is printed and bounded); no request may fail, hang or come back
-//! wrong; p99 TTFT and TPOT are printed per minute; no KV block may stay in
-//! use once the load drains.
+//! the chaos suite) under a steady mixed load with random disconnects. No
+//! request may fail, hang or come back wrong; no KV block may stay in use
+//! once the load drains; p99 TTFT and TPOT are printed per minute.
+//!
+//! Memory, two ways:
+//! - heap in use (`tandem_process_heap_bytes`: what glibc handed out and
+//!   was not given back) of the router and both nodes, read at quiescent
+//!   points (load paused, drained, KV settled) after a warm-up stretch of
+//!   load (caches, pools, arenas fill) and after each of two more. A leak
+//!   grows the heap in both later stretches; a one-time step (a scratch
+//!   buffer reaching a new high-water mark, a table doubling) in one at
+//!   most. So the smaller of the two growths per request must stay under
+//!   [`MAX_HEAP_GROWTH_PER_REQUEST`]: a leak of a few KiB per request fails
+//!   one short run, where RSS (which moves with the pages the allocator
+//!   keeps) would need many minutes;
+//! - the resident memory of every process (etcd too), sampled all along:
+//!   after the warm-up it must not grow steadily ([`sustained_growth`]).
+//!
+//! The short form (CI) runs [`WARM_UP_REQUESTS`], then twice
+//! [`STRETCH_REQUESTS`] requests; `TANDEM_SOAK_SECS=S` (`scripts/soak.sh`:
+//! 600) runs a third of S for each stretch.
 
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tandem_tests::chaos::load::{Catalog, Load, LoadConfig, Outcome, Tally};
-use tandem_tests::chaos::{ChaosCluster, quantile, rss_kib, slope, sustained_growth};
+use tandem_tests::chaos::load::{Catalog, Load, LoadConfig, Outcome, Record, Tally};
+use tandem_tests::chaos::{ChaosCluster, get_text, quantile, rss_kib, slope, sustained_growth};
+use tandem_tests::metric;
 
-const SAMPLE: Duration = Duration::from_secs(10);
-/// Samples before this are warm-up (allocator arenas, caches filling).
-const WARM_UP: Duration = Duration::from_secs(30);
-/// Flat: growth after warm-up at most this many KiB per minute per process
-/// (or 1% of its RSS per minute, if more), unless the growth is a one-time
-/// step (see [`sustained_growth`]: the high-water mark must rise in each of
-/// [`WINDOWS`] slices of the run for it to count as a leak).
+/// Requests in the short form's warm-up, and in each stretch after it.
+const WARM_UP_REQUESTS: usize = 200;
+const STRETCH_REQUESTS: usize = 150;
+/// Heap growth allowed per request (over the better of the two stretches
+/// after the warm-up), per process.
+const MAX_HEAP_GROWTH_PER_REQUEST: f64 = 512.0;
+/// RSS flat: growth after the first stretch at most this many KiB per
+/// minute per process (or 1% of its RSS per minute, if more), unless the
+/// growth is a one-time step (see [`sustained_growth`]: the high-water mark
+/// must rise in each of [`WINDOWS`] slices of the run for it to count).
 const MAX_SLOPE_KIB_PER_MIN: f64 = 1024.0;
 const WINDOWS: usize = 3;
 
+/// How long each stretch runs.
+#[derive(Debug, Clone, Copy)]
+enum Stretch {
+    Requests(usize),
+    Until(Duration),
+}
+
+/// A tandem process whose heap is read from its `/metrics`.
+struct Tandem {
+    name: &'static str,
+    ip: std::net::Ipv4Addr,
+    port: u16,
+}
+
+impl Tandem {
+    fn heap(&self) -> f64 {
+        let text = get_text(self.ip, self.port, "/metrics");
+        let v = metric(&text, "tandem_process_heap_bytes", "");
+        assert!(v > 0.0, "{} exports no heap in use:\n{text}", self.name);
+        v
+    }
+}
+
+/// Pauses the load until nothing is in flight and every node holds no
+/// block, reads each process's heap (the smaller of two reads: a scrape
+/// allocates too) and resumes the load.
+fn quiescent_heaps(c: &ChaosCluster, load: &Load, procs: &[Tandem]) -> Vec<f64> {
+    assert!(
+        load.pause(Instant::now() + Duration::from_secs(60)),
+        "the load did not drain"
+    );
+    for (id, used, h) in c.settle(Duration::from_secs(30)) {
+        assert_eq!(used, 0, "{id} still busy after the load drained: {h}");
+    }
+    let heaps = procs.iter().map(|p| p.heap().min(p.heap())).collect();
+    load.resume();
+    heaps
+}
+
+/// Runs the load through `stretch`.
+fn run(load: &Load, stretch: Stretch) {
+    match stretch {
+        Stretch::Requests(n) => {
+            let from = load.records().len();
+            assert!(
+                load.wait_until(Instant::now() + Duration::from_secs(300), |rs, _| rs.len()
+                    >= from + n),
+                "fewer than {n} requests in 300 s"
+            );
+        }
+        Stretch::Until(d) => {
+            // The long form's fixed duration.
+            load.wait_until(Instant::now() + d, |_, _| false);
+        }
+    }
+}
+
+/// RSS of `procs` every `every` until `stop`: `(seconds since start, KiB)`.
+fn sample_rss(
+    procs: &[(String, u32)],
+    start: Instant,
+    every: Duration,
+    stop: &AtomicBool,
+    out: &Mutex<BTreeMap<String, Vec<(f64, f64)>>>,
+) {
+    let mut next = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        let at = start.elapsed().as_secs_f64();
+        for (name, pid) in procs {
+            let kib = rss_kib(*pid) as f64;
+            assert!(kib > 0.0, "{name} is gone");
+            out.lock()
+                .unwrap()
+                .entry(name.clone())
+                .or_default()
+                .push((at, kib));
+        }
+        next += every;
+        // The sampling period, not a wait for an event.
+        std::thread::sleep(next.saturating_duration_since(Instant::now()));
+    }
+}
+
 #[test]
 fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
-    let secs: u64 = std::env::var("TANDEM_SOAK_SECS")
-        .ok()
-        .map(|s| s.parse().expect("TANDEM_SOAK_SECS is a number of seconds"))
-        .unwrap_or(120);
-    let duration = Duration::from_secs(secs);
-    assert!(
-        duration > WARM_UP + 3 * SAMPLE,
-        "a soak needs more than {:?}",
-        WARM_UP + 3 * SAMPLE
-    );
     let t0 = Instant::now();
-    let catalog = Arc::new(Catalog::build(24, 6, 12));
-    let c = ChaosCluster::start("soak", 1, 1, 96);
+    let (stretches, sample) = match std::env::var("TANDEM_SOAK_SECS") {
+        Ok(s) => {
+            let secs: u64 = s.parse().expect("TANDEM_SOAK_SECS is a number of seconds");
+            assert!(secs >= 60, "a long soak needs at least 60 s");
+            (
+                [Stretch::Until(Duration::from_secs(secs / 3)); 3],
+                Duration::from_secs(10),
+            )
+        }
+        Err(_) => (
+            [
+                Stretch::Requests(WARM_UP_REQUESTS),
+                Stretch::Requests(STRETCH_REQUESTS),
+                Stretch::Requests(STRETCH_REQUESTS),
+            ],
+            Duration::from_secs(2),
+        ),
+    };
+    let (catalog, c) = std::thread::scope(|s| {
+        let catalog = s.spawn(|| Catalog::build(24, 6, 12));
+        // A small event ring (and live channel) for routers, full within
+        // the first stretch: at its default it would take thousands of
+        // requests to fill and look like a leak of a few hundred bytes per
+        // request meanwhile.
+        let c = ChaosCluster::start_with("soak", 1, 1, 96, &["--kv-event-ring", "256"]);
+        (catalog.join().unwrap(), c)
+    });
+    println!("references and the cluster up after {:?}", t0.elapsed());
+    let tandems = [
+        Tandem {
+            name: "router",
+            ip: c.router.space.ip,
+            port: c.router.addr().port(),
+        },
+        Tandem {
+            name: "prefill p0",
+            ip: c.prefills[0].space.ip,
+            port: c.prefills[0].metrics,
+        },
+        Tandem {
+            name: "decode d0",
+            ip: c.decodes[0].space.ip,
+            port: c.decodes[0].metrics,
+        },
+    ];
+    let pids: Vec<(String, u32)> = vec![
+        ("etcd".into(), c.etcd.proc.as_ref().unwrap().pid()),
+        ("router".into(), c.router.proc.as_ref().unwrap().pid()),
+        ("prefill p0".into(), c.prefills[0].pid()),
+        ("decode d0".into(), c.decodes[0].pid()),
+    ];
+    let start = Instant::now();
     let load = Load::start(
         c.router.addr(),
-        catalog,
+        Arc::new(catalog),
         &LoadConfig {
             clients: 4,
             deadline: Duration::from_secs(45),
@@ -51,45 +193,126 @@ fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
             disconnect_per_mille: 100,
         },
     );
-    let start = Instant::now();
-    let procs: Vec<(String, u32)> = vec![
-        ("etcd".into(), c.etcd.proc.as_ref().unwrap().pid()),
-        ("router".into(), c.router.proc.as_ref().unwrap().pid()),
-        ("prefill p0".into(), c.prefills[0].pid()),
-        ("decode d0".into(), c.decodes[0].pid()),
-    ];
-    let mut samples: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-    let mut next = start;
-    while start.elapsed() < duration {
-        let at = start.elapsed().as_secs_f64();
-        for (name, pid) in &procs {
-            let kib = rss_kib(*pid) as f64;
-            assert!(kib > 0.0, "{name} is gone");
-            samples.entry(name.clone()).or_default().push((at, kib));
+    let stop = AtomicBool::new(false);
+    let rss = Mutex::new(BTreeMap::new());
+    let (points, warmed) = std::thread::scope(|s| {
+        s.spawn(|| sample_rss(&pids, start, sample, &stop, &rss));
+        let mut points = Vec::new();
+        let mut warmed = 0.0;
+        for (i, stretch) in stretches.iter().enumerate() {
+            run(&load, *stretch);
+            let heaps = quiescent_heaps(&c, &load, &tandems);
+            let n = load.records().len();
+            println!(
+                "t={:>5.1} s  after {n} requests, heap in use: {}",
+                start.elapsed().as_secs_f64(),
+                tandems
+                    .iter()
+                    .zip(&heaps)
+                    .map(|(p, h)| format!("{} {:.0} KiB", p.name, h / 1024.0))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            if i == 0 {
+                warmed = start.elapsed().as_secs_f64();
+            }
+            points.push((n, heaps));
         }
-        let done = load.records();
-        let errors = done
-            .iter()
-            .filter(|r| !matches!(r.outcome, Outcome::Correct | Outcome::Aborted))
-            .count();
-        println!(
-            "t={at:>5.0} s  {} requests, {errors} errors  RSS KiB: {}",
-            done.len(),
-            procs
-                .iter()
-                .map(|(n, _)| format!("{n} {:.0}", samples[n].last().unwrap().1))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        next += SAMPLE;
-        std::thread::sleep(next.saturating_duration_since(Instant::now()));
-    }
+        stop.store(true, Ordering::Relaxed);
+        (points, warmed)
+    });
     let records = load.stop();
     let settled = c.settle(Duration::from_secs(30));
 
-    // Per minute (by request start): p99 TTFT and TPOT of the streams.
+    print_latencies(&records, start);
+    let too_much_heap = heap_growth(&tandems, &points);
+    let too_steep = rss_growth(&rss.into_inner().unwrap(), warmed);
+
+    let tally = Tally::of(&records);
+    let errors = tally.started - tally.correct - tally.aborted;
+    println!(
+        "\nsoak: {} requests, {} correct, {} aborted by their client, {errors} errors ({}), {} \
+         hung, {} wrong; wall {:?}",
+        tally.started,
+        tally.correct,
+        tally.aborted,
+        tally.clean_summary(),
+        tally.hung,
+        tally.wrong.len(),
+        t0.elapsed()
+    );
+    for (id, used, h) in &settled {
+        assert_eq!(*used, 0, "{id} still busy after the load drained: {h}");
+    }
+    assert!(tally.correct > 0);
+    assert_eq!(errors, 0, "wrong: {:?}", tally.wrong);
+    assert!(too_much_heap.is_empty(), "heap grows: {too_much_heap:?}");
+    assert!(too_steep.is_empty(), "memory grows: {too_steep:?}");
+}
+
+/// Heap growth per request over each stretch after the warm-up, per
+/// process: those whose smaller growth is over the bound.
+fn heap_growth(procs: &[Tandem], points: &[(usize, Vec<f64>)]) -> Vec<String> {
+    let [(n0, h0), (n1, h1), (n2, h2)] = points else {
+        panic!("three quiescent points, got {}", points.len());
+    };
+    let per =
+        |a: &[f64], b: &[f64], from: usize, to: usize, i: usize| (b[i] - a[i]) / (to - from) as f64;
+    println!(
+        "\n| process | heap after warm-up (KiB) | growth per request, stretch 1 (B) | stretch 2 \
+         (B) |\n|---|---|---|---|"
+    );
+    let mut over = Vec::new();
+    for (i, p) in procs.iter().enumerate() {
+        let (g1, g2) = (per(h0, h1, *n0, *n1, i), per(h1, h2, *n1, *n2, i));
+        println!(
+            "| {} | {:.0} | {g1:+.0} | {g2:+.0} |",
+            p.name,
+            h0[i] / 1024.0
+        );
+        if g1.min(g2) > MAX_HEAP_GROWTH_PER_REQUEST {
+            over.push(format!(
+                "{}: {g1:+.0} and {g2:+.0} B per request over {} and {} requests (bound \
+                 {MAX_HEAP_GROWTH_PER_REQUEST})",
+                p.name,
+                n1 - n0,
+                n2 - n1
+            ));
+        }
+    }
+    over
+}
+
+/// RSS samples after `warmed` s that grow steadily: those processes.
+fn rss_growth(samples: &BTreeMap<String, Vec<(f64, f64)>>, warmed: f64) -> Vec<String> {
+    println!(
+        "\n| process | RSS after the warm-up (KiB) | last (KiB) | slope (KiB/min) \
+         |\n|---|---|---|---|"
+    );
+    let mut too_steep = Vec::new();
+    for (name, pts) in samples {
+        let after: Vec<(f64, f64)> = pts
+            .iter()
+            .filter(|(t, _)| *t >= warmed)
+            .map(|(t, k)| (t / 60.0, *k))
+            .collect();
+        let s = slope(&after);
+        let first = after.first().map_or(0.0, |p| p.1);
+        let last = after.last().map_or(0.0, |p| p.1);
+        println!("| {name} | {first:.0} | {last:.0} | {s:+.0} |");
+        let bound = MAX_SLOPE_KIB_PER_MIN.max(first / 100.0);
+        if sustained_growth(&after, WINDOWS, bound) {
+            too_steep.push(format!("{name}: {s:+.0} KiB/min (bound {bound:.0})"));
+        }
+    }
+    too_steep
+}
+
+/// Per minute (by request start): p99 TTFT and TPOT of the streams.
+fn print_latencies(records: &[Record], start: Instant) {
     println!("\n| minute | requests | correct | p99 TTFT | p99 TPOT |\n|---|---|---|---|---|");
-    let minutes = duration.as_secs().div_ceil(60);
+    let last = records.iter().map(|r| r.start).max().unwrap_or(start);
+    let minutes = (last - start).as_secs() / 60 + 1;
     for m in 0..minutes {
         let lo = start + Duration::from_secs(m * 60);
         let hi = lo + Duration::from_secs(60);
@@ -113,44 +336,4 @@ fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
             fmt(quantile(&mut tpot, 0.99)),
         );
     }
-
-    println!(
-        "\n| process | RSS after warm-up (KiB) | last (KiB) | slope (KiB/min) |\n|---|---|---|---|"
-    );
-    let mut too_steep = Vec::new();
-    for (name, pts) in &samples {
-        let after: Vec<(f64, f64)> = pts
-            .iter()
-            .filter(|(t, _)| *t >= WARM_UP.as_secs_f64())
-            .map(|(t, k)| (t / 60.0, *k))
-            .collect();
-        let s = slope(&after);
-        let first = after.first().map_or(0.0, |p| p.1);
-        let last = after.last().map_or(0.0, |p| p.1);
-        println!("| {name} | {first:.0} | {last:.0} | {s:+.0} |");
-        let bound = MAX_SLOPE_KIB_PER_MIN.max(first / 100.0);
-        if sustained_growth(&after, WINDOWS, bound) {
-            too_steep.push(format!("{name}: {s:+.0} KiB/min (bound {bound:.0})"));
-        }
-    }
-
-    let tally = Tally::of(&records);
-    let errors = tally.started - tally.correct - tally.aborted;
-    println!(
-        "\nsoak {secs} s: {} requests, {} correct, {} aborted by their client, {errors} errors \
-         ({}), {} hung, {} wrong; wall {:?}",
-        tally.started,
-        tally.correct,
-        tally.aborted,
-        tally.clean_summary(),
-        tally.hung,
-        tally.wrong.len(),
-        t0.elapsed()
-    );
-    for (id, used, h) in &settled {
-        assert_eq!(*used, 0, "{id} still busy after the load drained: {h}");
-    }
-    assert!(tally.correct > 0);
-    assert_eq!(errors, 0, "wrong: {:?}", tally.wrong);
-    assert!(too_steep.is_empty(), "memory grows: {too_steep:?}");
 }
