@@ -193,6 +193,10 @@ pub struct NodeArgs {
     /// (lo for 127.0.0.1), so KV ports never open on other interfaces.
     #[arg(long, env = "TANDEM_UCX_NET_DEVICES")]
     pub ucx_net_devices: Option<String>,
+    /// UCX's libucp, loaded when the ucx connector starts (default
+    /// `libucp.so.0` from the library path: Debian's libucx0).
+    #[arg(long, env = "TANDEM_UCX_LIBRARY")]
+    pub ucx_library: Option<PathBuf>,
     /// File holding the cluster's dKV key (64 hex digits, e.g. from
     /// `openssl rand -hex 32`): KV addresses are sealed with it and a
     /// peer's must verify under it. Default: the key in etcd under the
@@ -310,6 +314,7 @@ fn node_options(node: &NodeArgs, role: Role) -> Result<NodeOptions> {
         etcd: node.etcd.config()?,
         transport,
         ucx_tls: node.ucx_tls.clone(),
+        ucx_library: node.ucx_library.clone(),
         ucx_net_devices: match &node.ucx_net_devices {
             Some(d) => Some(d.clone()),
             None if transport == TransportKind::Ucx => {

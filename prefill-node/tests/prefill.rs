@@ -67,6 +67,7 @@ impl Node {
             etcd: None,
             transport: TransportKind::InProcess,
             ucx_tls: None,
+            ucx_library: None,
             ucx_net_devices: None,
             dkv_key: None,
             shutdown_grace: Duration::from_secs(1),

@@ -847,3 +847,49 @@ fn gpu_and_cpu_nodes_hand_kv_to_each_other_both_ways() {
     p.assert_idle();
     d.assert_idle();
 }
+
+/// The README's order on a new machine: the run command builds before UCX
+/// is installed, the test command installs it, then the cluster command
+/// runs. So nothing of UCX may be decided when the binary is built: it
+/// links none of UCX's libraries (dkv loads libucp when a node starts),
+/// and a node that cannot load it (here: pointed at a library that is not
+/// there) stops at start-up naming what to install, never running
+/// without its KV transport. The other tests here run the same binary
+/// with the library in place.
+#[test]
+fn ucx_is_found_when_a_node_starts_not_when_it_is_built() {
+    let bin = tandem_tests::binary();
+    let ldd = std::process::Command::new("ldd").arg(&bin).output().unwrap();
+    let linked = String::from_utf8_lossy(&ldd.stdout);
+    assert!(ldd.status.success(), "ldd {}: {linked}", bin.display());
+    for lib in ["libucp", "libuct", "libucs"] {
+        assert!(!linked.contains(lib), "{} links {lib}:\n{linked}", bin.display());
+    }
+    let gguf = tandem_tests::gguf_path();
+    let mut node = std::process::Command::new(&bin)
+        .args(["prefill", "--model", gguf.to_str().unwrap(), "--threads", "1"])
+        .args(["--port", "0", "--metrics-port", "0", "--max-length", "256"])
+        .args(["--ucx-library", "/nonexistent/libucp.so.0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = node.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            node.kill().unwrap();
+            panic!("a node without libucp kept running");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    node.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(!status.success(), "{stderr}");
+    for part in ["/nonexistent/libucp.so.0", "libucx0"] {
+        assert!(stderr.contains(part), "{part} missing from: {stderr}");
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -44,6 +44,8 @@ pub struct NodeOptions {
     pub etcd: Option<EtcdConfig>,
     pub transport: TransportKind,
     pub ucx_tls: Option<String>,
+    /// UCX's libucp (`None`: `libucp.so.0` from the library path).
+    pub ucx_library: Option<std::path::PathBuf>,
     /// Interfaces dkv's UCX network transports use (`UCX_NET_DEVICES`).
     pub ucx_net_devices: Option<String>,
     /// The cluster's dKV key (peers' KV addresses must verify under it);
@@ -101,7 +103,7 @@ impl NodeCore {
             transport: opts.transport,
             ucx_tls: opts.ucx_tls.clone(),
             ucx_net_devices: opts.ucx_net_devices.clone(),
-            ucx_library: None,
+            ucx_library: opts.ucx_library.clone(),
             key: opts.dkv_key.clone(),
         })?;
         // The pool lives in memory the transfer engine allocates (suited to
