@@ -675,10 +675,15 @@ async fn start_chat(
         render_chat(&text.tokenizer, template, messages)?
     };
     let reasoning = state.config().reasoning_parser;
+    let forced = match (&choice, params.constraint.is_some()) {
+        (ToolChoice::Named(name), true) => tools::Forced::Named(name.clone()),
+        (ToolChoice::Required, true) => tools::Forced::Any,
+        _ => tools::Forced::No,
+    };
     let output = OutputParser {
         reasoning,
         starts_inside: reasoning.starts_inside(&rendered),
-        tools: calling.then_some(parser),
+        tools: calling.then_some((parser, forced)),
     };
     let generations = state
         .submit_all(vec![prompt], &params, arrived, trace)
@@ -750,11 +755,7 @@ async fn chat_completions_inner(
             tally.done(i, &usage);
             let out = output.whole(&text);
             let tool_calls = tool_calls_out(&id, i, out.calls);
-            let finish_reason = if tool_calls.is_empty() {
-                finish_str(finish)
-            } else {
-                "tool_calls"
-            };
+            let finish_reason = chat_finish(finish, !tool_calls.is_empty());
             choices.push(ChatChoice {
                 index: i as u32,
                 message: AssistantMessage {
@@ -816,7 +817,7 @@ async fn chat_completions_inner(
             match p {
                 Piece::Text(t, l, generated) => {
                     tally.progress(i, generated);
-                    let s = outs[i].push(&t);
+                    let (s, deltas) = outs[i].push(&t);
                     let has_reasoning = !s.reasoning.is_empty();
                     if has_reasoning || !s.content.is_empty() || !l.is_empty() {
                         let delta = Delta {
@@ -827,10 +828,14 @@ async fn chat_completions_inner(
                         };
                         yield sse_json(&chunk(i, delta, Some(l), None, chunk_usage(&params, &tally)));
                     }
+                    for d in deltas {
+                        let delta = Delta { tool_calls: Some(vec![call_delta(&call_ids, i, d)]), ..Delta::default() };
+                        yield sse_json(&chunk(i, delta, None, None, chunk_usage(&params, &tally)));
+                    }
                 }
                 Piece::Done(f, u) => {
                     tally.done(i, &u);
-                    let (rest, calls) = outs[i].finish();
+                    let (rest, deltas, calls) = outs[i].finish();
                     if !rest.reasoning.is_empty() || !rest.content.is_empty() {
                         let delta = Delta {
                             reasoning: (!rest.reasoning.is_empty()).then_some(rest.reasoning),
@@ -839,27 +844,11 @@ async fn chat_completions_inner(
                         };
                         yield sse_json(&chunk(i, delta, None, None, chunk_usage(&params, &tally)));
                     }
-                    for (k, c) in calls.iter().enumerate() {
-                        // OpenAI's shape: id, type and name once, then
-                        // the arguments as fragments (here, one).
-                        let head = ToolCallDelta {
-                            index: k as u32,
-                            id: Some(call_id(&call_ids, i, k)),
-                            kind: Some("function"),
-                            function: FunctionDelta { name: Some(c.name.clone()), arguments: Some(String::new()) },
-                        };
-                        let args = ToolCallDelta {
-                            index: k as u32,
-                            id: None,
-                            kind: None,
-                            function: FunctionDelta { name: None, arguments: Some(c.arguments.clone()) },
-                        };
-                        for d in [head, args] {
-                            let delta = Delta { tool_calls: Some(vec![d]), ..Delta::default() };
-                            yield sse_json(&chunk(i, delta, None, None, chunk_usage(&params, &tally)));
-                        }
+                    for d in deltas {
+                        let delta = Delta { tool_calls: Some(vec![call_delta(&call_ids, i, d)]), ..Delta::default() };
+                        yield sse_json(&chunk(i, delta, None, None, chunk_usage(&params, &tally)));
                     }
-                    let finish = if calls.is_empty() { finish_str(f) } else { "tool_calls" };
+                    let finish = chat_finish(f, !calls.is_empty());
                     yield sse_json(&chunk(i, Delta::default(), None, Some(finish), chunk_usage(&params, &tally)));
                 }
                 Piece::Error(e) => {
@@ -878,6 +867,41 @@ async fn chat_completions_inner(
         yield done_event();
     };
     Ok(Sse::new(events).into_response())
+}
+
+/// A chat choice's `finish_reason`: `length` whenever `max_tokens` cut it
+/// (a call it cut is returned as far as it was written), `tool_calls` when
+/// it ended after calls.
+fn chat_finish(finish: FinishReason, calls: bool) -> &'static str {
+    match finish {
+        FinishReason::Stop if calls => "tool_calls",
+        f => finish_str(f),
+    }
+}
+
+/// A streamed call piece in OpenAI's shape: id, type and name once, then
+/// the arguments as fragments.
+fn call_delta(response_id: &str, choice: usize, d: tools::CallDelta) -> ToolCallDelta {
+    match d {
+        tools::CallDelta::Start { index, name } => ToolCallDelta {
+            index: index as u32,
+            id: Some(call_id(response_id, choice, index)),
+            kind: Some("function"),
+            function: FunctionDelta {
+                name: Some(name),
+                arguments: Some(String::new()),
+            },
+        },
+        tools::CallDelta::Arguments { index, text } => ToolCallDelta {
+            index: index as u32,
+            id: None,
+            kind: None,
+            function: FunctionDelta {
+                name: None,
+                arguments: Some(text),
+            },
+        },
+    }
 }
 
 /// A tool call's id, unique within the server's responses.

@@ -11,6 +11,10 @@ use tandem_types::Constraint;
 
 use crate::error::ApiError;
 
+mod stream;
+
+pub use stream::{CallDelta, Forced, Pushed, ToolStream};
+
 /// Most tools one request may define.
 pub const MAX_TOOLS: usize = 128;
 
@@ -249,15 +253,6 @@ impl ToolParser {
         }
     }
 
-    /// Where a call may start in streamed text: text before this marker
-    /// can be streamed as content; from it on, text is held until the end.
-    pub fn marker(self) -> &'static str {
-        match self {
-            Self::Hermes | Self::None => "<tool_call>",
-            Self::Llama3Json => "{",
-        }
-    }
-
     /// Splits a finished answer into content and calls. Text that looks
     /// like a call but does not parse stays content.
     pub fn extract(self, text: &str) -> (String, Vec<ParsedCall>) {
@@ -320,86 +315,6 @@ impl ToolParser {
             }
         };
         Some(Constraint::Lark(grammar))
-    }
-}
-
-/// Streams an answer's content while holding back what may be a tool
-/// call: text before the parser's marker flows on; from the marker on,
-/// text is held and parsed when the answer ends.
-#[derive(Debug)]
-pub struct ToolStream {
-    parser: ToolParser,
-    /// Held text (a possible marker prefix, or a call once `holding`).
-    held: String,
-    holding: bool,
-    /// Whether any non-blank content went out (a Llama 3 call must be the
-    /// whole answer).
-    started: bool,
-}
-
-impl ToolStream {
-    pub fn new(parser: ToolParser) -> Self {
-        Self {
-            parser,
-            held: String::new(),
-            holding: false,
-            started: false,
-        }
-    }
-
-    /// Adds text; returns the content that can be sent now.
-    pub fn push(&mut self, text: &str) -> String {
-        self.held.push_str(text);
-        if self.holding {
-            return String::new();
-        }
-        let marker = self.parser.marker();
-        let found = match self.parser {
-            ToolParser::Llama3Json => {
-                let t = self.held.trim_start();
-                if self.started {
-                    None
-                } else if t.is_empty() {
-                    // Only blanks so far: the answer may still be a call.
-                    return String::new();
-                } else if t.starts_with(marker) {
-                    // Only blanks before it: hold them with the call.
-                    Some(0)
-                } else {
-                    None
-                }
-            }
-            ToolParser::Hermes | ToolParser::None => self.held.find(marker),
-        };
-        if let Some(at) = found {
-            self.holding = true;
-            let emit = self.held[..at].to_string();
-            self.held.drain(..at);
-            self.started |= !emit.trim().is_empty();
-            return emit;
-        }
-        // Keep a tail that could still become the marker.
-        let keep = match self.parser {
-            ToolParser::Llama3Json => 0,
-            _ => (1..marker.len())
-                .rev()
-                .find(|&n| self.held.ends_with(&marker[..n]))
-                .unwrap_or(0),
-        };
-        let split = self.held.len() - keep;
-        let emit = self.held[..split].to_string();
-        self.held.drain(..split);
-        self.started |= !emit.trim().is_empty();
-        emit
-    }
-
-    /// Ends the answer: the remaining content and the calls found.
-    pub fn finish(&mut self) -> (String, Vec<ParsedCall>) {
-        let held = std::mem::take(&mut self.held);
-        if !self.holding {
-            return (held, Vec::new());
-        }
-        self.parser.extract(&held)
     }
 }
 
@@ -571,38 +486,8 @@ mod tests {
             let (_, calls) = p.extract(&text);
             assert_eq!(calls[0].name, "get_weather", "{p:?}");
             assert_eq!(calls[0].arguments, r#"{"city":"Rome"}"#, "{p:?}");
-            assert!(text.starts_with(p.marker()) || p == ToolParser::Llama3Json);
+            assert!(text.starts_with("<tool_call>") || p == ToolParser::Llama3Json);
         }
-    }
-
-    fn stream(p: ToolParser, pieces: &[&str]) -> (String, Vec<ParsedCall>) {
-        let mut ts = ToolStream::new(p);
-        let mut content: String = pieces.iter().map(|x| ts.push(x)).collect();
-        let (rest, calls) = ts.finish();
-        content.push_str(&rest);
-        (content, calls)
-    }
-
-    #[test]
-    fn streamed_content_stops_at_a_call_split_anywhere() {
-        let text = "Sure.<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>";
-        for cut in 1..text.len() {
-            let (a, b) = text.split_at(cut);
-            let (content, calls) = stream(ToolParser::Hermes, &[a, b]);
-            assert_eq!(content, "Sure.", "cut {cut}");
-            assert_eq!(calls.len(), 1, "cut {cut}");
-        }
-        // A partial marker that diverges is content.
-        assert_eq!(
-            stream(ToolParser::Hermes, &["a <tool", "box>"]).0,
-            "a <toolbox>"
-        );
-        let (content, calls) = stream(
-            ToolParser::Llama3Json,
-            &["  ", "{\"name\": \"f\", ", "\"parameters\": {}}"],
-        );
-        assert_eq!((content.as_str(), calls.len()), ("", 1));
-        assert_eq!(stream(ToolParser::Llama3Json, &["Hi {x}"]).0, "Hi {x}");
     }
 
     #[test]
@@ -617,7 +502,7 @@ mod tests {
         else {
             panic!("expected a Lark grammar");
         };
-        assert!(g.contains("get_weather") && g.contains("<tool_call>") && !g.contains("call+"));
+        assert!(g.contains("get_weather") && g.contains("<tool_call>") && !g.contains("call)*"));
         let Some(Constraint::Lark(g)) =
             ToolParser::Hermes.forced_call(&tools, &ToolChoice::Named("get_weather".into()), true)
         else {

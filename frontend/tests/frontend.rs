@@ -1789,6 +1789,54 @@ async fn forced_parallel_calls_are_one_per_line() {
     }
 }
 
+/// A forced call cut by `max_tokens` is a call, as far as it was written,
+/// with `finish_reason` "length" (issue #41: raw template text in content,
+/// and nothing streamed); streamed, the name goes out first, then the
+/// arguments as they come.
+#[tokio::test]
+async fn a_forced_call_cut_short_is_a_partial_call() {
+    let s = Server::new(2048);
+    let cut = "<tool_call>\n{\"name\":\"get_time\",\"arguments\":{\"tz\":\"UT";
+    let body = with(
+        &chat_body("Time?"),
+        json!({"tools": [{"type": "function", "function": {"name": "get_time",
+                "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}],
+               "tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
+    );
+    s.script(say(cut, FinishReason::Length));
+    let (status, v) = s.post_json(CHAT, &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{v}");
+    assert_eq!(choice["message"]["content"], Value::Null, "{v}");
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_time", "{v}");
+    assert_eq!(call["arguments"], r#"{"tz":"UT"#, "{v}");
+
+    s.script(say(cut, FinishReason::Length));
+    let (_, text) = s.post(CHAT, &with(&body, json!({"stream": true}))).await;
+    let events = sse(&text);
+    let deltas: Vec<&Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert!(deltas.len() > 2, "{text}");
+    assert_eq!(deltas[0]["function"]["name"], "get_time", "{text}");
+    assert!(deltas[0]["id"].is_string(), "{text}");
+    let args: String = deltas
+        .iter()
+        .filter_map(|d| d["function"]["arguments"].as_str())
+        .collect();
+    assert_eq!(args, r#"{"tz":"UT"#, "{text}");
+    assert_eq!(streamed_text(&events), "", "{text}");
+    let finish = events
+        .iter()
+        .rev()
+        .find_map(|e| e["choices"][0]["finish_reason"].as_str());
+    assert_eq!(finish, Some("length"), "{text}");
+}
+
 fn schema_city() -> Value {
     json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 }

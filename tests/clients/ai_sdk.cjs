@@ -80,6 +80,47 @@ async function checkHintFields() {
   return `text ${JSON.stringify(r.text)}`;
 }
 
+const getTime = tool({
+  description: "The current time in a time zone.",
+  inputSchema: z.object({ tz: z.string(), format: z.string() }),
+});
+
+// Issue #41.2.4: a forced call cut by max_tokens came back as raw template
+// text (no tool call), and streamed no tool-call delta at all.
+async function checkForcedCallCut() {
+  const args = {
+    ...common,
+    model: chatModel(),
+    prompt: "What time is it in UTC?",
+    tools: { get_time: getTime },
+    toolChoice: { type: "tool", toolName: "get_time" },
+    // Cut inside the arguments: `{"tz":"UTC","format":"%`.
+    maxOutputTokens: 20,
+  };
+  const r = await generateText(args);
+  assert(r.finishReason === "length", `finishReason ${r.finishReason}`);
+  assert(!r.text.includes("<tool_call>"), `raw template text: ${JSON.stringify(r.text)}`);
+  const calls = r.content.filter((p) => p.type === "tool-call" || p.type === "tool-error");
+  assert(calls.length > 0 && calls.every((p) => p.toolName === "get_time"), JSON.stringify(r.content));
+  const s = streamText({ ...args, onError: () => {} });
+  let start = null;
+  let text = "";
+  const deltas = [];
+  for await (const part of s.fullStream) {
+    if (part.type === "error") throw part.error;
+    if (part.type === "tool-input-start" && start === null) start = part;
+    if (part.type === "tool-input-delta") deltas.push(part.delta);
+    if (part.type === "text-delta") text += part.text;
+  }
+  assert(start !== null && start.toolName === "get_time", "no tool-input-start for get_time");
+  // The arguments as they were generated, in several pieces.
+  assert(deltas.length > 1 && deltas.join("").startsWith('{"tz"'), `argument deltas ${JSON.stringify(deltas)}`);
+  assert(!text.includes("<tool_call>"), `raw template text streamed: ${JSON.stringify(text)}`);
+  const finish = await s.finishReason;
+  assert(finish === "length", `streamed finishReason ${finish}`);
+  return `unstreamed ${calls[0].type} ${JSON.stringify(calls[0].input)}, streamed ${start.toolName}(${deltas.join("")})`;
+}
+
 const weatherSchema = {
   type: "object",
   properties: { city: { type: "string" } },
@@ -133,6 +174,7 @@ async function checkParallelRequired() {
 const CHECKS = {
   logprobs: checkLogprobs,
   hint_fields: checkHintFields,
+  forced_call_cut: checkForcedCallCut,
   closed_schemas: checkClosedSchemas,
   parallel_required: checkParallelRequired,
 };

@@ -74,6 +74,20 @@ def check_logprobs():
     return f"{len(logprobs)} tokens, all numbers; {r.output!r}"
 
 
+def check_forced_call_cut():
+    """A forced call cut by max_tokens (issue #41.2.4: raw template text in
+    content, no tool call): pydantic-ai sees the partial call and says so."""
+    from pydantic_ai import Agent
+    from pydantic_ai.exceptions import IncompleteToolCall
+
+    agent = Agent(model(), output_type=Pet)
+    try:
+        r = agent.run_sync("Invent a pet.", model_settings={"temperature": 0, "max_tokens": 16})
+    except IncompleteToolCall as e:
+        return f"IncompleteToolCall: {str(e)[:60]}..."
+    raise AssertionError(f"no IncompleteToolCall; got {r.output!r}")
+
+
 def check_parallel_required():
     """`required` with two things to look up (issue #41.2.5: never a second
     call): both calls in one response, through pydantic-ai's direct model
@@ -111,6 +125,7 @@ def check_parallel_required():
 CHECKS = {
     "output_with_hints": check_output_with_hints,
     "logprobs": check_logprobs,
+    "forced_call_cut": check_forced_call_cut,
     "parallel_required": check_parallel_required,
 }
 

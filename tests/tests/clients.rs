@@ -193,7 +193,7 @@ fn vercel_ai_sdk_and_pydantic_ai_against_serve() {
     let mut node = Command::new("node");
     node.arg(tandem_tests::repo_root().join("tests/clients/ai_sdk.cjs"))
         .env("NODE_PATH", node_path);
-    client_checks(node, port, 4);
+    client_checks(node, port, 5);
     let python = installed(
         "TANDEM_PYDANTIC_AI_PYTHON",
         "pydantic-ai-venv/bin/python",
@@ -202,7 +202,7 @@ fn vercel_ai_sdk_and_pydantic_ai_against_serve() {
     let mut py = Command::new(python);
     py.arg(tandem_tests::repo_root().join("tests/clients/pydantic_ai_checks.py"))
         .env("PYTHONUNBUFFERED", "1");
-    client_checks(py, port, 3);
+    client_checks(py, port, 4);
 }
 
 #[test]

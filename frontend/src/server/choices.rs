@@ -8,7 +8,7 @@ use futures_util::stream::{BoxStream, SelectAll};
 use super::{Generation, Piece};
 use crate::openai::UsageInfo;
 use crate::reasoning::{ReasoningParser, ReasoningStream, Split};
-use crate::tools::{ParsedCall, ToolParser, ToolStream};
+use crate::tools::{CallDelta, Forced, ParsedCall, ToolParser, ToolStream};
 
 /// The pieces of every generation, tagged with its choice index, in the
 /// order they arrive. Dropping it cancels the generations still running.
@@ -83,13 +83,14 @@ impl UsageTally {
 }
 
 /// How a choice's text divides into reasoning, content and tool calls.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct OutputParser {
     pub reasoning: ReasoningParser,
     /// The template opened the reasoning block in the prompt.
     pub starts_inside: bool,
-    /// `Some` when tool calls are parsed out of the content.
-    pub tools: Option<ToolParser>,
+    /// `Some` when tool calls are parsed out of the content, with what
+    /// the grammar forces.
+    pub tools: Option<(ToolParser, Forced)>,
 }
 
 /// A whole choice, divided.
@@ -105,14 +106,17 @@ impl OutputParser {
     pub(super) fn stream(&self) -> OutputStream {
         OutputStream {
             reasoning: self.reasoning.stream(self.starts_inside),
-            tools: self.tools.map(ToolStream::new),
+            tools: self
+                .tools
+                .as_ref()
+                .map(|(p, forced)| ToolStream::new(*p, forced.clone())),
         }
     }
 
     pub(super) fn whole(&self, text: &str) -> Output {
         let mut s = self.stream();
-        let mut split = s.push(text);
-        let (rest, calls) = s.finish();
+        let (mut split, _) = s.push(text);
+        let (rest, _, calls) = s.finish();
         split.append(rest);
         Output {
             reasoning: (!split.reasoning.is_empty()).then_some(split.reasoning),
@@ -130,26 +134,31 @@ pub(super) struct OutputStream {
 }
 
 impl OutputStream {
-    /// Adds text; returns the reasoning and content that can be sent now.
-    pub(super) fn push(&mut self, text: &str) -> Split {
+    /// Adds text; returns the reasoning, content and call pieces that can
+    /// be sent now.
+    pub(super) fn push(&mut self, text: &str) -> (Split, Vec<CallDelta>) {
         let mut s = self.reasoning.push(text);
-        if let Some(t) = &mut self.tools {
-            s.content = t.push(&s.content);
-        }
-        s
-    }
-
-    /// Ends the choice: what was held, and the tool calls found.
-    pub(super) fn finish(&mut self) -> (Split, Vec<ParsedCall>) {
-        let mut s = self.reasoning.finish();
         let Some(t) = &mut self.tools else {
             return (s, Vec::new());
         };
-        let mut content = t.push(&s.content);
+        let out = t.push(&s.content);
+        s.content = out.content;
+        (s, out.calls)
+    }
+
+    /// Ends the choice: what was held, the last call pieces, and every
+    /// tool call of the choice.
+    pub(super) fn finish(&mut self) -> (Split, Vec<CallDelta>, Vec<ParsedCall>) {
+        let mut s = self.reasoning.finish();
+        let Some(t) = &mut self.tools else {
+            return (s, Vec::new(), Vec::new());
+        };
+        let mut out = t.push(&s.content);
         let (rest, calls) = t.finish();
-        content.push_str(&rest);
-        s.content = content;
-        (s, calls)
+        out.content.push_str(&rest.content);
+        out.calls.extend(rest.calls);
+        s.content = out.content;
+        (s, out.calls, calls)
     }
 }
 
@@ -162,7 +171,7 @@ mod tests {
         let p = OutputParser {
             reasoning: ReasoningParser::Think,
             starts_inside: false,
-            tools: Some(ToolParser::Hermes),
+            tools: Some((ToolParser::Hermes, Forced::No)),
         };
         let text = "<think>need weather</think>\n<tool_call>\n{\"name\": \"w\", \"arguments\": {\"c\": 1}}\n</tool_call>";
         let out = p.whole(text);
@@ -174,9 +183,9 @@ mod tests {
         let mut s = p.stream();
         let mut all = Split::default();
         for c in text.as_bytes().chunks(3) {
-            all.append(s.push(std::str::from_utf8(c).unwrap_or_default()));
+            all.append(s.push(std::str::from_utf8(c).unwrap_or_default()).0);
         }
-        let (rest, calls) = s.finish();
+        let (rest, _, calls) = s.finish();
         all.append(rest);
         assert_eq!(all.reasoning, "need weather");
         assert_eq!(calls, out.calls);

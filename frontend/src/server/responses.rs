@@ -425,13 +425,19 @@ async fn responses_inner(
         if !out.content.is_empty() || out.calls.is_empty() {
             items.push(message_item(&id, &out.content, "completed"));
         }
+        // Cut by max_output_tokens, calls too (the last one partial).
+        let incomplete = finish == FinishReason::Length;
+        let call_status = if incomplete {
+            "incomplete"
+        } else {
+            "completed"
+        };
         items.extend(
             out.calls
                 .iter()
                 .enumerate()
-                .map(|(i, c)| call_item(&id, i, c, "completed")),
+                .map(|(i, c)| call_item(&id, i, c, call_status)),
         );
-        let incomplete = finish == FinishReason::Length && out.calls.is_empty();
         let status = if incomplete {
             "incomplete"
         } else {
@@ -473,9 +479,10 @@ async fn responses_inner(
         let mut pieces = std::pin::pin!(generation.pieces(true));
         loop {
             let (s, done) = match pieces.next().await {
-                Some(Piece::Text(t, _, _)) => (split.push(&t), None),
+                // Calls are sent whole when the answer ends.
+                Some(Piece::Text(t, _, _)) => (split.push(&t).0, None),
                 Some(Piece::Done(f, u)) => {
-                    let (s, calls) = split.finish();
+                    let (s, _, calls) = split.finish();
                     (s, Some((f, u, calls)))
                 }
                 Some(Piece::Error(e)) => {
@@ -540,6 +547,8 @@ async fn responses_inner(
                 yield event("response.output_item.done", json!({"output_index": index, "item": item.clone()}));
                 items.push(item);
             }
+            let incomplete = f == FinishReason::Length;
+            let call_status = if incomplete { "incomplete" } else { "completed" };
             for (i, c) in calls.iter().enumerate() {
                 let index = items.len();
                 let mut added = call_item(&id, i, c, "in_progress");
@@ -550,11 +559,10 @@ async fn responses_inner(
                     "output_index": index, "delta": c.arguments}));
                 yield event("response.function_call_arguments.done", json!({"item_id": item_id,
                     "output_index": index, "arguments": c.arguments}));
-                let done = call_item(&id, i, c, "completed");
+                let done = call_item(&id, i, c, call_status);
                 yield event("response.output_item.done", json!({"output_index": index, "item": done.clone()}));
                 items.push(done);
             }
-            let incomplete = f == FinishReason::Length && calls.is_empty();
             let (status, kind) = if incomplete {
                 ("incomplete", "response.incomplete")
             } else {
