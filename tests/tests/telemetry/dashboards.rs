@@ -3,9 +3,14 @@
 //! exports. A 1P1D cluster serves a mixed load while a real Prometheus
 //! scrapes it; then every metric and label that a panel, a dashboard
 //! variable or an alert names must be in a scrape of the router or a node,
-//! every panel query must return data from that Prometheus, and every rule
-//! must load, evaluate without error and stay quiet. `promtool` checks the
-//! rule file and unit-tests the alerts' logic on synthetic series.
+//! and so must every label value a query filters on (label values a
+//! counter may take are exported at zero, so the scrape has them before
+//! they happen: a renamed `reason` or `outcome` would silently disarm the
+//! alerts on it), every panel query must return data from that Prometheus,
+//! and every rule must load, evaluate without error and stay quiet.
+//! `promtool` checks the rule file and unit-tests the alerts' logic on
+//! synthetic series: every alert is shown to fire on input that should
+//! trigger it, and to stay quiet on input that should not.
 //!
 //! Needs `prometheus` and `promtool` (Debian package `prometheus`).
 
@@ -142,6 +147,7 @@ fn dashboards_and_alerts_match_a_real_scrape() {
     let (queries, variables) = dashboard_queries(&mut problems);
     for q in queries.iter().chain(&alert_queries()) {
         problems.extend(check_names(q, &scrape));
+        problems.extend(check_values(q, &scrape));
     }
     for v in &variables {
         problems.extend(check_variable(v, &scrape));
@@ -308,6 +314,11 @@ fn promtool_checks_and_unit_tests_the_alert_rules() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    let untested = alerts_without_unit_tests();
+    assert!(
+        untested.is_empty(),
+        "alerts the unit tests never show firing and quiet: {untested:?}"
+    );
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("alerts_test.yaml");
     std::fs::write(
@@ -329,10 +340,12 @@ fn promtool_checks_and_unit_tests_the_alert_rules() {
     );
 }
 
-/// The alerts' logic on synthetic series (one sample a minute). Alerts not
-/// listed at an `eval_time` must not fire then: a sawtooth backlog that
-/// drains, cancelled transfers (client disconnects) and a router that sees
-/// a decode worker stay quiet.
+/// The alerts' logic on synthetic series (one sample a minute): each alert
+/// fires on input that should trigger it (`exp_alerts` listed) and stays
+/// quiet before its `for:` has passed and on input that should not (a
+/// sawtooth backlog that drains, cancelled transfers after client
+/// disconnects, late KV writes, a queue at its bound, a router that sees
+/// its workers).
 const ALERT_UNIT_TESTS: &str = r#"
 rule_files:
   - RULES
@@ -364,6 +377,9 @@ tests:
       - series: 'tandem_requests_total{job="router", instance="r1", status="server_error"}'
         values: '0+1x20'
     alert_rule_test:
+      - eval_time: 0m
+        alertname: TandemNoDecodeWorkers
+        exp_alerts: []
       - eval_time: 2m
         alertname: TandemNoDecodeWorkers
         exp_alerts:
@@ -380,6 +396,9 @@ tests:
               description: "The router has no decode worker in etcd: every request fails with 503. Check the decode pods and etcd."
           - exp_labels: {severity: critical, job: router, instance: r2}
             exp_annotations: *nodecode
+      - eval_time: 9m
+        alertname: TandemAdmissionBacklogGrowing
+        exp_alerts: []
       - eval_time: 30m
         alertname: TandemAdmissionBacklogGrowing
         exp_alerts:
@@ -397,6 +416,9 @@ tests:
             exp_annotations:
               summary: "r1: egress backlog keeps growing"
               description: "Buffered responses have not drained for 15 minutes and are still growing."
+      - eval_time: 1m
+        alertname: TandemDkvTransferFailures
+        exp_alerts: []
       - eval_time: 5m
         alertname: TandemDkvTransferFailures
         exp_alerts:
@@ -404,6 +426,9 @@ tests:
             exp_annotations:
               summary: "p1: KV transfers failing (deadline)"
               description: "KV transfers from prefill to decode fail; the decode node retries or prefills locally, at a cost in latency."
+      - eval_time: 1m
+        alertname: TandemDecodeStallWatchdog
+        exp_alerts: []
       - eval_time: 5m
         alertname: TandemDecodeStallWatchdog
         exp_alerts:
@@ -411,6 +436,9 @@ tests:
             exp_annotations:
               summary: "d1: decode-stall watchdog fired"
               description: "A remote prefill did not answer within the decode node's --prefill-timeout-ms and was abandoned: a prefill node is stalled or the network between the pools is."
+      - eval_time: 4m
+        alertname: TandemHighErrorRatio
+        exp_alerts: []
       - eval_time: 15m
         alertname: TandemHighErrorRatio
         exp_alerts:
@@ -418,7 +446,183 @@ tests:
             exp_annotations:
               summary: "router: 9.091% of requests fail"
               description: "More than 5% of finished requests end with a server error."
+  - interval: 1m
+    input_series:
+      # r3 holds a backlog of 40 requests from the start; r4 stays at 20.
+      - series: 'tandem_num_requests_awaiting_admission{job="router", instance="r3"}'
+        values: '40x20'
+      - series: 'tandem_num_requests_awaiting_admission{job="router", instance="r4"}'
+        values: '20x20'
+      # d1's scheduler queue is full (100); d2 sits at the bound (64).
+      - series: 'tandem_num_requests_queued{job="decode", instance="d1"}'
+        values: '100x20'
+      - series: 'tandem_num_requests_queued{job="decode", instance="d2"}'
+        values: '64x20'
+      # r3 buffers 2000 responses; r4 1000.
+      - series: 'tandem_num_responses_buffered{job="router", instance="r3"}'
+        values: '2000x20'
+      - series: 'tandem_num_responses_buffered{job="router", instance="r4"}'
+        values: '1000x20'
+      # r3's responses wait over 1 s (all in the +Inf bucket); r4's under 100 ms.
+      - series: 'tandem_response_queue_time_milliseconds_bucket{job="router", instance="r3", le="100"}'
+        values: '0x20'
+      - series: 'tandem_response_queue_time_milliseconds_bucket{job="router", instance="r3", le="1000"}'
+        values: '0x20'
+      - series: 'tandem_response_queue_time_milliseconds_bucket{job="router", instance="r3", le="+Inf"}'
+        values: '0+10x20'
+      - series: 'tandem_response_queue_time_milliseconds_bucket{job="router", instance="r4", le="100"}'
+        values: '0+10x20'
+      - series: 'tandem_response_queue_time_milliseconds_bucket{job="router", instance="r4", le="1000"}'
+        values: '0+10x20'
+      - series: 'tandem_response_queue_time_milliseconds_bucket{job="router", instance="r4", le="+Inf"}'
+        values: '0+10x20'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: TandemAdmissionBacklogHigh
+        exp_alerts: []
+      - eval_time: 6m
+        alertname: TandemAdmissionBacklogHigh
+        exp_alerts:
+          - exp_labels: {severity: warning, job: router, instance: r3}
+            exp_annotations:
+              summary: "r3: 40 requests awaiting admission"
+              description: "More than 32 requests have waited for a worker for 5 minutes: decode workers are saturated or missing. Add decode replicas or check the Workers up per role panel."
+      - eval_time: 9m
+        alertname: TandemSchedulerQueueHigh
+        exp_alerts: []
+      - eval_time: 11m
+        alertname: TandemSchedulerQueueHigh
+        exp_alerts:
+          - exp_labels: {severity: warning, job: decode, instance: d1}
+            exp_annotations:
+              summary: "d1: 100 requests queued in the scheduler"
+              description: "Requests wait for the node's batch scheduler: KV blocks or batch slots are exhausted (see the KV usage and Preemptions panels)."
+      - eval_time: 4m
+        alertname: TandemEgressBacklogHigh
+        exp_alerts: []
+      - eval_time: 6m
+        alertname: TandemEgressBacklogHigh
+        exp_alerts:
+          - exp_labels: {severity: warning, job: router, instance: r3}
+            exp_annotations:
+              summary: "r3: 2000 responses buffered"
+              description: "More than 1024 responses have stayed buffered for 5 minutes: clients read slower than tokens are produced, or the router's CPU is saturated."
+      - eval_time: 10m
+        alertname: TandemResponseQueueTimeHigh
+        exp_alerts: []
+      - eval_time: 12m
+        alertname: TandemResponseQueueTimeHigh
+        exp_alerts:
+          - exp_labels: {severity: warning, job: router, instance: r3}
+            exp_annotations:
+              summary: "r3: p99 response queue time 1000 ms"
+              description: "Generated tokens wait more than 500 ms (p99) before they are sent on."
+  - interval: 1m
+    input_series:
+      # r5 loses its prefill worker at 2m; r6 keeps one.
+      - series: 'tandem_router_workers{job="router", instance="r5", role="prefill"}'
+        values: '1 1 0x20'
+      - series: 'tandem_router_workers{job="router", instance="r5", role="decode"}'
+        values: '1x22'
+      - series: 'tandem_router_workers{job="router", instance="r6", role="prefill"}'
+        values: '1x22'
+      - series: 'tandem_router_workers{job="router", instance="r6", role="decode"}'
+        values: '1x22'
+      # Refused KV writes: forged on d1 from 2m, out of range on d2 from
+      # 3m, malformed on d3 from 4m; late ones (expired, closed, unknown)
+      # on d4 all along: expected after failed transfers, no alert.
+      - series: 'tandem_dkv_refused_writes_total{job="decode", instance="d1", connector="ucx", reason="forged"}'
+        values: '0 0 1x20'
+      - series: 'tandem_dkv_refused_writes_total{job="decode", instance="d2", connector="ucx", reason="out_of_range"}'
+        values: '0 0 0 2x20'
+      - series: 'tandem_dkv_refused_writes_total{job="decode", instance="d3", connector="ucx", reason="malformed"}'
+        values: '0 0 0 0 5x20'
+      - series: 'tandem_dkv_refused_writes_total{job="decode", instance="d4", connector="ucx", reason="expired"}'
+        values: '0+1x22'
+      - series: 'tandem_dkv_refused_writes_total{job="decode", instance="d4", connector="ucx", reason="closed"}'
+        values: '0+1x22'
+      - series: 'tandem_dkv_refused_writes_total{job="decode", instance="d4", connector="ucx", reason="unknown"}'
+        values: '0+1x22'
+      # d1 falls back to local prefill all along; d2 prefills remotely.
+      - series: 'tandem_decode_prefills_total{job="decode", instance="d1", outcome="fallback"}'
+        values: '0+1x22'
+      - series: 'tandem_decode_prefills_total{job="decode", instance="d2", outcome="fallback"}'
+        values: '0x22'
+      - series: 'tandem_decode_prefills_total{job="decode", instance="d2", outcome="remote"}'
+        values: '0+5x22'
+    alert_rule_test:
+      - eval_time: 5m
+        alertname: TandemNoPrefillWorkers
+        exp_alerts: []
+      - eval_time: 8m
+        alertname: TandemNoPrefillWorkers
+        exp_alerts:
+          - exp_labels: {severity: warning, job: router, instance: r5}
+            exp_annotations:
+              summary: "r5: router sees no prefill worker"
+              description: "Long prompts are prefilled on the decode workers, which slows token generation for every running request."
+      - eval_time: 1m
+        alertname: TandemDkvForgedWrites
+        exp_alerts: []
+      - eval_time: 5m
+        alertname: TandemDkvForgedWrites
+        exp_alerts:
+          - exp_labels: {severity: critical, job: decode, instance: d1, reason: forged}
+            exp_annotations:
+              summary: "d1: KV writes refused (forged)"
+              description: "A peer sent KV writes that no grant of this node allows. Nothing landed, but a process on the KV network is misbehaving or hostile: find it."
+          - exp_labels: {severity: critical, job: decode, instance: d2, reason: out_of_range}
+            exp_annotations:
+              summary: "d2: KV writes refused (out_of_range)"
+              description: "A peer sent KV writes that no grant of this node allows. Nothing landed, but a process on the KV network is misbehaving or hostile: find it."
+          - exp_labels: {severity: critical, job: decode, instance: d3, reason: malformed}
+            exp_annotations:
+              summary: "d3: KV writes refused (malformed)"
+              description: "A peer sent KV writes that no grant of this node allows. Nothing landed, but a process on the KV network is misbehaving or hostile: find it."
+      - eval_time: 9m
+        alertname: TandemRemotePrefillFallbacks
+        exp_alerts: []
+      - eval_time: 12m
+        alertname: TandemRemotePrefillFallbacks
+        exp_alerts:
+          - exp_labels: {severity: warning, job: decode, instance: d1}
+            exp_annotations:
+              summary: "d1: prompts fall back to local prefill"
+              description: "Remote prefills keep failing on every prefill worker tried, so the decode node prefills prompts itself."
 "#;
+
+/// The alerts of alerts.yaml that [`ALERT_UNIT_TESTS`] never expects to
+/// fire, or never expects to stay quiet, each with what is missing.
+fn alerts_without_unit_tests() -> Vec<String> {
+    let path = tandem_tests::repo_root().join("deploy/prometheus/alerts.yaml");
+    let rules: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let tests: serde_yaml_ng::Value = serde_yaml_ng::from_str(ALERT_UNIT_TESTS).unwrap();
+    let (mut fires, mut quiet) = (BTreeSet::new(), BTreeSet::new());
+    for t in tests["tests"].as_sequence().into_iter().flatten() {
+        for a in t["alert_rule_test"].as_sequence().into_iter().flatten() {
+            let name = a["alertname"].as_str().unwrap_or_default().to_string();
+            match a["exp_alerts"].as_sequence() {
+                Some(e) if !e.is_empty() => fires.insert(name),
+                _ => quiet.insert(name),
+            };
+        }
+    }
+    let mut missing = Vec::new();
+    for g in rules["groups"].as_sequence().into_iter().flatten() {
+        for r in g["rules"].as_sequence().into_iter().flatten() {
+            let Some(name) = r["alert"].as_str() else {
+                continue;
+            };
+            for (set, what) in [(&fires, "firing"), (&quiet, "quiet")] {
+                if !set.contains(name) {
+                    missing.push(format!("{name} ({what})"));
+                }
+            }
+        }
+    }
+    missing
+}
 
 // ---------------------------------------------------------------- load
 
@@ -747,11 +951,13 @@ fn variables_in(expr: &str) -> Vec<String> {
 
 // ------------------------------------------------------------- the scrape
 
-/// Series names (with the labels seen on them) and `# TYPE` families of the
-/// Prometheus text expositions of several processes.
+/// Series names (with the labels seen on them, and each label's values) and
+/// `# TYPE` families of the Prometheus text expositions of several
+/// processes.
 #[derive(Debug, Default)]
 struct Exposition {
     series: BTreeMap<String, BTreeSet<String>>,
+    values: BTreeMap<String, BTreeMap<String, BTreeSet<String>>>,
     families: BTreeMap<String, String>,
 }
 
@@ -769,15 +975,26 @@ impl Exposition {
                 continue;
             }
             let end = line.find(['{', ' ']).unwrap_or(line.len());
-            let labels = self.series.entry(line[..end].to_string()).or_default();
+            let name = line[..end].to_string();
+            let labels = self.series.entry(name.clone()).or_default();
             if line[end..].starts_with('{') {
-                labels.extend(sample_labels(&line[end + 1..]));
+                let pairs = sample_labels(&line[end + 1..]);
+                let values = self.values.entry(name).or_default();
+                for (l, v) in pairs {
+                    labels.insert(l.clone());
+                    values.entry(l).or_default().insert(v);
+                }
             }
         }
     }
 
     fn labels_of(&self, metric: &str) -> Option<&BTreeSet<String>> {
         self.series.get(metric)
+    }
+
+    /// The values `label` takes on `metric`'s series.
+    fn values_of(&self, metric: &str, label: &str) -> Option<&BTreeSet<String>> {
+        self.values.get(metric)?.get(label)
     }
 
     fn all_labels(&self) -> BTreeSet<&str> {
@@ -793,8 +1010,9 @@ impl Exposition {
     }
 }
 
-/// Label names of `a="x",b="y\"z"} 1` (the text after the opening brace).
-fn sample_labels(s: &str) -> Vec<String> {
+/// Label names and values of `a="x",b="y\"z"} 1` (the text after the
+/// opening brace; values unescaped).
+fn sample_labels(s: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let mut chars = s.chars().peekable();
     loop {
@@ -803,22 +1021,26 @@ fn sample_labels(s: &str) -> Vec<String> {
         }
         let name: String =
             std::iter::from_fn(|| chars.next_if(|c| *c != '=' && *c != '}')).collect();
-        if chars.next() != Some('=') {
+        if chars.next() != Some('=') || chars.next() != Some('"') {
             return out;
         }
-        out.push(name.trim().to_string());
-        if chars.next() != Some('"') {
-            return out;
-        }
-        let mut escaped = false;
+        let (mut value, mut escaped) = (String::new(), false);
         for c in chars.by_ref() {
             match c {
-                _ if escaped => escaped = false,
+                'n' if escaped => {
+                    value.push('\n');
+                    escaped = false;
+                }
+                _ if escaped => {
+                    value.push(c);
+                    escaped = false;
+                }
                 '\\' => escaped = true,
                 '"' => break,
-                _ => {}
+                _ => value.push(c),
             }
         }
+        out.push((name.trim().to_string(), value));
     }
 }
 
@@ -875,6 +1097,53 @@ fn check_names(q: &Query, scrape: &Exposition) -> Vec<String> {
     problems
 }
 
+/// Label values a query filters on (`=`, `!=`, and each alternative of a
+/// `=~` / `!~` list of literals) that no exported series of its metric
+/// has: the filter would never match, or never exclude anything. Values
+/// with Grafana variables are the dashboard user's; regular expressions
+/// other than a list of literals cannot be checked and are refused.
+fn check_values(q: &Query, scrape: &Exposition) -> Vec<String> {
+    let Ok(refs) = promql_refs(&q.expr) else {
+        return Vec::new(); // check_names reports it
+    };
+    let mut problems = Vec::new();
+    for sel in &refs.selectors {
+        let Some(m) = &sel.metric else { continue };
+        for mt in &sel.matchers {
+            if mt.value.contains('$')
+                || mt.value.is_empty()
+                || TARGET_LABELS.contains(&mt.label.as_str())
+            {
+                continue;
+            }
+            let Some(seen) = scrape.values_of(m, &mt.label) else {
+                continue; // check_names reports the missing label
+            };
+            let wanted: Vec<&str> = if mt.op.ends_with('~') {
+                mt.value.split('|').collect()
+            } else {
+                vec![mt.value.as_str()]
+            };
+            for w in wanted {
+                if mt.op.ends_with('~')
+                    && w.contains(|c: char| !(c.is_ascii_alphanumeric() || "_-:.".contains(c)))
+                {
+                    problems.push(format!(
+                        "{}: {m}{{{}{}\"{}\"}}: only a list of literal values can be checked",
+                        q.origin, mt.label, mt.op, mt.value
+                    ));
+                } else if !seen.contains(w) {
+                    problems.push(format!(
+                        "{}: {m} never has {}=\"{w}\" (it has {seen:?})",
+                        q.origin, mt.label
+                    ));
+                }
+            }
+        }
+    }
+    problems
+}
+
 fn check_variable(v: &Variable, scrape: &Exposition) -> Vec<String> {
     let mut problems = Vec::new();
     if let Some(selector) = &v.selector {
@@ -900,12 +1169,32 @@ fn check_variable(v: &Variable, scrape: &Exposition) -> Vec<String> {
 
 // ---------------------------------------------------------------- PromQL
 
-/// A vector selector: its metric name (none for `{__name__=~"..."}`) and
-/// the labels its matchers name.
+/// A vector selector: its metric name (none for `{__name__=~"..."}`), the
+/// labels its matchers name, and the matchers themselves.
 #[derive(Debug, Default, PartialEq)]
 struct Selector {
     metric: Option<String>,
     labels: Vec<String>,
+    matchers: Vec<Matcher>,
+}
+
+/// `label op "value"` (the value unescaped as far as `\"` and `\\`).
+#[derive(Debug, PartialEq)]
+struct Matcher {
+    label: String,
+    op: String,
+    value: String,
+}
+
+impl Matcher {
+    #[cfg(test)]
+    fn new(label: &str, op: &str, value: &str) -> Matcher {
+        Matcher {
+            label: label.into(),
+            op: op.into(),
+            value: value.into(),
+        }
+    }
 }
 
 /// What one PromQL expression refers to.
@@ -996,7 +1285,7 @@ fn promql_refs(expr: &str) -> Result<Refs, String> {
             } else {
                 refs.selectors.push(Selector {
                     metric: Some(word),
-                    labels: Vec::new(),
+                    ..Selector::default()
                 });
             }
         } else if c == '}' || c == ']' {
@@ -1089,12 +1378,19 @@ fn label_name(s: &[char], i: usize) -> Result<(String, usize), String> {
 
 /// The `{...}` matchers at `i` of a selector named `metric`.
 fn matchers(s: &[char], i: usize, mut metric: Option<String>) -> Result<(Selector, usize), String> {
-    let mut labels = Vec::new();
+    let (mut labels, mut found) = (Vec::new(), Vec::new());
     let mut j = skip_ws(s, i + 1);
     loop {
         match s.get(j) {
             None => return Err(format!("unterminated {{ at {i}")),
-            Some('}') => return Ok((Selector { metric, labels }, j + 1)),
+            Some('}') => {
+                let sel = Selector {
+                    metric,
+                    labels,
+                    matchers: found,
+                };
+                return Ok((sel, j + 1));
+            }
             Some(',') => {
                 j = skip_ws(s, j + 1);
                 continue;
@@ -1121,15 +1417,40 @@ fn matchers(s: &[char], i: usize, mut metric: Option<String>) -> Result<(Selecto
             return Err(format!("expected a quoted value for {name} at {j}"));
         }
         let end = skip_string(s, j)?;
+        let value = if s[j] == '`' {
+            s[j + 1..end - 1].iter().collect()
+        } else {
+            unquote(&s[j + 1..end - 1])
+        };
         if name == "__name__" {
             if op == "=" {
-                metric = Some(s[j + 1..end - 1].iter().collect());
+                metric = Some(value);
             }
         } else {
-            labels.push(name);
+            labels.push(name.clone());
+            found.push(Matcher {
+                label: name,
+                op,
+                value,
+            });
         }
         j = skip_ws(s, end);
     }
+}
+
+/// A PromQL string's characters without its escapes (`\x` is `x`).
+fn unquote(s: &[char]) -> String {
+    let mut out = String::new();
+    let mut escaped = false;
+    for &c in s {
+        if c == '\\' && !escaped {
+            escaped = true;
+        } else {
+            out.push(c);
+            escaped = false;
+        }
+    }
+    out
 }
 
 /// The `(a, b)` label list at `i`: the names and the index after it.
@@ -1333,6 +1654,10 @@ fn promql_histogram_quantile_with_grafana_variables() {
         [Selector {
             metric: Some("tandem_batch_size_bucket".into()),
             labels: vec!["job".into(), "instance".into()],
+            matchers: vec![
+                Matcher::new("job", "=~", "$job"),
+                Matcher::new("instance", "=~", "${instance}")
+            ],
         }]
     );
     assert_eq!(r.grouping, ["le", "batch_type"]);
@@ -1386,7 +1711,12 @@ fn promql_strings_and_matchers() {
         r.selectors,
         [Selector {
             metric: Some("v".into()),
-            labels: vec!["a".into(), "c".into(), "d".into()]
+            labels: vec!["a".into(), "c".into(), "d".into()],
+            matchers: vec![
+                Matcher::new("a", "=", "}{,\"b"),
+                Matcher::new("c", "!~", "x|y"),
+                Matcher::new("d", "=~", "z\\"),
+            ],
         }]
     );
     assert!(r.grouping.is_empty());
@@ -1400,15 +1730,14 @@ fn promql_strings_and_matchers() {
         [
             Selector {
                 metric: Some("w".into()),
-                labels: vec!["job".into()]
+                labels: vec!["job".into()],
+                matchers: vec![Matcher::new("job", "=", "j")],
             },
-            Selector {
-                metric: None,
-                labels: vec![]
-            },
+            Selector::default(),
             Selector {
                 metric: Some("dotted.name".into()),
-                labels: vec!["x".into()]
+                labels: vec!["x".into()],
+                matchers: vec![Matcher::new("x", "=", "1")],
             },
         ]
     );
@@ -1481,6 +1810,37 @@ fn scrape_labels_and_families() {
     assert!(p[1].contains("c_total has no label status"), "{p:?}");
     assert!(p[2].contains("missing is in no scrape"), "{p:?}");
     assert!(p[3].contains("groups by phase"), "{p:?}");
+
+    // Label values: those a query filters on must be exported.
+    assert_eq!(
+        e.values_of("c_total", "reason")
+            .unwrap()
+            .iter()
+            .collect::<Vec<_>>(),
+        ["a \"quoted\", b=1"]
+    );
+    let ok = r#"c_total{connector="ucx", job="j"} + c_total{connector!="ucx"} + c_total{connector=~"ucx|ucx", reason=~"$r"} + h_bucket{batch_type!~"CE"}"#;
+    assert_eq!(check_values(&q(ok), &e), Vec::<String>::new());
+    let p = check_values(
+        &q(
+            r#"c_total{connector="local"} + c_total{connector=~"ucx|tcp"} + h_bucket{batch_type=~"C.*"} + c_total{connector!="tcp"}"#,
+        ),
+        &e,
+    );
+    assert_eq!(p.len(), 4, "{p:?}");
+    assert!(
+        p[0].contains(r#"c_total never has connector="local""#),
+        "{p:?}"
+    );
+    assert!(
+        p[1].contains(r#"c_total never has connector="tcp""#),
+        "{p:?}"
+    );
+    assert!(p[2].contains("only a list of literal values"), "{p:?}");
+    assert!(
+        p[3].contains(r#"c_total never has connector="tcp""#),
+        "{p:?}"
+    );
 }
 
 #[test]
