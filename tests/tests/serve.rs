@@ -1262,9 +1262,32 @@ fn api_keys_rotate_on_sighup() {
             .unwrap_or_default();
         http_with(server.port, "POST", "/v1/chat/completions", &body, &headers).status
     };
-    assert_eq!(status(None), 401);
-    assert_eq!(status(Some("sk-second")), 401);
+    // What the server has generated: requests answered, tokens in and
+    // out, scheduler steps. A refused key must move none of it.
+    let generated = || {
+        let m = server.get("/metrics").body;
+        [
+            metric(&m, "tandem_requests_total", r#"status="ok""#),
+            metric(&m, "tandem_input_tokens_total", ""),
+            metric(&m, "tandem_output_tokens_total", ""),
+            metric(&m, "tandem_batch_size_count", ""),
+        ]
+    };
+    let refused = |keys: &[Option<&str>]| {
+        let before = generated();
+        for &key in keys {
+            assert_eq!(status(key), 401, "{key:?}");
+        }
+        assert_eq!(generated(), before, "a refused request was generated");
+    };
+    refused(&[None, Some("sk-second")]);
+    let before = generated();
     assert_eq!(status(Some("sk-first")), 200);
+    let after = generated();
+    assert!(
+        before.iter().zip(&after).all(|(b, a)| a > b),
+        "an answered request moved every count: {before:?} -> {after:?}"
+    );
     assert_eq!(server.get("/health").status, 200, "probes stay open");
 
     let hup = || {
@@ -1286,12 +1309,22 @@ fn api_keys_rotate_on_sighup() {
     std::fs::write(&file, "sk-second\n").unwrap();
     hup();
     settle("sk-second", 200);
-    assert_eq!(status(Some("sk-first")), 401);
-    // A key with a space is refused: the old set stays.
+    refused(&[Some("sk-first")]);
+    // A key with a space is refused: the old set stays, once the server
+    // has read the file and said so.
     std::fs::write(&file, "sk third\n").unwrap();
     hup();
-    std::thread::sleep(Duration::from_millis(500));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !server.proc.stderr().contains("keeping the API keys in use") {
+        assert!(
+            Instant::now() < deadline,
+            "no refusal of the bad key file logged: {}",
+            server.proc.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(status(Some("sk-second")), 200);
+    refused(&[Some("sk-first"), None]);
     assert!(server.proc.is_running(), "SIGHUP must not stop the server");
 }
 
