@@ -417,8 +417,38 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
         format!("http://127.0.0.1:{}", plain_fake.port),
     );
     let _b = register("fake-tls", format!("https://127.0.0.1:{}", tls_fake.port));
-    // Give the router time to see both records.
-    std::thread::sleep(Duration::from_secs(2));
+    // The router sees both records: it refuses the plaintext endpoint of a
+    // TLS cluster without dialling it, and says so; it dials the TLS one,
+    // whose certificate fails the handshake, and keeps it on probation.
+    let router_health = || -> Value {
+        let (_, body) = client.request(r.port, "/health", None);
+        serde_json::from_str(&body).unwrap()
+    };
+    let on_probation = |h: &Value, id: &str| {
+        h["probation_workers"]
+            .as_array()
+            .is_some_and(|ws| ws.iter().any(|w| w["id"] == id))
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let refused_plain = r
+            .proc
+            .stderr()
+            .lines()
+            .any(|l| l.contains("bad worker endpoint") && l.contains("fake-plain"));
+        let dialled_tls = tls_fake.connections.load(Ordering::SeqCst) > 0;
+        let h = router_health();
+        if refused_plain && dialled_tls && on_probation(&h, "fake-tls") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the router never tried the strangers (plaintext refused: {refused_plain}, TLS \
+             dialled: {dialled_tls}): {h}\nrouter: {}",
+            r.proc.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     for i in 0..8 {
         let prompt = format!("{} {i}", short_prompt());
         let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
@@ -435,6 +465,10 @@ fn a_mutual_tls_cluster_serves_and_lets_no_stranger_in() {
         0,
         "a worker without a cluster certificate completed a TLS handshake"
     );
+    // Neither ever became a decode worker; the TLS one is still refused.
+    let h = router_health();
+    assert_eq!(h["decode_workers"], json!(["d0"]), "{h}");
+    assert!(on_probation(&h, "fake-tls"), "{h}");
 
     p.assert_idle();
     d.assert_idle();
