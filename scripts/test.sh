@@ -53,6 +53,9 @@ trap summary EXIT
 step "system packages"
 ensure_packages protobuf-compiler pkg-config libucx0 ucx-utils etcd-server etcd-client \
   haproxy prometheus iproute2 mesa-vulkan-drivers python3-venv unzip
+# npm (helm comes from an npm package, the Vercel AI SDK from npm): here,
+# before the downloads below run side by side, so no two apt runs collide.
+command -v npm >/dev/null || ensure_packages nodejs npm
 # Mesa's window-system probe complains on every device open without one.
 if [[ -z ${XDG_RUNTIME_DIR:-} ]]; then
   XDG_RUNTIME_DIR=$(mktemp -d)
@@ -102,6 +105,11 @@ bg deploy_tools scripts/deploy-tools.sh --print
 # instructor, aiperf) that tests/tests/clients.rs drives, pinned in
 # tests/clients/requirements.txt.
 bg clients scripts/clients-venv.sh "$TANDEM_CACHE/clients-venv"
+# pydantic-ai needs openai 3, which the venv above cannot take: a venv of
+# its own. The Vercel AI SDK, pinned in tests/clients/package-lock.json.
+bg pydantic_ai scripts/clients-venv.sh "$TANDEM_CACHE/pydantic-ai-venv" \
+  tests/clients/requirements-pydantic-ai.txt
+bg js_clients scripts/js-clients.sh "$TANDEM_CACHE/js-clients"
 # llama.cpp's tokenizer test vocabularies with their expected token ids,
 # from the llama-cpp-python sdist on PyPI.
 bg vocab scripts/fetch-llama-vocab.sh "$TANDEM_CACHE/llama-vocab"
@@ -143,6 +151,10 @@ TANDEM_TOOLS_BIN=$(joined deploy_tools)
 export TANDEM_HELM=$TANDEM_TOOLS_BIN/helm
 TANDEM_CLIENTS_PYTHON=$(joined clients)
 export TANDEM_CLIENTS_PYTHON
+TANDEM_PYDANTIC_AI_PYTHON=$(joined pydantic_ai)
+export TANDEM_PYDANTIC_AI_PYTHON
+TANDEM_JS_CLIENTS=$(joined js_clients)
+export TANDEM_JS_CLIENTS
 TANDEM_LLAMA_VOCAB_DIR=$(joined vocab)
 export TANDEM_LLAMA_VOCAB_DIR
 nvrtc=$(joined nvrtc)
