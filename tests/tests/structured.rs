@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tandem_discovery::testing::EtcdServer;
+use tandem_modelfile::chat::ChatMessage;
 use tandem_tests::cluster::{Node, Router, expected, short_prompt, unique_cluster};
-use tandem_tests::{http, start_serve};
+use tandem_tests::{http, model, reference, start_serve};
 
 fn schema() -> Value {
     json!({
@@ -98,35 +99,42 @@ fn serve_output_matches_the_schema_at_temperature_one() {
     assert_eq!(n, 0, "{n} of 200 outputs invalid, e.g. {bad:?}");
 
     // The other constraint kinds.
-    let ask = |rf: Value| {
+    let ask_with = |content: &str, rf: Value, seed: u64, max_tokens: usize| {
         let b = json!({
-            "messages": [{"role": "user", "content": "Answer."}],
-            "max_tokens": 40, "temperature": 1.0, "seed": 3,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
             "response_format": rf,
         });
         http(port, "POST", "/v1/chat/completions", &b.to_string())
     };
-    let r = ask(json!({"type": "json_object"}));
-    let text = r.json()["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    if r.json()["choices"][0]["finish_reason"] == "stop" {
-        assert!(
-            serde_json::from_str::<Value>(&text).is_ok_and(|v| v.is_object()),
-            "{text}"
-        );
+    let ask = |rf: Value| ask_with("Answer.", rf, 3, 40);
+    json_objects_or_their_prefixes(&|seed| {
+        ask_with(
+            "Describe a pet as a small JSON object.",
+            json!({"type": "json_object"}),
+            seed,
+            80,
+        )
+    });
+    // Exactly the pattern, letter case included, however the prompt pulls.
+    let answers = concurrently(12, |seed| {
+        ask_with(
+            "Reply with a code such as 123-AB, in CAPITAL LETTERS.",
+            json!({"type": "regex", "regex": "[0-9]{3}-[a-z]{2}"}),
+            seed,
+            40,
+        )
+    });
+    for (seed, r) in answers.iter().enumerate() {
+        assert_eq!(r.status, 200, "{}", r.body);
+        let text = content(&r.json());
+        let b = text.as_bytes();
+        let exact = b.len() == 6
+            && b[..3].iter().all(u8::is_ascii_digit)
+            && b[3] == b'-'
+            && b[4..].iter().all(u8::is_ascii_lowercase);
+        assert!(exact, "seed {seed}: {text:?} is not [0-9]{{3}}-[a-z]{{2}}");
     }
-    let r = ask(json!({"type": "regex", "regex": "[0-9]{3}-[a-z]{2}"}));
-    let text = r.json()["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    assert_eq!(text.len(), 6, "{text}");
-    assert!(
-        text[..3].bytes().all(|b| b.is_ascii_digit()) && &text[3..4] == "-",
-        "{text}"
-    );
     let r = ask(json!({"type": "grammar", "grammar": "start: \"yes\" | \"no\""}));
     let text = r.json()["choices"][0]["message"]["content"]
         .as_str()
@@ -190,6 +198,98 @@ fn serve_output_matches_the_schema_at_temperature_one() {
     assert_eq!(n, 0, "{bad:?}");
     for got in plain.join().expect("plain requests") {
         assert_eq!(got, want);
+    }
+}
+
+/// The message content of a chat completion ("" if none).
+fn content(v: &Value) -> String {
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Whether `text` is a JSON object, or the start of one (what a generation
+/// cut by `max_tokens` leaves).
+fn json_object_or_prefix(text: &str) -> bool {
+    if !text.trim_start().starts_with('{') {
+        return false;
+    }
+    let eof = |t: &str| match serde_json::from_str::<Value>(t) {
+        Ok(v) => v.is_object(),
+        Err(e) => e.is_eof(),
+    };
+    // A cut right after `-`, `.` or an exponent's `e` is a number's start:
+    // serde_json calls that invalid rather than unfinished.
+    eof(text) || eof(&format!("{text}0"))
+}
+
+/// `f(0..n)`, each on a thread of its own (the server batches them).
+fn concurrently<T: Send>(n: u64, f: impl Fn(u64) -> T + Sync) -> Vec<T> {
+    thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = (0..n).map(|i| s.spawn(move || f(i))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("request thread"))
+            .collect()
+    })
+}
+
+/// `json_object` answers over several seeds: each one an object when it
+/// stopped by itself, the start of one when `max_tokens` cut it; at least
+/// one must have stopped by itself.
+fn json_objects_or_their_prefixes(ask: &(dyn Fn(u64) -> tandem_tests::Resp + Sync)) {
+    let mut whole = 0;
+    for (seed, r) in concurrently(8, ask).into_iter().enumerate() {
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let text = content(&v);
+        match v["choices"][0]["finish_reason"].as_str() {
+            Some("stop") => {
+                let parsed = serde_json::from_str::<Value>(&text);
+                assert!(
+                    parsed.is_ok_and(|j| j.is_object()),
+                    "seed {seed}: not a JSON object: {text:?}"
+                );
+                whole += 1;
+            }
+            Some("length") => assert!(
+                json_object_or_prefix(&text),
+                "seed {seed}: cut short, and not the start of a JSON object: {text:?}"
+            ),
+            other => panic!("seed {seed}: finish_reason {other:?}: {v}"),
+        }
+    }
+    assert!(whole > 0, "no json_object answer ended by itself");
+}
+
+#[test]
+fn json_prefixes() {
+    for ok in [
+        "{}",
+        " {\"a\": [1, 2.5e-3, {\"b\": null}]}",
+        "{",
+        "{\"a\": -",
+        "{\"a\": 1.",
+        "{\"a\": 1e",
+        "{\"a\": tr",
+        "{\"a\": \"x\\u00",
+        "{\"a\"",
+    ] {
+        assert!(json_object_or_prefix(ok), "{ok:?}");
+    }
+    for bad in [
+        "",
+        "[1]",
+        "\"x\"",
+        "{} x",
+        "{\"a\" 1",
+        "{a",
+        "{\"a\": 1,}",
+        "{\"a\": tx",
+    ] {
+        assert!(!json_object_or_prefix(bad), "{bad:?}");
     }
 }
 
@@ -306,7 +406,10 @@ fn forced_tool_calls_parse_and_match_their_schema() {
             .is_valid(&args)
     );
 
-    // A conversation with a call and its result renders and answers.
+    // A conversation with a call and its result renders and answers: the
+    // greedy answer is the engine's to the documented rendering (for a
+    // template that does not render tools): the call written as the
+    // parser writes calls, the result as a `<tool_response>` user turn.
     let b = json!({
         "messages": [
             {"role": "user", "content": "What is 2 + 3?"},
@@ -314,10 +417,36 @@ fn forced_tool_calls_parse_and_match_their_schema() {
                 "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "5"}
         ],
-        "tools": tools(), "max_tokens": 8, "temperature": 0,
+        "tools": tools(), "tool_choice": "none", "max_tokens": 8, "temperature": 0,
     });
     let r = http(port, "POST", "/v1/chat/completions", &b.to_string());
     assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant", "{v}");
+    assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+    let m = model();
+    let history = [
+        ChatMessage::new("user", "What is 2 + 3?"),
+        ChatMessage::new(
+            "assistant",
+            "<tool_call>\n{\"name\":\"add\",\"arguments\":{\"a\":2,\"b\":3}}\n</tool_call>",
+        ),
+        ChatMessage::new("user", "<tool_response>\n5\n</tool_response>"),
+    ];
+    let rendered = m
+        .text
+        .chat_template
+        .as_ref()
+        .expect("a chat template")
+        .render(&history, true)
+        .expect("the history renders");
+    let ids = m
+        .text
+        .tokenizer
+        .encode(&rendered, false)
+        .expect("tokenizes");
+    let want = reference(ids, 8);
+    assert_eq!(content(&v), want, "{v}");
 
     for (choice, param) in [
         (
