@@ -45,6 +45,23 @@ unavailable() {
   exit 0
 }
 
+# apt_locked ARGS...: apt-get ARGS, waiting (up to 10 minutes) while
+# another script of the test run holds apt's locks: dpkg's through apt's
+# own timeout, the package lists' by trying again.
+apt_locked() {
+  local err tries=0
+  err=$(mktemp)
+  until apt-get -o DPkg::Lock::Timeout=600 "$@" >/dev/null 2>"$err"; do
+    if ! grep -q 'Could not get lock' "$err" || ((++tries > 120)); then
+      cat "$err" >&2
+      rm -f "$err"
+      return 1
+    fi
+    sleep 5
+  done
+  rm -f "$err"
+}
+
 # ---------------------------------------------------------------- packages
 # Root's podman: its image store (/var/lib/containers/storage) persists
 # across runs, so a warm run rebuilds only the image's last layer.
@@ -57,10 +74,8 @@ done
 if ((${#missing[@]})); then
   command -v apt-get >/dev/null || unavailable "no apt-get to install ${missing[*]} (Debian packages)"
   log "installing ${missing[*]} (apt)"
-  # Another script of the test run may hold apt's lock for a while.
-  lock=(-o DPkg::Lock::Timeout=600)
-  apt-get "${lock[@]}" update -qq || unavailable "apt-get update failed"
-  DEBIAN_FRONTEND=noninteractive apt-get "${lock[@]}" install -y -qq "${missing[@]}" >/dev/null \
+  apt_locked update -qq || unavailable "apt-get update failed"
+  DEBIAN_FRONTEND=noninteractive apt_locked install -y -qq "${missing[@]}" \
     || unavailable "apt-get install ${missing[*]} failed"
 fi
 
