@@ -172,7 +172,9 @@ pub struct Image {
 pub fn runtime_image(p: &Podman) -> &'static Image {
     static IMAGE_BUILT: OnceLock<Image> = OnceLock::new();
     IMAGE_BUILT.get_or_init(|| {
-        let lock = File::create(state_dir().join("build.lock")).unwrap();
+        let dir = state_dir();
+        std::fs::create_dir_all(&dir).unwrap();
+        let lock = File::create(dir.join("build.lock")).unwrap();
         lock.lock().unwrap();
         let image = build_image(p);
         drop(lock);
