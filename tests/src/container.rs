@@ -219,6 +219,13 @@ fn build_image(p: &Podman) -> Image {
         // In use by a container of another run: it stays, harmlessly.
         let _ = p.output(&["rmi", &old]);
     }
+    // The image's binary is the one these tests were built with.
+    let version = p.run(&["run", "--rm", "--network", "none", IMAGE, "--version"]);
+    let want = format!("(source {})", env!("TANDEM_SOURCE_HASH"));
+    assert!(
+        version.contains(&want),
+        "{IMAGE} runs {version:?}, not {want}"
+    );
     let size_bytes = p
         .run(&["image", "inspect", "--format", "{{.Size}}", IMAGE])
         .parse()
