@@ -329,6 +329,17 @@ fn start_etcd(p: &'static Podman, name: &str, net: &str) -> Container {
     )
 }
 
+/// Whether etcd answers `GET /health` with health true at `name`:2379,
+/// asked from inside its container (bash's /dev/tcp: the base image has no
+/// HTTP client) through the network's DNS.
+fn etcd_healthy(etcd: &Container, name: &str) -> bool {
+    let script = format!(
+        "exec 3<>/dev/tcp/{name}/2379 && printf 'GET /health HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3"
+    );
+    etcd.exec(&[], &["bash", "-c", &script])
+        .is_ok_and(|r| r.contains(r#""health":"true""#))
+}
+
 /// A prefill or decode node, advertising its container name (which the
 /// network's DNS resolves) and with its /metrics published on the host.
 fn start_node(p: &'static Podman, role: &str, cluster: &str, net: &str, etcd: &str) -> Container {
@@ -404,6 +415,24 @@ fn start_router(p: &'static Podman, cluster: &str, net: &str, etcd: &str) -> Con
     Container::run(p, &format!("{cluster}-router"), &args)
 }
 
+/// The router's /health body (200 or 503), None while it does not answer.
+fn router_health(port: u16) -> Option<Value> {
+    let r = client_builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap()
+        .get(format!("http://127.0.0.1:{port}/health"))
+        .send()
+        .ok()?;
+    serde_json::from_str(&r.text().ok()?).ok()
+}
+
+/// The prefill and decode workers a router's /health lists.
+fn workers(health: &Value) -> (usize, usize) {
+    let n = |k: &str| health[k].as_array().map_or(0, Vec::len);
+    (n("prefill_workers"), n("decode_workers"))
+}
+
 #[test]
 fn one_prefill_one_decode_cluster_of_containers_answers_through_the_router() {
     let Some(p) = engine() else { return };
@@ -414,28 +443,30 @@ fn one_prefill_one_decode_cluster_of_containers_answers_through_the_router() {
     let etcd_name = format!("{cluster}-etcd");
     let etcd = start_etcd(p, &etcd_name, &net.name);
     let etcd_url = format!("http://{etcd_name}:2379");
-    let prefill = start_node(p, "prefill", &cluster, &net.name, &etcd_url);
-    let decode = start_node(p, "decode", &cluster, &net.name, &etcd_url);
+    // One container at a time, each once the last is up: aardvark-dns
+    // reloads whenever a container joins the network and may drop a
+    // lookup meanwhile, which glibc retries only after 5 s, and a node
+    // gives up when etcd does not answer its registration within 3 s
+    // (Kubernetes would restart it; here it would fail the test).
+    wait_until("etcd is healthy by name", STARTUP, &[&etcd], || {
+        etcd_healthy(&etcd, &etcd_name)
+    });
     let router = start_router(p, &cluster, &net.name, &etcd_url);
     let port = router.port(8000);
+    wait_until("the router answers", STARTUP, &[&etcd, &router], || {
+        router_health(port).is_some()
+    });
+    let prefill = start_node(p, "prefill", &cluster, &net.name, &etcd_url);
+    wait_until(
+        "the router sees 1P0D",
+        STARTUP,
+        &[&etcd, &router, &prefill],
+        || router_health(port).is_some_and(|h| workers(&h) == (1, 0)),
+    );
+    let decode = start_node(p, "decode", &cluster, &net.name, &etcd_url);
     let all = [&etcd, &prefill, &decode, &router];
     wait_until("the router sees 1P1D, verified", STARTUP, &all, || {
-        let Ok(r) = client_builder()
-            .timeout(Duration::from_secs(2))
-            .build()
-            .unwrap()
-            .get(format!("http://127.0.0.1:{port}/health"))
-            .send()
-        else {
-            return false;
-        };
-        let h: Value = r
-            .text()
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or_default();
-        let n = |k: &str| h[k].as_array().map_or(0, Vec::len);
-        n("prefill_workers") == 1 && n("decode_workers") == 1 && h["probation_total"] == 0
+        router_health(port).is_some_and(|h| workers(&h) == (1, 1) && h["probation_total"] == 0)
     });
     let ready = start.elapsed();
 
@@ -479,7 +510,7 @@ fn one_prefill_one_decode_cluster_of_containers_answers_through_the_router() {
         0.0
     );
     eprintln!(
-        "1P1D containers: routed in {:.1} s from the first start",
+        "1P1D containers: all four up and routing {:.1} s after the first started",
         ready.as_secs_f64()
     );
 }
