@@ -5,7 +5,8 @@
 //! stopped with SIGTERM; a 1P1D cluster of containers (etcd, prefill,
 //! decode, router on one podman network) answering through the router
 //! with the KV moved between containers over UCX; and the chart's rendered
-//! `serve` Deployment run by `podman kube play`.
+//! `serve` Deployment run by `podman kube play`. The Rust builder stage
+//! cannot run here (no registry), but its context is checked.
 //!
 //! The model is mounted read-only, never copied into the image: the image
 //! stays the one that ships (the chart mounts its model cache too), and a
@@ -549,40 +550,9 @@ fn workspace_packages(root: &Path) -> Vec<String> {
     names
 }
 
-/// The Rust builder stage's `COPY . .` as the engine sends it (the
-/// repository root through .dockerignore), copied out of a throwaway
-/// image: the whole Cargo workspace (every member, the lock file: cargo
-/// reads it as it does the checkout), and at its top nothing else, so an
-/// edit to a README or a script does not rebuild the binary's layers and
-/// no build output or model is sent. The Rust image itself is not
-/// reachable here, so the builder stage is not run.
-#[test]
-fn builder_context_is_the_cargo_workspace_only() {
-    let Some(p) = engine() else { return };
-    let scratch = tempfile::tempdir().unwrap();
-    let containerfile = scratch.path().join("Containerfile");
-    std::fs::write(&containerfile, format!("FROM {BASE_IMAGE}\nCOPY . /src\n")).unwrap();
-    let name = unique("context");
-    let tag = format!("localhost/{name}:latest");
-    let _image = image(p, &tag);
-    let root = repo_root();
-    p.run(&[
-        "build",
-        "--quiet",
-        "--pull=never",
-        "--runtime",
-        "runc",
-        "-f",
-        containerfile.to_str().unwrap(),
-        "-t",
-        &tag,
-        root.to_str().unwrap(),
-    ]);
-    let _holder = Container::create(p, &name, &tag);
-    let copy = scratch.path().join("src");
-    p.run(&["cp", &format!("{name}:/src"), copy.to_str().unwrap()]);
-
-    assert_eq!(workspace_packages(&copy), workspace_packages(&root));
+/// What may stand at the top of the builder's context: the lock file, the
+/// root manifest and the top directory of every workspace member.
+fn workspace_top_entries(root: &Path) -> Vec<String> {
     let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
     let members = manifest
         .split_once("members = [")
@@ -596,48 +566,97 @@ fn builder_context_is_the_cargo_workspace_only() {
         .map(|m| m.split('/').next().unwrap().to_string())
         .collect();
     allowed.extend(["Cargo.toml".into(), "Cargo.lock".into()]);
-    let mut top: Vec<String> = std::fs::read_dir(&copy)
+    allowed
+}
+
+/// The files under `dir` (recursively) with their sizes; panics on a
+/// `target` directory.
+fn files_under(dir: &Path) -> Vec<(std::path::PathBuf, u64)> {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                assert_ne!(e.file_name(), "target", "a build directory: {:?}", e.path());
+                stack.push(e.path());
+            } else {
+                files.push((e.path(), e.metadata().unwrap().len()));
+            }
+        }
+    }
+    files
+}
+
+/// The context the engine sends for the repository root (through
+/// .dockerignore), as `COPY . /src` in a throwaway image lands it, copied
+/// out into `into`.
+fn copy_of_root_context(p: &'static Podman, into: &Path) {
+    let containerfile = into.join("Containerfile");
+    std::fs::write(&containerfile, format!("FROM {BASE_IMAGE}\nCOPY . /src\n")).unwrap();
+    let name = unique("context");
+    let tag = format!("localhost/{name}:latest");
+    let _image = image(p, &tag);
+    p.run(&[
+        "build",
+        "--quiet",
+        "--pull=never",
+        "--runtime",
+        "runc",
+        "-f",
+        containerfile.to_str().unwrap(),
+        "-t",
+        &tag,
+        repo_root().to_str().unwrap(),
+    ]);
+    let _holder = Container::create(p, &name, &tag);
+    p.run(&[
+        "cp",
+        &format!("{name}:/src"),
+        into.join("src").to_str().unwrap(),
+    ]);
+}
+
+/// The Rust builder stage's `COPY . .`: the whole Cargo workspace (every
+/// member and the lock file: cargo reads it as it reads the checkout), and
+/// at its top nothing else, so an edit to a README or a script does not
+/// rebuild the binary's layers; no build output, model or large file is
+/// sent. The Rust image itself is not reachable here, so the builder stage
+/// is not run.
+#[test]
+fn builder_context_is_the_cargo_workspace_only() {
+    let Some(p) = engine() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    copy_of_root_context(p, scratch.path());
+    let copy = scratch.path().join("src");
+    let root = repo_root();
+    assert_eq!(workspace_packages(&copy), workspace_packages(&root));
+
+    let allowed = workspace_top_entries(&root);
+    let top: Vec<String> = std::fs::read_dir(&copy)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
-    top.sort();
-    let extra: Vec<&String> = top.iter().filter(|t| !allowed.contains(t)).collect();
+    let mut extra: Vec<&String> = top.iter().filter(|t| !allowed.contains(t)).collect();
+    extra.sort();
     assert!(
         extra.is_empty(),
         "outside the workspace in the context: {extra:?}"
     );
-    let mut big = Vec::new();
-    let mut total = 0u64;
-    let mut stack = vec![copy.clone()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let e = e.unwrap();
-            let ty = e.file_type().unwrap();
-            let name = e.file_name().into_string().unwrap();
-            if ty.is_dir() {
-                assert_ne!(
-                    name,
-                    "target",
-                    "a build directory in the context: {:?}",
-                    e.path()
-                );
-                stack.push(e.path());
-            } else {
-                let len = e.metadata().unwrap().len();
-                total += len;
-                if name.ends_with(".gguf") || len > 5_000_000 {
-                    big.push(e.path());
-                }
-            }
-        }
-    }
+
+    let files = files_under(&copy);
+    let big: Vec<_> = files
+        .iter()
+        .filter(|(f, len)| f.extension().is_some_and(|e| e == "gguf") || *len > 5_000_000)
+        .collect();
     assert!(
         big.is_empty(),
         "models or large files in the context: {big:?}"
     );
+    let total: u64 = files.iter().map(|(_, len)| len).sum();
     eprintln!(
-        "builder context: {} top-level entries, {:.1} MB",
-        top.len(),
+        "builder context: {} files, {:.1} MB",
+        files.len(),
         total as f64 / 1e6
     );
 }
