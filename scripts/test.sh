@@ -118,6 +118,10 @@ bg vocab scripts/fetch-llama-vocab.sh "$TANDEM_CACHE/llama-vocab"
 bg nvrtc scripts/fetch-nvrtc.sh "$TANDEM_CACHE/nvrtc"
 # The test runner.
 bg nextest scripts/ensure-nextest.sh
+# The container engine (podman) and a Debian base image, for
+# tests/tests/container.rs; where no engine can run, it says why and those
+# tests skip saying so.
+bg container scripts/container-tools.sh
 
 step "formatting"
 cargo fmt --all -- --check
@@ -160,6 +164,10 @@ export TANDEM_LLAMA_VOCAB_DIR
 nvrtc=$(joined nvrtc)
 export LD_LIBRARY_PATH=$nvrtc${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 joined nextest >/dev/null
+container_state=$(joined container)
+if [[ -f $container_state/unavailable ]]; then
+  log "the container tests will skip: $(cat "$container_state/unavailable")"
+fi
 
 # The chart, values files and Dockerfile: lint and schema checks.
 step "deployment files"
