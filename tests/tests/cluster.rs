@@ -859,15 +859,28 @@ fn gpu_and_cpu_nodes_hand_kv_to_each_other_both_ways() {
 #[test]
 fn ucx_is_found_when_a_node_starts_not_when_it_is_built() {
     let bin = tandem_tests::binary();
-    let ldd = std::process::Command::new("ldd").arg(&bin).output().unwrap();
+    let ldd = std::process::Command::new("ldd")
+        .arg(&bin)
+        .output()
+        .unwrap();
     let linked = String::from_utf8_lossy(&ldd.stdout);
     assert!(ldd.status.success(), "ldd {}: {linked}", bin.display());
     for lib in ["libucp", "libuct", "libucs"] {
-        assert!(!linked.contains(lib), "{} links {lib}:\n{linked}", bin.display());
+        assert!(
+            !linked.contains(lib),
+            "{} links {lib}:\n{linked}",
+            bin.display()
+        );
     }
     let gguf = tandem_tests::gguf_path();
     let mut node = std::process::Command::new(&bin)
-        .args(["prefill", "--model", gguf.to_str().unwrap(), "--threads", "1"])
+        .args([
+            "prefill",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--threads",
+            "1",
+        ])
         .args(["--port", "0", "--metrics-port", "0", "--max-length", "256"])
         .args(["--ucx-library", "/nonexistent/libucp.so.0"])
         .stdout(std::process::Stdio::null())
@@ -886,7 +899,11 @@ fn ucx_is_found_when_a_node_starts_not_when_it_is_built() {
         std::thread::sleep(Duration::from_millis(50));
     };
     let mut stderr = String::new();
-    node.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    node.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
     assert!(!status.success(), "{stderr}");
     for part in ["/nonexistent/libucp.so.0", "libucx0"] {
         assert!(stderr.contains(part), "{part} missing from: {stderr}");
