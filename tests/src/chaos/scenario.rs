@@ -224,6 +224,28 @@ impl Fault<'_> {
         }
     }
 
+    /// Waits until decode node `i` runs and waits for nothing: cut off from
+    /// the router, it has generated what it was asked, and the streams it
+    /// served wait in the network.
+    pub fn await_decode_idle(&mut self, i: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let idle = |n: &super::NsNode| {
+            n.health().is_some_and(|h| {
+                ["waiting", "running"]
+                    .iter()
+                    .all(|k| h[*k].as_u64() == Some(0))
+            })
+        };
+        while !idle(&self.c.decodes[i]) {
+            if Instant::now() >= deadline {
+                let id = &self.c.decodes[i].id;
+                self.problems.push(format!("{id} was never idle in 20 s"));
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Pauses the load until nothing runs, starts a [`Probe`] stream, waits
     /// for its first event and resumes the load: returns the probe and the
     /// index of the one decode node running it. `None` (noted) if no
@@ -364,8 +386,8 @@ fn started_in(records: &[Record], from: Instant, to: Instant) -> Vec<Record> {
         .collect()
 }
 
-/// What `expect` finds wrong with the requests started while the fault
-/// held (`began` to `healed`).
+/// What `expect` finds wrong with a scenario's requests (its fault held
+/// from `began` to `healed`).
 pub fn check_expectation(
     expect: Expect,
     records: &[Record],
