@@ -10,7 +10,7 @@ on what the server guarantees (grammars), not on the model's judgement.
 """
 
 import sys
-import traceback
+import runner
 
 from pydantic import BaseModel, Field
 
@@ -130,27 +130,11 @@ CHECKS = {
 }
 
 
-def main():
+def configure(base, model):
     global BASE, MODEL
-    if len(sys.argv) < 2:
-        print(__doc__)
-        return 2
-    BASE = sys.argv[1].rstrip("/")
-    names = sys.argv[2:] or list(CHECKS)
-    from openai import OpenAI
+    BASE, MODEL = base, model
 
-    MODEL = OpenAI(base_url=BASE, api_key="unused").models.list().data[0].id
-    failed = []
-    for name in names:
-        try:
-            detail = CHECKS[name]()
-            print(f"ok   {name}: {detail}", flush=True)
-        except Exception:
-            failed.append(name)
-            print(f"FAIL {name}:\n{traceback.format_exc()}", flush=True)
-    print(f"{len(names) - len(failed)} of {len(names)} client checks passed")
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runner.run(__doc__, CHECKS, configure))
