@@ -1,0 +1,60 @@
+//! The cost-based routing policy, for both pools:
+//! `prefill_weight * (prompt_blocks - overlap_blocks) + kv_blocks_used +
+//! queue_weight * queued`, argmin with ties broken at random. `queued`
+//! counts the worker's waiting requests (from its load events) plus the
+//! requests this router sent it that have not started yet, so that a burst
+//! spreads before the next load update arrives.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{Candidate, RoutingConfig, RoutingPolicy};
+
+/// Cheapest first by the cost above, random among equals.
+#[derive(Debug)]
+pub struct CostPolicy {
+    /// Cost of one prompt block a worker would have to compute.
+    prefill_weight: f64,
+    /// Cost of one queued request.
+    queue_weight: f64,
+    rng: AtomicU64,
+}
+
+impl CostPolicy {
+    /// The policy of `cfg`'s weights.
+    pub fn new(cfg: &RoutingConfig) -> Self {
+        Self {
+            prefill_weight: cfg.prefill_weight,
+            queue_weight: cfg.queue_weight,
+            rng: AtomicU64::new(0x2545_f491_4f6c_dd1d),
+        }
+    }
+
+    fn cost(&self, prompt_blocks: usize, c: &Candidate) -> f64 {
+        self.prefill_weight * (prompt_blocks - c.overlap) as f64
+            + c.kv_blocks_used as f64
+            + self.queue_weight * c.queued as f64
+    }
+
+    fn random(&self) -> u64 {
+        // xorshift: tie-breaking needs no more.
+        let mut x = self.rng.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.rng.store(x, Ordering::Relaxed);
+        x
+    }
+}
+
+impl RoutingPolicy for CostPolicy {
+    /// By ascending cost (random among equals).
+    fn rank(&self, prompt_blocks: usize, candidates: &[Candidate]) -> Vec<usize> {
+        let mut scored: Vec<(f64, u64, usize)> = candidates
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (self.cost(prompt_blocks, c), self.random(), i))
+            .collect();
+        scored.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        scored.into_iter().map(|(_, _, i)| i).collect()
+    }
+}

@@ -1,0 +1,593 @@
+//! The cluster's routing, prefix index and dispatch, over fake workers.
+
+use super::*;
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures_util::Stream;
+use tandem_frontend::{BackendRequest, SubmitError};
+use tandem_proto::pb;
+use tandem_proto::trace::TraceContext;
+use tandem_types::{
+    GenEvent as Event, GenFailure, GenerationRequest, SamplingParams, block_hashes,
+};
+use tonic::Code;
+use tonic::transport::Endpoint;
+use tonic::{Request, Response, Status};
+
+const BLOCK: usize = 4;
+
+fn fingerprint() -> ModelFingerprint {
+    ModelFingerprint {
+        model_id: "m".into(),
+        weights_hash: 1,
+        kv_dtype: "f16".into(),
+        block_size: BLOCK,
+        kv_layout: "l".into(),
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 1,
+    }
+}
+
+fn routing() -> RoutingConfig {
+    RoutingConfig {
+        prefill_weight: 1.0,
+        queue_weight: 4.0,
+        prefill_candidates: 2,
+        decode_attempts: 2,
+    }
+}
+
+/// What the router would know of a worker: the prompt blocks its cache
+/// holds (by hash) and its load.
+struct Spec<'a> {
+    id: &'a str,
+    role: Role,
+    endpoint: String,
+    cached: Vec<BlockHash>,
+    kv_blocks_used: usize,
+    waiting: usize,
+    pending: usize,
+    on_probation: bool,
+}
+
+fn spec(id: &str, role: Role) -> Spec<'_> {
+    Spec {
+        id,
+        role,
+        // Nothing listens there: only tests that call workers set it.
+        endpoint: "http://127.0.0.1:1".into(),
+        cached: Vec::new(),
+        kv_blocks_used: 0,
+        waiting: 0,
+        pending: 0,
+        on_probation: false,
+    }
+}
+
+fn worker(s: &Spec<'_>) -> Worker {
+    let standing = Standing::new(s.role, Arc::default());
+    if !s.on_probation {
+        standing.promote(s.id);
+    }
+    Worker {
+        record: WorkerRecord {
+            id: s.id.into(),
+            role: s.role.as_str().into(),
+            grpc_endpoint: s.endpoint.clone(),
+            metrics_endpoint: String::new(),
+            fingerprint: fingerprint(),
+            kv_blocks_total: 100,
+            max_batch_size: 1,
+            tp: 1,
+            dp: 1,
+        },
+        role: s.role,
+        channel: Endpoint::from_shared(s.endpoint.clone())
+            .expect("endpoint")
+            .connect_lazy(),
+        cached: Mutex::new(s.cached.iter().copied().collect()),
+        last_event: AtomicU64::new(0),
+        waiting: AtomicUsize::new(s.waiting),
+        kv_blocks_used: AtomicUsize::new(s.kv_blocks_used),
+        pending: AtomicUsize::new(s.pending),
+        standing,
+        events_task: Mutex::new(None),
+    }
+}
+
+fn cluster(specs: &[Spec<'_>], routing: RoutingConfig) -> Cluster {
+    let workers = specs
+        .iter()
+        .map(|s| ((s.role, s.id.to_string()), Arc::new(worker(s))))
+        .collect();
+    Cluster {
+        fingerprint: fingerprint(),
+        policy: Box::new(CostPolicy::new(&routing)),
+        routing,
+        peers: PeerConnector::default(),
+        workers: RwLock::new(workers),
+        census: Arc::default(),
+    }
+}
+
+/// A 10-block prompt and its block hashes.
+fn prompt() -> (Vec<u32>, Vec<BlockHash>) {
+    let prompt: Vec<u32> = (0..10 * BLOCK as u32).map(|t| t * 7 + 3).collect();
+    let hashes = block_hashes(&prompt, BLOCK);
+    (prompt, hashes)
+}
+
+/// `rank`'s answer as (worker id, overlap).
+fn ranked(c: &Cluster, role: Role, hashes: &[BlockHash]) -> Vec<(String, usize)> {
+    c.rank(role, hashes, hashes.len())
+        .iter()
+        .map(|(w, o)| (w.record.id.clone(), *o))
+        .collect()
+}
+
+fn owned(v: &[(&str, usize)]) -> Vec<(String, usize)> {
+    v.iter().map(|(id, o)| ((*id).to_owned(), *o)).collect()
+}
+
+fn stored(id: u64, hashes: Vec<u64>) -> pb::WorkerEvent {
+    pb::WorkerEvent {
+        event_id: id,
+        kind: Some(pb::worker_event::Kind::Stored(pb::BlockStored {
+            parent: None,
+            hashes,
+        })),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn index_follows_events_and_detects_gaps() {
+    let w = worker(&spec("w", Role::Decode));
+    assert!(w.apply(&stored(1, vec![10, 11, 12])));
+    assert_eq!(w.overlap(&[10, 11, 12, 13]), 3);
+    assert_eq!(w.overlap(&[99, 11, 12]), 0, "overlap is a prefix");
+    assert!(w.apply(&pb::WorkerEvent {
+        event_id: 2,
+        kind: Some(pb::worker_event::Kind::Removed(pb::BlockRemoved {
+            hashes: vec![11]
+        })),
+        ..Default::default()
+    }));
+    assert_eq!(w.overlap(&[10, 11, 12]), 1);
+    // A replayed event is ignored; a gap is reported.
+    assert!(w.apply(&stored(2, vec![99])));
+    assert_eq!(w.overlap(&[99]), 0);
+    assert!(!w.apply(&stored(4, vec![5])));
+    // After `cleared`, the view restarts from what follows.
+    assert!(w.apply(&pb::WorkerEvent {
+        event_id: 7,
+        kind: Some(pb::worker_event::Kind::Cleared(pb::CacheCleared {})),
+        ..Default::default()
+    }));
+    assert_eq!(w.overlap(&[10]), 0);
+    assert!(w.apply(&stored(8, vec![10])));
+    assert_eq!(w.overlap(&[10]), 1);
+}
+
+/// Workers are ranked by `prefill_weight * uncached blocks + KV blocks
+/// used + queue_weight * queued`, with their prefix overlap; each role
+/// ranks only its own workers. A load event changes the order.
+#[tokio::test]
+async fn rank_prefers_overlap_then_light_load() {
+    let (_, h) = prompt();
+    let mut half = h[..5].to_vec();
+    half.push(h[7]); // not a prefix block: does not count
+    let specs = [
+        // cost 10 - 0 + 0 + 0 = 10
+        spec("cold-idle", Role::Decode),
+        // 10 - 8 + 6 + 4 * 1 = 12
+        Spec {
+            cached: h[..8].to_vec(),
+            kv_blocks_used: 6,
+            waiting: 1,
+            ..spec("warm-busy", Role::Decode)
+        },
+        // 10 - 8 + 1 = 3
+        Spec {
+            cached: h[..8].to_vec(),
+            kv_blocks_used: 1,
+            ..spec("warm-idle", Role::Decode)
+        },
+        // 10 - 5 = 5
+        Spec {
+            cached: half,
+            ..spec("half", Role::Decode)
+        },
+        // 10 - 10 + 4 * 2 sent by this router, not started = 8
+        Spec {
+            cached: h.clone(),
+            pending: 2,
+            ..spec("queued", Role::Decode)
+        },
+        // 10 - 10 = 0, but a prefill worker
+        Spec {
+            cached: h.clone(),
+            ..spec("p-warm", Role::Prefill)
+        },
+        Spec {
+            kv_blocks_used: 3,
+            ..spec("p-cold", Role::Prefill)
+        },
+    ];
+    let c = cluster(&specs, routing());
+    assert_eq!(
+        ranked(&c, Role::Decode, &h),
+        owned(&[
+            ("warm-idle", 8),
+            ("half", 5),
+            ("queued", 10),
+            ("cold-idle", 0),
+            ("warm-busy", 8),
+        ])
+    );
+    assert_eq!(
+        ranked(&c, Role::Prefill, &h),
+        owned(&[("p-warm", 10), ("p-cold", 0)])
+    );
+    // The idle warm worker reports a heavy load: it drops behind
+    // everything but the busy one (10 - 8 + 9 = 11).
+    let w = Arc::clone(&c.workers.read().expect("lock")[&(Role::Decode, "warm-idle".into())]);
+    assert!(w.apply(&pb::WorkerEvent {
+        event_id: 0,
+        kind: Some(pb::worker_event::Kind::Load(pb::Load {
+            waiting: 0,
+            running: 4,
+            kv_blocks_used: 9,
+            kv_blocks_total: 100,
+        })),
+        ..Default::default()
+    }));
+    let order: Vec<String> = ranked(&c, Role::Decode, &h)
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(
+        order,
+        ["half", "queued", "cold-idle", "warm-idle", "warm-busy"]
+    );
+    // With no weight on prefill work, overlap no longer matters: load
+    // alone decides (0 for both idle workers, in either order).
+    let c = cluster(
+        &specs,
+        RoutingConfig {
+            prefill_weight: 0.0,
+            ..routing()
+        },
+    );
+    let mut first: Vec<String> = ranked(&c, Role::Decode, &h)[..2]
+        .iter()
+        .map(|(id, _)| id.clone())
+        .collect();
+    first.sort();
+    assert_eq!(first, ["cold-idle", "half"]);
+}
+
+/// A worker on probation is never ranked (so never tried, not even as
+/// a retry) nor listed as a member, however cheap it looks.
+#[tokio::test]
+async fn workers_on_probation_are_not_routed_to() {
+    let (_, h) = prompt();
+    let stranger = |id| Spec {
+        cached: h.clone(),
+        on_probation: true,
+        ..spec(id, Role::Decode)
+    };
+    let c = cluster(
+        &[
+            stranger("s1"),
+            stranger("s2"),
+            Spec {
+                kv_blocks_used: 50,
+                ..spec("real", Role::Decode)
+            },
+            Spec {
+                on_probation: true,
+                ..spec("p", Role::Prefill)
+            },
+        ],
+        routing(),
+    );
+    assert_eq!(ranked(&c, Role::Decode, &h), owned(&[("real", 0)]));
+    assert!(ranked(&c, Role::Prefill, &h).is_empty());
+    assert_eq!(c.members(), (vec![], vec!["real".to_string()]));
+}
+
+/// The policy sees each ready worker's overlap and load, and its order is
+/// the cluster's; an index it makes up is not used.
+#[tokio::test]
+async fn the_policy_decides_the_order() {
+    #[derive(Debug)]
+    struct Reverse(Arc<Mutex<Vec<Candidate>>>);
+    impl RoutingPolicy for Reverse {
+        fn rank(&self, _: usize, candidates: &[Candidate]) -> Vec<usize> {
+            *self.0.lock().expect("lock") = candidates.to_vec();
+            let mut order: Vec<usize> = (0..candidates.len()).rev().collect();
+            order.push(candidates.len());
+            order
+        }
+    }
+    let (_, h) = prompt();
+    let mut c = cluster(
+        &[
+            Spec {
+                cached: h[..3].to_vec(),
+                kv_blocks_used: 5,
+                waiting: 1,
+                pending: 2,
+                ..spec("a", Role::Decode)
+            },
+            spec("b", Role::Decode),
+            Spec {
+                on_probation: true,
+                ..spec("c", Role::Decode)
+            },
+            spec("p", Role::Prefill),
+        ],
+        routing(),
+    );
+    let seen: Arc<Mutex<Vec<Candidate>>> = Arc::default();
+    c.policy = Box::new(Reverse(Arc::clone(&seen)));
+    assert_eq!(ranked(&c, Role::Decode, &h), owned(&[("b", 0), ("a", 3)]));
+    assert_eq!(
+        *seen.lock().expect("lock"),
+        [
+            Candidate {
+                overlap: 3,
+                kv_blocks_used: 5,
+                queued: 3,
+            },
+            Candidate {
+                overlap: 0,
+                kv_blocks_used: 0,
+                queued: 0,
+            },
+        ]
+    );
+}
+
+/// Equal costs are broken at random, so a burst spreads over equals.
+#[tokio::test]
+async fn ties_are_broken_at_random() {
+    let (_, h) = prompt();
+    let c = cluster(
+        &[
+            spec("a", Role::Decode),
+            spec("b", Role::Decode),
+            spec("c", Role::Decode),
+        ],
+        routing(),
+    );
+    let mut firsts = BTreeMap::new();
+    for _ in 0..300 {
+        let r = c.rank(Role::Decode, &h, h.len());
+        assert_eq!(r.len(), 3);
+        *firsts.entry(r[0].0.record.id.clone()).or_insert(0) += 1;
+    }
+    assert_eq!(firsts.len(), 3, "{firsts:?}");
+    assert!(firsts.values().all(|&n| n >= 50), "{firsts:?}");
+}
+
+/// How a fake decode node answers `Generate`.
+#[derive(Clone, Copy)]
+enum Answer {
+    /// One token, then `Finished`.
+    Tokens,
+    Refuse(Code),
+}
+
+/// A decode node on a local port that records what it was asked.
+#[derive(Clone)]
+struct FakeDecode {
+    answer: Answer,
+    seen: Arc<Mutex<VecDeque<pb::GenerateRequest>>>,
+}
+
+type Responses = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::decode_server::Decode for FakeDecode {
+    type GenerateStream = Responses;
+
+    async fn generate(
+        &self,
+        req: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Responses>, Status> {
+        self.seen.lock().expect("lock").push_back(req.into_inner());
+        match self.answer {
+            Answer::Refuse(code) => Err(Status::new(code, "fake refusal")),
+            Answer::Tokens => {
+                let token = pb::GenerateResponse {
+                    kind: Some(pb::generate_response::Kind::Token(pb::Token {
+                        id: 42,
+                        logprob: None,
+                        top: Vec::new(),
+                    })),
+                };
+                let done = pb::GenerateResponse {
+                    kind: Some(pb::generate_response::Kind::Finished(pb::Finished {
+                        prompt_tokens: 40,
+                        completion_tokens: 1,
+                        cached_tokens: 0,
+                        finish: pb::FinishReason::Length as i32,
+                        prefill_worker: String::new(),
+                    })),
+                };
+                Ok(Response::new(Box::pin(futures_util::stream::iter([
+                    Ok(token),
+                    Ok(done),
+                ]))))
+            }
+        }
+    }
+}
+
+/// Serves a fake decode node until the test's runtime ends; returns
+/// its endpoint and what it saw.
+async fn fake_decode(answer: Answer) -> (String, Arc<Mutex<VecDeque<pb::GenerateRequest>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let fake = FakeDecode {
+        answer,
+        seen: Arc::default(),
+    };
+    let seen = Arc::clone(&fake.seen);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::decode_server::DecodeServer::new(fake))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    (format!("http://{addr}"), seen)
+}
+
+async fn run(c: &Cluster, prompt: &[u32]) -> Result<(Placement, Vec<Event>), SubmitError> {
+    let req = BackendRequest {
+        request: GenerationRequest {
+            prompt: prompt.to_vec(),
+            sampling: SamplingParams::greedy(),
+            max_tokens: 4,
+            stop_token_ids: Vec::new(),
+            constraint: None,
+        },
+        trace: TraceContext::new_root(),
+    };
+    let (mut stream, placement) = c.generate(req, 100).await?;
+    let mut events = Vec::new();
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(10), stream.recv())
+        .await
+        .expect("the stream ends in time")
+    {
+        events.push(ev);
+    }
+    Ok((placement, events))
+}
+
+/// `generate` sends the request to the cheapest decode worker only,
+/// naming the `prefill_candidates` cheapest prefill workers best first;
+/// a refusing decode worker is passed over for the next, an invalid
+/// request is not retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_goes_to_the_chosen_decode_worker() {
+    let (prompt, h) = prompt();
+    let (best_ep, best_seen) = fake_decode(Answer::Tokens).await;
+    let (other_ep, other_seen) = fake_decode(Answer::Tokens).await;
+    let prefills = [
+        Spec {
+            cached: h[..2].to_vec(),
+            ..spec("p-some", Role::Prefill)
+        },
+        Spec {
+            cached: h[..9].to_vec(),
+            ..spec("p-most", Role::Prefill)
+        },
+        spec("p-none", Role::Prefill),
+    ];
+    let decodes = |best: &str, other: &str| {
+        [
+            Spec {
+                endpoint: other.to_string(),
+                kv_blocks_used: 7,
+                ..spec("d-loaded", Role::Decode)
+            },
+            Spec {
+                endpoint: best.to_string(),
+                cached: h[..6].to_vec(),
+                ..spec("d-best", Role::Decode)
+            },
+        ]
+    };
+    let specs: Vec<Spec<'_>> = decodes(&best_ep, &other_ep)
+        .into_iter()
+        .chain(prefills)
+        .collect();
+    let c = cluster(&specs, routing());
+    let (placement, events) = run(&c, &prompt).await.expect("generate");
+    assert_eq!(placement.decode, "d-best");
+    assert_eq!(placement.prefill, ["p-most", "p-some"]);
+    assert!(
+        matches!(
+            events.as_slice(),
+            [Event::Token(t), Event::Finished(u)] if t.token == 42 && u.completion_tokens == 1
+        ),
+        "{events:?}"
+    );
+    let got = best_seen
+        .lock()
+        .expect("lock")
+        .pop_front()
+        .expect("a request");
+    assert_eq!(got.prompt, prompt);
+    let targets: Vec<(&str, &str)> = got
+        .prefill
+        .iter()
+        .map(|t| (t.worker_id.as_str(), t.endpoint.as_str()))
+        .collect();
+    assert_eq!(
+        targets,
+        [
+            ("p-most", "http://127.0.0.1:1"),
+            ("p-some", "http://127.0.0.1:1")
+        ]
+    );
+    assert!(best_seen.lock().expect("lock").is_empty());
+    assert!(other_seen.lock().expect("lock").is_empty());
+    for (_, w) in c.workers.read().expect("lock").iter() {
+        assert_eq!(w.pending.load(Ordering::Relaxed), 0, "{}", w.record.id);
+    }
+
+    // The best worker refuses: the next one takes the request.
+    let (refusing, refused_seen) = fake_decode(Answer::Refuse(Code::Unavailable)).await;
+    let c = cluster(&decodes(&refusing, &other_ep), routing());
+    let (placement, _) = run(&c, &prompt).await.expect("generate");
+    assert_eq!(placement.decode, "d-loaded");
+    assert_eq!(refused_seen.lock().expect("lock").len(), 1);
+    assert_eq!(other_seen.lock().expect("lock").len(), 1);
+
+    // An invalid request is the client's error: not sent elsewhere.
+    let (invalid, invalid_seen) = fake_decode(Answer::Refuse(Code::InvalidArgument)).await;
+    let c = cluster(&decodes(&invalid, &other_ep), routing());
+    match run(&c, &prompt).await {
+        Err(SubmitError::Failed(GenFailure::Rejected(message))) => {
+            assert_eq!(message, "fake refusal")
+        }
+        other => panic!("{:?}", other.map(|(p, _)| p)),
+    }
+    assert_eq!(invalid_seen.lock().expect("lock").len(), 1);
+    assert_eq!(other_seen.lock().expect("lock").len(), 1);
+}
+
+#[test]
+fn routing_config_is_validated() {
+    let cfg = routing();
+    assert!(cfg.validate().is_ok());
+    for bad in [
+        RoutingConfig {
+            prefill_weight: -1.0,
+            ..cfg.clone()
+        },
+        RoutingConfig {
+            queue_weight: f64::NAN,
+            ..cfg.clone()
+        },
+        RoutingConfig {
+            prefill_candidates: 0,
+            ..cfg.clone()
+        },
+        RoutingConfig {
+            decode_attempts: 0,
+            ..cfg.clone()
+        },
+    ] {
+        assert!(bad.validate().is_err(), "{bad:?}");
+    }
+}
