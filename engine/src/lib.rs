@@ -11,7 +11,8 @@
 //! - The KV cache: `block_manager` (block ownership, prefix caching), then
 //!   `kv_cache` (the paged pool).
 //! - The forward pass: `moe` (mixture-of-experts blocks), then `model`.
-//! - Loading: `safetensors_loader` (weights of an HF directory), then
+//! - Loading: `tensor_source` (a model's weights by their names in any
+//!   format), `safetensors_loader` (weights of an HF directory), then
 //!   `loader` (GGUF files and HF directories into a [`LoadedModel`]), then
 //!   `metrics`.
 //! - Running steps: `backend` (the `ServedModel` / `StepRunner` traits, the
@@ -35,6 +36,7 @@ pub mod ranks;
 pub mod safetensors_loader;
 pub mod sampler;
 pub mod scheduler;
+mod tensor_source;
 pub mod weight;
 
 pub use backend::{ServedModel, StepRunner};

@@ -9,11 +9,13 @@ use tandem_modelfile::ModelText;
 use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::gguf::GgufFile;
 use tandem_modelfile::meta;
+use tandem_modelfile::plan::Format;
 use tandem_types::ModelFingerprint;
 
 use crate::error::ModelError;
-use crate::model::{DecoderModel, FfnWeights, LayerWeights, ModelWeights};
+use crate::model::DecoderModel;
 use crate::safetensors_loader;
+use crate::tensor_source::{TensorSource, read_weights};
 use crate::weight::{Weight, to_f32};
 
 /// A model with everything needed to turn text into tokens and back.
@@ -73,7 +75,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let read = t0.elapsed();
 
     let t1 = Instant::now();
-    let weights = gguf_weights(&g, &config)?;
+    let weights = read_weights(&GgufSource(&g), &config, false)?;
     let dequantize = t1.elapsed();
 
     let t2 = Instant::now();
@@ -129,9 +131,16 @@ pub fn load_dir(dir: &Path) -> Result<LoadedModel, ModelError> {
     })
 }
 
-fn gguf_weights(g: &GgufFile, c: &ModelConfig) -> Result<ModelWeights, ModelError> {
-    let backing = g.backing().clone();
-    let matrix = |name: &str| -> Result<Weight, ModelError> {
+/// A GGUF file's tensors, by GGUF's names.
+struct GgufSource<'a>(&'a GgufFile);
+
+impl TensorSource for GgufSource<'_> {
+    fn format(&self) -> Format {
+        Format::Gguf
+    }
+
+    fn matrix(&self, name: &str) -> Result<Weight, ModelError> {
+        let g = self.0;
         let info = g
             .tensor(name)
             .map_err(|_| ModelError::MissingTensor(name.to_string()))?;
@@ -149,11 +158,13 @@ fn gguf_weights(g: &GgufFile, c: &ModelConfig) -> Result<ModelWeights, ModelErro
             info.ty,
             rows,
             cols,
-            Arc::clone(&backing),
+            Arc::clone(g.backing()),
             g.tensor_range(info),
         )
-    };
-    let vector = |name: &str| -> Result<Vec<f32>, ModelError> {
+    }
+
+    fn vector(&self, name: &str) -> Result<Vec<f32>, ModelError> {
+        let g = self.0;
         let info = g
             .tensor(name)
             .map_err(|_| ModelError::MissingTensor(name.to_string()))?;
@@ -165,55 +176,9 @@ fn gguf_weights(g: &GgufFile, c: &ModelConfig) -> Result<ModelWeights, ModelErro
             });
         }
         to_f32(name, info.ty, g.tensor_data(name)?, n)
-    };
-    let fam = c.family;
-    let mut layers = Vec::with_capacity(c.n_layers);
-    for i in 0..c.n_layers {
-        let n = |s: &str| format!("blk.{i}.{s}");
-        let vectors = |names: [&str; 2]| -> Result<[Vec<f32>; 2], ModelError> {
-            Ok([vector(&n(names[0]))?, vector(&n(names[1]))?])
-        };
-        layers.push(LayerWeights {
-            qkv_bias: fam
-                .qkv_bias
-                .then(|| -> Result<_, ModelError> {
-                    Ok([
-                        vector(&n("attn_q.bias"))?,
-                        vector(&n("attn_k.bias"))?,
-                        vector(&n("attn_v.bias"))?,
-                    ])
-                })
-                .transpose()?,
-            qk_norm: fam
-                .qk_norm
-                .then(|| vectors(["attn_q_norm.weight", "attn_k_norm.weight"]))
-                .transpose()?,
-            post_norms: fam
-                .post_norms
-                .then(|| vectors(["post_attention_norm.weight", "post_ffw_norm.weight"]))
-                .transpose()?,
-            attn_norm: vector(&n("attn_norm.weight"))?,
-            wq: matrix(&n("attn_q.weight"))?,
-            wk: matrix(&n("attn_k.weight"))?,
-            wv: matrix(&n("attn_v.weight"))?,
-            wo: matrix(&n("attn_output.weight"))?,
-            ffn_norm: vector(&n("ffn_norm.weight"))?,
-            ffn: FfnWeights::Dense {
-                gate: matrix(&n("ffn_gate.weight"))?,
-                up: matrix(&n("ffn_up.weight"))?,
-                down: matrix(&n("ffn_down.weight"))?,
-            },
-        });
     }
-    let output = if g.tensor("output.weight").is_ok() {
-        Some(matrix("output.weight")?)
-    } else {
-        None
-    };
-    Ok(ModelWeights {
-        token_embd: matrix("token_embd.weight")?,
-        layers,
-        output_norm: vector("output_norm.weight")?,
-        output,
-    })
+
+    fn contains(&self, name: &str) -> bool {
+        self.0.tensor(name).is_ok()
+    }
 }

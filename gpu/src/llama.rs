@@ -2,7 +2,7 @@
 //! `tandem_modelfile::arch` bring (Qwen2's Q/K/V biases; Gemma 3's QK
 //! norms, post norms, GeGLU, scaled embeddings and sliding-window layers
 //! with their own RoPE base; Mixtral's mixture-of-experts layers): layer
-//! weights in any of the quantised formats [`QFormat`] lists, embeddings
+//! weights in any of the quantised formats [`QFormat`](crate::kernels::QFormat) lists, embeddings
 //! and head of any type the CPU dequantises.
 //! [`GpuModel`] holds the weights and runs the forward pass of a batch of
 //! chunks (prompt pieces and decode tokens of several sequences) over a
@@ -15,19 +15,21 @@
 //! reads back the logits of the tokens that want them.
 
 use tandem_kernels::dequantize_row;
-use tandem_kernels::ops::{Rope, RopeStyle};
+use tandem_kernels::ops::RopeStyle;
 use tandem_modelfile::arch::Activation;
-use tandem_modelfile::config::{ModelConfig, Scoring};
+use tandem_modelfile::config::ModelConfig;
+use tandem_modelfile::plan::TensorId;
 
 use tandem_engine::comm::Communicator;
 use tandem_engine::error::RequestError;
 use tandem_engine::generate::SequenceModel;
-use tandem_engine::model::block_bounds;
 
 use crate::device::{Buffer, GpuDevice};
 use crate::error::GpuError;
-use crate::kernels::{self, KvLayout, KvRows, MoeRouting, QFormat, QMatrix};
+use crate::kernels::{self, KvLayout, KvRows, MoeRouting, QMatrix};
 use crate::weights::{ModelFiles, Tensors};
+
+mod load;
 
 /// KV rows per block of [`GpuLlama`]'s pool.
 const BLOCK_SIZE: usize = 16;
@@ -96,15 +98,15 @@ struct Embeddings {
 
 impl Embeddings {
     fn load(t: &dyn Tensors, vocab: usize, d: usize) -> Result<Embeddings, GpuError> {
-        const NAME: &str = "token_embd.weight";
-        let info = t.tensor(NAME)?;
+        let name = TensorId::Embeddings.gguf();
+        let info = t.tensor(&name)?;
         let row_bytes = info
             .ty
             .row_bytes(d)
-            .ok_or_else(|| unsupported(format!("{NAME}: rows of {d} are not whole blocks")))?;
+            .ok_or_else(|| unsupported(format!("{name}: rows of {d} are not whole blocks")))?;
         if info.n_elements != vocab * d || info.data.len() != vocab * row_bytes {
             return Err(unsupported(format!(
-                "{NAME} holds {} values, not {vocab}x{d}",
+                "{name} holds {} values, not {vocab}x{d}",
                 info.n_elements
             )));
         }
@@ -484,329 +486,6 @@ impl GpuModel {
         block_size: usize,
     ) -> Result<GpuModel, GpuError> {
         Self::load_shard(dev, files, max_ctx, block_size, Shard::WHOLE)
-    }
-
-    /// Uploads `shard`'s part of the model's weights to `dev` (the whole
-    /// of the norms, embeddings and head, which every rank applies to the
-    /// whole hidden state).
-    pub fn load_shard(
-        dev: GpuDevice,
-        files: &ModelFiles,
-        max_ctx: usize,
-        block_size: usize,
-        shard: Shard,
-    ) -> Result<GpuModel, GpuError> {
-        let c = files.config.clone();
-        let g = files.tensors.as_ref();
-        let f = c.family;
-        match &c.moe {
-            Some(m) if !m.n_experts.is_multiple_of(shard.world.max(1)) => {
-                return Err(unsupported(format!(
-                    "mixture-of-experts layers of {} experts over {} ranks (each rank holds \
-                     as many whole experts)",
-                    m.n_experts, shard.world
-                )));
-            }
-            Some(m) if m.n_experts > kernels::MOE_MAX_EXPERTS => {
-                return Err(unsupported(format!(
-                    "{} experts (at most {})",
-                    m.n_experts,
-                    kernels::MOE_MAX_EXPERTS
-                )));
-            }
-            None if f.moe => {
-                return Err(unsupported(
-                    "a mixture-of-experts family without its routing",
-                ));
-            }
-            _ => {}
-        }
-        if c.rope_dims != c.head_dim || max_ctx == 0 || block_size == 0 {
-            return Err(unsupported(
-                "partial RoPE, an empty context or empty KV blocks",
-            ));
-        }
-        if u32::try_from(max_ctx).is_err() || u32::try_from(c.vocab_size).is_err() {
-            return Err(unsupported("contexts or vocabularies beyond 32 bits"));
-        }
-        if shard.rank >= shard.world {
-            return Err(unsupported(format!(
-                "rank {} of {}",
-                shard.rank, shard.world
-            )));
-        }
-        Shard::check(&c, shard.world)?;
-        let (d, w) = (c.d_model, shard.world);
-        let (heads, kv_heads) = (c.n_heads / w, c.n_kv_heads / w);
-        // This rank's rows of a matrix of `rows` x `cols` (all of them for
-        // the whole model): its heads' rows are contiguous.
-        let mine = |rows: usize| rows / w * shard.rank..rows / w * (shard.rank + 1);
-        // Its FFN units: whole blocks of the coarsest format any layer's
-        // down projection has, as even as they allow (Qwen2.5-0.5B's 4864
-        // columns are 19 Q4_K/Q6_K blocks: 9 and 10 on two ranks), as the
-        // CPU engine cuts them.
-        // (Experts are not cut: each rank holds whole experts.)
-        let mut ffn_block = 32;
-        for i in (0..c.n_layers).filter(|_| c.moe.is_none()) {
-            let ty = g.tensor(&format!("blk.{i}.ffn_down.weight"))?.ty;
-            ffn_block = ffn_block.max(QFormat::of(ty).map_or(ty.block_len(), QFormat::block_len));
-        }
-        let ffn_mine = match c.moe {
-            Some(_) => 0..c.ffn_dim,
-            None => {
-                let bounds = block_bounds(c.ffn_dim, w, ffn_block);
-                bounds[shard.rank]..bounds[shard.rank + 1]
-            }
-        };
-        let ffn = ffn_mine.len();
-        if ffn == 0 {
-            return Err(unsupported(format!(
-                "{w} tensor-parallel ranks: an FFN of {} is {} blocks of {ffn_block}",
-                c.ffn_dim,
-                c.ffn_dim / ffn_block
-            )));
-        }
-        // Quantised matrices, rows `sel` of each `rows` x `cols` part,
-        // stacked in the order given, with columns `cols_sel` of each row
-        // (rows are independent, so a stacked matmul computes each
-        // matrix's rows bit for bit; a rank's columns must be whole blocks
-        // of the part's format).
-        type Part = (String, usize, std::ops::Range<usize>);
-        let stacked = |parts: &[Part],
-                       cols: usize,
-                       cols_sel: std::ops::Range<usize>|
-         -> Result<Stacked, GpuError> {
-            // (format, rows, stored bytes) of each run of one format.
-            let mut runs: Vec<(QFormat, usize, Vec<u8>)> = Vec::new();
-            for (name, rows, sel) in parts {
-                let info = g.tensor(name)?;
-                // A format the device has no decoder for (Q4_0, Q5_K, ...)
-                // runs as F32, dequantised here row by row.
-                let native = QFormat::of(info.ty);
-                let format = native.unwrap_or(QFormat::F32);
-                let bl = format.block_len();
-                let stored_row = info.ty.row_bytes(cols);
-                if info.n_elements != rows * cols
-                    || stored_row.is_none_or(|r| info.data.len() != rows * r)
-                {
-                    return Err(unsupported(format!(
-                        "{name}: {} values in {} bytes are not {rows}x{cols} {:?}",
-                        info.n_elements,
-                        info.data.len(),
-                        info.ty
-                    )));
-                }
-                if !cols.is_multiple_of(bl)
-                    || !cols_sel.start.is_multiple_of(bl)
-                    || !cols_sel.end.is_multiple_of(bl)
-                {
-                    return Err(unsupported(format!(
-                        "{name}: columns {cols_sel:?} of {cols} are not whole {format:?} blocks \
-                         of {bl}"
-                    )));
-                }
-                let block = format.block_bytes();
-                let (from, to) = (cols_sel.start / bl * block, cols_sel.end / bl * block);
-                let (mut values, mut widened) = (vec![0.0f32; cols], Vec::new());
-                let stored_rows = info.data.chunks_exact(stored_row.unwrap_or(1));
-                for stored in stored_rows.take(sel.end).skip(sel.start) {
-                    let row = match native {
-                        Some(_) => stored,
-                        None => {
-                            dequantize_row(info.ty, stored, &mut values)
-                                .map_err(|e| unsupported(format!("{name}: {e}")))?;
-                            widened.clear();
-                            widened.extend(values.iter().flat_map(|v| v.to_le_bytes()));
-                            &widened[..]
-                        }
-                    };
-                    // A new part where the format changes or the part is
-                    // full (a device binds a bounded range per buffer).
-                    let full = |r: &(QFormat, usize, Vec<u8>)| {
-                        r.0 != format || r.2.len() + (to - from) > PART_BYTES
-                    };
-                    if runs.last().is_none_or(full) {
-                        runs.push((format, 0, Vec::new()));
-                    }
-                    if let Some((_, run_rows, bytes)) = runs.last_mut() {
-                        bytes.extend_from_slice(&row[from..to]);
-                        *run_rows += 1;
-                    }
-                }
-            }
-            let mut out = Stacked {
-                parts: Vec::with_capacity(runs.len()),
-                rows: 0,
-            };
-            for (format, rows, bytes) in runs {
-                let m = QMatrix::upload(&dev, format, rows, cols_sel.len(), &bytes)?;
-                out.parts.push((m, out.rows));
-                out.rows += rows;
-            }
-            Ok(out)
-        };
-        let (qd, kvd) = (c.q_dim(), c.kv_dim());
-        let (all_rows, all_d) = (|rows: usize| 0..rows, 0..d);
-        let mut layers = Vec::with_capacity(c.n_layers);
-        for i in 0..c.n_layers {
-            let t = |s: &str| format!("blk.{i}.{s}.weight");
-            // This rank's rows of the Q, K and V biases, as `wqkv` stacks
-            // their weights.
-            let qkv_bias = if f.qkv_bias {
-                let b = |s: &str, n: usize| -> Result<Vec<f32>, GpuError> {
-                    let all = f32_tensor(g, &format!("blk.{i}.{s}.bias"), n)?;
-                    Ok(all[mine(n)].to_vec())
-                };
-                let stacked = [b("attn_q", qd)?, b("attn_k", kvd)?, b("attn_v", kvd)?].concat();
-                Some(dev.upload(&stacked))
-            } else {
-                None
-            };
-            let pair = |names: [&str; 2], len: usize| -> Result<[Buffer; 2], GpuError> {
-                Ok([
-                    dev.upload(&f32_tensor(g, &t(names[0]), len)?),
-                    dev.upload(&f32_tensor(g, &t(names[1]), len)?),
-                ])
-            };
-            layers.push(Layer {
-                attn_norm: dev.upload(&f32_tensor(g, &t("attn_norm"), d)?),
-                qkv_bias,
-                qk_norm: f
-                    .qk_norm
-                    .then(|| pair(["attn_q_norm", "attn_k_norm"], c.head_dim))
-                    .transpose()?,
-                post_norms: f
-                    .post_norms
-                    .then(|| pair(["post_attention_norm", "post_ffw_norm"], d))
-                    .transpose()?,
-                window: c.layer_window(i),
-                wqkv: stacked(
-                    &[
-                        (t("attn_q"), qd, mine(qd)),
-                        (t("attn_k"), kvd, mine(kvd)),
-                        (t("attn_v"), kvd, mine(kvd)),
-                    ],
-                    d,
-                    all_d.clone(),
-                )?,
-                wo: stacked(&[(t("attn_output"), d, all_rows(d))], qd, mine(qd))?,
-                ffn_norm: dev.upload(&f32_tensor(g, &t("ffn_norm"), d)?),
-                ffn: match &c.moe {
-                    None => Ffn::Dense {
-                        gate_up: stacked(
-                            &[
-                                (t("ffn_gate"), c.ffn_dim, ffn_mine.clone()),
-                                (t("ffn_up"), c.ffn_dim, ffn_mine.clone()),
-                            ],
-                            d,
-                            all_d.clone(),
-                        )?,
-                        down: stacked(
-                            &[(t("ffn_down"), d, all_rows(d))],
-                            c.ffn_dim,
-                            ffn_mine.clone(),
-                        )?,
-                    },
-                    Some(m) => {
-                        // Expert `j`'s matrices (`tandem_modelfile::safetensors::hf_name`).
-                        let x = |s: &str, j: usize| format!("blk.{i}.{s}.{j}.weight");
-                        let e = m.n_experts;
-                        let bias_name = format!("blk.{i}.exp_probs_b.bias");
-                        let bias = if g.contains(&bias_name) {
-                            f32_tensor(g, &bias_name, e)?
-                        } else {
-                            vec![0.0; e]
-                        };
-                        let expert = |j: usize| -> Result<(Stacked, Stacked), GpuError> {
-                            Ok((
-                                stacked(
-                                    &[
-                                        (x("ffn_gate", j), c.ffn_dim, all_rows(c.ffn_dim)),
-                                        (x("ffn_up", j), c.ffn_dim, all_rows(c.ffn_dim)),
-                                    ],
-                                    d,
-                                    all_d.clone(),
-                                )?,
-                                stacked(
-                                    &[(x("ffn_down", j), d, all_rows(d))],
-                                    c.ffn_dim,
-                                    all_rows(c.ffn_dim),
-                                )?,
-                            ))
-                        };
-                        // This rank's experts (all of them on one).
-                        let per = e / w;
-                        let first = shard.rank * per;
-                        Ffn::Moe(MoeFfn {
-                            first_expert: first,
-                            routing: MoeRouting {
-                                experts: e,
-                                top_k: m.top_k,
-                                sigmoid: m.scoring == Scoring::Sigmoid,
-                                norm: m.norm_topk_prob,
-                                scaling: m.routed_scaling,
-                            },
-                            router: stacked(
-                                &[(t("ffn_gate_inp"), e, all_rows(e))],
-                                d,
-                                all_d.clone(),
-                            )?,
-                            bias: dev.upload(&bias),
-                            experts: (first..first + per).map(expert).collect::<Result<_, _>>()?,
-                        })
-                    }
-                },
-            });
-        }
-        let embd = Embeddings::load(g, c.vocab_size, d)?;
-        // The output head, or the embeddings when tied: quantised as it is
-        // stored where the device reads the format, else f32.
-        let head_name = if g.contains("output.weight") {
-            "output.weight"
-        } else {
-            "token_embd.weight"
-        };
-        let vocab = c.vocab_size;
-        let head = stacked(&[(head_name.into(), vocab, 0..vocab)], d, 0..d)?;
-        let out_norm = dev.upload(&f32_tensor(g, "output_norm.weight", d)?);
-        // The CPU's angles at a RoPE base, for every position.
-        let sin_cos = |theta: f32| -> Buffer {
-            let rope = Rope::new(c.rope_style, c.rope_dims, theta);
-            let table: Vec<f32> = (0..max_ctx)
-                .flat_map(|p| {
-                    let a = rope.angles(p);
-                    a.sin_cos()
-                        .iter()
-                        .flat_map(|&(s, c)| [s, c])
-                        .collect::<Vec<_>>()
-                })
-                .collect();
-            dev.upload(&table)
-        };
-        let sin_cos_sliding = c.sliding.map(|s| sin_cos(s.rope_theta));
-        let layout = KvLayout {
-            n_layers: c.n_layers,
-            n_kv_heads: kv_heads,
-            head_dim: c.head_dim,
-            block_size,
-        };
-        Ok(GpuModel {
-            sin_cos: sin_cos(c.rope_theta),
-            sin_cos_sliding,
-            dev,
-            c,
-            shard,
-            heads,
-            kv_heads,
-            ffn,
-            layers,
-            embd,
-            head,
-            out_norm,
-            layout,
-            max_ctx,
-            scores_cap: SCORES_CAP,
-        })
     }
 
     /// Caps the attention scores buffer at `bytes` (default 64 MiB):
@@ -1279,6 +958,6 @@ impl SequenceModel for GpuLlama {
         want_logits: bool,
     ) -> Result<Vec<f32>, RequestError> {
         GpuLlama::forward(self, tokens, start_pos, want_logits)
-            .map_err(|e| RequestError::Device(e.to_string()))
+            .map_err(|e| RequestError::Device(Box::new(e)))
     }
 }

@@ -1,14 +1,16 @@
 //! Where the GPU backend reads a model's tensors, by GGUF's names: a GGUF
 //! file, or an HF safetensors directory (F32 / F16 / BF16), whose names
-//! `tandem_modelfile::safetensors::hf_name` maps.
+//! `tandem_modelfile::plan::names` spells for the family.
 
 use std::path::Path;
 
 use tandem_kernels::GgmlType;
+use tandem_modelfile::arch::Family;
 use tandem_modelfile::config::ModelConfig;
 use tandem_modelfile::error::ModelError;
 use tandem_modelfile::gguf::GgufFile;
-use tandem_modelfile::safetensors::{SafetensorsDir, hf_name};
+use tandem_modelfile::plan::names::hf_name;
+use tandem_modelfile::safetensors::SafetensorsDir;
 
 use crate::error::GpuError;
 
@@ -51,11 +53,12 @@ impl Tensors for GgufFile {
 struct HfCheckpoint {
     dir: SafetensorsDir,
     tie: bool,
+    family: &'static Family,
 }
 
 impl Tensors for HfCheckpoint {
     fn tensor(&self, name: &str) -> Result<Tensor<'_>, GpuError> {
-        let t = hf_name(name)
+        let t = hf_name(self.family, name)
             .filter(|_| !(self.tie && name == "output.weight"))
             .and_then(|hf| self.dir.get(&hf))
             .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
@@ -88,9 +91,10 @@ impl ModelFiles {
         if path.is_dir() {
             let (config, tie) = tandem_modelfile::meta::hf_config(path)?;
             let dir = SafetensorsDir::open(path)?;
+            let family = config.family;
             return Ok(ModelFiles {
                 config,
-                tensors: Box::new(HfCheckpoint { dir, tie }),
+                tensors: Box::new(HfCheckpoint { dir, tie, family }),
             });
         }
         let g = GgufFile::open(path).map_err(ModelError::from)?;

@@ -10,6 +10,7 @@
 use tandem_kernels::ops::RopeStyle;
 
 use crate::error::ModelError;
+use crate::plan::names::HfNaming;
 
 /// The gated feed-forward's activation: `down(act(gate x) * up x)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,6 +60,8 @@ pub struct Family {
     pub sliding_rope_theta: f32,
     /// A sparse mixture-of-experts FFN in every layer.
     pub moe: bool,
+    /// How its HF checkpoints name a layer's tensors.
+    pub hf_naming: HfNaming,
 }
 
 const LLAMA_LIKE: Family = Family {
@@ -73,6 +76,7 @@ const LLAMA_LIKE: Family = Family {
     sliding: SlidingLayers::None,
     sliding_rope_theta: 10_000.0,
     moe: false,
+    hf_naming: HfNaming::Llama,
 };
 
 pub static LLAMA: Family = Family {
@@ -105,6 +109,7 @@ pub static GEMMA3: Family = Family {
     activation: Activation::GeluTanh,
     scale_embeddings: true,
     sliding: SlidingLayers::Periodic { default_period: 6 },
+    hf_naming: HfNaming::Gemma,
     ..LLAMA_LIKE
 };
 
