@@ -19,9 +19,9 @@ use tandem_engine::moe::Combine;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
 use tandem_frontend::auth::ApiKeys;
 use tandem_frontend::reasoning::ReasoningParser;
-use tandem_frontend::tls::HttpTls;
 use tandem_frontend::tools::ToolParser;
 use tandem_frontend::{AppState, BodyPace, ServerConfig};
+use tandem_http::HttpTls;
 use tandem_modelfile::{ModelMeta, fetch};
 use tandem_perfmodel::EngineProfile;
 

@@ -14,10 +14,9 @@ pub mod openapi;
 pub mod prompt;
 pub mod reasoning;
 pub mod server;
-pub mod tls;
 pub mod tools;
 
 pub use backend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
 pub use error::ApiError;
 pub use metrics::MetricsRenderer;
-pub use server::{AppState, BodyPace, ConnectionLimits, ServerConfig, app, serve, serve_router};
+pub use server::{AppState, BodyPace, ServerConfig, app, serve};

@@ -325,10 +325,10 @@ pub async fn serve(
     let mut http_stop = stop_rx.clone();
     let health_core = Arc::clone(&core);
     let health = Arc::new(move || health_core.health());
-    let http = tandem_frontend::serve_router(
+    let http = tandem_http::serve_router(
         http_listener,
         crate::http::router(health, render),
-        tandem_frontend::ConnectionLimits::default(),
+        tandem_http::ConnectionLimits::default(),
         None,
         async move {
             let _ = http_stop.changed().await;
