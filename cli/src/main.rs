@@ -9,6 +9,7 @@ mod generate;
 mod hub;
 mod kernel_args;
 mod local;
+mod node;
 mod plan;
 mod serve;
 mod telemetry;
@@ -57,11 +58,11 @@ enum Command {
     /// Serve the OpenAI API with all roles in one process
     Serve(serve::ServeArgs),
     /// Run a prefill node (gRPC; registers in etcd)
-    Prefill(cluster::PrefillArgs),
+    Prefill(node::PrefillArgs),
     /// Run a decode node (gRPC; registers in etcd)
-    Decode(cluster::DecodeArgs),
+    Decode(node::DecodeArgs),
     /// Run the OpenAI API router in front of prefill and decode nodes found in etcd
-    Router(cluster::RouterArgs),
+    Router(node::RouterArgs),
     /// Run a whole local cluster as processes
     #[command(subcommand)]
     Cluster(cluster::ClusterCommand),
@@ -84,9 +85,9 @@ fn main() -> Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::BenchEngine(args) => bench_engine::run(args),
         Command::Serve(args) => serve::run(args),
-        Command::Prefill(args) => cluster::run_prefill(args),
-        Command::Decode(args) => cluster::run_decode(args),
-        Command::Router(args) => cluster::run_router(args),
+        Command::Prefill(args) => node::run_prefill(args),
+        Command::Decode(args) => node::run_decode(args),
+        Command::Router(args) => node::run_router(args),
         Command::Cluster(cmd) => cluster::run_cluster(cmd),
         Command::Plan(args) => plan::run(args),
     }
