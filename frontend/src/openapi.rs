@@ -287,12 +287,86 @@ fn nullable(schema: Value) -> Value {
 /// exists (tested).
 fn property_patches() -> Vec<(&'static str, &'static str, Value)> {
     let bounded = |min: f64, max: f64| json!({"minimum": min, "maximum": max});
-    let text_part = json!({
+    let top = MAX_TOP_LOGPROBS as f64;
+    let mut patches = vec![("Stop", "", stop_schema()), ("Prompt", "", prompt_schema())];
+    for req in ["ChatRequest", "CompletionRequest"] {
+        patches.extend(sampling_patches(req));
+    }
+    patches.extend([
+        (
+            "ChatRequest",
+            "messages",
+            json!({"minItems": 1, "maxItems": MAX_MESSAGES}),
+        ),
+        (
+            "ChatRequest",
+            "max_completion_tokens",
+            json!({"minimum": 1}),
+        ),
+        ("ChatRequest", "top_logprobs", bounded(0.0, top)),
+        (
+            "ChatRequest",
+            "tools",
+            nullable(json!({"type": "array", "maxItems": MAX_TOOLS, "items": tool_schema()})),
+        ),
+        ("ChatRequest", "tool_choice", tool_choice_schema()),
+        ("CompletionRequest", "logprobs", bounded(0.0, top)),
+        ("RequestMessage", "role", json!({"enum": ROLES})),
+        (
+            "RequestMessage",
+            "content",
+            json!({
+                "description": "Text, or an array of text parts.",
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": text_part_schema()},
+                    {"type": "null"},
+                ],
+            }),
+        ),
+        (
+            "RequestMessage",
+            "tool_calls",
+            nullable(json!({"type": "array", "items": tool_call_schema()})),
+        ),
+    ]);
+    patches
+}
+
+/// The sampling bounds shared by the chat and completion requests.
+fn sampling_patches(req: &'static str) -> [(&'static str, &'static str, Value); 11] {
+    let bounded = |min: f64, max: f64| json!({"minimum": min, "maximum": max});
+    [
+        (req, "n", json!({"minimum": 1, "maximum": MAX_N})),
+        (req, "max_tokens", json!({"minimum": 1})),
+        (req, "temperature", bounded(0.0, 2.0)),
+        (req, "top_p", json!({"minimum": TINY, "maximum": 1})),
+        (req, "top_k", json!({"minimum": -1})),
+        (req, "min_p", bounded(0.0, 1.0)),
+        (req, "frequency_penalty", bounded(-2.0, 2.0)),
+        (req, "presence_penalty", bounded(-2.0, 2.0)),
+        (
+            req,
+            "repetition_penalty",
+            json!({"minimum": TINY, "maximum": 10}),
+        ),
+        (req, "logit_bias", logit_bias_schema()),
+        (req, "response_format", response_format_schema()),
+    ]
+}
+
+/// A chat message's text part.
+fn text_part_schema() -> Value {
+    json!({
         "type": "object",
         "required": ["type", "text"],
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-    });
-    let tool_call = json!({
+    })
+}
+
+/// An assistant message's tool call.
+fn tool_call_schema() -> Value {
+    json!({
         "type": "object",
         "required": ["function"],
         "properties": {
@@ -310,8 +384,12 @@ fn property_patches() -> Vec<(&'static str, &'static str, Value)> {
                 },
             },
         },
-    });
-    let tool = json!({
+    })
+}
+
+/// A chat request's tool.
+fn tool_schema() -> Value {
+    json!({
         "type": "object",
         "required": ["type", "function"],
         "properties": {
@@ -330,8 +408,12 @@ fn property_patches() -> Vec<(&'static str, &'static str, Value)> {
                 },
             },
         },
-    });
-    let tool_choice = json!({
+    })
+}
+
+/// A chat request's `tool_choice`.
+fn tool_choice_schema() -> Value {
+    json!({
         "anyOf": [
             {"enum": ["none", "auto", "required"]},
             {
@@ -348,8 +430,12 @@ fn property_patches() -> Vec<(&'static str, &'static str, Value)> {
             },
             {"type": "null"},
         ],
-    });
-    let response_format = json!({
+    })
+}
+
+/// `response_format`, the extensions included.
+fn response_format_schema() -> Value {
+    json!({
         "description": "What the output must match. `regex` and `grammar` (Lark) are extensions.",
         "anyOf": [
             {
@@ -385,14 +471,22 @@ fn property_patches() -> Vec<(&'static str, &'static str, Value)> {
             },
             {"type": "null"},
         ],
-    });
-    let logit_bias = nullable(json!({
+    })
+}
+
+/// `logit_bias`: token ids to biases.
+fn logit_bias_schema() -> Value {
+    nullable(json!({
         "type": "object",
         "maxProperties": MAX_LOGIT_BIAS,
         "propertyNames": {"pattern": "^[0-9]+$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-    }));
-    let stop = json!({
+    }))
+}
+
+/// `stop`: a string or a bounded array of them.
+fn stop_schema() -> Value {
+    json!({
         "anyOf": [
             {"type": "string", "maxLength": MAX_STOP_BYTES},
             {
@@ -401,11 +495,15 @@ fn property_patches() -> Vec<(&'static str, &'static str, Value)> {
                 "items": {"type": "string", "maxLength": MAX_STOP_BYTES},
             },
         ],
-    });
+    })
+}
+
+/// `prompt`: text or token ids, one prompt or a bounded batch.
+fn prompt_schema() -> Value {
     // An empty text is an empty prompt (a 400).
     let text = json!({"type": "string", "minLength": 1});
     let token = json!({"type": "integer", "minimum": 0, "maximum": u32::MAX});
-    let prompt = json!({
+    json!({
         "anyOf": [
             text,
             {"type": "array", "minItems": 1, "items": token},
@@ -421,108 +519,27 @@ fn property_patches() -> Vec<(&'static str, &'static str, Value)> {
                 },
             },
         ],
-    });
-    let top = MAX_TOP_LOGPROBS as f64;
-    let mut patches = vec![("Stop", "", stop), ("Prompt", "", prompt)];
-    for req in ["ChatRequest", "CompletionRequest"] {
-        patches.extend([
-            (req, "n", json!({"minimum": 1, "maximum": MAX_N})),
-            (req, "max_tokens", json!({"minimum": 1})),
-            (req, "temperature", bounded(0.0, 2.0)),
-            (req, "top_p", json!({"minimum": TINY, "maximum": 1})),
-            (req, "top_k", json!({"minimum": -1})),
-            (req, "min_p", bounded(0.0, 1.0)),
-            (req, "frequency_penalty", bounded(-2.0, 2.0)),
-            (req, "presence_penalty", bounded(-2.0, 2.0)),
-            (
-                req,
-                "repetition_penalty",
-                json!({"minimum": TINY, "maximum": 10}),
-            ),
-            (req, "logit_bias", logit_bias.clone()),
-            (req, "response_format", response_format.clone()),
-        ]);
-    }
-    patches.extend([
-        (
-            "ChatRequest",
-            "messages",
-            json!({"minItems": 1, "maxItems": MAX_MESSAGES}),
-        ),
-        (
-            "ChatRequest",
-            "max_completion_tokens",
-            json!({"minimum": 1}),
-        ),
-        ("ChatRequest", "top_logprobs", bounded(0.0, top)),
-        (
-            "ChatRequest",
-            "tools",
-            nullable(json!({"type": "array", "maxItems": MAX_TOOLS, "items": tool})),
-        ),
-        ("ChatRequest", "tool_choice", tool_choice),
-        ("CompletionRequest", "logprobs", bounded(0.0, top)),
-        ("RequestMessage", "role", json!({"enum": ROLES})),
-        (
-            "RequestMessage",
-            "content",
-            json!({
-                "description": "Text, or an array of text parts.",
-                "anyOf": [
-                    {"type": "string"},
-                    {"type": "array", "items": text_part},
-                    {"type": "null"},
-                ],
-            }),
-        ),
-        (
-            "RequestMessage",
-            "tool_calls",
-            nullable(json!({"type": "array", "items": tool_call})),
-        ),
-    ]);
-    patches
+    })
 }
 
 /// The bodies that are JSON built by hand on the server too.
 fn hand_written_schemas() -> Map<String, Value> {
-    let input_item = json!({
-        "type": "object",
-        "properties": {
-            "type": {
-                "enum": ["message", "function_call", "function_call_output", "reasoning"],
-                "description": "`message` when absent.",
-            },
-            "role": {"enum": ROLES, "description": "`user` when absent."},
-            "content": {
-                "anyOf": [
-                    {"type": "string"},
-                    {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["type", "text"],
-                            "properties": {
-                                "type": {"enum": ["input_text", "output_text", "text"]},
-                                "text": {"type": "string"},
-                            },
-                        },
-                    },
-                    {"type": "null"},
-                ],
-            },
-            "call_id": {"type": "string"},
-            "name": {"type": "string"},
-            "arguments": {"type": "string"},
-            "output": {"type": "string"},
-        },
-    });
+    let mut out = Map::new();
+    out.insert("ResponsesRequest".into(), responses_request_schema());
+    out.insert("Response".into(), response_schema());
+    out.insert("ErrorResponse".into(), error_schema());
+    out.insert("Health".into(), health_schema());
+    out
+}
+
+/// `/v1/responses`' body.
+fn responses_request_schema() -> Value {
     let mut responses_props = json!({
         "model": {"type": ["string", "null"]},
         "input": {
             "anyOf": [
                 {"type": "string"},
-                {"type": "array", "minItems": 1, "items": input_item},
+                {"type": "array", "minItems": 1, "items": responses_input_item_schema()},
             ],
         },
         "instructions": {"type": ["string", "null"]},
@@ -582,7 +599,71 @@ fn hand_written_schemas() -> Map<String, Value> {
     for f in RESPONSES_IGNORED {
         responses_props[*f] = json!({"description": "Accepted and ignored."});
     }
-    let error = json!({
+    json!({
+        "type": "object",
+        "description": "OpenAI's Responses API, stateless: `input` is translated to a chat \
+                        request.",
+        "required": ["input"],
+        "properties": responses_props,
+        "additionalProperties": false,
+    })
+}
+
+/// One item of a `/v1/responses` `input` array.
+fn responses_input_item_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "type": {
+                "enum": ["message", "function_call", "function_call_output", "reasoning"],
+                "description": "`message` when absent.",
+            },
+            "role": {"enum": ROLES, "description": "`user` when absent."},
+            "content": {
+                "anyOf": [
+                    {"type": "string"},
+                    {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["type", "text"],
+                            "properties": {
+                                "type": {"enum": ["input_text", "output_text", "text"]},
+                                "text": {"type": "string"},
+                            },
+                        },
+                    },
+                    {"type": "null"},
+                ],
+            },
+            "call_id": {"type": "string"},
+            "name": {"type": "string"},
+            "arguments": {"type": "string"},
+            "output": {"type": "string"},
+        },
+    })
+}
+
+/// `/v1/responses`' answer.
+fn response_schema() -> Value {
+    json!({
+        "type": "object",
+        "required": ["id", "object", "created_at", "status", "model", "output"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "response"},
+            "created_at": {"type": "integer"},
+            "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
+            "model": {"type": "string"},
+            "output": {"type": "array", "items": {"type": "object"}},
+            "usage": {"type": ["object", "null"]},
+        },
+    })
+}
+
+/// Every error's body.
+fn error_schema() -> Value {
+    json!({
         "type": "object",
         "required": ["error"],
         "properties": {
@@ -597,48 +678,19 @@ fn hand_written_schemas() -> Map<String, Value> {
                 },
             },
         },
-    });
-    let mut out = Map::new();
-    out.insert(
-        "ResponsesRequest".into(),
-        json!({
-            "type": "object",
-            "description": "OpenAI's Responses API, stateless: `input` is translated to a chat \
-                            request.",
-            "required": ["input"],
-            "properties": responses_props,
-            "additionalProperties": false,
-        }),
-    );
-    out.insert(
-        "Response".into(),
-        json!({
-            "type": "object",
-            "required": ["id", "object", "created_at", "status", "model", "output"],
-            "properties": {
-                "id": {"type": "string"},
-                "object": {"const": "response"},
-                "created_at": {"type": "integer"},
-                "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
-                "model": {"type": "string"},
-                "output": {"type": "array", "items": {"type": "object"}},
-                "usage": {"type": ["object", "null"]},
-            },
-        }),
-    );
-    out.insert("ErrorResponse".into(), error);
-    out.insert(
-        "Health".into(),
-        json!({
-            "type": "object",
-            "required": ["status", "requests_in_flight"],
-            "properties": {
-                "status": {"type": "string", "description": "`ok` when ready, `draining`, or why not ready."},
-                "requests_in_flight": {"type": "integer", "minimum": 0},
-            },
-        }),
-    );
-    out
+    })
+}
+
+/// `/health`'s body.
+fn health_schema() -> Value {
+    json!({
+        "type": "object",
+        "required": ["status", "requests_in_flight"],
+        "properties": {
+            "status": {"type": "string", "description": "`ok` when ready, `draining`, or why not ready."},
+            "requests_in_flight": {"type": "integer", "minimum": 0},
+        },
+    })
 }
 
 /// Fields of `/v1/responses` accepted and ignored.

@@ -13,7 +13,9 @@
 
 use serde_json::{Map, Value, json};
 
+use super::choices::Output;
 use super::*;
+use crate::reasoning::Split;
 
 /// Fields accepted and ignored (they do not change the output here).
 const IGNORED: &[&str] = &[
@@ -83,6 +85,39 @@ fn item_text(i: usize, content: Option<&Value>) -> Result<String, ApiError> {
 
 /// The equivalent chat completions body.
 fn to_chat(body: &[u8], allow_extra: bool) -> Result<(Value, Map<String, Value>), ApiError> {
+    let req = parse_request(body, allow_extra)?;
+    let mut chat = Map::new();
+    chat.insert("messages".into(), Value::Array(chat_messages(&req)?));
+    for (from, to) in [
+        ("model", "model"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("max_output_tokens", "max_completion_tokens"),
+        ("parallel_tool_calls", "parallel_tool_calls"),
+    ] {
+        if let Some(v) = req.get(from).filter(|v| !v.is_null()) {
+            chat.insert(to.into(), v.clone());
+        }
+    }
+    if let Some(n) = req.get("top_logprobs").filter(|v| !v.is_null()) {
+        chat.insert("logprobs".into(), Value::Bool(true));
+        chat.insert("top_logprobs".into(), n.clone());
+    }
+    if let Some(Value::Array(tools)) = req.get("tools") {
+        chat.insert("tools".into(), chat_tools(tools)?);
+    }
+    if let Some(choice) = chat_tool_choice(req.get("tool_choice")) {
+        chat.insert("tool_choice".into(), choice);
+    }
+    if let Some(format) = req.get("text").and_then(|t| t.get("format")) {
+        chat.insert("response_format".into(), chat_response_format(format));
+    }
+    Ok((Value::Object(chat), req))
+}
+
+/// The body as a JSON object of known fields (any field with
+/// `allow_extra`), without `previous_response_id`.
+fn parse_request(body: &[u8], allow_extra: bool) -> Result<Map<String, Value>, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(format!("Invalid JSON body: {e}"), None))?;
     let Value::Object(req) = v else {
@@ -106,6 +141,11 @@ fn to_chat(body: &[u8], allow_extra: bool) -> Result<(Value, Map<String, Value>)
             "previous_response_id",
         ));
     }
+    Ok(req)
+}
+
+/// The chat messages of `instructions` and `input`.
+fn chat_messages(req: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
     let mut messages = Vec::new();
     if let Some(Value::String(s)) = req.get("instructions") {
         messages.push(json!({"role": "system", "content": s}));
@@ -114,58 +154,7 @@ fn to_chat(body: &[u8], allow_extra: bool) -> Result<(Value, Map<String, Value>)
         Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
         Some(Value::Array(items)) => {
             for (i, item) in items.iter().enumerate() {
-                let kind = item
-                    .get("type")
-                    .and_then(Value::as_str)
-                    .unwrap_or("message");
-                match kind {
-                    "message" => {
-                        let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
-                        let text = item_text(i, item.get("content"))?;
-                        messages.push(json!({"role": role, "content": text}));
-                    }
-                    "function_call" => {
-                        let call = json!({
-                            "id": item.get("call_id").cloned().unwrap_or(Value::Null),
-                            "type": "function",
-                            "function": {
-                                "name": item.get("name").cloned().unwrap_or(Value::Null),
-                                "arguments": item.get("arguments").cloned().unwrap_or(Value::Null),
-                            }
-                        });
-                        // Consecutive calls belong to one assistant turn.
-                        match messages.last_mut() {
-                            Some(m) if m["role"] == "assistant" && m["tool_calls"].is_array() => {
-                                if let Some(a) = m["tool_calls"].as_array_mut() {
-                                    a.push(call);
-                                }
-                            }
-                            _ => messages.push(
-                                json!({"role": "assistant", "content": null, "tool_calls": [call]}),
-                            ),
-                        }
-                    }
-                    "function_call_output" => {
-                        let output = match item.get("output") {
-                            Some(Value::String(s)) => s.clone(),
-                            Some(other) => other.to_string(),
-                            None => String::new(),
-                        };
-                        messages.push(json!({
-                            "role": "tool",
-                            "tool_call_id": item.get("call_id").cloned().unwrap_or(Value::Null),
-                            "content": output,
-                        }));
-                    }
-                    // Reasoning items from an earlier turn carry nothing we use.
-                    "reasoning" => {}
-                    other => {
-                        return Err(invalid(
-                            format!("input[{i}].type `{other}` is not supported"),
-                            "input",
-                        ));
-                    }
-                }
+                push_item(&mut messages, i, item)?;
             }
         }
         _ => {
@@ -175,66 +164,109 @@ fn to_chat(body: &[u8], allow_extra: bool) -> Result<(Value, Map<String, Value>)
             ));
         }
     }
-    let mut chat = Map::new();
-    chat.insert("messages".into(), Value::Array(messages));
-    for (from, to) in [
-        ("model", "model"),
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("max_output_tokens", "max_completion_tokens"),
-        ("parallel_tool_calls", "parallel_tool_calls"),
-    ] {
-        if let Some(v) = req.get(from).filter(|v| !v.is_null()) {
-            chat.insert(to.into(), v.clone());
+    Ok(messages)
+}
+
+/// Adds input item `i` to the chat messages.
+fn push_item(messages: &mut Vec<Value>, i: usize, item: &Value) -> Result<(), ApiError> {
+    let kind = item
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("message");
+    match kind {
+        "message" => {
+            let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
+            let text = item_text(i, item.get("content"))?;
+            messages.push(json!({"role": role, "content": text}));
+        }
+        "function_call" => push_function_call(messages, item),
+        "function_call_output" => {
+            let output = match item.get("output") {
+                Some(Value::String(s)) => s.clone(),
+                Some(other) => other.to_string(),
+                None => String::new(),
+            };
+            messages.push(json!({
+                "role": "tool",
+                "tool_call_id": item.get("call_id").cloned().unwrap_or(Value::Null),
+                "content": output,
+            }));
+        }
+        // Reasoning items from an earlier turn carry nothing we use.
+        "reasoning" => {}
+        other => {
+            return Err(invalid(
+                format!("input[{i}].type `{other}` is not supported"),
+                "input",
+            ));
         }
     }
-    if let Some(n) = req.get("top_logprobs").filter(|v| !v.is_null()) {
-        chat.insert("logprobs".into(), Value::Bool(true));
-        chat.insert("top_logprobs".into(), n.clone());
-    }
-    // Function tools are flat here: {"type", "name", "description", "parameters"}.
-    if let Some(Value::Array(tools)) = req.get("tools") {
-        let mut out = Vec::with_capacity(tools.len());
-        for (i, t) in tools.iter().enumerate() {
-            if t.get("type").and_then(Value::as_str) != Some("function") {
-                return Err(invalid(
-                    format!("tools[{i}]: only function tools are supported"),
-                    "tools",
-                ));
+    Ok(())
+}
+
+/// A `function_call` item as an assistant tool call: consecutive calls
+/// belong to one assistant turn.
+fn push_function_call(messages: &mut Vec<Value>, item: &Value) {
+    let call = json!({
+        "id": item.get("call_id").cloned().unwrap_or(Value::Null),
+        "type": "function",
+        "function": {
+            "name": item.get("name").cloned().unwrap_or(Value::Null),
+            "arguments": item.get("arguments").cloned().unwrap_or(Value::Null),
+        }
+    });
+    match messages.last_mut() {
+        Some(m) if m["role"] == "assistant" && m["tool_calls"].is_array() => {
+            if let Some(a) = m["tool_calls"].as_array_mut() {
+                a.push(call);
             }
-            out.push(json!({"type": "function", "function": {
-                "name": t.get("name").cloned().unwrap_or(Value::Null),
-                "description": t.get("description").cloned().unwrap_or(Value::Null),
-                "parameters": t.get("parameters").cloned().unwrap_or(Value::Null),
-            }}));
         }
-        chat.insert("tools".into(), Value::Array(out));
+        _ => messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
     }
-    match req.get("tool_choice") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => {
-            chat.insert("tool_choice".into(), Value::String(s.clone()));
+}
+
+/// Function tools are flat here: {"type", "name", "description",
+/// "parameters"}; chat nests all but the type under `function`.
+fn chat_tools(tools: &[Value]) -> Result<Value, ApiError> {
+    let mut out = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(invalid(
+                format!("tools[{i}]: only function tools are supported"),
+                "tools",
+            ));
         }
+        out.push(json!({"type": "function", "function": {
+            "name": t.get("name").cloned().unwrap_or(Value::Null),
+            "description": t.get("description").cloned().unwrap_or(Value::Null),
+            "parameters": t.get("parameters").cloned().unwrap_or(Value::Null),
+        }}));
+    }
+    Ok(Value::Array(out))
+}
+
+/// `tool_choice` in chat's form; `None` when absent or null.
+fn chat_tool_choice(choice: Option<&Value>) -> Option<Value> {
+    match choice {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(Value::String(s.clone())),
         Some(o) => {
             let name = o.get("name").cloned().unwrap_or(Value::Null);
-            chat.insert(
-                "tool_choice".into(),
-                json!({"type": "function", "function": {"name": name}}),
-            );
+            Some(json!({"type": "function", "function": {"name": name}}))
         }
     }
-    if let Some(format) = req.get("text").and_then(|t| t.get("format")) {
-        let rf = match format.get("type").and_then(Value::as_str) {
-            Some("json_schema") => json!({"type": "json_schema", "json_schema": {
-                "name": format.get("name").cloned().unwrap_or(Value::Null),
-                "schema": format.get("schema").cloned().unwrap_or(Value::Null),
-                "strict": format.get("strict").cloned().unwrap_or(Value::Null),
-            }}),
-            _ => format.clone(),
-        };
-        chat.insert("response_format".into(), rf);
+}
+
+/// `text.format` as chat's `response_format`.
+fn chat_response_format(format: &Value) -> Value {
+    match format.get("type").and_then(Value::as_str) {
+        Some("json_schema") => json!({"type": "json_schema", "json_schema": {
+            "name": format.get("name").cloned().unwrap_or(Value::Null),
+            "schema": format.get("schema").cloned().unwrap_or(Value::Null),
+            "strict": format.get("strict").cloned().unwrap_or(Value::Null),
+        }}),
+        _ => format.clone(),
     }
-    Ok((Value::Object(chat), req))
 }
 
 /// An error about the output length of the chat request made from a
@@ -337,37 +369,70 @@ fn suffix(id: &str) -> &str {
     id.rsplit('_').next().unwrap_or(id)
 }
 
-/// The response object.
-#[allow(clippy::too_many_arguments)]
-fn response_json(
-    id: &str,
+/// What every response object of one request repeats.
+struct ResponseHead {
+    id: String,
     created: u64,
-    model: &str,
-    status: &str,
-    output: Vec<Value>,
-    usage: Option<&UsageInfo>,
-    incomplete: bool,
-    echo: &Map<String, Value>,
-) -> Value {
-    let mut r = Map::new();
-    r.insert("id".into(), json!(id));
-    r.insert("object".into(), json!("response"));
-    r.insert("created_at".into(), json!(created));
-    r.insert("status".into(), json!(status));
-    r.insert("model".into(), json!(model));
-    r.insert("output".into(), Value::Array(output));
-    r.insert("usage".into(), usage.map_or(Value::Null, usage_json));
-    r.insert("error".into(), Value::Null);
-    r.insert(
-        "incomplete_details".into(),
-        if incomplete {
-            json!({"reason": "max_output_tokens"})
+    model: String,
+    /// The request's parameters, echoed.
+    echo: Map<String, Value>,
+}
+
+impl ResponseHead {
+    /// The response object.
+    fn json(
+        &self,
+        status: &str,
+        output: Vec<Value>,
+        usage: Option<&UsageInfo>,
+        incomplete: bool,
+    ) -> Value {
+        let mut r = Map::new();
+        r.insert("id".into(), json!(self.id));
+        r.insert("object".into(), json!("response"));
+        r.insert("created_at".into(), json!(self.created));
+        r.insert("status".into(), json!(status));
+        r.insert("model".into(), json!(self.model));
+        r.insert("output".into(), Value::Array(output));
+        r.insert("usage".into(), usage.map_or(Value::Null, usage_json));
+        r.insert("error".into(), Value::Null);
+        r.insert(
+            "incomplete_details".into(),
+            if incomplete {
+                json!({"reason": "max_output_tokens"})
+            } else {
+                Value::Null
+            },
+        );
+        r.extend(self.echo.clone());
+        Value::Object(r)
+    }
+
+    /// The whole response to a request that does not stream.
+    fn whole(&self, out: &Output, finish: FinishReason, usage: &UsageInfo) -> Value {
+        let id = &self.id;
+        let mut items = Vec::new();
+        if let Some(r) = &out.reasoning {
+            items.push(reasoning_item(id, r, "completed"));
+        }
+        if !out.content.is_empty() || out.calls.is_empty() {
+            items.push(message_item(id, &out.content, "completed"));
+        }
+        // Cut by max_output_tokens, calls too (the last one partial).
+        let incomplete = finish == FinishReason::Length;
+        let status = if incomplete {
+            "incomplete"
         } else {
-            Value::Null
-        },
-    );
-    r.extend(echo.clone());
-    Value::Object(r)
+            "completed"
+        };
+        items.extend(
+            out.calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| call_item(id, i, c, status)),
+        );
+        self.json(status, items, Some(usage), incomplete)
+    }
 }
 
 pub(super) async fn responses(
@@ -411,71 +476,31 @@ async fn responses_inner(
         .pop()
         .ok_or_else(|| ApiError::internal("no generation started"))?;
     drop(awaiting);
-    let id = state.new_id("resp").replace('-', "_");
-    let created = unix_now();
-    let model = state.config().model_name.clone();
-    let echo = echo(&req);
+    let head = ResponseHead {
+        id: state.new_id("resp").replace('-', "_"),
+        created: unix_now(),
+        model: state.config().model_name.clone(),
+        echo: echo(&req),
+    };
     if !stream {
         let (text, _lps, finish, usage) = generation.collect().await?;
-        let out = output.whole(&text);
-        let mut items = Vec::new();
-        if let Some(r) = &out.reasoning {
-            items.push(reasoning_item(&id, r, "completed"));
-        }
-        if !out.content.is_empty() || out.calls.is_empty() {
-            items.push(message_item(&id, &out.content, "completed"));
-        }
-        // Cut by max_output_tokens, calls too (the last one partial).
-        let incomplete = finish == FinishReason::Length;
-        let call_status = if incomplete {
-            "incomplete"
-        } else {
-            "completed"
-        };
-        items.extend(
-            out.calls
-                .iter()
-                .enumerate()
-                .map(|(i, c)| call_item(&id, i, c, call_status)),
-        );
-        let status = if incomplete {
-            "incomplete"
-        } else {
-            "completed"
-        };
-        let r = response_json(
-            &id,
-            created,
-            &model,
-            status,
-            items,
-            Some(&usage),
-            incomplete,
-            &echo,
-        );
+        let r = head.whole(&output.whole(&text), finish, &usage);
         return Ok(Json(r).into_response());
     }
     let events = async_stream::stream! {
         let mut seq = 0u64;
-        let mut event = |kind: &str, mut data: Value| {
+        let mut event = |(kind, mut data): Event| {
             data["type"] = json!(kind);
             data["sequence_number"] = json!(seq);
             seq += 1;
             let text = serde_json::to_string(&data).unwrap_or_default();
             Ok::<_, Infallible>(SseEvent::default().event(kind).data(text))
         };
-        let start = response_json(&id, created, &model, "in_progress", Vec::new(), None, false, &echo);
-        yield event("response.created", json!({"response": start.clone()}));
-        yield event("response.in_progress", json!({"response": start}));
-        let msg_id = format!("msg_{}", suffix(&id));
-        let rs_id = format!("rs_{}", suffix(&id));
+        let mut items = StreamedItems::new(head);
+        for e in items.start() {
+            yield event(e);
+        }
         let mut split = output.stream();
-        // Finished output items, in order.
-        let mut items: Vec<Value> = Vec::new();
-        // The open reasoning item's text, and the open message's (with
-        // their output indices).
-        let mut thinking: Option<(usize, String)> = None;
-        let mut message: Option<(usize, String)> = None;
         let mut pieces = std::pin::pin!(generation.pieces(true));
         loop {
             let (s, done) = match pieces.next().await {
@@ -487,93 +512,259 @@ async fn responses_inner(
                 }
                 Some(Piece::Error(e)) => {
                     e.log();
-                    let b = e.body().error;
-                    let mut failed = response_json(&id, created, &model, "failed", Vec::new(), None, false, &echo);
-                    failed["error"] = json!({"code": b.code.unwrap_or(b.kind), "message": b.message});
-                    yield event("response.failed", json!({"response": failed}));
+                    yield event(items.failed(&e));
                     break;
                 }
                 None => break,
             };
-            if !s.reasoning.is_empty() {
-                if thinking.is_none() {
-                    let index = items.len();
-                    yield event("response.output_item.added", json!({"output_index": index,
-                        "item": reasoning_item(&id, "", "in_progress")}));
-                    thinking = Some((index, String::new()));
-                }
-                if let Some((index, text)) = &mut thinking {
-                    text.push_str(&s.reasoning);
-                    yield event("response.reasoning_text.delta", json!({"item_id": rs_id,
-                        "output_index": *index, "content_index": 0, "delta": s.reasoning}));
-                }
+            let mut out = Vec::new();
+            items.piece(&s, done.as_ref().map(|(_, _, calls)| calls.is_empty()), &mut out);
+            let finished = done.is_some();
+            if let Some((f, u, calls)) = done {
+                items.finish(f, &u, &calls, &mut out);
             }
-            // A response always has its message, even an empty one, unless
-            // it made calls.
-            let needs_message = !s.content.is_empty()
-                || done.as_ref().is_some_and(|(_, _, calls)| calls.is_empty());
-            if (needs_message || done.is_some())
-                && let Some((index, text)) = thinking.take()
-            {
-                yield event("response.reasoning_text.done", json!({"item_id": rs_id,
-                    "output_index": index, "content_index": 0, "text": text}));
-                let item = reasoning_item(&id, &text, "completed");
-                yield event("response.output_item.done", json!({"output_index": index, "item": item.clone()}));
-                items.push(item);
+            for e in out {
+                yield event(e);
             }
-            if needs_message && message.is_none() {
-                let index = items.len();
-                yield event("response.output_item.added", json!({"output_index": index,
-                    "item": message_item(&id, "", "in_progress")}));
-                yield event("response.content_part.added", json!({"item_id": msg_id, "output_index": index,
-                    "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}));
-                message = Some((index, String::new()));
+            if finished {
+                break;
             }
-            if !s.content.is_empty()
-                && let Some((index, text)) = &mut message
-            {
-                text.push_str(&s.content);
-                yield event("response.output_text.delta", json!({"item_id": msg_id,
-                    "output_index": *index, "content_index": 0, "delta": s.content, "logprobs": []}));
-            }
-            let Some((f, u, calls)) = done else { continue };
-            if let Some((index, text)) = message.take() {
-                yield event("response.output_text.done", json!({"item_id": msg_id,
-                    "output_index": index, "content_index": 0, "text": text, "logprobs": []}));
-                yield event("response.content_part.done", json!({"item_id": msg_id,
-                    "output_index": index, "content_index": 0,
-                    "part": {"type": "output_text", "text": text, "annotations": []}}));
-                let item = message_item(&id, &text, "completed");
-                yield event("response.output_item.done", json!({"output_index": index, "item": item.clone()}));
-                items.push(item);
-            }
-            let incomplete = f == FinishReason::Length;
-            let call_status = if incomplete { "incomplete" } else { "completed" };
-            for (i, c) in calls.iter().enumerate() {
-                let index = items.len();
-                let mut added = call_item(&id, i, c, "in_progress");
-                added["arguments"] = json!("");
-                let item_id = added["id"].clone();
-                yield event("response.output_item.added", json!({"output_index": index, "item": added}));
-                yield event("response.function_call_arguments.delta", json!({"item_id": item_id,
-                    "output_index": index, "delta": c.arguments}));
-                yield event("response.function_call_arguments.done", json!({"item_id": item_id,
-                    "output_index": index, "arguments": c.arguments}));
-                let done = call_item(&id, i, c, call_status);
-                yield event("response.output_item.done", json!({"output_index": index, "item": done.clone()}));
-                items.push(done);
-            }
-            let (status, kind) = if incomplete {
-                ("incomplete", "response.incomplete")
-            } else {
-                ("completed", "response.completed")
-            };
-            let r = response_json(&id, created, &model, status, items, Some(&u), incomplete, &echo);
-            yield event(kind, json!({"response": r}));
-            break;
         }
     };
     Ok(Sse::new(events).into_response())
+}
+
+/// A streamed event's type and data (without `type` and
+/// `sequence_number`, which the stream adds).
+type Event = (&'static str, Value);
+
+/// A streamed response's output items as they open and close.
+struct StreamedItems {
+    head: ResponseHead,
+    msg_id: String,
+    rs_id: String,
+    /// Finished output items, in order.
+    items: Vec<Value>,
+    /// The open reasoning item's text, and the open message's (with
+    /// their output indices).
+    thinking: Option<(usize, String)>,
+    message: Option<(usize, String)>,
+}
+
+impl StreamedItems {
+    fn new(head: ResponseHead) -> Self {
+        Self {
+            msg_id: format!("msg_{}", suffix(&head.id)),
+            rs_id: format!("rs_{}", suffix(&head.id)),
+            head,
+            items: Vec::new(),
+            thinking: None,
+            message: None,
+        }
+    }
+
+    /// The events before the first piece.
+    fn start(&self) -> [Event; 2] {
+        let start = self.head.json("in_progress", Vec::new(), None, false);
+        [
+            ("response.created", json!({"response": start.clone()})),
+            ("response.in_progress", json!({"response": start})),
+        ]
+    }
+
+    /// The last event of a generation that failed.
+    fn failed(&self, e: &ApiError) -> Event {
+        let b = e.body().error;
+        let mut failed = self.head.json("failed", Vec::new(), None, false);
+        failed["error"] = json!({"code": b.code.unwrap_or(b.kind), "message": b.message});
+        ("response.failed", json!({"response": failed}))
+    }
+
+    /// The events of one piece of the answer. `last`: `None` before the
+    /// answer ends; with its last piece, whether it made no calls.
+    fn piece(&mut self, s: &Split, last: Option<bool>, out: &mut Vec<Event>) {
+        if !s.reasoning.is_empty() {
+            self.reasoning(&s.reasoning, out);
+        }
+        // A response always has its message, even an empty one, unless
+        // it made calls.
+        let needs_message = !s.content.is_empty() || last == Some(true);
+        if needs_message || last.is_some() {
+            self.close_reasoning(out);
+        }
+        if needs_message && self.message.is_none() {
+            self.open_message(out);
+        }
+        if !s.content.is_empty()
+            && let Some((index, text)) = &mut self.message
+        {
+            text.push_str(&s.content);
+            out.push((
+                "response.output_text.delta",
+                json!({
+                    "item_id": self.msg_id,
+                    "output_index": *index,
+                    "content_index": 0,
+                    "delta": s.content,
+                    "logprobs": [],
+                }),
+            ));
+        }
+    }
+
+    /// Reasoning text: opens the reasoning item first if it is not open.
+    fn reasoning(&mut self, delta: &str, out: &mut Vec<Event>) {
+        let (index, text) = self.thinking.get_or_insert_with(|| {
+            let index = self.items.len();
+            out.push((
+                "response.output_item.added",
+                json!({
+                    "output_index": index,
+                    "item": reasoning_item(&self.head.id, "", "in_progress"),
+                }),
+            ));
+            (index, String::new())
+        });
+        text.push_str(delta);
+        out.push((
+            "response.reasoning_text.delta",
+            json!({
+                "item_id": self.rs_id,
+                "output_index": *index,
+                "content_index": 0,
+                "delta": delta,
+            }),
+        ));
+    }
+
+    fn close_reasoning(&mut self, out: &mut Vec<Event>) {
+        let Some((index, text)) = self.thinking.take() else {
+            return;
+        };
+        out.push((
+            "response.reasoning_text.done",
+            json!({
+                "item_id": self.rs_id,
+                "output_index": index,
+                "content_index": 0,
+                "text": text,
+            }),
+        ));
+        let item = reasoning_item(&self.head.id, &text, "completed");
+        out.push((
+            "response.output_item.done",
+            json!({"output_index": index, "item": item.clone()}),
+        ));
+        self.items.push(item);
+    }
+
+    fn open_message(&mut self, out: &mut Vec<Event>) {
+        let index = self.items.len();
+        out.push((
+            "response.output_item.added",
+            json!({
+                "output_index": index,
+                "item": message_item(&self.head.id, "", "in_progress"),
+            }),
+        ));
+        out.push((
+            "response.content_part.added",
+            json!({
+                "item_id": self.msg_id,
+                "output_index": index,
+                "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": []},
+            }),
+        ));
+        self.message = Some((index, String::new()));
+    }
+
+    fn close_message(&mut self, out: &mut Vec<Event>) {
+        let Some((index, text)) = self.message.take() else {
+            return;
+        };
+        out.push((
+            "response.output_text.done",
+            json!({
+                "item_id": self.msg_id,
+                "output_index": index,
+                "content_index": 0,
+                "text": text,
+                "logprobs": [],
+            }),
+        ));
+        out.push((
+            "response.content_part.done",
+            json!({
+                "item_id": self.msg_id,
+                "output_index": index,
+                "content_index": 0,
+                "part": {"type": "output_text", "text": text, "annotations": []},
+            }),
+        ));
+        let item = message_item(&self.head.id, &text, "completed");
+        out.push((
+            "response.output_item.done",
+            json!({"output_index": index, "item": item.clone()}),
+        ));
+        self.items.push(item);
+    }
+
+    /// The answer ended: the message closes, the calls are sent whole,
+    /// and the response is complete (or cut by its length limit).
+    fn finish(
+        &mut self,
+        finish: FinishReason,
+        usage: &UsageInfo,
+        calls: &[tools::ParsedCall],
+        out: &mut Vec<Event>,
+    ) {
+        self.close_message(out);
+        let incomplete = finish == FinishReason::Length;
+        let call_status = if incomplete {
+            "incomplete"
+        } else {
+            "completed"
+        };
+        for (i, c) in calls.iter().enumerate() {
+            self.call(i, c, call_status, out);
+        }
+        let (status, kind) = if incomplete {
+            ("incomplete", "response.incomplete")
+        } else {
+            ("completed", "response.completed")
+        };
+        let items = std::mem::take(&mut self.items);
+        let r = self.head.json(status, items, Some(usage), incomplete);
+        out.push((kind, json!({"response": r})));
+    }
+
+    /// Call `i`, sent whole: added, its arguments, done.
+    fn call(&mut self, i: usize, c: &tools::ParsedCall, status: &str, out: &mut Vec<Event>) {
+        let index = self.items.len();
+        let id = &self.head.id;
+        let mut added = call_item(id, i, c, "in_progress");
+        added["arguments"] = json!("");
+        let item_id = added["id"].clone();
+        out.push((
+            "response.output_item.added",
+            json!({"output_index": index, "item": added}),
+        ));
+        out.push((
+            "response.function_call_arguments.delta",
+            json!({"item_id": item_id, "output_index": index, "delta": c.arguments}),
+        ));
+        out.push((
+            "response.function_call_arguments.done",
+            json!({"item_id": item_id, "output_index": index, "arguments": c.arguments}),
+        ));
+        let done = call_item(id, i, c, status);
+        out.push((
+            "response.output_item.done",
+            json!({"output_index": index, "item": done.clone()}),
+        ));
+        self.items.push(done);
+    }
 }
 
 #[cfg(test)]
