@@ -20,14 +20,19 @@ pub enum ReasoningParser {
     Think,
 }
 
-impl FromStr for ReasoningParser {
-    type Err = String;
+/// A `--reasoning-parser` name that is not one of the parsers.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown reasoning parser `{0}` (think, none)")]
+pub struct UnknownReasoningParser(pub String);
 
-    fn from_str(s: &str) -> Result<Self, String> {
+impl FromStr for ReasoningParser {
+    type Err = UnknownReasoningParser;
+
+    fn from_str(s: &str) -> Result<Self, UnknownReasoningParser> {
         match s {
             "think" => Ok(Self::Think),
             "none" => Ok(Self::None),
-            other => Err(format!("unknown reasoning parser `{other}` (think, none)")),
+            other => Err(UnknownReasoningParser(other.to_string())),
         }
     }
 }

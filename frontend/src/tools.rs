@@ -54,17 +54,20 @@ pub enum ToolParser {
     None,
 }
 
-impl FromStr for ToolParser {
-    type Err = String;
+/// A `--tool-parser` name that is not one of the parsers.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown tool parser `{0}` (hermes, llama3_json, none)")]
+pub struct UnknownToolParser(pub String);
 
-    fn from_str(s: &str) -> Result<Self, String> {
+impl FromStr for ToolParser {
+    type Err = UnknownToolParser;
+
+    fn from_str(s: &str) -> Result<Self, UnknownToolParser> {
         match s {
             "hermes" => Ok(Self::Hermes),
             "llama3_json" => Ok(Self::Llama3Json),
             "none" => Ok(Self::None),
-            other => Err(format!(
-                "unknown tool parser `{other}` (hermes, llama3_json, none)"
-            )),
+            other => Err(UnknownToolParser(other.to_string())),
         }
     }
 }
