@@ -552,6 +552,191 @@ fn poll_request(ucp: &Ucp, req: *mut c_void) -> Option<ucs_status_t> {
     Some(s)
 }
 
+fn unavailable(ucp: &Ucp, op: &str, s: ucs_status_t) -> DkvError {
+    DkvError::UcxUnavailable(format!("{op}: {}", ucp.status_string(s)))
+}
+
+/// UCX's configuration: its `UCX_*` environment variables, with the
+/// node's transports and interfaces and the TCP tuning on top.
+fn read_config(
+    ucp: &Ucp,
+    tls: Option<&str>,
+    net_devices: Option<&str>,
+) -> Result<*mut ucp_config_t, DkvError> {
+    let mut config: *mut ucp_config_t = ptr::null_mut();
+    // SAFETY: out-pointer to a local; NULL prefix/file read UCX_* env vars.
+    let s = unsafe { ucp.ucp_config_read(ptr::null(), ptr::null(), &mut config) };
+    if s != UCS_OK {
+        return Err(unavailable(ucp, "ucp_config_read", s));
+    }
+    if let Err(e) = configure(ucp, config, tls, net_devices) {
+        // SAFETY: releasing the config we read.
+        unsafe { ucp.ucp_config_release(config) };
+        return Err(e);
+    }
+    Ok(config)
+}
+
+/// Applies the node's settings to the live `config`.
+fn configure(
+    ucp: &Ucp,
+    config: *mut ucp_config_t,
+    tls: Option<&str>,
+    net_devices: Option<&str>,
+) -> Result<(), DkvError> {
+    if let Some(tls) = tls {
+        set_option(ucp, config, c"TLS", "ucx_tls", tls)?;
+    }
+    // Only the interfaces the node was told to use (an explicit
+    // UCX_NET_DEVICES wins): UCX otherwise listens on every interface,
+    // the external ones too when the node binds 127.0.0.1.
+    if let Some(devices) = net_devices
+        && std::env::var_os("UCX_NET_DEVICES").is_none()
+    {
+        set_option(ucp, config, c"NET_DEVICES", "ucx_net_devices", devices)?;
+    }
+    // Messages over TCP go out in TX segments; 64 KiB instead of 8 KiB
+    // gave 1.4-2x the bandwidth here (bench/dkv.sh).
+    // An explicit UCX_* environment variable still wins.
+    // (Only where tcp may be used: UCX warns about options no transport
+    // consumed.)
+    let env_tls = std::env::var("UCX_TLS").ok();
+    let tls_list = tls.or(env_tls.as_deref());
+    let may_use_tcp =
+        tls_list.is_none_or(|t| t.starts_with('^') || t.contains("tcp") || t.contains("all"));
+    for (name, value, env) in TCP_DEFAULTS {
+        if !may_use_tcp || std::env::var_os(env).is_some() {
+            continue;
+        }
+        // SAFETY: config is live; both strings are NUL-terminated.
+        let s = unsafe { ucp.ucp_config_modify(config, name.as_ptr(), value.as_ptr()) };
+        if s != UCS_OK {
+            tracing::debug!(
+                env,
+                "dkv: UCX rejected a tuning option: {}",
+                ucp.status_string(s)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Sets UCX option `name` (`UCX_<name>`) to the value of the node's
+/// `flag`.
+fn set_option(
+    ucp: &Ucp,
+    config: *mut ucp_config_t,
+    name: &std::ffi::CStr,
+    flag: &str,
+    value: &str,
+) -> Result<(), DkvError> {
+    let c_value = CString::new(value)
+        .map_err(|_| DkvError::UcxUnavailable(format!("{flag} {value:?} contains NUL")))?;
+    // SAFETY: config is live; both strings are NUL-terminated.
+    let s = unsafe { ucp.ucp_config_modify(config, name.as_ptr(), c_value.as_ptr()) };
+    if s != UCS_OK {
+        return Err(DkvError::UcxUnavailable(format!(
+            "UCX_{}={value}: {}",
+            name.to_string_lossy(),
+            ucp.status_string(s)
+        )));
+    }
+    Ok(())
+}
+
+/// A UCX context for active messages with wakeup; releases `config`.
+fn create_context(ucp: &Ucp, config: *mut ucp_config_t) -> Result<ucp_context_h, DkvError> {
+    // SAFETY: all-zero is a valid ucp_params_t (masks select fields).
+    let mut params: ucp_params_t = unsafe { std::mem::zeroed() };
+    params.field_mask = u64::from(UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME);
+    // No RMA: see the module comment.
+    params.features = u64::from(UCP_FEATURE_AM | UCP_FEATURE_WAKEUP);
+    params.name = c"tandem-dkv".as_ptr();
+    let mut ctx: ucp_context_h = ptr::null_mut();
+    // SAFETY: ucp_init is a static inline wrapper around this call.
+    let s =
+        unsafe { ucp.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut ctx) };
+    // SAFETY: the config is copied by ucp_init.
+    unsafe { ucp.ucp_config_release(config) };
+    if s != UCS_OK {
+        return Err(unavailable(ucp, "ucp_init", s));
+    }
+    Ok(ctx)
+}
+
+/// The actor's single-threaded worker; cleans `ctx` up if it fails.
+fn create_worker(ucp: &Ucp, ctx: ucp_context_h) -> Result<ucp_worker_h, DkvError> {
+    // SAFETY: all-zero is a valid ucp_worker_params_t.
+    let mut wparams: ucp_worker_params_t = unsafe { std::mem::zeroed() };
+    wparams.field_mask = u64::from(UCP_WORKER_PARAM_FIELD_THREAD_MODE);
+    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+    let mut worker: ucp_worker_h = ptr::null_mut();
+    // SAFETY: ctx is live; out-pointer to a local.
+    let s = unsafe { ucp.ucp_worker_create(ctx, &wparams, &mut worker) };
+    if s != UCS_OK {
+        // SAFETY: nothing else uses ctx.
+        unsafe { ucp.ucp_cleanup(ctx) };
+        return Err(unavailable(ucp, "ucp_worker_create", s));
+    }
+    Ok(worker)
+}
+
+/// Installs the KV write handler (its `arg` is `am`, which must outlive
+/// the worker) and returns the worker's event fd and address.
+fn open_worker(ucp: &Ucp, worker: ucp_worker_h, am: &AmCtx) -> Result<(i32, Vec<u8>), DkvError> {
+    // SAFETY: all-zero is a valid ucp_am_handler_param_t.
+    let mut hp: ucp_am_handler_param_t = unsafe { std::mem::zeroed() };
+    hp.field_mask = u64::from(
+        UCP_AM_HANDLER_PARAM_FIELD_ID
+            | UCP_AM_HANDLER_PARAM_FIELD_FLAGS
+            | UCP_AM_HANDLER_PARAM_FIELD_CB
+            | UCP_AM_HANDLER_PARAM_FIELD_ARG,
+    );
+    hp.id = AM_KV_WRITE;
+    // Eager fragments arrive assembled: one call per message.
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    hp.cb = Some(on_kv_write);
+    hp.arg = ptr::from_ref(am).cast_mut().cast();
+    // SAFETY: worker is live; the handler's arg outlives the worker
+    // (the actor drops `am` only after destroying it).
+    let s = unsafe { ucp.ucp_worker_set_am_recv_handler(worker, &hp) };
+    if s != UCS_OK {
+        return Err(unavailable(ucp, "ucp_worker_set_am_recv_handler", s));
+    }
+    let mut efd = -1;
+    // SAFETY: worker is live; out-pointer to a local.
+    let s = unsafe { ucp.ucp_worker_get_efd(worker, &mut efd) };
+    if s != UCS_OK {
+        return Err(unavailable(ucp, "ucp_worker_get_efd", s));
+    }
+    let mut addr: *mut ucp_address_t = ptr::null_mut();
+    let mut addr_len = 0usize;
+    // SAFETY: worker is live; out-pointers to locals.
+    let s = unsafe { ucp.ucp_worker_get_address(worker, &mut addr, &mut addr_len) };
+    if s != UCS_OK || addr.is_null() {
+        return Err(unavailable(ucp, "ucp_worker_get_address", s));
+    }
+    // SAFETY: UCX returned addr_len readable bytes at addr.
+    let address = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), addr_len) }.to_vec();
+    // SAFETY: releasing the buffer UCX gave us.
+    unsafe { ucp.ucp_worker_release_address(worker, addr) };
+    Ok((efd, address))
+}
+
+/// Shared-memory-only transport lists cannot do peer error handling on
+/// 1.13; the actor skips the attempt (and the error UCX logs for it).
+fn shared_memory_only(tls: Option<&str>) -> bool {
+    tls.is_some_and(|t| {
+        !t.starts_with('^')
+            && t.split(',').all(|x| {
+                matches!(
+                    x.trim(),
+                    "posix" | "sysv" | "cma" | "knem" | "xpmem" | "self" | "sm" | "shm"
+                )
+            })
+    })
+}
+
 struct Actor {
     ucp: &'static Ucp,
     ctx: ucp_context_h,
@@ -588,164 +773,26 @@ impl Actor {
         live: Arc<AtomicUsize>,
         grants: Arc<GrantTable>,
     ) -> Result<(Self, Vec<u8>), DkvError> {
-        let unavailable = |op: &str, s: ucs_status_t| {
-            DkvError::UcxUnavailable(format!("{op}: {}", ucp.status_string(s)))
-        };
-        let mut config: *mut ucp_config_t = ptr::null_mut();
-        // SAFETY: out-pointer to a local; NULL prefix/file read UCX_* env vars.
-        let s = unsafe { ucp.ucp_config_read(ptr::null(), ptr::null(), &mut config) };
-        if s != UCS_OK {
-            return Err(unavailable("ucp_config_read", s));
-        }
-        if let Some(tls) = tls {
-            let value = CString::new(tls)
-                .map_err(|_| DkvError::UcxUnavailable(format!("ucx_tls {tls:?} contains NUL")))?;
-            // SAFETY: config is live; both strings are NUL-terminated.
-            let s = unsafe { ucp.ucp_config_modify(config, c"TLS".as_ptr(), value.as_ptr()) };
-            if s != UCS_OK {
-                // SAFETY: releasing the config we read.
-                unsafe { ucp.ucp_config_release(config) };
-                return Err(DkvError::UcxUnavailable(format!(
-                    "UCX_TLS={tls}: {}",
-                    ucp.status_string(s)
-                )));
-            }
-        }
-        // Only the interfaces the node was told to use (an explicit
-        // UCX_NET_DEVICES wins): UCX otherwise listens on every interface,
-        // the external ones too when the node binds 127.0.0.1.
-        if let Some(devices) = net_devices
-            && std::env::var_os("UCX_NET_DEVICES").is_none()
-        {
-            let value = CString::new(devices).map_err(|_| {
-                DkvError::UcxUnavailable(format!("ucx_net_devices {devices:?} contains NUL"))
-            })?;
-            // SAFETY: config is live; both strings are NUL-terminated.
-            let s =
-                unsafe { ucp.ucp_config_modify(config, c"NET_DEVICES".as_ptr(), value.as_ptr()) };
-            if s != UCS_OK {
-                // SAFETY: releasing the config we read.
-                unsafe { ucp.ucp_config_release(config) };
-                return Err(DkvError::UcxUnavailable(format!(
-                    "UCX_NET_DEVICES={devices}: {}",
-                    ucp.status_string(s)
-                )));
-            }
-        }
-        // Messages over TCP go out in TX segments; 64 KiB instead of 8 KiB
-        // gave 1.4-2x the bandwidth here (bench/dkv.sh).
-        // An explicit UCX_* environment variable still wins.
-        // (Only where tcp may be used: UCX warns about options no transport
-        // consumed.)
-        let env_tls = std::env::var("UCX_TLS").ok();
-        let tls_list = tls.or(env_tls.as_deref());
-        let may_use_tcp =
-            tls_list.is_none_or(|t| t.starts_with('^') || t.contains("tcp") || t.contains("all"));
-        for (name, value, env) in TCP_DEFAULTS {
-            if !may_use_tcp || std::env::var_os(env).is_some() {
-                continue;
-            }
-            // SAFETY: config is live; both strings are NUL-terminated.
-            let s = unsafe { ucp.ucp_config_modify(config, name.as_ptr(), value.as_ptr()) };
-            if s != UCS_OK {
-                tracing::debug!(
-                    env,
-                    "dkv: UCX rejected a tuning option: {}",
-                    ucp.status_string(s)
-                );
-            }
-        }
-        // SAFETY: all-zero is a valid ucp_params_t (masks select fields).
-        let mut params: ucp_params_t = unsafe { std::mem::zeroed() };
-        params.field_mask = u64::from(UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME);
-        // No RMA: see the module comment.
-        params.features = u64::from(UCP_FEATURE_AM | UCP_FEATURE_WAKEUP);
-        params.name = c"tandem-dkv".as_ptr();
-        let mut ctx: ucp_context_h = ptr::null_mut();
-        // SAFETY: ucp_init is a static inline wrapper around this call.
-        let s = unsafe {
-            ucp.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut ctx)
-        };
-        // SAFETY: the config is copied by ucp_init.
-        unsafe { ucp.ucp_config_release(config) };
-        if s != UCS_OK {
-            return Err(unavailable("ucp_init", s));
-        }
-        // SAFETY: all-zero is a valid ucp_worker_params_t.
-        let mut wparams: ucp_worker_params_t = unsafe { std::mem::zeroed() };
-        wparams.field_mask = u64::from(UCP_WORKER_PARAM_FIELD_THREAD_MODE);
-        wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
-        let mut worker: ucp_worker_h = ptr::null_mut();
-        // SAFETY: ctx is live; out-pointer to a local.
-        let s = unsafe { ucp.ucp_worker_create(ctx, &wparams, &mut worker) };
-        if s != UCS_OK {
-            // SAFETY: nothing else uses ctx.
-            unsafe { ucp.ucp_cleanup(ctx) };
-            return Err(unavailable("ucp_worker_create", s));
-        }
-        let cleanup = || {
-            // SAFETY: worker and ctx are live and unused elsewhere.
-            unsafe {
-                ucp.ucp_worker_destroy(worker);
-                ucp.ucp_cleanup(ctx);
-            }
-        };
+        let config = read_config(ucp, tls, net_devices)?;
+        let ctx = create_context(ucp, config)?;
+        let worker = create_worker(ucp, ctx)?;
         let am = Box::new(AmCtx {
             ucp,
             grants,
             worker,
             started: RefCell::new(Vec::new()),
         });
-        // SAFETY: all-zero is a valid ucp_am_handler_param_t.
-        let mut hp: ucp_am_handler_param_t = unsafe { std::mem::zeroed() };
-        hp.field_mask = u64::from(
-            UCP_AM_HANDLER_PARAM_FIELD_ID
-                | UCP_AM_HANDLER_PARAM_FIELD_FLAGS
-                | UCP_AM_HANDLER_PARAM_FIELD_CB
-                | UCP_AM_HANDLER_PARAM_FIELD_ARG,
-        );
-        hp.id = AM_KV_WRITE;
-        // Eager fragments arrive assembled: one call per message.
-        hp.flags = UCP_AM_FLAG_WHOLE_MSG;
-        hp.cb = Some(on_kv_write);
-        hp.arg = (&raw const *am).cast_mut().cast();
-        // SAFETY: worker is live; the handler's arg outlives the worker
-        // (the actor drops `am` only after destroying it).
-        let s = unsafe { ucp.ucp_worker_set_am_recv_handler(worker, &hp) };
-        if s != UCS_OK {
-            cleanup();
-            return Err(unavailable("ucp_worker_set_am_recv_handler", s));
-        }
-        let mut efd = -1;
-        // SAFETY: worker is live; out-pointer to a local.
-        let s = unsafe { ucp.ucp_worker_get_efd(worker, &mut efd) };
-        if s != UCS_OK {
-            cleanup();
-            return Err(unavailable("ucp_worker_get_efd", s));
-        }
-        let mut addr: *mut ucp_address_t = ptr::null_mut();
-        let mut addr_len = 0usize;
-        // SAFETY: worker is live; out-pointers to locals.
-        let s = unsafe { ucp.ucp_worker_get_address(worker, &mut addr, &mut addr_len) };
-        if s != UCS_OK || addr.is_null() {
-            cleanup();
-            return Err(unavailable("ucp_worker_get_address", s));
-        }
-        // SAFETY: UCX returned addr_len readable bytes at addr.
-        let address = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), addr_len) }.to_vec();
-        // SAFETY: releasing the buffer UCX gave us.
-        unsafe { ucp.ucp_worker_release_address(worker, addr) };
-        // Shared-memory-only transport lists cannot do peer error handling
-        // on 1.13; skip the attempt (and the error UCX logs for it).
-        let no_peer_errors = tls.is_some_and(|t| {
-            !t.starts_with('^')
-                && t.split(',').all(|x| {
-                    matches!(
-                        x.trim(),
-                        "posix" | "sysv" | "cma" | "knem" | "xpmem" | "self" | "sm" | "shm"
-                    )
-                })
-        });
+        let (efd, address) = match open_worker(ucp, worker, &am) {
+            Ok(opened) => opened,
+            Err(e) => {
+                // SAFETY: worker and ctx are live and unused elsewhere.
+                unsafe {
+                    ucp.ucp_worker_destroy(worker);
+                    ucp.ucp_cleanup(ctx);
+                }
+                return Err(e);
+            }
+        };
         let actor = Self {
             ucp,
             ctx,
@@ -758,7 +805,7 @@ impl Actor {
             peers: HashMap::new(),
             by_address: HashMap::new(),
             next_peer: 1,
-            no_peer_errors,
+            no_peer_errors: shared_memory_only(tls),
             transfers: Vec::new(),
             closing: Vec::new(),
             am,
