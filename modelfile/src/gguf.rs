@@ -562,6 +562,191 @@ impl fmt::Debug for GgufFile {
     }
 }
 
+/// The header: the version, and the tensor and metadata counts (each
+/// checked against the bytes left for its table).
+fn read_header(r: &mut Reader<'_>) -> Result<(u32, usize, usize), GgufError> {
+    let magic: [u8; 4] = r.array(Ctx::Header("magic"))?;
+    if magic != GGUF_MAGIC {
+        return Err(GgufError::BadMagic { found: magic });
+    }
+    let version = r.u32(Ctx::Header("version"))?;
+    match version {
+        2 | 3 => {}
+        v if matches!(v.swap_bytes(), 1..=3) => {
+            return Err(GgufError::BigEndian {
+                version: v,
+                swapped: v.swap_bytes(),
+            });
+        }
+        v => return Err(GgufError::UnsupportedVersion { version: v }),
+    }
+    let tensor_count_at = r.pos;
+    let tensor_count = r.u64(Ctx::Header("tensor count"))?;
+    let kv_count = r.count(
+        "metadata entry count",
+        MIN_KV_BYTES,
+        Ctx::Header("metadata entry count"),
+    )?;
+    // The tensor infos follow the metadata, so both tables must fit.
+    let room_for_tensors = (r.remaining() - kv_count * MIN_KV_BYTES) / MIN_TENSOR_INFO_BYTES;
+    let tensor_count = usize::try_from(tensor_count)
+        .ok()
+        .filter(|&n| n <= room_for_tensors)
+        .ok_or_else(|| GgufError::CountTooLarge {
+            what: "tensor count in header".to_owned(),
+            count: tensor_count,
+            offset: off(tensor_count_at),
+            remaining: (r.remaining() - kv_count * MIN_KV_BYTES) as u64,
+            min_each: MIN_TENSOR_INFO_BYTES as u64,
+        })?;
+    Ok((version, tensor_count, kv_count))
+}
+
+/// Metadata entries in file order, and each key's index.
+type Metadata = (Vec<(String, GgufValue)>, HashMap<String, usize>);
+
+fn read_metadata(r: &mut Reader<'_>, kv_count: usize) -> Result<Metadata, GgufError> {
+    let mut metadata = Vec::with_capacity(kv_count);
+    let mut metadata_index = HashMap::with_capacity(kv_count);
+    for index in 0..kv_count as u64 {
+        let key_at = r.pos;
+        let key = r.string(Ctx::KeyName { index })?;
+        if metadata_index.contains_key(&key) {
+            return Err(GgufError::DuplicateKey {
+                key,
+                offset: off(key_at),
+            });
+        }
+        let ty = r.value_type(Ctx::Value { key: &key })?;
+        let value = r.value(ty, &key, 0)?;
+        metadata_index.insert(key.clone(), metadata.len());
+        metadata.push((key, value));
+    }
+    Ok((metadata, metadata_index))
+}
+
+/// `general.alignment`, or the default: a power of two.
+fn alignment_of(
+    metadata: &[(String, GgufValue)],
+    index: &HashMap<String, usize>,
+) -> Result<usize, GgufError> {
+    let Some(&i) = index.get(ALIGNMENT_KEY) else {
+        return Ok(DEFAULT_ALIGNMENT);
+    };
+    let value = &metadata[i].1;
+    let Some(v) = value.as_integer() else {
+        return Err(GgufError::AlignmentWrongType {
+            found: value.type_name(),
+        });
+    };
+    match u32::try_from(v) {
+        Ok(a) if a.is_power_of_two() => Ok(a as usize),
+        _ => Err(GgufError::BadAlignment { value: v }),
+    }
+}
+
+/// The tensor infos in file order, and each name's index.
+fn read_tensor_infos(
+    r: &mut Reader<'_>,
+    tensor_count: usize,
+) -> Result<(Vec<TensorInfo>, HashMap<String, usize>), GgufError> {
+    let mut tensors = Vec::with_capacity(tensor_count);
+    let mut tensor_index = HashMap::with_capacity(tensor_count);
+    for index in 0..tensor_count as u64 {
+        let name_at = r.pos;
+        let name = r.string(Ctx::TensorName { index })?;
+        if tensor_index.contains_key(&name) {
+            return Err(GgufError::DuplicateTensor {
+                name,
+                offset: off(name_at),
+            });
+        }
+        let info = read_tensor_info(r, name)?;
+        check_tensor_shape(&info)?;
+        tensor_index.insert(info.name.clone(), tensors.len());
+        tensors.push(info);
+    }
+    Ok((tensors, tensor_index))
+}
+
+/// The rest of tensor `name`'s info: its dimensions, type and offset.
+fn read_tensor_info(r: &mut Reader<'_>, name: String) -> Result<TensorInfo, GgufError> {
+    let field = |field| Ctx::TensorField {
+        tensor: &name,
+        field,
+    };
+    let n_dims_at = r.pos;
+    let n_dims = r.u32(field("n_dims"))?;
+    if !(1..=MAX_DIMS).contains(&n_dims) {
+        return Err(GgufError::BadDimCount {
+            tensor: name,
+            n_dims,
+            offset: off(n_dims_at),
+        });
+    }
+    let mut dims = Vec::with_capacity(n_dims as usize);
+    for i in 0..n_dims as usize {
+        let dim_at = r.pos;
+        let d = r.u64(field("dims"))?;
+        if d == 0 {
+            return Err(GgufError::ZeroDim {
+                tensor: name,
+                index: i,
+                offset: off(dim_at),
+            });
+        }
+        dims.push(d);
+    }
+    let type_at = r.pos;
+    let type_id = r.u32(field("type"))?;
+    let Some(ty) = GgmlType::from_ggml_id(type_id) else {
+        return Err(GgufError::UnknownTensorType {
+            tensor: name,
+            type_id,
+            offset: off(type_at),
+        });
+    };
+    let offset = r.u64(field("offset"))?;
+    Ok(TensorInfo {
+        name,
+        dims,
+        ty,
+        offset,
+    })
+}
+
+/// Every tensor's data is aligned and inside the file.
+fn check_tensor_data(
+    tensors: &[TensorInfo],
+    data_start: usize,
+    alignment: usize,
+    file_len: u64,
+) -> Result<(), GgufError> {
+    for t in tensors {
+        if !t.offset.is_multiple_of(alignment as u64) {
+            return Err(GgufError::MisalignedTensor {
+                tensor: t.name.clone(),
+                offset: t.offset,
+                alignment,
+            });
+        }
+        let start = (data_start as u64).checked_add(t.offset);
+        let end = start.and_then(|s| s.checked_add(t.n_bytes() as u64));
+        match (start, end) {
+            (Some(_), Some(end)) if end <= file_len => {}
+            _ => {
+                return Err(GgufError::TensorOutOfBounds {
+                    tensor: t.name.clone(),
+                    start: start.unwrap_or(u64::MAX),
+                    end: end.unwrap_or(u64::MAX),
+                    file_len,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 impl GgufFile {
     /// Memory-maps `path` read-only and parses it.
     pub fn open(path: &Path) -> Result<GgufFile, GgufError> {
@@ -590,164 +775,15 @@ impl GgufFile {
     pub fn from_backing(backing: Arc<Backing>) -> Result<GgufFile, GgufError> {
         let buf: &[u8] = &backing;
         let mut r = Reader { buf, pos: 0 };
-
-        // Header.
-        let magic: [u8; 4] = r.array(Ctx::Header("magic"))?;
-        if magic != GGUF_MAGIC {
-            return Err(GgufError::BadMagic { found: magic });
-        }
-        let version = r.u32(Ctx::Header("version"))?;
-        match version {
-            2 | 3 => {}
-            v if matches!(v.swap_bytes(), 1..=3) => {
-                return Err(GgufError::BigEndian {
-                    version: v,
-                    swapped: v.swap_bytes(),
-                });
-            }
-            v => return Err(GgufError::UnsupportedVersion { version: v }),
-        }
-        let tensor_count_at = r.pos;
-        let tensor_count = r.u64(Ctx::Header("tensor count"))?;
-        let kv_count = r.count(
-            "metadata entry count",
-            MIN_KV_BYTES,
-            Ctx::Header("metadata entry count"),
-        )?;
-        // The tensor infos follow the metadata, so both tables must fit.
-        let room_for_tensors = (r.remaining() - kv_count * MIN_KV_BYTES) / MIN_TENSOR_INFO_BYTES;
-        let tensor_count = usize::try_from(tensor_count)
-            .ok()
-            .filter(|&n| n <= room_for_tensors)
-            .ok_or_else(|| GgufError::CountTooLarge {
-                what: "tensor count in header".to_owned(),
-                count: tensor_count,
-                offset: off(tensor_count_at),
-                remaining: (r.remaining() - kv_count * MIN_KV_BYTES) as u64,
-                min_each: MIN_TENSOR_INFO_BYTES as u64,
-            })?;
-
-        // Metadata.
-        let mut metadata = Vec::with_capacity(kv_count);
-        let mut metadata_index = HashMap::with_capacity(kv_count);
-        for index in 0..kv_count as u64 {
-            let key_at = r.pos;
-            let key = r.string(Ctx::KeyName { index })?;
-            if metadata_index.contains_key(&key) {
-                return Err(GgufError::DuplicateKey {
-                    key,
-                    offset: off(key_at),
-                });
-            }
-            let ty = r.value_type(Ctx::Value { key: &key })?;
-            let value = r.value(ty, &key, 0)?;
-            metadata_index.insert(key.clone(), metadata.len());
-            metadata.push((key, value));
-        }
-
+        let (version, tensor_count, kv_count) = read_header(&mut r)?;
+        let (metadata, metadata_index) = read_metadata(&mut r, kv_count)?;
         // Alignment (needed before the tensor offsets can be checked).
-        let alignment = match metadata_index.get(ALIGNMENT_KEY) {
-            None => DEFAULT_ALIGNMENT,
-            Some(&i) => {
-                let value = &metadata[i].1;
-                let Some(v) = value.as_integer() else {
-                    return Err(GgufError::AlignmentWrongType {
-                        found: value.type_name(),
-                    });
-                };
-                match u32::try_from(v) {
-                    Ok(a) if a.is_power_of_two() => a as usize,
-                    _ => return Err(GgufError::BadAlignment { value: v }),
-                }
-            }
-        };
-
-        // Tensor infos.
-        let mut tensors = Vec::with_capacity(tensor_count);
-        let mut tensor_index = HashMap::with_capacity(tensor_count);
-        for index in 0..tensor_count as u64 {
-            let name_at = r.pos;
-            let name = r.string(Ctx::TensorName { index })?;
-            if tensor_index.contains_key(&name) {
-                return Err(GgufError::DuplicateTensor {
-                    name,
-                    offset: off(name_at),
-                });
-            }
-            let field = |field| Ctx::TensorField {
-                tensor: &name,
-                field,
-            };
-            let n_dims_at = r.pos;
-            let n_dims = r.u32(field("n_dims"))?;
-            if !(1..=MAX_DIMS).contains(&n_dims) {
-                return Err(GgufError::BadDimCount {
-                    tensor: name,
-                    n_dims,
-                    offset: off(n_dims_at),
-                });
-            }
-            let mut dims = Vec::with_capacity(n_dims as usize);
-            for i in 0..n_dims as usize {
-                let dim_at = r.pos;
-                let d = r.u64(field("dims"))?;
-                if d == 0 {
-                    return Err(GgufError::ZeroDim {
-                        tensor: name,
-                        index: i,
-                        offset: off(dim_at),
-                    });
-                }
-                dims.push(d);
-            }
-            let type_at = r.pos;
-            let type_id = r.u32(field("type"))?;
-            let Some(ty) = GgmlType::from_ggml_id(type_id) else {
-                return Err(GgufError::UnknownTensorType {
-                    tensor: name,
-                    type_id,
-                    offset: off(type_at),
-                });
-            };
-            let offset = r.u64(field("offset"))?;
-            let info = TensorInfo {
-                name,
-                dims,
-                ty,
-                offset,
-            };
-            check_tensor_shape(&info)?;
-            tensor_index.insert(info.name.clone(), tensors.len());
-            tensors.push(info);
-        }
-
+        let alignment = alignment_of(&metadata, &metadata_index)?;
+        let (tensors, tensor_index) = read_tensor_infos(&mut r, tensor_count)?;
         // Data section: starts at the next multiple of the alignment.  With
         // no tensors the padding may be missing, which is harmless.
         let data_start = r.pos.div_ceil(alignment).saturating_mul(alignment);
-        let file_len = buf.len() as u64;
-        for t in &tensors {
-            if !t.offset.is_multiple_of(alignment as u64) {
-                return Err(GgufError::MisalignedTensor {
-                    tensor: t.name.clone(),
-                    offset: t.offset,
-                    alignment,
-                });
-            }
-            let start = (data_start as u64).checked_add(t.offset);
-            let end = start.and_then(|s| s.checked_add(t.n_bytes() as u64));
-            match (start, end) {
-                (Some(_), Some(end)) if end <= file_len => {}
-                _ => {
-                    return Err(GgufError::TensorOutOfBounds {
-                        tensor: t.name.clone(),
-                        start: start.unwrap_or(u64::MAX),
-                        end: end.unwrap_or(u64::MAX),
-                        file_len,
-                    });
-                }
-            }
-        }
-
+        check_tensor_data(&tensors, data_start, alignment, buf.len() as u64)?;
         Ok(GgufFile {
             version,
             metadata,
