@@ -107,16 +107,16 @@ struct Failure {
 }
 
 impl Failure {
-    fn fatal(problem: String) -> Self {
+    fn fatal(problem: impl std::fmt::Display) -> Self {
         Self {
-            problem,
+            problem: problem.to_string(),
             retry: false,
         }
     }
 }
 
 impl Hub {
-    fn from_env() -> Result<Self, String> {
+    fn from_env() -> Result<Self, hub::HubError> {
         let endpoint = hub::endpoint(std::env::var("HF_ENDPOINT").ok().as_deref())?;
         let token = std::env::var("HF_TOKEN")
             .ok()

@@ -33,6 +33,88 @@ pub const DEFAULT_REVISION: &str = "main";
 /// Longest org or repo name the hub accepts.
 const MAX_NAME: usize = 96;
 
+/// What is wrong with the hub's answers, or with the cache, for one repo.
+/// The binary adds the repo (see [`RepoId::error`]).
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error("HF_ENDPOINT {0:?} is not an http(s) URL like {DEFAULT_ENDPOINT}")]
+    BadEndpoint(String),
+    #[error("unreadable repo listing: {0}")]
+    UnreadableListing(#[source] serde_json::Error),
+    #[error("the repo listing has no commit sha (is this a model repo?)")]
+    NoCommit,
+    #[error("the repo listing's commit {0:?} is not a 40-digit hex sha")]
+    BadCommit(String),
+    #[error("{file}: bad lfs sha256 {sha256:?}")]
+    BadLfsSha256 { file: String, sha256: String },
+    #[error("the hub listed an unsafe file name {0:?}")]
+    UnsafeFileName(String),
+    #[error(
+        "{0} is one part of a split GGUF, which is not supported; pick a single-file quantization"
+    )]
+    SplitGguf(String),
+    #[error("no .gguf file to match :{0}")]
+    NoGgufForQuant(String),
+    #[error("no .gguf file matches :{quant}; the repo has {}", .ggufs.join(", "))]
+    NoQuantMatch { quant: String, ggufs: Vec<String> },
+    #[error("several .gguf files match :{quant}: {}", .matching.join(", "))]
+    SeveralQuantMatches {
+        quant: String,
+        matching: Vec<String>,
+    },
+    #[error(
+        "several .gguf files: {}; pick one with ORG/NAME:QUANT (like :Q4_K_M)",
+        .0.join(", ")
+    )]
+    SeveralGgufs(Vec<String>),
+    #[error(
+        "no .gguf file and no safetensors model (config.json, tokenizer.json, *.safetensors) in the repo"
+    )]
+    NoModel,
+    #[error("the hub gives two sizes, {0} and {1} bytes")]
+    SizesDisagree(u64, u64),
+    #[error("the hub gives two sha256 sums, {0} and {1}")]
+    Sha256sDisagree(String, String),
+    #[error("size mismatch: expected {expected} bytes, got {got}")]
+    SizeMismatch { expected: u64, got: u64 },
+    #[error("checksum mismatch: expected {expected}, got {got}")]
+    ChecksumMismatch { expected: String, got: String },
+    /// A downloaded file failed its check (and was deleted).
+    #[error("{file}: {source}")]
+    BadDownload {
+        file: String,
+        #[source]
+        source: Box<HubError>,
+    },
+    /// A file system operation on the cache failed.
+    #[error("{doing} {}: {source}", .path.display())]
+    Io {
+        doing: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("moving {file} into the cache: {source}")]
+    Install {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Manifest(#[source] serde_json::Error),
+}
+
+impl HubError {
+    fn io(doing: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> HubError {
+        let path = path.to_path_buf();
+        move |source| HubError::Io {
+            doing,
+            path,
+            source,
+        }
+    }
+}
+
 /// Whether a `--model` string that is neither an alias nor an existing path
 /// is meant as a repo id (and so is parsed, and refused if malformed,
 /// rather than reported as a missing file).
@@ -109,11 +191,12 @@ impl RepoId {
         is_commit_sha(self.revision())
     }
 
-    /// A [`ModelError::Hub`] about this repo.
-    pub fn error(&self, problem: impl Into<String>) -> ModelError {
+    /// A [`ModelError::Hub`] about this repo: `problem` (a [`HubError`],
+    /// or the binary's transfer failure) rendered after the repo's name.
+    pub fn error(&self, problem: impl std::fmt::Display) -> ModelError {
         ModelError::Hub {
             repo: format!("{}@{}", self.repo(), self.revision()),
-            problem: problem.into(),
+            problem: problem.to_string(),
         }
     }
 }
@@ -184,15 +267,13 @@ pub fn is_commit_sha(s: &str) -> bool {
 
 /// `HF_ENDPOINT`'s value (or the default), checked and without a trailing
 /// slash.
-pub fn endpoint(value: Option<&str>) -> Result<String, String> {
+pub fn endpoint(value: Option<&str>) -> Result<String, HubError> {
     let e = value
         .filter(|v| !v.is_empty())
         .unwrap_or(DEFAULT_ENDPOINT)
         .trim_end_matches('/');
     if !(e.starts_with("https://") || e.starts_with("http://")) || e.contains(['?', '#', ' ']) {
-        return Err(format!(
-            "HF_ENDPOINT {e:?} is not an http(s) URL like {DEFAULT_ENDPOINT}"
-        ));
+        return Err(HubError::BadEndpoint(e.to_string()));
     }
     Ok(e.to_string())
 }
@@ -298,16 +379,11 @@ struct ApiLfs {
 
 /// Parses `GET /api/models/{repo}/revision/{rev}`'s JSON. Every file name
 /// is checked: a server must not be able to write outside the cache.
-pub fn parse_repo_info(json: &str) -> Result<RepoInfo, String> {
-    let api: ApiInfo =
-        serde_json::from_str(json).map_err(|e| format!("unreadable repo listing: {e}"))?;
-    let sha = api
-        .sha
-        .ok_or("the repo listing has no commit sha (is this a model repo?)")?;
+pub fn parse_repo_info(json: &str) -> Result<RepoInfo, HubError> {
+    let api: ApiInfo = serde_json::from_str(json).map_err(HubError::UnreadableListing)?;
+    let sha = api.sha.ok_or(HubError::NoCommit)?;
     if !is_commit_sha(&sha) {
-        return Err(format!(
-            "the repo listing's commit {sha:?} is not a 40-digit hex sha"
-        ));
+        return Err(HubError::BadCommit(sha));
     }
     let mut files = Vec::with_capacity(api.siblings.len());
     for s in api.siblings {
@@ -315,7 +391,12 @@ pub fn parse_repo_info(json: &str) -> Result<RepoInfo, String> {
         let (lfs_sha, lfs_size) = s.lfs.map_or((None, None), |l| (l.sha256, l.size));
         let sha256 = match lfs_sha {
             Some(h) if is_sha256(&h) => Some(h.to_ascii_lowercase()),
-            Some(h) => return Err(format!("{}: bad lfs sha256 {h:?}", s.rfilename)),
+            Some(h) => {
+                return Err(HubError::BadLfsSha256 {
+                    file: s.rfilename,
+                    sha256: h,
+                });
+            }
             None => None,
         };
         files.push(RepoFile {
@@ -328,7 +409,7 @@ pub fn parse_repo_info(json: &str) -> Result<RepoInfo, String> {
 }
 
 /// A repo file name is a relative path of plain segments.
-pub fn check_file_name(name: &str) -> Result<(), String> {
+pub fn check_file_name(name: &str) -> Result<(), HubError> {
     let ok = !name.is_empty()
         && name.len() <= 1024
         && !name.starts_with('/')
@@ -340,7 +421,7 @@ pub fn check_file_name(name: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!("the hub listed an unsafe file name {name:?}"))
+        Err(HubError::UnsafeFileName(name.to_string()))
     }
 }
 
@@ -370,7 +451,7 @@ const HF_DIR_FILES: &[&str] = &[
 /// else the only `.gguf`; else a safetensors directory (top level only:
 /// subfolders hold other formats or originals); else an error that lists
 /// the choices.
-pub fn select(info: &RepoInfo, quant: Option<&str>) -> Result<Selection, String> {
+pub fn select(info: &RepoInfo, quant: Option<&str>) -> Result<Selection, HubError> {
     let ggufs: Vec<&RepoFile> = info
         .files
         .iter()
@@ -380,18 +461,10 @@ pub fn select(info: &RepoInfo, quant: Option<&str>) -> Result<Selection, String>
             base.ends_with(".gguf") && !base.starts_with("mmproj")
         })
         .collect();
-    let names = |fs: &[&RepoFile]| {
-        fs.iter()
-            .map(|f| f.name.as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let names = |fs: &[&RepoFile]| fs.iter().map(|f| f.name.clone()).collect::<Vec<_>>();
     let gguf = |f: &RepoFile| {
         if is_split_gguf(&f.name) {
-            return Err(format!(
-                "{} is one part of a split GGUF, which is not supported; pick a single-file quantization",
-                f.name
-            ));
+            return Err(HubError::SplitGguf(f.name.clone()));
         }
         Ok(Selection {
             files: vec![f.clone()],
@@ -406,15 +479,15 @@ pub fn select(info: &RepoInfo, quant: Option<&str>) -> Result<Selection, String>
             .collect();
         return match matching[..] {
             [f] => gguf(f),
-            [] if ggufs.is_empty() => Err(format!("no .gguf file to match :{q}")),
-            [] => Err(format!(
-                "no .gguf file matches :{q}; the repo has {}",
-                names(&ggufs)
-            )),
-            _ => Err(format!(
-                "several .gguf files match :{q}: {}",
-                names(&matching)
-            )),
+            [] if ggufs.is_empty() => Err(HubError::NoGgufForQuant(q.to_string())),
+            [] => Err(HubError::NoQuantMatch {
+                quant: q.to_string(),
+                ggufs: names(&ggufs),
+            }),
+            _ => Err(HubError::SeveralQuantMatches {
+                quant: q.to_string(),
+                matching: names(&matching),
+            }),
         };
     }
     if let [f] = ggufs[..] {
@@ -439,12 +512,9 @@ pub fn select(info: &RepoInfo, quant: Option<&str>) -> Result<Selection, String>
         });
     }
     if ggufs.len() > 1 {
-        return Err(format!(
-            "several .gguf files: {}; pick one with ORG/NAME:QUANT (like :Q4_K_M)",
-            names(&ggufs)
-        ));
+        return Err(HubError::SeveralGgufs(names(&ggufs)));
     }
-    Err("no .gguf file and no safetensors model (config.json, tokenizer.json, *.safetensors) in the repo".into())
+    Err(HubError::NoModel)
 }
 
 fn base_name(name: &str) -> &str {
@@ -497,16 +567,16 @@ impl Expected {
 
     /// Adds what a response said (`x-linked-size`, `x-linked-etag`, or the
     /// body's length); two sources that disagree are an error.
-    pub fn merge(self, other: Expected) -> Result<Expected, String> {
+    pub fn merge(self, other: Expected) -> Result<Expected, HubError> {
         let size = match (self.size, other.size) {
             (Some(a), Some(b)) if a != b => {
-                return Err(format!("the hub gives two sizes, {a} and {b} bytes"));
+                return Err(HubError::SizesDisagree(a, b));
             }
             (a, b) => a.or(b),
         };
         let sha256 = match (self.sha256, other.sha256) {
             (Some(a), Some(b)) if a != b => {
-                return Err(format!("the hub gives two sha256 sums, {a} and {b}"));
+                return Err(HubError::Sha256sDisagree(a, b));
             }
             (a, b) => a.or(b),
         };
@@ -537,19 +607,25 @@ pub fn unsatisfied_range_total(value: &str) -> Option<u64> {
 }
 
 /// Checks `file` against `expected`: size first, then SHA-256.
-pub fn verify(file: &Path, expected: &Expected) -> Result<(), String> {
+pub fn verify(file: &Path, expected: &Expected) -> Result<(), HubError> {
     let got = std::fs::metadata(file)
-        .map_err(|e| format!("reading {}: {e}", file.display()))?
+        .map_err(HubError::io("reading", file))?
         .len();
     if let Some(size) = expected.size
         && got != size
     {
-        return Err(format!("size mismatch: expected {size} bytes, got {got}"));
+        return Err(HubError::SizeMismatch {
+            expected: size,
+            got,
+        });
     }
     if let Some(want) = &expected.sha256 {
-        let digest = sha256_file(file).map_err(|e| format!("hashing {}: {e}", file.display()))?;
+        let digest = sha256_file(file).map_err(HubError::io("hashing", file))?;
         if &digest != want {
-            return Err(format!("checksum mismatch: expected {want}, got {digest}"));
+            return Err(HubError::ChecksumMismatch {
+                expected: want.clone(),
+                got: digest,
+            });
         }
     }
     Ok(())
@@ -637,30 +713,39 @@ impl HubCache {
         sha: &str,
         file: &str,
         expected: &Expected,
-    ) -> Result<PathBuf, String> {
+    ) -> Result<PathBuf, HubError> {
         if let Err(e) = verify(partial, expected) {
             let _ = std::fs::remove_file(partial);
-            return Err(format!("{file}: {e}"));
+            return Err(HubError::BadDownload {
+                file: file.to_string(),
+                source: Box::new(e),
+            });
         }
         let dest = self.snapshot(sha).join(file);
         if let Some(parent) = dest.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| format!("creating {}: {e}", parent.display()))?;
+            std::fs::create_dir_all(parent).map_err(HubError::io("creating", parent))?;
         }
-        std::fs::rename(partial, &dest)
-            .map_err(|e| format!("moving {file} into the cache: {e}"))?;
+        std::fs::rename(partial, &dest).map_err(|source| HubError::Install {
+            file: file.to_string(),
+            source,
+        })?;
         Ok(dest)
     }
 
     /// Records that `id`'s revision is commit `sha` and that `selection`
     /// is complete in its snapshot, so later runs need no network. Call it
     /// once every file is installed. Returns the model's path.
-    pub fn commit(&self, id: &RepoId, sha: &str, selection: &Selection) -> Result<PathBuf, String> {
+    pub fn commit(
+        &self,
+        id: &RepoId,
+        sha: &str,
+        selection: &Selection,
+    ) -> Result<PathBuf, HubError> {
         let manifest = Manifest {
             model: selection.model.clone(),
             files: selection.files.iter().map(|f| f.name.clone()).collect(),
         };
-        let json = serde_json::to_string_pretty(&manifest).map_err(|e| e.to_string())?;
+        let json = serde_json::to_string_pretty(&manifest).map_err(HubError::Manifest)?;
         write_atomic(&self.manifest(sha, id.quant()), json.as_bytes())?;
         if !id.is_commit() {
             write_atomic(&self.ref_file(id.revision()), sha.as_bytes())?;
@@ -671,15 +756,14 @@ impl HubCache {
 }
 
 /// Writes `path` whole or not at all (a reader never sees half a file).
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    let err = |e: std::io::Error| format!("writing {}: {e}", path.display());
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), HubError> {
     if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(err)?;
+        std::fs::create_dir_all(parent).map_err(HubError::io("writing", path))?;
     }
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".tmp-{}", std::process::id()));
-    std::fs::write(&tmp, bytes).map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)
+    std::fs::write(&tmp, bytes).map_err(HubError::io("writing", path))?;
+    std::fs::rename(&tmp, path).map_err(HubError::io("writing", path))
 }
 
 #[cfg(test)]
@@ -839,7 +923,7 @@ mod tests {
         assert_eq!(one.files, [file("m.Q4_1.gguf")]);
 
         let many = info(&["m.Q4_K.gguf", "m.Q4_K_M.gguf", "sub/m.Q8_0.gguf"]);
-        let e = select(&many, None).unwrap_err();
+        let e = select(&many, None).unwrap_err().to_string();
         assert!(e.contains("m.Q4_K_M.gguf") && e.contains(":QUANT"), "{e}");
         assert_eq!(
             select(&many, Some("q4_k_m")).unwrap().model,
@@ -850,11 +934,16 @@ mod tests {
             select(&many, Some("Q8_0")).unwrap().model,
             "sub/m.Q8_0.gguf"
         );
-        let e = select(&many, Some("Q5_0")).unwrap_err();
+        let e = select(&many, Some("Q5_0")).unwrap_err().to_string();
         assert!(e.contains("no .gguf file matches :Q5_0"), "{e}");
 
         let split = info(&["m-00001-of-00002.gguf"]);
-        assert!(select(&split, None).unwrap_err().contains("split GGUF"));
+        assert!(
+            select(&split, None)
+                .unwrap_err()
+                .to_string()
+                .contains("split GGUF")
+        );
 
         let hf = info(&[
             "README.md",
@@ -883,7 +972,9 @@ mod tests {
                 "model-00001-of-00002.safetensors",
             ]
         );
-        let e = select(&info(&["README.md", "model.safetensors"]), None).unwrap_err();
+        let e = select(&info(&["README.md", "model.safetensors"]), None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no .gguf file and no safetensors model"), "{e}");
     }
 
@@ -944,12 +1035,18 @@ mod tests {
             size: Some(3),
             sha256: Some(abc.into()),
         };
-        let e = hc.install(&partial, sha, "sub/m.gguf", &want).unwrap_err();
+        let e = hc
+            .install(&partial, sha, "sub/m.gguf", &want)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
         assert!(!partial.exists());
         assert!(!hc.snapshot(sha).exists());
         std::fs::write(&partial, b"abcd").unwrap();
-        let e = hc.install(&partial, sha, "sub/m.gguf", &want).unwrap_err();
+        let e = hc
+            .install(&partial, sha, "sub/m.gguf", &want)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("size mismatch"), "{e}");
 
         std::fs::write(&partial, b"abc").unwrap();
