@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use futures_util::future::BoxFuture;
 use tandem_engine::RequestError;
-use tandem_engine::scheduler::{Event, KvHandoff, Request, RequestStream, SchedulerHandle};
+use tandem_engine::scheduler::{Event, KvHandoff, RequestStream, SchedulerHandle};
 use tandem_frontend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
 use tandem_types::{GenEvent, GenFailure, RequestLimits};
 
@@ -39,14 +39,7 @@ impl Backend for LocalBackend {
         &self,
         req: BackendRequest,
     ) -> BoxFuture<'_, Result<Box<dyn GenerationStream>, SubmitError>> {
-        let submitted = self.scheduler.submit(Request {
-            prompt: req.prompt,
-            sampling: req.sampling,
-            max_tokens: req.max_tokens,
-            stop_token_ids: req.stop_token_ids,
-            handoff: KvHandoff::Local,
-            constraint: req.constraint,
-        });
+        let submitted = self.scheduler.submit(req.request, KvHandoff::Local);
         Box::pin(async move {
             match submitted {
                 Ok(stream) => Ok(Box::new(LocalStream(stream)) as Box<dyn GenerationStream>),

@@ -14,9 +14,7 @@ use opentelemetry::KeyValue;
 use opentelemetry::metrics::Counter;
 use tandem_dkv::Grant;
 use tandem_engine::sampler::Sampled;
-use tandem_engine::scheduler::{
-    Event, ImportOutcome, ImportSlot, KvHandoff, Request, RequestStream,
-};
+use tandem_engine::scheduler::{Event, ImportOutcome, ImportSlot, KvHandoff, RequestStream};
 use tandem_proto::trace::TraceContext;
 use tandem_proto::{GenerateJob, KvRegion, PrefillJob, PrefillTarget, finish_to_pb, pb};
 use tandem_worker::{NodeCore, WorkerError};
@@ -268,14 +266,10 @@ impl Inner {
                         // Go on in fresh blocks (the prefix-cache lookup
                         // again); the tainted ones stay reserved until
                         // nothing is landing in them.
-                        let fresh = self.core.scheduler.submit(Request {
-                            prompt: job.prompt.clone(),
-                            sampling: job.sampling.clone(),
-                            max_tokens: job.max_tokens,
-                            stop_token_ids: job.stop_token_ids.clone(),
-                            handoff: KvHandoff::Import,
-                            constraint: job.constraint.clone(),
-                        });
+                        let fresh = self
+                            .core
+                            .scheduler
+                            .submit(job.request.clone(), KvHandoff::Import);
                         match fresh {
                             Ok(fresh) => {
                                 let old = std::mem::replace(&mut stream, fresh);
@@ -339,6 +333,7 @@ impl Inner {
     ) -> Placement {
         let block_size = self.core.fingerprint.block_size;
         let uncached = job
+            .request
             .prompt
             .len()
             .saturating_sub(slot.cached_blocks * block_size);
@@ -458,13 +453,13 @@ impl Inner {
             .collect();
         let deadline = self.config.prefill_timeout;
         let req = PrefillJob {
-            prompt: job.prompt.clone(),
-            sampling: job.sampling.clone(),
+            prompt: job.request.prompt.clone(),
+            sampling: job.request.sampling.clone(),
             skip_blocks: slot.cached_blocks,
             dst_blocks: slot.blocks[slot.cached_blocks..].to_vec(),
             regions,
             deadline,
-            constraint: job.constraint.clone(),
+            constraint: job.request.constraint.clone(),
         }
         .to_pb(&core.fingerprint);
         let mut request = tonic::Request::new(req);
@@ -587,14 +582,7 @@ impl pb::decode_server::Decode for DecodeService {
         };
         let stream = core
             .scheduler
-            .submit(Request {
-                prompt: job.prompt.clone(),
-                sampling: job.sampling.clone(),
-                max_tokens: job.max_tokens,
-                stop_token_ids: job.stop_token_ids.clone(),
-                handoff,
-                constraint: job.constraint.clone(),
-            })
+            .submit(job.request.clone(), handoff)
             .map_err(|e| Status::from(WorkerError::from(e)))?;
         let (tx, rx) = mpsc::channel(64);
         let task = Arc::clone(inner).drive(job, stream, tx, trace);

@@ -21,6 +21,7 @@ use tandem_engine::{LoadedModel, load};
 use tandem_prefill_node::PrefillService;
 use tandem_proto::{GenerateJob, PrefillTarget, pb};
 use tandem_testkit::{Kind, TestMeter};
+use tandem_types::GenerationRequest;
 use tandem_worker::{NodeCore, NodeOptions, Role};
 use tokio::sync::oneshot;
 use tokio_stream::StreamExt;
@@ -422,12 +423,14 @@ async fn run(
     use pb::decode_server::Decode;
     let m = &harness().model;
     let job = GenerateJob {
-        prompt: prompt.to_vec(),
-        sampling: SamplingParams::greedy(),
-        max_tokens: MAX_TOKENS,
-        stop_token_ids: m.text.tokenizer.stop_ids(),
+        request: GenerationRequest {
+            prompt: prompt.to_vec(),
+            sampling: SamplingParams::greedy(),
+            max_tokens: MAX_TOKENS,
+            stop_token_ids: m.text.tokenizer.stop_ids(),
+            constraint: None,
+        },
         prefill,
-        constraint: None,
     };
     let t0 = Instant::now();
     let read = async {
@@ -759,14 +762,16 @@ async fn a_caller_gone_mid_prefill_frees_its_blocks_at_once() {
     );
     let m = &harness().model;
     let job = |targets: usize| GenerateJob {
-        prompt: prompt("volcanoes"),
-        sampling: SamplingParams::greedy(),
-        max_tokens: MAX_TOKENS,
-        stop_token_ids: m.text.tokenizer.stop_ids(),
+        request: GenerationRequest {
+            prompt: prompt("volcanoes"),
+            sampling: SamplingParams::greedy(),
+            max_tokens: MAX_TOKENS,
+            stop_token_ids: m.text.tokenizer.stop_ids(),
+            constraint: None,
+        },
         prefill: (0..targets)
             .map(|i| target(&format!("stalled-{i}"), &stalled.server.endpoint))
             .collect(),
-        constraint: None,
     };
     let too_many = svc
         .generate(Request::new(

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc as tmpsc;
 
 use tandem_grammar::{ConstraintState, GrammarCompiler, GrammarError};
-use tandem_types::{Constraint, GenFailure, InvalidRequest, RequestLimits};
+use tandem_types::{Constraint, GenFailure, GenerationRequest, InvalidRequest, RequestLimits};
 
 use crate::backend::{RunnerConfig, ServedModel, StepLogits};
 use crate::block_manager::KvEvent;
@@ -42,7 +42,7 @@ use crate::metrics::metrics;
 use tandem_types::egress;
 
 use crate::moe::Combine;
-use crate::sampler::{Sampled, SamplingParams};
+use crate::sampler::Sampled;
 pub use tandem_types::Usage;
 
 mod actor;
@@ -115,20 +115,6 @@ impl SchedulerConfig {
         }
         Ok(())
     }
-}
-
-/// One generation request, already tokenized.
-#[derive(Debug, Clone)]
-pub struct Request {
-    pub prompt: Vec<u32>,
-    pub sampling: SamplingParams,
-    pub max_tokens: usize,
-    /// Sampling one of these ends the request; it is not reported as text.
-    pub stop_token_ids: Vec<u32>,
-    /// Where the prompt's KV comes from or goes to.
-    pub handoff: KvHandoff,
-    /// What the generated text must match (compiled at submit).
-    pub constraint: Option<Constraint>,
 }
 
 /// The role of a request in a disaggregated prefill/decode handoff.
@@ -265,7 +251,9 @@ fn emit(tx: &EventTx, ev: Event) {
 /// A request on its way to the actor, with what `submit` prepared.
 struct Submission {
     id: u64,
-    req: Request,
+    req: GenerationRequest,
+    /// Where the prompt's KV comes from or goes to.
+    handoff: KvHandoff,
     constraint: Option<ConstraintState>,
     events: EventTx,
     cached: Arc<AtomicUsize>,
@@ -516,14 +504,18 @@ impl Drop for Scheduler {
 }
 
 impl SchedulerHandle {
-    /// Validates and queues a request. Errors here are the caller's (4xx).
-    pub fn submit(&self, req: Request) -> Result<RequestStream, RequestError> {
-        let limits = RequestLimits {
+    /// Validates and queues a request, its prompt's KV computed here or
+    /// moved as `handoff` says; its constraint is compiled here. Errors
+    /// here are the caller's (4xx).
+    pub fn submit(
+        &self,
+        req: GenerationRequest,
+        handoff: KvHandoff,
+    ) -> Result<RequestStream, RequestError> {
+        req.check(&RequestLimits {
             max_length: self.config.max_length,
             vocab_size: self.vocab,
-        };
-        let mut req = req;
-        req.max_tokens = limits.check(&req.prompt, Some(req.max_tokens), &req.sampling)?;
+        })?;
         // Compiled here, on the caller's thread, not the scheduler's.
         let constraint = match &req.constraint {
             Some(c) => Some(self.grammar.compile(c)?),
@@ -538,6 +530,7 @@ impl SchedulerHandle {
             .send(Command::Submit(Box::new(Submission {
                 id,
                 req,
+                handoff,
                 constraint,
                 events: etx,
                 cached: Arc::clone(&cached),

@@ -34,11 +34,12 @@ use tandem_engine::kv_cache::KvCache;
 use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{Sampled, SamplingParams, argmax, log_softmax};
-use tandem_engine::scheduler::{Event, KvHandoff, Request, Scheduler, SchedulerConfig};
+use tandem_engine::scheduler::{Event, KvHandoff, Scheduler, SchedulerConfig};
 use tandem_engine::{LoadedModel, load};
 use tandem_modelfile::chat::ChatTemplate;
 use tandem_modelfile::gguf::GgufFile;
 use tandem_modelfile::tokenizer::{Tokenizer, spec_from_gguf};
+use tandem_types::GenerationRequest;
 
 /// One model family under test, its GGUF and its tolerances.
 struct Family {
@@ -590,14 +591,16 @@ fn generate_together(
         .map(|p| {
             sched
                 .handle()
-                .submit(Request {
-                    prompt: p.clone(),
-                    sampling: sampling.clone(),
-                    max_tokens,
-                    stop_token_ids: Vec::new(),
-                    handoff: KvHandoff::Local,
-                    constraint: None,
-                })
+                .submit(
+                    GenerationRequest {
+                        prompt: p.clone(),
+                        sampling: sampling.clone(),
+                        max_tokens,
+                        stop_token_ids: Vec::new(),
+                        constraint: None,
+                    },
+                    KvHandoff::Local,
+                )
                 .expect("request accepted")
         })
         .collect();

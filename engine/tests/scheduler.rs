@@ -14,11 +14,11 @@ use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{SamplingParams, top_candidates};
 use tandem_engine::scheduler::{
-    Event, FAILING_AFTER, ImportOutcome, KvHandoff, Request, RequestStream, Scheduler,
-    SchedulerConfig, SchedulerHandle, Usage,
+    Event, FAILING_AFTER, ImportOutcome, KvHandoff, RequestStream, Scheduler, SchedulerConfig,
+    SchedulerHandle, Usage,
 };
 use tandem_engine::{LoadedModel, RequestError, load};
-use tandem_types::{FinishReason, GenFailure, InvalidRequest};
+use tandem_types::{FinishReason, GenFailure, GenerationRequest, InvalidRequest};
 
 fn model() -> Arc<LoadedModel> {
     static M: std::sync::OnceLock<Arc<LoadedModel>> = std::sync::OnceLock::new();
@@ -58,13 +58,12 @@ fn prompts() -> Vec<Vec<u32>> {
     .collect()
 }
 
-fn request(prompt: &[u32], max_tokens: usize) -> Request {
-    Request {
+fn request(prompt: &[u32], max_tokens: usize) -> GenerationRequest {
+    GenerationRequest {
         prompt: prompt.to_vec(),
         sampling: SamplingParams::greedy(),
         max_tokens,
         stop_token_ids: model().text.tokenizer.stop_ids(),
-        handoff: KvHandoff::Local,
         constraint: None,
     }
 }
@@ -99,7 +98,10 @@ fn collect(mut stream: tandem_engine::scheduler::RequestStream) -> (Vec<u32>, Us
 fn run_all(h: &SchedulerHandle, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<(Vec<u32>, Usage)> {
     let streams: Vec<_> = prompts
         .iter()
-        .map(|p| h.submit(request(p, max_tokens)).expect("accepted"))
+        .map(|p| {
+            h.submit(request(p, max_tokens), KvHandoff::Local)
+                .expect("accepted")
+        })
         .collect();
     streams.into_iter().map(collect).collect()
 }
@@ -185,8 +187,14 @@ fn repeated_prompt_hits_the_prefix_cache() {
             false,
         )
         .expect("tokenizes");
-    let (first, u1) = collect(h.submit(request(&long, 8)).expect("accepted"));
-    let (second, u2) = collect(h.submit(request(&long, 8)).expect("accepted"));
+    let (first, u1) = collect(
+        h.submit(request(&long, 8), KvHandoff::Local)
+            .expect("accepted"),
+    );
+    let (second, u2) = collect(
+        h.submit(request(&long, 8), KvHandoff::Local)
+            .expect("accepted"),
+    );
     assert_eq!(u1.cached_tokens, 0);
     assert_eq!(
         u2.cached_tokens,
@@ -221,11 +229,11 @@ fn dropping_a_stream_cancels_and_frees_blocks() {
     let h = sched.handle();
     let p = prompts();
     let max_tokens = cfg.max_length - p[2].len();
-    let endless = Request {
+    let endless = GenerationRequest {
         stop_token_ids: Vec::new(),
         ..request(&p[2], max_tokens)
     };
-    let mut stream = h.submit(endless).expect("accepted");
+    let mut stream = h.submit(endless, KvHandoff::Local).expect("accepted");
     let mut next_token = || match stream.blocking_next() {
         Some(Event::Token(_)) => {}
         other => panic!("expected a token, got {other:?}"),
@@ -249,7 +257,9 @@ fn dropping_a_stream_cancels_and_frees_blocks() {
     assert!(held > 0);
 
     // Another request keeps running while the first is cancelled.
-    let other = h.submit(request(&p[0], 6)).expect("accepted");
+    let other = h
+        .submit(request(&p[0], 6), KvHandoff::Local)
+        .expect("accepted");
     let dropped = Instant::now();
     drop(stream);
     let (tokens, _) = collect(other);
@@ -278,7 +288,7 @@ fn dropping_a_stream_cancels_and_frees_blocks() {
 fn invalid_requests_are_rejected_at_submit() {
     let sched = Scheduler::spawn(model(), config()).expect("spawns");
     let h = sched.handle();
-    let reject = |r: Request| h.submit(r).expect_err("rejected");
+    let reject = |r: GenerationRequest| h.submit(r, KvHandoff::Local).expect_err("rejected");
     assert!(matches!(
         reject(request(&[], 4)),
         RequestError::Invalid(InvalidRequest::EmptyPrompt)
@@ -305,7 +315,10 @@ fn invalid_requests_are_rejected_at_submit() {
         RequestError::Invalid(InvalidRequest::Sampling(_))
     ));
     // And the scheduler still serves.
-    let (tokens, _) = collect(h.submit(request(&prompts()[0], 3)).expect("accepted"));
+    let (tokens, _) = collect(
+        h.submit(request(&prompts()[0], 3), KvHandoff::Local)
+            .expect("accepted"),
+    );
     assert_eq!(tokens.len(), 3);
 }
 
@@ -335,13 +348,6 @@ fn bad_configs_fail_loudly() {
         },
     ] {
         assert!(Scheduler::spawn(m.clone(), bad).is_err());
-    }
-}
-
-fn handoff_request(prompt: &[u32], max_tokens: usize, handoff: KvHandoff) -> Request {
-    Request {
-        handoff,
-        ..request(prompt, max_tokens)
     }
 }
 
@@ -383,7 +389,7 @@ fn disaggregated(
     max_tokens: usize,
 ) -> (Vec<u32>, Usage, usize) {
     let mut d = decode
-        .submit(handoff_request(prompt, max_tokens, KvHandoff::Import))
+        .submit(request(prompt, max_tokens), KvHandoff::Import)
         .expect("accepted");
     let slot = expect_import_slot(&mut d);
     assert_eq!(
@@ -391,7 +397,7 @@ fn disaggregated(
         prompt.len().div_ceil(config().block_size)
     );
     let mut p = prefill
-        .submit(handoff_request(prompt, max_tokens, KvHandoff::Export))
+        .submit(request(prompt, max_tokens), KvHandoff::Export)
         .expect("accepted");
     // Layers of blocks filled by the computation arrive first, then the
     // first token, then the held blocks.
@@ -492,7 +498,7 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
     let want = alone(prompt, 10);
 
     let mut d = h
-        .submit(handoff_request(prompt, 10, KvHandoff::Import))
+        .submit(request(prompt, 10), KvHandoff::Import)
         .expect("accepted");
     let _ = expect_import_slot(&mut d);
     // Stats are published after the step that emitted the event.
@@ -505,7 +511,7 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
 
     // Cancelled while waiting for its KV: blocks return at once.
     let mut d = h
-        .submit(handoff_request(prompt, 10, KvHandoff::Import))
+        .submit(request(prompt, 10), KvHandoff::Import)
         .expect("accepted");
     let _ = expect_import_slot(&mut d);
     wait_for("the reserved blocks to be counted", || {
@@ -516,7 +522,7 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
 
     // An exported prompt holds its blocks until its stream is dropped.
     let mut p = h
-        .submit(handoff_request(prompt, 10, KvHandoff::Export))
+        .submit(request(prompt, 10), KvHandoff::Export)
         .expect("accepted");
     assert!(matches!(p.blocking_next(), Some(Event::Token(_))));
     assert!(matches!(p.blocking_next(), Some(Event::Exported(_))));
@@ -617,7 +623,7 @@ fn a_failing_step_fails_its_requests_and_the_scheduler_goes_on() {
     // steps in a row the scheduler says it is failing (health checks).
     for (i, q) in p.iter().take(FAILING_AFTER).enumerate() {
         assert!(!h.stats().failing(), "failing after {i} failed steps");
-        let mut s = h.submit(request(q, 4)).expect("accepted");
+        let mut s = h.submit(request(q, 4), KvHandoff::Local).expect("accepted");
         match s.blocking_next() {
             Some(Event::Failed(GenFailure::Internal(msg))) => {
                 assert!(msg.contains("injected failure"), "{msg}");
@@ -631,7 +637,10 @@ fn a_failing_step_fails_its_requests_and_the_scheduler_goes_on() {
     // The device is back: the next request runs as it would have, and one
     // good step clears the failing state.
     fail.store(false, Ordering::Relaxed);
-    let (tokens, _) = collect(h.submit(request(&p[3], 6)).expect("accepted"));
+    let (tokens, _) = collect(
+        h.submit(request(&p[3], 6), KvHandoff::Local)
+            .expect("accepted"),
+    );
     assert_eq!(tokens, alone(&p[3], 6));
     assert!(!h.stats().failing());
     wait_idle(h);
@@ -749,11 +758,11 @@ fn steps_on_top_candidates_sample_what_full_rows_sample() {
             .iter()
             .zip(&p)
             .map(|(s, q)| {
-                let r = Request {
+                let r = GenerationRequest {
                     sampling: s.clone(),
                     ..request(q, 8)
                 };
-                h.submit(r).expect("accepted")
+                h.submit(r, KvHandoff::Local).expect("accepted")
             })
             .collect();
         streams.into_iter().map(collect_sampled).collect::<Vec<_>>()
@@ -801,7 +810,9 @@ fn a_runner_returning_misshapen_logits_fails_its_step_only() {
     let sched = Scheduler::spawn(reducing(&Arc::default(), true), config()).expect("spawns");
     let h = sched.handle();
     let p = prompts();
-    let mut s = h.submit(request(&p[0], 4)).expect("accepted");
+    let mut s = h
+        .submit(request(&p[0], 4), KvHandoff::Local)
+        .expect("accepted");
     match s.blocking_next() {
         Some(Event::Failed(GenFailure::Internal(msg))) => {
             assert!(msg.contains("logits"), "{msg}");

@@ -17,8 +17,9 @@ use tandem_engine::kv_cache::KvCache;
 use tandem_engine::model::{DecoderModel, SeqChunk};
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{SamplingParams, argmax};
-use tandem_engine::scheduler::{Event, KvHandoff, Request, Scheduler, SchedulerConfig};
+use tandem_engine::scheduler::{Event, KvHandoff, Scheduler, SchedulerConfig};
 use tandem_engine::{LoadedModel, load};
+use tandem_types::GenerationRequest;
 
 fn model() -> &'static LoadedModel {
     static M: OnceLock<LoadedModel> = OnceLock::new();
@@ -196,14 +197,16 @@ fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
         .map(|p| {
             sched
                 .handle()
-                .submit(Request {
-                    prompt: p.clone(),
-                    sampling: SamplingParams::greedy(),
-                    max_tokens: 12,
-                    stop_token_ids: m.text.tokenizer.stop_ids(),
-                    handoff: KvHandoff::Local,
-                    constraint: None,
-                })
+                .submit(
+                    GenerationRequest {
+                        prompt: p.clone(),
+                        sampling: SamplingParams::greedy(),
+                        max_tokens: 12,
+                        stop_token_ids: m.text.tokenizer.stop_ids(),
+                        constraint: None,
+                    },
+                    KvHandoff::Local,
+                )
                 .unwrap()
         })
         .collect();

@@ -5,21 +5,14 @@
 
 use futures_util::future::BoxFuture;
 use tandem_proto::trace::TraceContext;
-use tandem_types::{
-    Constraint, GenEvent, GenFailure, InvalidRequest, RequestLimits, SamplingParams,
-};
+use tandem_types::{GenEvent, GenFailure, GenerationRequest, InvalidRequest, RequestLimits};
 
-/// One tokenized request, checked against the backend's [`RequestLimits`].
+/// One tokenized request, checked against the backend's [`RequestLimits`]
+/// (its `max_tokens` within the room left; its constraint checked to
+/// compile).
 #[derive(Debug, Clone)]
 pub struct BackendRequest {
-    pub prompt: Vec<u32>,
-    pub sampling: SamplingParams,
-    /// Tokens it may generate (already capped by the room left).
-    pub max_tokens: usize,
-    /// Sampling one of these ends the request; it is not reported as text.
-    pub stop_token_ids: Vec<u32>,
-    /// What the output must match; checked to compile before submit.
-    pub constraint: Option<Constraint>,
+    pub request: GenerationRequest,
     /// The context that calls to workers carry.
     pub trace: TraceContext,
 }

@@ -26,7 +26,7 @@ use tandem_modelfile::ModelText;
 use tandem_modelfile::stop::StopStrings;
 use tandem_modelfile::tokenizer::Tokenizer;
 use tandem_proto::trace::{TRACEPARENT, TraceContext};
-use tandem_types::{Constraint, FinishReason, GenEvent, GenFailure, Sampled};
+use tandem_types::{Constraint, FinishReason, GenEvent, GenFailure, GenerationRequest, Sampled};
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
@@ -291,11 +291,13 @@ impl AppState {
                 let mut sampling = sampling.clone();
                 sampling.seed = sampling.seed.map(|s| s.wrapping_add(j as u64));
                 requests.push(BackendRequest {
-                    prompt: prompt.clone(),
-                    sampling,
-                    max_tokens,
-                    stop_token_ids: stop_token_ids.clone(),
-                    constraint: params.constraint.clone(),
+                    request: GenerationRequest {
+                        prompt: prompt.clone(),
+                        sampling,
+                        max_tokens,
+                        stop_token_ids: stop_token_ids.clone(),
+                        constraint: params.constraint.clone(),
+                    },
                     trace: trace.outgoing,
                 });
             }
@@ -323,8 +325,8 @@ impl AppState {
         arrived: Instant,
         trace: &RequestTrace,
     ) -> Result<Generation, ApiError> {
-        let prompt_tokens = req.prompt.len();
-        let logprobs = req.sampling.logprobs;
+        let prompt_tokens = req.request.prompt.len();
+        let logprobs = req.request.sampling.logprobs;
         let stream = self.inner.backend.submit(req).await?;
         Ok(Generation {
             text: Arc::clone(&self.inner.text),

@@ -31,8 +31,8 @@ use tandem_grammar::GrammarCompiler;
 use tandem_modelfile::chat::ChatMessage;
 use tandem_modelfile::{ModelMeta, ModelText};
 use tandem_types::{
-    Constraint, FinishReason, GenEvent, GenFailure, InvalidRequest, RequestLimits, Sampled,
-    SamplingParams, Usage,
+    Constraint, FinishReason, GenEvent, GenFailure, GenerationRequest, InvalidRequest,
+    RequestLimits, Sampled, SamplingParams, Usage,
 };
 use tokio::sync::watch;
 use tower::ServiceExt;
@@ -149,7 +149,7 @@ impl Backend for Fake {
         &self,
         req: BackendRequest,
     ) -> BoxFuture<'_, Result<Box<dyn GenerationStream>, SubmitError>> {
-        let prompt_tokens = req.prompt.len();
+        let prompt_tokens = req.request.prompt.len();
         self.log.requests.lock().unwrap().push(req);
         let reply = self.replies.lock().unwrap().pop_front();
         let log = Arc::clone(&self.log);
@@ -298,8 +298,10 @@ impl Server {
         self.fake.replies.lock().unwrap().push_back(reply);
     }
 
-    fn requests(&self) -> Vec<BackendRequest> {
-        self.fake.log.requests.lock().unwrap().clone()
+    /// What the backend was asked to run, in order.
+    fn requests(&self) -> Vec<GenerationRequest> {
+        let log = self.fake.log.requests.lock().unwrap();
+        log.iter().map(|r| r.request.clone()).collect()
     }
 
     fn ends(&self) -> Vec<StreamEnd> {
@@ -1856,7 +1858,7 @@ async fn traceparent_reaches_the_backend() {
         .unwrap();
     let (status, text) = text_of(s.send(req).await).await;
     assert_eq!(status, StatusCode::OK, "{text}");
-    let trace = s.requests()[0].trace;
+    let trace = s.fake.log.requests.lock().unwrap()[0].trace;
     assert_eq!(trace.trace_id, 0x0af7651916cd43dd8448eb211c80319c);
     assert_ne!(trace.span_id, 0xb7ad6b7169203331, "a new hop");
 }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use tandem_types::ModelFingerprint;
-use tandem_types::{Constraint, FinishReason, GenFailure};
+use tandem_types::{Constraint, FinishReason, GenFailure, GenerationRequest};
 use tandem_types::{MinTokens, Sampled, SamplingParams};
 
 /// Generated protobuf and gRPC code.
@@ -332,16 +332,14 @@ pub struct PrefillTarget {
     pub endpoint: String,
 }
 
-/// A validated [`pb::GenerateRequest`].
+/// A validated [`pb::GenerateRequest`]: the generation and where its
+/// prompt may be prefilled. Its conversions are the one place a
+/// [`GenerationRequest`] crosses the wire.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateJob {
-    pub prompt: Vec<u32>,
-    pub sampling: SamplingParams,
-    pub max_tokens: usize,
-    pub stop_token_ids: Vec<u32>,
+    pub request: GenerationRequest,
     /// Prefill workers to try in order; empty means prefill locally.
     pub prefill: Vec<PrefillTarget>,
-    pub constraint: Option<Constraint>,
 }
 
 impl GenerateJob {
@@ -376,24 +374,25 @@ impl GenerateJob {
                 })
             })
             .collect::<Result<_, ProtoError>>()?;
-        Ok(Self {
+        let request = GenerationRequest {
             prompt: req.prompt,
             sampling,
             max_tokens: req.max_tokens as usize,
             stop_token_ids: req.stop_token_ids,
-            prefill,
             constraint: constraint_from_pb(req.constraint)?,
-        })
+        };
+        Ok(Self { request, prefill })
     }
 
     pub fn to_pb(&self, fingerprint: &ModelFingerprint) -> pb::GenerateRequest {
+        let r = &self.request;
         pb::GenerateRequest {
             version: PROTOCOL_VERSION,
             fingerprint: Some(fingerprint.into()),
-            prompt: self.prompt.clone(),
-            sampling: Some((&self.sampling).into()),
-            max_tokens: self.max_tokens.min(u32::MAX as usize) as u32,
-            stop_token_ids: self.stop_token_ids.clone(),
+            prompt: r.prompt.clone(),
+            sampling: Some((&r.sampling).into()),
+            max_tokens: r.max_tokens.min(u32::MAX as usize) as u32,
+            stop_token_ids: r.stop_token_ids.clone(),
             prefill: self
                 .prefill
                 .iter()
@@ -402,7 +401,7 @@ impl GenerateJob {
                     endpoint: t.endpoint.clone(),
                 })
                 .collect(),
-            constraint: self.constraint.as_ref().map(constraint_to_pb),
+            constraint: r.constraint.as_ref().map(constraint_to_pb),
         }
     }
 }

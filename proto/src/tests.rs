@@ -146,15 +146,17 @@ fn prefill_request_rejections_name_the_problem() {
 #[test]
 fn generate_request_validation() {
     let job = GenerateJob {
-        prompt: vec![1, 2, 3],
-        sampling: SamplingParams::greedy(),
-        max_tokens: 5,
-        stop_token_ids: vec![2],
+        request: GenerationRequest {
+            prompt: vec![1, 2, 3],
+            sampling: SamplingParams::greedy(),
+            max_tokens: 5,
+            stop_token_ids: vec![2],
+            constraint: Some(Constraint::JsonSchema(r#"{"type":"integer"}"#.into())),
+        },
         prefill: vec![PrefillTarget {
             worker_id: "p0".into(),
             endpoint: "http://127.0.0.1:5000".into(),
         }],
-        constraint: Some(Constraint::JsonSchema(r#"{"type":"integer"}"#.into())),
     };
     let back = GenerateJob::validate(job.to_pb(&fp()), &fp()).expect("valid");
     assert_eq!(back, job);
@@ -164,10 +166,8 @@ fn generate_request_validation() {
         Constraint::Regex("[0-9]+".into()),
         Constraint::Lark("start: \"a\"".into()),
     ] {
-        let j = GenerateJob {
-            constraint: Some(c),
-            ..job.clone()
-        };
+        let mut j = job.clone();
+        j.request.constraint = Some(c);
         assert_eq!(
             GenerateJob::validate(j.to_pb(&fp()), &fp()).expect("valid"),
             j

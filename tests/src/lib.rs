@@ -26,8 +26,8 @@ use tandem_engine::LoadedModel;
 use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate};
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{Sampled, SamplingParams};
-use tandem_engine::scheduler::{Event, KvHandoff, Request, Scheduler, SchedulerConfig};
-use tandem_types::FinishReason;
+use tandem_engine::scheduler::{Event, KvHandoff, Scheduler, SchedulerConfig};
+use tandem_types::{FinishReason, GenerationRequest};
 
 pub fn gguf_path() -> PathBuf {
     match std::env::var_os("TANDEM_TEST_GGUF") {
@@ -186,15 +186,14 @@ pub fn reference_outputs(
     let streams: Vec<_> = requests
         .iter()
         .map(|(prompt, sampling)| {
-            let req = Request {
+            let req = GenerationRequest {
                 prompt: prompt.clone(),
                 sampling: sampling.clone(),
                 max_tokens,
                 stop_token_ids: m.text.tokenizer.stop_ids(),
-                handoff: KvHandoff::Local,
                 constraint: None,
             };
-            sched.handle().submit(req).unwrap()
+            sched.handle().submit(req, KvHandoff::Local).unwrap()
         })
         .collect();
     let outs = streams

@@ -16,7 +16,8 @@ pub mod sampling;
 pub use block_hash::{BlockHash, block_hashes, chain_hash};
 pub use fingerprint::ModelFingerprint;
 pub use request::{
-    Constraint, FinishReason, GenEvent, GenFailure, InvalidRequest, RequestLimits, Usage,
+    Constraint, FinishReason, GenEvent, GenFailure, GenerationRequest, InvalidRequest,
+    RequestLimits, Usage,
 };
 pub use rng::SeededRng;
 pub use sampling::{

@@ -36,6 +36,30 @@ pub enum Constraint {
     Lark(String),
 }
 
+/// One tokenized generation request, as every layer carries it: the front
+/// end builds it, the router sends it to a decode node (`GenerateJob`), the
+/// scheduler runs it. [`GenerationRequest::check`] holds it to the limits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationRequest {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Tokens it may generate (within the room the prompt leaves).
+    pub max_tokens: usize,
+    /// Sampling one of these ends the request; it is not reported as text.
+    pub stop_token_ids: Vec<u32>,
+    /// What the generated text must match.
+    pub constraint: Option<Constraint>,
+}
+
+impl GenerationRequest {
+    /// Checks the request against `limits` ([`RequestLimits::check`]).
+    pub fn check(&self, limits: &RequestLimits) -> Result<(), InvalidRequest> {
+        limits
+            .check(&self.prompt, Some(self.max_tokens), &self.sampling)
+            .map(|_| ())
+    }
+}
+
 /// What a backend tells the front end about one request, in order: tokens,
 /// then exactly one `Finished` or `Failed`.
 #[derive(Debug, Clone, PartialEq)]

@@ -125,6 +125,7 @@ impl Actor {
                 let Submission {
                     id,
                     req,
+                    handoff,
                     constraint,
                     events,
                     cached: cached_shared,
@@ -137,7 +138,7 @@ impl Actor {
                         return;
                     }
                 };
-                let max_tokens = match req.handoff {
+                let max_tokens = match handoff {
                     KvHandoff::Export => 1,
                     _ => req.max_tokens,
                 }
@@ -155,7 +156,7 @@ impl Actor {
                     cached_tokens: 0,
                     cached_shared,
                     admitted: 0,
-                    handoff: req.handoff,
+                    handoff,
                     constraint,
                     events,
                 });
