@@ -21,6 +21,7 @@ use crate::moe::{Combine, MoeBlock, MoeWeights};
 use crate::weight::{Weight, fuse};
 use tandem_modelfile::arch::Activation;
 use tandem_modelfile::config::ModelConfig;
+use tandem_modelfile::plan::shard::{ShardPlan, StoredBlocks};
 
 /// Weights of one decoder layer.
 #[derive(Debug)]
@@ -79,6 +80,9 @@ pub struct DecoderModel {
     /// Segments every row-parallel projection is summed over, in order (see
     /// [`RowParallel`]); the same for the whole model and for every shard.
     reduce_groups: usize,
+    /// The stored blocks of the row-parallel weights, which the shard plan
+    /// cuts on.
+    blocks: StoredBlocks,
     /// How a shard's MoE layers meet their tokens (see [`Combine`]).
     moe_combine: Combine,
 }
@@ -314,18 +318,12 @@ impl DecoderModel {
         let output = output
             .map(|w| w.expect_shape("output", c.vocab_size, c.d_model))
             .transpose()?;
-        let reduce_groups = reduce_groups(c, &layers);
-        // One cut of the FFN width for every layer, on the coarsest block
-        // any layer's down projection has (block sizes divide each other).
-        let ffn_block = layers
-            .iter()
-            .filter_map(|l| match &l.ffn {
-                FfnWeights::Dense { down, .. } => Some(down.ty().block_len()),
-                FfnWeights::Moe(_) => None,
-            })
-            .max()
-            .unwrap_or(1);
-        let ffn_bounds = block_bounds(c.ffn_dim, reduce_groups, ffn_block);
+        // One cut of each row-parallel projection for every layer, by the
+        // shard plan, on the coarsest block any layer's weight has (block
+        // sizes divide each other).
+        let blocks = stored_blocks(&layers);
+        let plan = ShardPlan::new(c, 1, blocks)?;
+        let reduce_groups = plan.segments;
         let mut checked = Vec::with_capacity(layers.len());
         let fam = c.family;
         for (i, l) in layers.into_iter().enumerate() {
@@ -368,7 +366,7 @@ impl DecoderModel {
                     up: up.expect_shape(&n("ffn_up"), c.ffn_dim, c.d_model)?,
                     down: RowParallel::new(
                         &down.expect_shape(&n("ffn_down"), c.d_model, c.ffn_dim)?,
-                        &ffn_bounds,
+                        &plan.ffn_bounds,
                         0,
                         reduce_groups,
                     )?,
@@ -388,12 +386,7 @@ impl DecoderModel {
                 wq: l.wq.expect_shape(&n("attn_q"), c.q_dim(), c.d_model)?,
                 wk: l.wk.expect_shape(&n("attn_k"), c.kv_dim(), c.d_model)?,
                 wv: l.wv.expect_shape(&n("attn_v"), c.kv_dim(), c.d_model)?,
-                wo: RowParallel::new(
-                    &wo,
-                    &equal_bounds(c.q_dim(), reduce_groups),
-                    0,
-                    reduce_groups,
-                )?,
+                wo: RowParallel::new(&wo, &plan.attn_bounds, 0, reduce_groups)?,
                 ffn_norm: l.ffn_norm,
                 ffn,
                 qkv_bias: l.qkv_bias.map(|b| b.concat()),
@@ -411,6 +404,7 @@ impl DecoderModel {
             output,
             tp: None,
             reduce_groups,
+            blocks,
             moe_combine: Combine::AllReduce,
         })
     }
@@ -439,32 +433,17 @@ impl DecoderModel {
         if self.tp.is_some() {
             return Err(ModelError::InvalidConfig("cannot shard a shard".into()));
         }
-        for (what, n) in [
-            ("attention heads", c.n_heads),
-            ("KV heads", c.n_kv_heads),
-            ("vocabulary", c.vocab_size),
-            ("row-parallel reduction segments", self.reduce_groups),
-        ] {
-            if world == 0 || rank >= world || !n.is_multiple_of(world) {
-                return Err(ModelError::InvalidConfig(format!(
-                    "tensor parallelism {world} (rank {rank}) does not divide the {what} ({n})"
-                )));
-            }
-        }
-        let part = |n: usize| (n / world * rank)..(n / world * (rank + 1));
-        let (q, kv) = (part(c.q_dim()), part(c.kv_dim()));
-        let vocab = part(c.vocab_size);
-        let segs = part(self.reduce_groups);
+        // The one plan every executor splits by.
+        let plan = ShardPlan::new(c, world, self.blocks)?;
+        let share = plan.rank(rank).ok_or_else(|| {
+            ModelError::InvalidConfig(format!("rank {rank} of {world} tensor-parallel ranks"))
+        })?;
+        let (q, kv, vocab, segs) = (share.q_rows, share.kv_rows, share.vocab, share.segments);
         let row_parallel =
             |w: &RowParallel| RowParallel::new(&w.local, w.all_bounds(), segs.start, segs.len());
         // The FFN width this rank holds: the columns of its down-projection
         // segments (which follow the weights' blocks, so ranks may differ).
-        let ffn = match self.layers.first().map(|l| &l.ffn) {
-            Some(Ffn::Dense { down, .. }) => {
-                down.all_bounds()[segs.start]..down.all_bounds()[segs.end]
-            }
-            _ => part(c.ffn_dim),
-        };
+        let ffn = share.ffn;
 
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
@@ -529,6 +508,7 @@ impl DecoderModel {
                 vocab_len: vocab.len(),
             }),
             reduce_groups: self.reduce_groups,
+            blocks: self.blocks,
             moe_combine,
         })
     }
@@ -1252,50 +1232,25 @@ fn fused_layer(mut l: Layer) -> Layer {
     l
 }
 
-/// How many column segments row-parallel projections are summed over: one
-/// per KV head (the finest split tensor parallelism allows), when the
-/// attention output's per-head segments fall on blocks of its type and the
-/// FFN width has at least that many blocks of every down projection's type
-/// (its segments are cut on blocks, as evenly as they allow); otherwise 1
-/// (and no tensor parallelism).
-fn reduce_groups(c: &ModelConfig, layers: &[LayerWeights]) -> usize {
-    let g = c.n_kv_heads;
-    let per_head =
-        |w: &Weight, cols: usize| cols.is_multiple_of(g) && w.ty().row_bytes(cols / g).is_some();
-    let enough_blocks = |w: &Weight, cols: usize| {
-        let b = w.ty().block_len();
-        cols.is_multiple_of(b) && cols / b >= g
+/// The coarsest stored blocks of the layers' row-parallel weights (the
+/// attention output and, for dense layers, the down projection), which
+/// the shard plan cuts on.
+fn stored_blocks(layers: &[LayerWeights]) -> StoredBlocks {
+    let coarsest = |w: fn(&LayerWeights) -> Option<&Weight>| {
+        layers
+            .iter()
+            .filter_map(w)
+            .map(|w| w.ty().block_len())
+            .max()
+            .unwrap_or(1)
     };
-    let ok = g > 1
-        && layers.iter().all(|l| {
-            per_head(&l.wo, c.q_dim())
-                && match &l.ffn {
-                    FfnWeights::Dense { down, .. } => enough_blocks(down, c.ffn_dim),
-                    FfnWeights::Moe(_) => true,
-                }
-        });
-    if ok { g } else { 1 }
-}
-
-/// `groups + 1` offsets cutting `cols` columns into `groups` equal segments.
-fn equal_bounds(cols: usize, groups: usize) -> Vec<usize> {
-    (0..=groups).map(|k| k * cols / groups).collect()
-}
-
-/// `groups + 1` offsets cutting `cols` columns into `groups` segments of
-/// whole `block`-column blocks, as even as the blocks allow (Qwen2.5-0.5B's
-/// FFN is 19 blocks of 256: 9 + 10 for two segments).
-pub fn block_bounds(cols: usize, groups: usize, block: usize) -> Vec<usize> {
-    let blocks = cols / block.max(1);
-    (0..=groups)
-        .map(|k| {
-            if k == groups {
-                cols
-            } else {
-                k * blocks / groups * block
-            }
-        })
-        .collect()
+    StoredBlocks {
+        attn_output: coarsest(|l| Some(&l.wo)),
+        ffn_down: coarsest(|l| match &l.ffn {
+            FfnWeights::Dense { down, .. } => Some(down),
+            FfnWeights::Moe(_) => None,
+        }),
+    }
 }
 
 /// The residual add of a row-parallel projection, then optionally the next
@@ -1344,28 +1299,5 @@ fn activate(act: Activation, gate: &mut [f32], up: &[f32]) {
     match act {
         Activation::Silu => ops::silu_mul(gate, up),
         Activation::GeluTanh => ops::gelu_tanh_mul(gate, up),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn segment_bounds_cut_on_blocks_as_evenly_as_they_allow() {
-        assert_eq!(equal_bounds(896, 2), [0, 448, 896]);
-        assert_eq!(equal_bounds(576, 1), [0, 576]);
-        // Qwen2.5-0.5B's FFN: 4864 columns, 19 blocks of 256.
-        assert_eq!(block_bounds(4864, 2, 256), [0, 2304, 4864]);
-        assert_eq!(block_bounds(1536, 3, 32), [0, 512, 1024, 1536]);
-        assert_eq!(block_bounds(4864, 1, 256), [0, 4864]);
-        for (cols, groups, block) in [(4864, 2, 256), (2048, 4, 256), (1536, 3, 32), (96, 3, 32)] {
-            let b = block_bounds(cols, groups, block);
-            assert_eq!(b.len(), groups + 1);
-            assert!(
-                b.windows(2)
-                    .all(|w| w[0] < w[1] && (w[1] - w[0]) % block == 0)
-            );
-        }
     }
 }
