@@ -196,7 +196,6 @@ impl Bench {
                 block_size: BLOCK_SIZE,
                 num_blocks: tokens.div_ceil(BLOCK_SIZE).max(1),
             })
-            .map_err(anyhow::Error::msg)
             .with_context(|| format!("--tp {}", self.tp))?;
         let kv = KvCache::new(runner.kv_cache_config()).context("creating KV cache")?;
         Ok(Pool { cache: kv, runner })
@@ -490,7 +489,8 @@ fn measure_profile(
     Ok(profile)
 }
 
-pub fn run(args: BenchEngineArgs) -> Result<()> {
+/// Refuses flag values no test can run with.
+fn validate(args: &BenchEngineArgs) -> Result<()> {
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
@@ -507,34 +507,38 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
         bail!("--tp must be at least 1");
     }
     if args.profile.is_some() {
-        let axes = [
-            ("--profile-prefill", &args.profile_prefill),
-            ("--profile-batch", &args.profile_batch),
-            ("--profile-context", &args.profile_context),
-        ];
-        for (flag, v) in axes {
-            if v.0.is_empty() || v.0.contains(&0) {
-                bail!("{flag} needs values of at least 1");
-            }
-        }
-        let mut b = args.profile_batch.0.clone();
-        let mut c = args.profile_context.0.clone();
-        b.sort_unstable();
-        b.dedup();
-        c.sort_unstable();
-        c.dedup();
-        if b.len() != args.profile_batch.0.len() || c.len() != args.profile_context.0.len() {
-            bail!("--profile-batch and --profile-context must not repeat a value");
+        validate_profile_axes(args)?;
+    }
+    Ok(())
+}
+
+/// The `--profile-*` axes: non-empty, at least 1, batch and context
+/// without repeats.
+fn validate_profile_axes(args: &BenchEngineArgs) -> Result<()> {
+    let axes = [
+        ("--profile-prefill", &args.profile_prefill),
+        ("--profile-batch", &args.profile_batch),
+        ("--profile-context", &args.profile_context),
+    ];
+    for (flag, v) in axes {
+        if v.0.is_empty() || v.0.contains(&0) {
+            bail!("{flag} needs values of at least 1");
         }
     }
-    args.kernels.apply()?;
-    let cache_dir = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
-    let path = crate::fetch::resolve_model(&args.model, &cache_dir)?;
-    let m = Arc::new(
-        tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?,
-    );
-    let cfg = m.model.config();
-    let vocab = cfg.vocab_size;
+    let mut b = args.profile_batch.0.clone();
+    let mut c = args.profile_context.0.clone();
+    b.sort_unstable();
+    b.dedup();
+    c.sort_unstable();
+    c.dedup();
+    if b.len() != args.profile_batch.0.len() || c.len() != args.profile_context.0.len() {
+        bail!("--profile-batch and --profile-context must not repeat a value");
+    }
+    Ok(())
+}
+
+/// The most positions any requested test needs.
+fn longest_test(args: &BenchEngineArgs) -> usize {
     let mut longest = args.pp.max(args.tg + 1).max(if args.batch.0.is_empty() {
         0
     } else {
@@ -545,6 +549,121 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
         let c = args.profile_context.0.iter().max().copied().unwrap_or(0);
         longest = longest.max(p).max(c + (2 * args.reps + 1).max(5) + 1);
     }
+    longest
+}
+
+/// The `pp` test: one sequence's prefill of `--pp` tokens.
+fn bench_pp(bench: &mut Bench, args: &BenchEngineArgs) -> Result<Row> {
+    let (mut pool, table) = bench.cache_one(args.pp)?;
+    let mut row = Row {
+        test: format!("pp{}", args.pp),
+        kind: "pp",
+        batch: 1,
+        n_tokens: args.pp,
+        n_calls: 0,
+        samples: Vec::new(),
+    };
+    for _ in 0..args.reps {
+        let (dt, calls) = bench.prefill_one(&mut pool, &table, args.pp)?;
+        row.samples.push(dt);
+        row.n_calls = calls;
+    }
+    eprintln!("{}: {:.1} t/s", row.test, row.best());
+    Ok(row)
+}
+
+/// The `tg` test: one sequence decoding `--tg` tokens.
+fn bench_tg(bench: &mut Bench, args: &BenchEngineArgs) -> Result<Row> {
+    let (mut pool, table) = bench.cache_one(args.tg + 1)?;
+    let mut row = Row {
+        test: format!("tg{}", args.tg),
+        kind: "tg",
+        batch: 1,
+        n_tokens: args.tg,
+        n_calls: args.tg,
+        samples: Vec::new(),
+    };
+    for _ in 0..args.reps {
+        row.samples
+            .push(bench.decode_one(&mut pool, &table, args.tg)?);
+    }
+    eprintln!("{}: {:.1} t/s", row.test, row.best());
+    Ok(row)
+}
+
+/// The batched test of `b` sequences: its prefill row and its gen row.
+fn bench_batched(bench: &mut Bench, args: &BenchEngineArgs, b: usize) -> Result<[Row; 2]> {
+    let per_seq = args.npp + args.ntg;
+    let mut pool = bench.pool(b * per_seq.div_ceil(BLOCK_SIZE) * BLOCK_SIZE)?;
+    let mut tables = Vec::with_capacity(b);
+    for _ in 0..b {
+        let mut t = Vec::new();
+        pool.cache.reserve(&mut t, per_seq)?;
+        tables.push(t);
+    }
+    let name = format!("B={b} npp{} ntg{}", args.npp, args.ntg);
+    let mut pre = Row {
+        test: format!("{name} prefill"),
+        kind: "batched_prefill",
+        batch: b,
+        n_tokens: b * args.npp,
+        n_calls: 0,
+        samples: Vec::new(),
+    };
+    let mut gen_row = Row {
+        test: format!("{name} gen"),
+        kind: "batched_gen",
+        batch: b,
+        n_tokens: b * args.ntg,
+        n_calls: args.ntg,
+        samples: Vec::new(),
+    };
+    for _ in 0..args.reps {
+        let (t_pp, calls, t_tg) = bench.batched(&mut pool, &tables, args.npp, args.ntg)?;
+        pre.samples.push(t_pp);
+        pre.n_calls = calls;
+        gen_row.samples.push(t_tg);
+    }
+    eprintln!(
+        "{name}: prefill {:.1} t/s, gen {:.1} t/s",
+        pre.best(),
+        gen_row.best()
+    );
+    Ok([pre, gen_row])
+}
+
+/// Every requested test's rows, in the order they are printed.
+fn bench_rows(bench: &mut Bench, args: &BenchEngineArgs) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    // Warm-up: page in the weights, spin up the thread pool, size buffers.
+    {
+        let (mut pool, table) = bench.cache_one(64)?;
+        bench.prefill_one(&mut pool, &table, 32)?;
+        bench.decode_one(&mut pool, &table, 8)?;
+    }
+    if args.pp > 0 {
+        rows.push(bench_pp(bench, args)?);
+    }
+    if args.tg > 0 {
+        rows.push(bench_tg(bench, args)?);
+    }
+    for &b in &args.batch.0 {
+        rows.extend(bench_batched(bench, args, b)?);
+    }
+    Ok(rows)
+}
+
+pub fn run(args: BenchEngineArgs) -> Result<()> {
+    validate(&args)?;
+    args.kernels.apply()?;
+    let cache_dir = args.cache_dir.clone().unwrap_or_else(fetch::cache_dir);
+    let path = crate::fetch::resolve_model(&args.model, &cache_dir)?;
+    let m = Arc::new(
+        tandem_engine::load(&path).with_context(|| format!("loading {}", path.display()))?,
+    );
+    let cfg = m.model.config();
+    let vocab = cfg.vocab_size;
+    let longest = longest_test(&args);
     if longest > cfg.context_length && cfg.context_length > 0 {
         bail!(
             "a test needs {longest} positions; the model's context is {}",
@@ -574,93 +693,7 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
         prefill_chunk: args.prefill_chunk,
         rng: Rng::new(args.seed),
     };
-    let mut rows = Vec::new();
-
-    // Warm-up: page in the weights, spin up the thread pool, size buffers.
-    {
-        let (mut pool, table) = bench.cache_one(64)?;
-        bench.prefill_one(&mut pool, &table, 32)?;
-        bench.decode_one(&mut pool, &table, 8)?;
-    }
-
-    if args.pp > 0 {
-        let (mut pool, table) = bench.cache_one(args.pp)?;
-        let mut row = Row {
-            test: format!("pp{}", args.pp),
-            kind: "pp",
-            batch: 1,
-            n_tokens: args.pp,
-            n_calls: 0,
-            samples: Vec::new(),
-        };
-        for _ in 0..args.reps {
-            let (dt, calls) = bench.prefill_one(&mut pool, &table, args.pp)?;
-            row.samples.push(dt);
-            row.n_calls = calls;
-        }
-        eprintln!("{}: {:.1} t/s", row.test, row.best());
-        rows.push(row);
-    }
-
-    if args.tg > 0 {
-        let (mut pool, table) = bench.cache_one(args.tg + 1)?;
-        let mut row = Row {
-            test: format!("tg{}", args.tg),
-            kind: "tg",
-            batch: 1,
-            n_tokens: args.tg,
-            n_calls: args.tg,
-            samples: Vec::new(),
-        };
-        for _ in 0..args.reps {
-            row.samples
-                .push(bench.decode_one(&mut pool, &table, args.tg)?);
-        }
-        eprintln!("{}: {:.1} t/s", row.test, row.best());
-        rows.push(row);
-    }
-
-    for &b in &args.batch.0 {
-        let per_seq = args.npp + args.ntg;
-        let mut pool = bench.pool(b * per_seq.div_ceil(BLOCK_SIZE) * BLOCK_SIZE)?;
-        let mut tables = Vec::with_capacity(b);
-        for _ in 0..b {
-            let mut t = Vec::new();
-            pool.cache.reserve(&mut t, per_seq)?;
-            tables.push(t);
-        }
-        let name = format!("B={b} npp{} ntg{}", args.npp, args.ntg);
-        let mut pre = Row {
-            test: format!("{name} prefill"),
-            kind: "batched_prefill",
-            batch: b,
-            n_tokens: b * args.npp,
-            n_calls: 0,
-            samples: Vec::new(),
-        };
-        let mut gen_row = Row {
-            test: format!("{name} gen"),
-            kind: "batched_gen",
-            batch: b,
-            n_tokens: b * args.ntg,
-            n_calls: args.ntg,
-            samples: Vec::new(),
-        };
-        for _ in 0..args.reps {
-            let (t_pp, calls, t_tg) = bench.batched(&mut pool, &tables, args.npp, args.ntg)?;
-            pre.samples.push(t_pp);
-            pre.n_calls = calls;
-            gen_row.samples.push(t_tg);
-        }
-        eprintln!(
-            "{name}: prefill {:.1} t/s, gen {:.1} t/s",
-            pre.best(),
-            gen_row.best()
-        );
-        rows.push(pre);
-        rows.push(gen_row);
-    }
-
+    let rows = bench_rows(&mut bench, &args)?;
     let profile = match &args.profile {
         Some(_) => Some(measure_profile(
             &mut bench,

@@ -14,7 +14,7 @@ use tandem_modelfile::{ModelText, meta};
 use tandem_types::ModelFingerprint;
 
 use crate::comm::{Communicator, CpuGroup};
-use crate::error::RequestError;
+use crate::error::{RequestError, RunnerError};
 use crate::kv_cache::{BlockId, KvCache, KvCacheConfig, KvPool};
 use crate::loader::LoadedModel;
 use crate::model::{DecoderModel, SeqChunk};
@@ -55,7 +55,8 @@ pub trait ServedModel: Send + Sync + std::fmt::Debug {
     }
 
     /// Builds the runner of this model's steps.
-    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String>;
+    fn runner(self: Arc<Self>, config: RunnerConfig)
+    -> Result<Box<dyn StepRunner>, RunnerError>;
 }
 
 /// The form in which a step returns its logits, chosen by the scheduler
@@ -142,7 +143,7 @@ impl ServedModel for LoadedModel {
         self.weights_hash
     }
 
-    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String> {
+    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, RunnerError> {
         Ok(Box::new(TpExecutor::new(self, config)?))
     }
 }
@@ -207,7 +208,7 @@ impl std::fmt::Debug for TpExecutor {
 }
 
 impl TpExecutor {
-    pub fn new(model: Arc<LoadedModel>, config: RunnerConfig) -> Result<Self, String> {
+    pub fn new(model: Arc<LoadedModel>, config: RunnerConfig) -> Result<Self, RunnerError> {
         let tp = config.tp;
         if tp <= 1 {
             return Ok(Self {
@@ -226,7 +227,7 @@ impl TpExecutor {
                 model
                     .model
                     .shard_with(comm, config.moe_combine)
-                    .map_err(|e| format!("--tp {tp}: {e}"))?,
+                    .map_err(|source| RunnerError::Shard { tp, source })?,
             );
         }
         let rank0 = shards.remove(0);
@@ -235,8 +236,7 @@ impl TpExecutor {
         for (i, shard) in shards.into_iter().enumerate() {
             // The same block ids as rank 0's pool, holding this rank's heads.
             let mut cache =
-                KvCache::new(shard.kv_cache_config(config.block_size, config.num_blocks))
-                    .map_err(|e| e.to_string())?;
+                KvCache::new(shard.kv_cache_config(config.block_size, config.num_blocks))?;
             peer_pools.push(Arc::clone(cache.pool()));
             peers
                 .spawn(
@@ -245,7 +245,7 @@ impl TpExecutor {
                         shard.forward(&input.chunks(), &mut cache).map(|_| ())
                     },
                 )
-                .map_err(|e| format!("spawning a tensor-parallel rank: {e}"))?;
+                .map_err(RunnerError::Spawn)?;
         }
         Ok(Self {
             shard: Some(rank0),

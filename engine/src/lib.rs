@@ -6,8 +6,8 @@
 //! Modules, in layers: each uses only modules listed before it, so the
 //! module graph has no cycles.
 //! - Foundations: `block_allocator` (block ids, the refcounting allocator,
-//!   `KvCacheError`), `error`, `weight` (weight matrices in their stored
-//!   form), `comm` (tensor-parallel communicators), `sampler`.
+//!   `KvCacheError`), `comm` (tensor-parallel communicators), `error`,
+//!   `weight` (weight matrices in their stored form), `sampler`.
 //! - The KV cache: `block_manager` (block ownership, prefix caching), then
 //!   `kv_cache` (the paged pool).
 //! - The forward pass: `moe` (mixture-of-experts blocks), then `model`.

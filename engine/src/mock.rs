@@ -19,7 +19,7 @@ use tandem_modelfile::{ModelMeta, ModelText};
 use tandem_perfmodel::EngineProfile;
 
 use crate::backend::{LogitsForm, RunnerConfig, ServedModel, StepLogits, StepRunner};
-use crate::error::RequestError;
+use crate::error::{MockError, RequestError, RunnerError};
 use crate::kv_cache::{KvCache, KvCacheConfig, KvPool};
 use crate::model::SeqChunk;
 
@@ -32,14 +32,6 @@ const HASH_SLOTS: usize = 4;
 const MIN_LAYER_SLEEP: Duration = Duration::from_micros(200);
 /// The logit of the chosen token; every other token's is 0.
 const CHOSEN_LOGIT: f32 = 30.0;
-
-#[derive(Debug, thiserror::Error)]
-pub enum MockError {
-    #[error("--engine mock needs K rows of at least {HASH_SLOTS} values (head_dim {0})")]
-    HeadTooSmall(usize),
-    #[error("--mock-time-scale must be finite and >= 0 (got {0})")]
-    TimeScale(f64),
-}
 
 /// A model served without weights; see the module docs.
 #[derive(Debug)]
@@ -65,7 +57,10 @@ impl MockModel {
             return Err(MockError::TimeScale(time_scale));
         }
         if meta.config.head_dim < HASH_SLOTS {
-            return Err(MockError::HeadTooSmall(meta.config.head_dim));
+            return Err(MockError::HeadTooSmall {
+                need: HASH_SLOTS,
+                head_dim: meta.config.head_dim,
+            });
         }
         let tok = &meta.text.tokenizer;
         let plain = |id: u32| {
@@ -184,13 +179,9 @@ impl ServedModel for MockModel {
         self.weights_hash
     }
 
-    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String> {
+    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, RunnerError> {
         if config.tp > 1 {
-            return Err(format!(
-                "--engine mock runs one rank (got --tp {}): profile the tensor-parallel \
-                 engine with bench-engine and mock that instead",
-                config.tp
-            ));
+            return Err(MockError::TensorParallel(config.tp).into());
         }
         let kv = self.kv_cache_config(config.block_size, config.num_blocks);
         Ok(Box::new(MockRunner { model: self, kv }))
@@ -220,9 +211,7 @@ impl MockRunner {
             match first {
                 None => first = Some(h),
                 Some(f) if f != h => {
-                    return Err(RequestError::Mock(format!(
-                        "KV at position {pos} differs between layer 0 and layer {layer}"
-                    )));
+                    return Err(MockError::KvMismatch { pos, layer }.into());
                 }
                 Some(_) => {}
             }

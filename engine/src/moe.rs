@@ -29,7 +29,7 @@ use std::sync::Arc;
 use tandem_kernels::ops;
 
 use crate::comm::Communicator;
-use crate::error::{ModelError, RequestError};
+use crate::error::{CollectiveError, ModelError, RequestError};
 use crate::weight::Weight;
 
 pub use tandem_modelfile::config::{MoeConfig, Scoring};
@@ -227,8 +227,7 @@ impl MoeBlock {
         let y = self.run_experts(&rows, &experts)?;
         accumulate(&items, &y, d, out);
         if let Some(comm) = &self.ep {
-            comm.all_reduce_sum(out)
-                .map_err(|e| RequestError::Collective(e.to_string()))?;
+            comm.all_reduce_sum(out)?;
         }
         Ok(())
     }
@@ -248,7 +247,6 @@ impl MoeBlock {
         let d = self.d_model;
         check_len("MoE input", xn.len(), n_local * d)?;
         check_len("MoE output", out.len(), n_local * d)?;
-        let collective = |e: crate::comm::CommError| RequestError::Collective(e.to_string());
         let world = comm.world_size();
         let routes = self.route(xn, n_local)?;
         // Items sorted by destination rank (stable: token order within).
@@ -267,8 +265,7 @@ impl MoeBlock {
             send_counts[e / per] += d + 1;
         }
         let (mut recv, mut recv_counts) = (Vec::new(), Vec::new());
-        comm.all_to_all(&send, &send_counts, &mut recv, &mut recv_counts)
-            .map_err(collective)?;
+        comm.all_to_all(&send, &send_counts, &mut recv, &mut recv_counts)?;
 
         let owned = self.first_expert..self.first_expert + per;
         let computed = decode_items(&recv, &recv_counts, d, owned)
@@ -281,16 +278,17 @@ impl MoeBlock {
             Err(_) => (&[], vec![0; world]),
         };
         let (mut got, mut got_counts) = (Vec::new(), Vec::new());
-        comm.all_to_all(y, &back_counts, &mut got, &mut got_counts)
-            .map_err(collective)?;
+        comm.all_to_all(y, &back_counts, &mut got, &mut got_counts)?;
         computed?;
         // Replies come back rank-major in the order sent, so each rank must
         // answer exactly the items it was sent.
         let want_counts: Vec<usize> = send_counts.iter().map(|c| c / (d + 1) * d).collect();
         if got_counts != want_counts {
-            return Err(RequestError::Collective(format!(
-                "MoE combine: replies of {got_counts:?} floats per rank, expected {want_counts:?}"
-            )));
+            return Err(CollectiveError::ReplyCounts {
+                got: got_counts,
+                want: want_counts,
+            }
+            .into());
         }
         check_len("MoE combine", got.len(), items.len() * d)?;
         out.fill(0.0);
@@ -316,10 +314,7 @@ impl MoeBlock {
                 .and_then(|&e| e.checked_sub(self.first_expert))
                 .and_then(|i| self.experts.get(i))
             else {
-                return Err(RequestError::Collective(format!(
-                    "expert {} is not on this rank",
-                    experts[group[0]]
-                )));
+                return Err(CollectiveError::ExpertNotHere(experts[group[0]]).into());
             };
             let (m, ffn) = (group.len(), ex.gate.shape().0);
             x.clear();
@@ -407,18 +402,22 @@ fn decode_items<'a>(
         .enumerate()
         .find(|(_, c)| !c.is_multiple_of(item_len))
     {
-        return Err(RequestError::Collective(format!(
-            "MoE dispatch: rank {q} sent {c} floats, not a whole number of {item_len}-float items"
-        )));
+        return Err(CollectiveError::PartialItems {
+            rank: q,
+            floats: *c,
+            item_len,
+        }
+        .into());
     }
     let total = recv_counts
         .iter()
         .try_fold(0usize, |acc, &c| acc.checked_add(c));
     if total != Some(recv.len()) {
-        return Err(RequestError::Collective(format!(
-            "MoE dispatch: {} floats received, the counts {recv_counts:?} say otherwise",
-            recv.len()
-        )));
+        return Err(CollectiveError::ReceivedTotal {
+            received: recv.len(),
+            counts: recv_counts.to_vec(),
+        }
+        .into());
     }
     let mut rows = Vec::with_capacity(recv.len() / item_len);
     let mut experts = Vec::with_capacity(rows.capacity());
@@ -426,9 +425,7 @@ fn decode_items<'a>(
         let id = item[0];
         let e = id as usize;
         if id.fract() != 0.0 || id < 0.0 || !owned.contains(&e) {
-            return Err(RequestError::Collective(format!(
-                "MoE dispatch: expert id {id} is not one of this rank's experts {owned:?}"
-            )));
+            return Err(CollectiveError::ForeignExpert { id, owned }.into());
         }
         experts.push(e);
         rows.push(&item[1..]);
@@ -436,13 +433,11 @@ fn decode_items<'a>(
     Ok((rows, experts))
 }
 
-fn check_len(what: &str, got: usize, want: usize) -> Result<(), RequestError> {
+fn check_len(what: &'static str, got: usize, want: usize) -> Result<(), RequestError> {
     if got == want {
         Ok(())
     } else {
-        Err(RequestError::Collective(format!(
-            "{what}: {got} values, expected {want}"
-        )))
+        Err(CollectiveError::Length { what, got, want }.into())
     }
 }
 
@@ -778,19 +773,46 @@ mod tests {
     #[test]
     fn malformed_dispatch_payloads_are_errors() {
         let d = 4;
+        // The collective error a payload is refused with.
+        let kind = |r: Result<(Vec<&[f32]>, Vec<usize>), RequestError>| match r {
+            Err(RequestError::Collective(e)) => Some(e),
+            _ => None,
+        };
         // Not a whole number of items.
-        assert!(decode_items(&[0.0; 7], &[7], d, 0..2).is_err());
+        assert!(matches!(
+            kind(decode_items(&[0.0; 7], &[7], d, 0..2)),
+            Some(CollectiveError::PartialItems {
+                rank: 0,
+                floats: 7,
+                item_len: 5
+            })
+        ));
         // Whole in total (10 = 2 items) but split 3 + 7 across two ranks.
-        assert!(decode_items(&[1.0; 10], &[3, 7], d, 0..2).is_err());
+        assert!(matches!(
+            kind(decode_items(&[1.0; 10], &[3, 7], d, 0..2)),
+            Some(CollectiveError::PartialItems { rank: 0, .. })
+        ));
         // Counts that disagree with the payload, or overflow.
-        assert!(decode_items(&[1.0; 5], &[5, 5], d, 0..2).is_err());
-        assert!(decode_items(&[1.0; 5], &[usize::MAX, 5], d, 0..2).is_err());
+        assert!(matches!(
+            kind(decode_items(&[1.0; 5], &[5, 5], d, 0..2)),
+            Some(CollectiveError::ReceivedTotal { received: 5, .. })
+        ));
+        assert!(matches!(
+            kind(decode_items(&[1.0; 5], &[usize::MAX, 5], d, 0..2)),
+            Some(CollectiveError::PartialItems { .. } | CollectiveError::ReceivedTotal { .. })
+        ));
         // An expert this rank does not own; fractional, negative, NaN and
         // infinite ids.
         for id in [2.0, 0.5, -1.0, f32::NAN, f32::INFINITY, 1e30] {
             let mut item = vec![0.0; d + 1];
             item[0] = id;
-            assert!(decode_items(&item, &[d + 1], d, 0..2).is_err(), "{id}");
+            assert!(
+                matches!(
+                    kind(decode_items(&item, &[d + 1], d, 0..2)),
+                    Some(CollectiveError::ForeignExpert { .. })
+                ),
+                "{id}"
+            );
         }
         let ok = [1.0, 1.0, 2.0, 3.0, 4.0];
         let (rows, experts) = decode_items(&ok, &[0, 5], d, 0..2).unwrap();

@@ -7,7 +7,7 @@
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use crate::error::RequestError;
+use crate::error::{CollectiveError, RequestError};
 
 /// Threads running a tensor-parallel group's ranks 1.., each serving
 /// commands of type `C` with answers `Result<(), E>`. Dropping it closes
@@ -39,7 +39,7 @@ impl<C, E> Default for PeerRanks<C, E> {
 /// A peer rank stopped: its thread ended (it panicked, or its channel
 /// closed), so the group cannot step.
 pub fn rank_gone() -> RequestError {
-    RequestError::Collective("a tensor-parallel rank stopped".into())
+    CollectiveError::RankGone.into()
 }
 
 impl<C: Send + 'static, E: Send + 'static> PeerRanks<C, E> {
@@ -127,6 +127,7 @@ mod tests {
     fn every_answer_is_gathered_even_after_a_failure() {
         // Rank 1 fails odd commands, rank 2 never does: the failure is
         // the step's, and the next command reads fresh answers.
+        let device = |e: String| RequestError::Device(e.into());
         let mut ranks: PeerRanks<u32, String> = PeerRanks::default();
         ranks
             .spawn("r1".into(), |c| {
@@ -140,12 +141,10 @@ mod tests {
         ranks.spawn("r2".into(), |_| Ok(())).expect("spawn");
         assert_eq!(ranks.len(), 2);
         ranks.broadcast(|| 1).expect("sent");
-        let err = ranks
-            .gather(RequestError::Device)
-            .expect_err("rank 1 failed");
+        let err = ranks.gather(device).expect_err("rank 1 failed");
         assert!(err.to_string().contains("odd 1"), "{err}");
         ranks.broadcast(|| 2).expect("sent");
-        ranks.gather(RequestError::Device).expect("both ok");
+        ranks.gather(device).expect("both ok");
     }
 
     #[test]
@@ -158,8 +157,8 @@ mod tests {
             .expect("spawn");
         ranks.broadcast(|| 0).expect("sent");
         assert!(matches!(
-            ranks.gather(RequestError::Device),
-            Err(RequestError::Collective(_))
+            ranks.gather(|e: String| RequestError::Device(e.into())),
+            Err(RequestError::Collective(CollectiveError::RankGone))
         ));
         // Its channel is closed now: sending fails cleanly.
         assert!(ranks.broadcast(|| 1).is_err());

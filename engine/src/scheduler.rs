@@ -424,7 +424,7 @@ impl Scheduler {
                 block_size: config.block_size,
                 num_blocks: config.num_blocks,
             })
-            .map_err(ConfigError)?;
+            .map_err(|e| ConfigError(e.to_string()))?;
         let kv_config = exec.kv_cache_config();
         let cache = KvCache::with_memory(kv_config, config.prefix_caching, memory)
             .map_err(|e| ConfigError(e.to_string()))?;

@@ -127,7 +127,7 @@ fn refuses_tensor_parallelism_and_bad_time_scales() {
         block_size: 16,
         num_blocks: 8,
     });
-    assert!(r.err().unwrap().contains("one rank"));
+    assert!(r.err().unwrap().to_string().contains("one rank"));
     let path = std::env::var("TANDEM_TEST_GGUF").unwrap();
     let meta = ModelMeta::load(std::path::Path::new(&path)).unwrap();
     assert!(MockModel::new(meta, m.profile().clone(), f64::NAN).is_err());

@@ -562,7 +562,10 @@ impl ServedModel for Wrapped {
     fn weights_hash(&self) -> u64 {
         self.model.weights_hash()
     }
-    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String> {
+    fn runner(
+        self: Arc<Self>,
+        config: RunnerConfig,
+    ) -> Result<Box<dyn StepRunner>, tandem_engine::error::RunnerError> {
         Ok((self.wrap)(Arc::clone(&self.model).runner(config)?))
     }
 }

@@ -25,7 +25,7 @@ use tandem_engine::backend::{
 };
 use tandem_engine::block_allocator::BlockId;
 use tandem_engine::comm::{Communicator, CpuComm, CpuGroup};
-use tandem_engine::error::RequestError;
+use tandem_engine::error::{RequestError, RunnerError};
 use tandem_engine::kv_cache::{KvCache, KvCacheConfig, KvPool};
 use tandem_engine::model::SeqChunk;
 use tandem_engine::ranks::PeerRanks;
@@ -157,37 +157,36 @@ impl ServedModel for GpuServed {
         self.weights_hash
     }
 
-    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, String> {
+    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, RunnerError> {
         let world = self.ranks.len();
         if config.tp != world {
-            return Err(format!(
-                "the model was loaded for {world} tensor-parallel ranks, the scheduler runs {}",
-                config.tp
-            ));
+            return Err(RunnerError::TpMismatch {
+                loaded: world,
+                asked: config.tp,
+            });
         }
-        let rank0 = self.rank0().map_err(|e| e.to_string())?;
+        let rank0 = self.rank0().map_err(|e| RunnerError::Device(Box::new(e)))?;
         let layout = *rank0.kv_layout();
         if config.block_size != layout.block_size {
-            return Err(format!(
-                "the model was loaded for KV blocks of {} tokens, the scheduler uses {}",
-                layout.block_size, config.block_size
-            ));
+            return Err(RunnerError::BlockSizeMismatch {
+                loaded: layout.block_size,
+                asked: config.block_size,
+            });
         }
         // Every rank's host pool has rank 0's shape: its share of the KV heads.
         let kv = KvCacheConfig {
             n_kv_heads: layout.n_kv_heads,
             ..self.kv_cache_config(config.block_size, config.num_blocks)
         };
-        let new_pool = |model: &GpuModel| -> Result<DevicePool, String> {
+        let new_pool = |model: &GpuModel| -> Result<DevicePool, RunnerError> {
             let pool = model
                 .new_pool(config.num_blocks)
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| RunnerError::Device(Box::new(e)))?;
             if pool.block_bytes() != kv.block_bytes() {
-                return Err(format!(
-                    "device blocks of {} bytes, host blocks of {}",
-                    pool.block_bytes(),
-                    kv.block_bytes()
-                ));
+                return Err(RunnerError::BlockBytesMismatch {
+                    device: pool.block_bytes(),
+                    host: kv.block_bytes(),
+                });
             }
             Ok(pool)
         };
@@ -197,7 +196,7 @@ impl ServedModel for GpuServed {
         let mut peers = PeerRanks::default();
         let mut peer_pools = Vec::with_capacity(world.saturating_sub(1));
         for (rank, comm) in (1..world).zip(comms) {
-            let cache = KvCache::new(kv).map_err(|e| e.to_string())?;
+            let cache = KvCache::new(kv)?;
             peer_pools.push(Arc::clone(cache.pool()));
             let mut state = PeerRank {
                 served: Arc::clone(&self),
@@ -208,7 +207,7 @@ impl ServedModel for GpuServed {
             };
             peers
                 .spawn(format!("tandem-gpu-rank{rank}"), move |cmd| state.run(cmd))
-                .map_err(|e| format!("spawning a tensor-parallel rank: {e}"))?;
+                .map_err(RunnerError::Spawn)?;
         }
         Ok(Box::new(GpuRunner {
             served: self,
@@ -394,8 +393,8 @@ fn read_logits(
 
 fn device_error(e: GpuError) -> RequestError {
     match e {
-        GpuError::Collective(e) => RequestError::Collective(e.to_string()),
-        e => RequestError::Device(e.to_string()),
+        GpuError::Collective(e) => RequestError::Collective(e.into()),
+        e => RequestError::Device(Box::new(e)),
     }
 }
 
