@@ -40,17 +40,25 @@ pub struct DecodeConfig {
     pub quarantine_limit: Duration,
 }
 
+/// A [`DecodeConfig`] that cannot run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeConfigError {
+    #[error("prefill timeout {got:?} must be between 1 ms and {max:?}")]
+    PrefillTimeout { got: Duration, max: Duration },
+    #[error("the quarantine limit must be at least 1 s")]
+    QuarantineLimit,
+}
+
 impl DecodeConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), DecodeConfigError> {
         if self.prefill_timeout.is_zero() || self.prefill_timeout > tandem_proto::MAX_DEADLINE {
-            return Err(format!(
-                "prefill timeout {:?} must be between 1 ms and {:?}",
-                self.prefill_timeout,
-                tandem_proto::MAX_DEADLINE
-            ));
+            return Err(DecodeConfigError::PrefillTimeout {
+                got: self.prefill_timeout,
+                max: tandem_proto::MAX_DEADLINE,
+            });
         }
         if self.quarantine_limit.is_zero() {
-            return Err("the quarantine limit must be at least 1 s".into());
+            return Err(DecodeConfigError::QuarantineLimit);
         }
         Ok(())
     }
