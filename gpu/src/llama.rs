@@ -18,7 +18,7 @@ use tandem_kernels::dequantize_row;
 use tandem_kernels::ops::RopeStyle;
 use tandem_modelfile::arch::Activation;
 use tandem_modelfile::config::ModelConfig;
-use tandem_modelfile::plan::TensorId;
+use tandem_modelfile::plan::{Part, ShardPlan, StoredBlocks, TensorId};
 
 use tandem_engine::comm::Communicator;
 use tandem_engine::error::RequestError;
@@ -359,27 +359,40 @@ impl Shard {
     /// The whole model.
     pub const WHOLE: Shard = Shard { rank: 0, world: 1 };
 
-    /// Why `c` cannot be split `world` ways on this backend, if it cannot:
-    /// heads and KV heads must divide, a rank's columns of the output
-    /// projection must be whole 32-value blocks (the smallest; the loader
-    /// checks each tensor's own format), and the FFN must have a block for
-    /// every rank (ranks take whole blocks of the down projection's
-    /// coarsest format, as even as they allow: see [`GpuModel::load_shard`]).
+    /// Why `c` cannot be split `world` ways, by the shard plan's rule on
+    /// the configuration alone (heads, KV heads, vocabulary, experts); the
+    /// loader applies the whole rule, with the weights' blocks (see
+    /// [`Shard::plan`]).
     pub fn check(c: &ModelConfig, world: usize) -> Result<(), GpuError> {
-        let fits = |n: usize| world > 0 && n.is_multiple_of(world);
-        if fits(c.n_heads)
-            && fits(c.n_kv_heads)
-            && (c.q_dim() / world.max(1)).is_multiple_of(32)
-            && c.ffn_dim / 32 >= world
-        {
-            Ok(())
-        } else {
-            Err(unsupported(format!(
-                "{world} tensor-parallel ranks: {} heads, {} KV heads and an FFN of {} do not \
-                 split into whole 32-column blocks {world} ways",
-                c.n_heads, c.n_kv_heads, c.ffn_dim
-            )))
-        }
+        let unquantised = StoredBlocks {
+            attn_output: 1,
+            ffn_down: 1,
+        };
+        ShardPlan::new(c, world, unquantised)?;
+        Ok(())
+    }
+
+    /// How `files`' model splits `world` ways, or why it cannot: the shard
+    /// plan the CPU engine splits by too (`tandem_modelfile::plan::shard`),
+    /// cut on the stored blocks of the attention output and down
+    /// projections, so both executors accept and refuse the same `--tp`.
+    pub fn plan(files: &ModelFiles, world: usize) -> Result<ShardPlan, GpuError> {
+        let (c, g) = (&files.config, files.tensors.as_ref());
+        let coarsest = |part: Part| -> Result<usize, GpuError> {
+            let mut block = 1;
+            for i in 0..c.n_layers {
+                block = block.max(g.tensor(&TensorId::weight(i, part).gguf())?.ty.block_len());
+            }
+            Ok(block)
+        };
+        let blocks = StoredBlocks {
+            attn_output: coarsest(Part::AttnOutput)?,
+            ffn_down: match c.moe {
+                Some(_) => 1,
+                None => coarsest(Part::FfnDown)?,
+            },
+        };
+        Ok(ShardPlan::new(c, world, blocks)?)
     }
 }
 

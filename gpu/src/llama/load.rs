@@ -11,8 +11,6 @@ use tandem_kernels::ops::Rope;
 use tandem_modelfile::config::{ModelConfig, MoeConfig, Scoring};
 use tandem_modelfile::plan::{Part, TensorId};
 
-use tandem_engine::model::block_bounds;
-
 use super::{
     Embeddings, Ffn, GpuModel, Layer, MoeFfn, PART_BYTES, SCORES_CAP, Shard, Stacked, f32_tensor,
     unsupported,
@@ -57,20 +55,8 @@ fn name(layer: usize, part: Part) -> String {
 }
 
 /// Refuses what the device's forward pass cannot run.
-fn check_model(
-    c: &ModelConfig,
-    shard: Shard,
-    max_ctx: usize,
-    block_size: usize,
-) -> Result<(), GpuError> {
+fn check_model(c: &ModelConfig, max_ctx: usize, block_size: usize) -> Result<(), GpuError> {
     match &c.moe {
-        Some(m) if !m.n_experts.is_multiple_of(shard.world.max(1)) => {
-            return Err(unsupported(format!(
-                "mixture-of-experts layers of {} experts over {} ranks (each rank holds \
-                 as many whole experts)",
-                m.n_experts, shard.world
-            )));
-        }
         Some(m) if m.n_experts > kernels::MOE_MAX_EXPERTS => {
             return Err(unsupported(format!(
                 "{} experts (at most {})",
@@ -93,49 +79,25 @@ fn check_model(
     if u32::try_from(max_ctx).is_err() || u32::try_from(c.vocab_size).is_err() {
         return Err(unsupported("contexts or vocabularies beyond 32 bits"));
     }
-    if shard.rank >= shard.world {
-        return Err(unsupported(format!(
-            "rank {} of {}",
-            shard.rank, shard.world
-        )));
-    }
-    Shard::check(c, shard.world)
+    Ok(())
 }
 
-/// Rank `shard`'s heads, rows and FFN units: its heads' rows are
-/// contiguous; its FFN units whole blocks of the coarsest format any
-/// layer's down projection has, as even as they allow (Qwen2.5-0.5B's
-/// 4864 columns are 19 Q4_K/Q6_K blocks: 9 and 10 on two ranks), as the
-/// CPU engine cuts them; experts are not cut.
-fn share(c: &ModelConfig, g: &dyn Tensors, shard: Shard) -> Result<Share, GpuError> {
-    let w = shard.world;
-    let mine = |rows: usize| rows / w * shard.rank..rows / w * (shard.rank + 1);
-    let mut ffn_block = 32;
-    for i in (0..c.n_layers).filter(|_| c.moe.is_none()) {
-        let ty = g.tensor(&name(i, Part::FfnDown))?.ty;
-        ffn_block = ffn_block.max(QFormat::of(ty).map_or(ty.block_len(), QFormat::block_len));
-    }
-    let ffn = match c.moe {
-        Some(_) => 0..c.ffn_dim,
-        None => {
-            let bounds = block_bounds(c.ffn_dim, w, ffn_block);
-            bounds[shard.rank]..bounds[shard.rank + 1]
-        }
-    };
-    if ffn.is_empty() {
-        return Err(unsupported(format!(
-            "{w} tensor-parallel ranks: an FFN of {} is {} blocks of {ffn_block}",
-            c.ffn_dim,
-            c.ffn_dim / ffn_block
-        )));
-    }
+/// Rank `shard`'s heads, rows, FFN units and experts, by the shard plan
+/// every executor splits by (`tandem_modelfile::plan::shard`).
+fn share(files: &ModelFiles, shard: Shard) -> Result<Share, GpuError> {
+    let c = &files.config;
+    let plan = Shard::plan(files, shard.world)?;
+    let s = plan
+        .rank(shard.rank)
+        .ok_or_else(|| unsupported(format!("rank {} of {}", shard.rank, shard.world)))?;
     Ok(Share {
-        heads: c.n_heads / w,
-        kv_heads: c.n_kv_heads / w,
-        q: mine(c.q_dim()),
-        kv: mine(c.kv_dim()),
-        ffn,
-        experts: c.moe.as_ref().map_or(0..0, |m| mine(m.n_experts)),
+        heads: s.heads.len(),
+        kv_heads: s.kv_heads.len(),
+        q: s.q_rows,
+        kv: s.kv_rows,
+        // Experts are not cut: each rank holds whole ones.
+        ffn: if c.moe.is_some() { 0..c.ffn_dim } else { s.ffn },
+        experts: s.experts,
     })
 }
 
@@ -400,12 +362,12 @@ impl GpuModel {
     ) -> Result<GpuModel, GpuError> {
         let c = files.config.clone();
         let g = files.tensors.as_ref();
-        check_model(&c, shard, max_ctx, block_size)?;
+        check_model(&c, max_ctx, block_size)?;
         let loader = Loader {
             dev: &dev,
             g,
             c: &c,
-            share: share(&c, g, shard)?,
+            share: share(files, shard)?,
         };
         let layers = (0..c.n_layers)
             .map(|i| loader.layer(i))
