@@ -10,10 +10,10 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use opentelemetry::KeyValue;
 use tandem_dkv::{KvLayout, Region, RemoteRegion, WriteOp};
-use tandem_engine::scheduler::{Event, KvHandoff, LayerDone};
+use tandem_engine::scheduler::{Event, KvHandoff, LayerDone, Request};
+use tandem_modelfile::plan::shard::kv_head_overlaps;
 use tandem_proto::trace::TraceContext;
 use tandem_proto::{PrefillJob, pb};
-use tandem_types::GenerationRequest;
 use tandem_worker::{NodeCore, WorkerError};
 use tracing::Instrument;
 
@@ -71,14 +71,14 @@ impl PrefillService {
         let work = async {
             // Dropping `stream` (on return, error or cancellation) releases
             // the held blocks; dropping `writes` cancels transfers in flight.
-            let prompt = GenerationRequest {
+            let mut stream = core.scheduler.submit(Request {
                 prompt: job.prompt.clone(),
                 sampling: job.sampling.clone(),
                 max_tokens: 1,
                 stop_token_ids: Vec::new(),
+                handoff: KvHandoff::Export,
                 constraint: job.constraint.clone(),
-            };
-            let mut stream = core.scheduler.submit(prompt, KvHandoff::Export)?;
+            })?;
             let mut writes = FuturesUnordered::new();
             let mut xfer = TransferSpan(None);
             let mut sent = vec![false; skip + job.dst_blocks.len()];
@@ -139,12 +139,23 @@ impl PrefillService {
                     ));
                 }
             } else if !src.is_empty() {
-                // Source rank s holds KV heads s*hs..(s+1)*hs of every block,
-                // destination rank d heads d*hd..(d+1)*hd, all at the same
-                // block ids: each source rank writes each overlap straight
-                // into the destination rank's pool, no gather on either side.
-                let hs = layout.num_kv_heads;
-                let hd = core.full_layout.num_kv_heads / remotes.len() as u32;
+                // Each rank holds a contiguous run of KV heads of every
+                // block (the shard plan's split), all at the same block ids:
+                // each source rank writes each overlap straight into the
+                // destination rank's pool, no gather on either side.
+                let heads = core.full_layout.num_kv_heads;
+                let sources: Vec<&Region> = std::iter::once(&*core.region)
+                    .chain(core.peer_regions.iter())
+                    .collect();
+                let overlaps =
+                    kv_head_overlaps(heads, sources.len(), remotes.len()).ok_or_else(|| {
+                        WorkerError::Internal(format!(
+                            "{heads} KV heads do not split over {} source and {} destination ranks",
+                            sources.len(),
+                            remotes.len()
+                        ))
+                    })?;
+                let hd = heads / remotes.len() as u32;
                 let dst_layout = KvLayout {
                     num_kv_heads: hd,
                     layer_bytes: layout.head_slice_bytes * 2 * u64::from(hd),
@@ -154,27 +165,16 @@ impl PrefillService {
                         * u64::from(layout.num_layers),
                     ..*layout
                 };
-                let sources = std::iter::once(&*core.region).chain(core.peer_regions.iter());
-                for (si, region) in sources.enumerate() {
-                    let s_heads = si as u32 * hs..(si as u32 + 1) * hs;
-                    for (di, remote) in remotes.iter().enumerate() {
-                        let d_heads = di as u32 * hd..(di as u32 + 1) * hd;
-                        let (lo, hi) = (
-                            s_heads.start.max(d_heads.start),
-                            s_heads.end.min(d_heads.end),
-                        );
-                        if lo >= hi {
-                            continue;
-                        }
-                        let ops = layout.head_slice_ops_to(
-                            &dst_layout,
-                            &src,
-                            &dst,
-                            lo - s_heads.start..hi - s_heads.start,
-                            lo - d_heads.start,
-                        )?;
-                        writes.push(send(core, region, remote, ops, deadline, xfer.get(core)));
-                    }
+                for o in overlaps {
+                    let ops = layout.head_slice_ops_to(
+                        &dst_layout,
+                        &src,
+                        &dst,
+                        o.src_heads,
+                        o.dst_first,
+                    )?;
+                    let (region, remote) = (sources[o.src_rank], &remotes[o.dst_rank]);
+                    writes.push(send(core, region, remote, ops, deadline, xfer.get(core)));
                 }
             }
             while let Some(r) = writes.next().await {
