@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use half::f16;
 use tandem_kernels::attention::Prefetch;
-use tandem_kernels::ops::{self, Rope};
+use tandem_kernels::ops;
 use tandem_kernels::{GgmlType, PackedMatrix};
 
 use crate::block_allocator::{BlockId, KvCacheError};
@@ -21,6 +21,7 @@ use crate::moe::{Combine, MoeBlock, MoeWeights};
 use crate::weight::{Weight, fuse};
 use tandem_modelfile::arch::Activation;
 use tandem_modelfile::config::ModelConfig;
+use tandem_modelfile::plan::recipe::Recipe;
 use tandem_modelfile::plan::shard::{ShardPlan, StoredBlocks};
 
 /// Weights of one decoder layer.
@@ -85,6 +86,8 @@ pub struct DecoderModel {
     blocks: StoredBlocks,
     /// How a shard's MoE layers meet their tokens (see [`Combine`]).
     moe_combine: Combine,
+    /// What each layer does, and the model-wide switches, from the family.
+    recipe: Recipe,
 }
 
 /// One decoder layer as the forward pass runs it.
@@ -107,10 +110,6 @@ struct Layer {
     qk_norm: Option<[Vec<f32>; 2]>,
     /// Attention-output and FFN-output norm weights.
     post_norms: Option<[Vec<f32>; 2]>,
-    /// This layer's RoPE (sliding layers may use another base).
-    rope: Rope,
-    /// Positions a query sees, itself included, on a sliding layer.
-    window: Option<usize>,
 }
 
 /// A layer's feed-forward block as the forward pass runs it.
@@ -392,10 +391,9 @@ impl DecoderModel {
                 qkv_bias: l.qkv_bias.map(|b| b.concat()),
                 qk_norm: l.qk_norm,
                 post_norms: l.post_norms,
-                rope: Rope::new(c.rope_style, c.rope_dims, c.layer_rope_theta(i)),
-                window: c.layer_window(i),
             }));
         }
+        let recipe = Recipe::new(&config);
         Ok(Self {
             config,
             token_embd,
@@ -406,6 +404,7 @@ impl DecoderModel {
             reduce_groups,
             blocks,
             moe_combine: Combine::AllReduce,
+            recipe,
         })
     }
 
@@ -477,8 +476,6 @@ impl DecoderModel {
                 }),
                 qk_norm: l.qk_norm.clone(),
                 post_norms: l.post_norms.clone(),
-                rope: l.rope.clone(),
-                window: l.window,
             }));
         }
         let config = ModelConfig {
@@ -510,6 +507,7 @@ impl DecoderModel {
             reduce_groups: self.reduce_groups,
             blocks: self.blocks,
             moe_combine,
+            recipe: self.recipe.clone(),
         })
     }
 
@@ -525,7 +523,9 @@ impl DecoderModel {
             Some(tp) => {
                 gathered.clear();
                 gathered.resize(local.len() * tp.comm.world_size(), 0.0);
-                tp.comm.all_gather(local, gathered)?;
+                tp.comm
+                    .all_gather(local, gathered)
+                    .map_err(|e| RequestError::Collective(e.to_string()))?;
                 Ok(&gathered[..])
             }
             None => Ok(local),
@@ -538,7 +538,7 @@ impl DecoderModel {
             Some(tp) => tp
                 .comm
                 .all_reduce_sum(buf)
-                .map_err(RequestError::from),
+                .map_err(|e| RequestError::Collective(e.to_string())),
             None => Ok(()),
         }
     }
@@ -667,6 +667,8 @@ impl DecoderModel {
 
     /// [`DecoderModel::forward_into`] after the batch was checked and
     /// flattened: `token_ids` and their `(chunk, position)` placement.
+    /// Each layer: the attention half ([`DecoderModel::attention_half`]),
+    /// then the FFN half ([`DecoderModel::ffn_half`]); then the logits.
     #[allow(clippy::too_many_arguments)]
     fn forward_rest(
         &self,
@@ -679,31 +681,59 @@ impl DecoderModel {
         bufs: &mut ForwardBuffers,
     ) -> Result<(), RequestError> {
         let c = &self.config;
-        let kvc = *cache.config();
         let n_tok = token_ids.len();
         let d = c.d_model;
         // Every buffer starts empty, so resizing it gives what a fresh
         // zeroed one would (a rank relies on that where it leaves rows zero);
         // they go back into `bufs` when the pass succeeds.
         bufs.clear();
-        let ForwardBuffers {
-            mut x,
-            mut xn,
-            mut qkv,
-            mut attn,
-            mut proj,
-            mut q,
-            mut k,
-            mut v,
-            mut gate,
-            mut up,
-            mut gate_up,
-            mut act,
-            mut partials,
-            mut seg_x,
-            mut gathered,
-        } = std::mem::take(bufs);
-        x.resize(n_tok * d, 0.0);
+        let mut b = std::mem::take(bufs);
+        self.embed(token_ids, &mut b.x)?;
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        b.xn.resize(n_tok * d, 0.0);
+        // Each token's q | k | v, as the fused projection writes them.
+        b.qkv.resize(n_tok * (qd + 2 * kvd), 0.0);
+        b.attn.resize(n_tok * qd, 0.0);
+        b.proj.resize(n_tok * d, 0.0);
+        // Outputs of unfused projections, and the dense FFN activations,
+        // are sized on first use (fused or MoE layers need some of them not).
+        // Segment partials of a row-parallel projection, and the gather.
+        let local_segs = self.layers.first().map_or(0, |l| l.wo.count);
+        b.partials.resize(local_segs * n_tok * d, 0.0);
+        // Whether `xn` already holds this layer's attention-norm input.
+        let mut xn_ready = false;
+        for (li, layer) in self.layers.iter().enumerate() {
+            if !xn_ready {
+                let x = &b.x;
+                tandem_kernels::parallel_chunks_mut(&mut b.xn, d, &|t, o| {
+                    ops::rms_norm(&x[t * d..(t + 1) * d], &layer.attn_norm, c.rms_eps, o);
+                });
+            }
+            self.attention_half(li, chunks, placement, cache, &mut b)?;
+            layer_done(li);
+            self.attention(li, chunks, placement, &b.qkv, cache, &mut b.attn);
+            layer
+                .wo
+                .partials(&b.attn, n_tok, &mut b.seg_x, &mut b.partials)?;
+            if let (Ffn::Moe(moe), Some(tp), Combine::Dispatch) =
+                (&layer.ffn, &self.tp, &self.moe_combine)
+            {
+                self.moe_dispatch_tail(tp, layer, moe, &b.partials, &mut b.x, n_tok)?;
+                xn_ready = false;
+                continue;
+            }
+            xn_ready = self.ffn_half(li, n_tok, &mut b)?;
+        }
+        self.logits(chunks, &b.x, logits)?;
+        *bufs = b;
+        Ok(())
+    }
+
+    /// The tokens' embeddings into `x` (each rank's vocabulary rows summed
+    /// across a tensor-parallel group), scaled where the recipe says.
+    fn embed(&self, token_ids: &[u32], x: &mut Vec<f32>) -> Result<(), RequestError> {
+        let d = self.config.d_model;
+        x.resize(token_ids.len() * d, 0.0);
         match &self.tp {
             None => {
                 for (row, &t) in x.chunks_exact_mut(d).zip(token_ids) {
@@ -720,156 +750,184 @@ impl DecoderModel {
                         self.token_embd.row_into(local, row)?;
                     }
                 }
-                self.all_reduce(&mut x)?;
+                self.all_reduce(x)?;
             }
         }
-        if let Some(scale) = c.embedding_scale() {
+        if let Some(scale) = self.recipe.embedding_scale {
             for v in x.iter_mut() {
                 *v *= scale;
             }
         }
+        Ok(())
+    }
 
+    /// Layer `li`'s Q, K and V of every token from `b.xn` into `b.qkv`
+    /// (biases added, Q and K normed and rotated as the recipe says), and
+    /// each token's K and V into `cache`.
+    fn attention_half(
+        &self,
+        li: usize,
+        chunks: &[SeqChunk<'_>],
+        placement: &[(usize, usize)],
+        cache: &mut KvCache,
+        b: &mut ForwardBuffers,
+    ) -> Result<(), RequestError> {
+        let c = &self.config;
+        let layer = &self.layers[li];
+        let n_tok = placement.len();
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let qkv_w = qd + 2 * kvd;
-        xn.resize(n_tok * d, 0.0);
-        // Each token's q | k | v, as the fused projection writes them.
-        qkv.resize(n_tok * qkv_w, 0.0);
-        attn.resize(n_tok * qd, 0.0);
-        proj.resize(n_tok * d, 0.0);
-        // Outputs of unfused projections, and the dense FFN activations,
-        // are sized on first use (fused or MoE layers need some of them not).
-
-        // Segment partials of a row-parallel projection, and the gather.
-        let local_segs = self.layers.first().map_or(0, |l| l.wo.count);
-        partials.resize(local_segs * n_tok * d, 0.0);
-        // Whether `xn` already holds this layer's attention-norm input.
-        let mut xn_ready = false;
-
-        for (li, layer) in self.layers.iter().enumerate() {
-            if !xn_ready {
-                let x = &x;
-                tandem_kernels::parallel_chunks_mut(&mut xn, d, &|t, o| {
-                    ops::rms_norm(&x[t * d..(t + 1) * d], &layer.attn_norm, c.rms_eps, o);
-                });
-            }
-            match &layer.qkv {
-                Some(p) => tandem_kernels::matmul_packed(p, &xn, n_tok, &mut qkv)?,
-                None => {
-                    q.resize(n_tok * qd, 0.0);
-                    k.resize(n_tok * kvd, 0.0);
-                    v.resize(n_tok * kvd, 0.0);
-                    layer.wq.matmul(&xn, n_tok, &mut q)?;
-                    layer.wk.matmul(&xn, n_tok, &mut k)?;
-                    layer.wv.matmul(&xn, n_tok, &mut v)?;
-                    for (t, row) in qkv.chunks_exact_mut(qkv_w).enumerate() {
-                        row[..qd].copy_from_slice(&q[t * qd..(t + 1) * qd]);
-                        row[qd..qd + kvd].copy_from_slice(&k[t * kvd..(t + 1) * kvd]);
-                        row[qd + kvd..].copy_from_slice(&v[t * kvd..(t + 1) * kvd]);
-                    }
-                }
-            }
-            tandem_kernels::parallel_chunks_mut(&mut qkv, qkv_w, &|t, row| {
-                let pos = placement[t].1;
-                if let Some(b) = &layer.qkv_bias {
-                    ops::add_assign(row, b);
-                }
-                let (q_row, kv_row) = row.split_at_mut(qd);
-                if let Some([qn, kn]) = &layer.qk_norm {
-                    for h in q_row.chunks_exact_mut(c.head_dim) {
-                        ops::rms_norm_in_place(h, qn, c.rms_eps);
-                    }
-                    for h in kv_row[..kvd].chunks_exact_mut(c.head_dim) {
-                        ops::rms_norm_in_place(h, kn, c.rms_eps);
-                    }
-                }
-                let angles = layer.rope.angles(pos);
-                angles.apply(q_row, c.head_dim);
-                angles.apply(&mut kv_row[..kvd], c.head_dim);
-            });
-            for (row, &(ci, pos)) in qkv.chunks_exact(qkv_w).zip(placement) {
-                let table = chunks[ci].block_table;
-                cache.write(
-                    li,
-                    table[pos / kvc.block_size],
-                    pos % kvc.block_size,
-                    &row[qd..qd + kvd],
-                    &row[qd + kvd..],
-                );
-            }
-            layer_done(li);
-            self.attention(li, chunks, placement, &qkv, cache, &mut attn);
-            layer.wo.partials(&attn, n_tok, &mut seg_x, &mut partials)?;
-            if let (Ffn::Moe(moe), Some(tp), Combine::Dispatch) =
-                (&layer.ffn, &self.tp, &self.moe_combine)
-            {
-                self.moe_dispatch_tail(tp, layer, moe, &partials, &mut x, n_tok)?;
-                xn_ready = false;
-                continue;
-            }
-            let all = self.gather_segments(&partials, &mut gathered)?;
-            let [post_attn, post_ffn] = match &layer.post_norms {
-                Some([a, f]) => [Some(&a[..]), Some(&f[..])],
-                None => [None, None],
-            };
-            residual_norm(
-                all,
-                d,
-                &mut x,
-                &mut xn,
-                post_attn,
-                Some(&layer.ffn_norm),
-                c.rms_eps,
-            );
-
-            match &layer.ffn {
-                Ffn::Dense {
-                    gate_up: w_gate_up,
-                    gate: w_gate,
-                    up: w_up,
-                    down,
-                } => {
-                    let f = c.ffn_dim;
-                    let act_fn = c.family.activation;
-                    act.resize(n_tok * f, 0.0);
-                    match w_gate_up {
-                        Some(p) => {
-                            gate_up.resize(n_tok * 2 * f, 0.0);
-                            tandem_kernels::matmul_packed(p, &xn, n_tok, &mut gate_up)?;
-                            let gu = &gate_up;
-                            tandem_kernels::parallel_chunks_mut(&mut act, f, &|t, a| {
-                                let row = &gu[t * 2 * f..(t + 1) * 2 * f];
-                                a.copy_from_slice(&row[..f]);
-                                activate(act_fn, a, &row[f..]);
-                            });
-                        }
-                        None => {
-                            gate.resize(n_tok * f, 0.0);
-                            up.resize(n_tok * f, 0.0);
-                            w_gate.matmul(&xn, n_tok, &mut gate)?;
-                            w_up.matmul(&xn, n_tok, &mut up)?;
-                            let (g, u) = (&gate, &up);
-                            tandem_kernels::parallel_chunks_mut(&mut act, f, &|t, a| {
-                                a.copy_from_slice(&g[t * f..(t + 1) * f]);
-                                activate(act_fn, a, &u[t * f..(t + 1) * f]);
-                            });
-                        }
-                    }
-                    down.partials(&act, n_tok, &mut seg_x, &mut partials)?;
-                    let all = self.gather_segments(&partials, &mut gathered)?;
-                    // The next layer's attention norm rides along.
-                    let next = self.layers.get(li + 1).map(|l| &l.attn_norm[..]);
-                    residual_norm(all, d, &mut x, &mut xn, post_ffn, next, c.rms_eps);
-                    xn_ready = next.is_some();
-                }
-                Ffn::Moe(moe) => {
-                    moe.forward_replicated(&xn, n_tok, &mut proj)?;
-                    ops::add_assign(&mut x, &proj);
-                    xn_ready = false;
+        match &layer.qkv {
+            Some(p) => tandem_kernels::matmul_packed(p, &b.xn, n_tok, &mut b.qkv)?,
+            None => {
+                b.q.resize(n_tok * qd, 0.0);
+                b.k.resize(n_tok * kvd, 0.0);
+                b.v.resize(n_tok * kvd, 0.0);
+                layer.wq.matmul(&b.xn, n_tok, &mut b.q)?;
+                layer.wk.matmul(&b.xn, n_tok, &mut b.k)?;
+                layer.wv.matmul(&b.xn, n_tok, &mut b.v)?;
+                for (t, row) in b.qkv.chunks_exact_mut(qkv_w).enumerate() {
+                    row[..qd].copy_from_slice(&b.q[t * qd..(t + 1) * qd]);
+                    row[qd..qd + kvd].copy_from_slice(&b.k[t * kvd..(t + 1) * kvd]);
+                    row[qd + kvd..].copy_from_slice(&b.v[t * kvd..(t + 1) * kvd]);
                 }
             }
         }
+        let rope = self.recipe.rope(li);
+        tandem_kernels::parallel_chunks_mut(&mut b.qkv, qkv_w, &|t, row| {
+            let pos = placement[t].1;
+            if let Some(bias) = &layer.qkv_bias {
+                ops::add_assign(row, bias);
+            }
+            let (q_row, kv_row) = row.split_at_mut(qd);
+            if let Some([qn, kn]) = &layer.qk_norm {
+                for h in q_row.chunks_exact_mut(c.head_dim) {
+                    ops::rms_norm_in_place(h, qn, c.rms_eps);
+                }
+                for h in kv_row[..kvd].chunks_exact_mut(c.head_dim) {
+                    ops::rms_norm_in_place(h, kn, c.rms_eps);
+                }
+            }
+            let angles = rope.angles(pos);
+            angles.apply(q_row, c.head_dim);
+            angles.apply(&mut kv_row[..kvd], c.head_dim);
+        });
+        let bs = cache.config().block_size;
+        for (row, &(ci, pos)) in b.qkv.chunks_exact(qkv_w).zip(placement) {
+            let table = chunks[ci].block_table;
+            cache.write(
+                li,
+                table[pos / bs],
+                pos % bs,
+                &row[qd..qd + kvd],
+                &row[qd + kvd..],
+            );
+        }
+        Ok(())
+    }
 
-        // Final norm and output head only for the rows whose logits are wanted.
+    /// Layer `li` from its attention output's segment partials in
+    /// `b.partials`: the residual add (through the post-attention norm
+    /// where the layer has one), the FFN norm, the FFN and its residual
+    /// add. Returns whether `b.xn` then holds the next layer's
+    /// attention-norm input (a dense layer computes it on the way).
+    fn ffn_half(
+        &self,
+        li: usize,
+        n_tok: usize,
+        b: &mut ForwardBuffers,
+    ) -> Result<bool, RequestError> {
+        let c = &self.config;
+        let d = c.d_model;
+        let layer = &self.layers[li];
+        let all = self.gather_segments(&b.partials, &mut b.gathered)?;
+        let [post_attn, post_ffn] = match &layer.post_norms {
+            Some([a, f]) => [Some(&a[..]), Some(&f[..])],
+            None => [None, None],
+        };
+        residual_norm(
+            all,
+            d,
+            &mut b.x,
+            &mut b.xn,
+            post_attn,
+            Some(&layer.ffn_norm),
+            c.rms_eps,
+        );
+        let down = match &layer.ffn {
+            Ffn::Dense {
+                gate_up,
+                gate,
+                up,
+                down,
+            } => {
+                self.gated(gate_up.as_deref(), gate, up, n_tok, b)?;
+                down
+            }
+            Ffn::Moe(moe) => {
+                moe.forward_replicated(&b.xn, n_tok, &mut b.proj)?;
+                ops::add_assign(&mut b.x, &b.proj);
+                return Ok(false);
+            }
+        };
+        down.partials(&b.act, n_tok, &mut b.seg_x, &mut b.partials)?;
+        let all = self.gather_segments(&b.partials, &mut b.gathered)?;
+        // The next layer's attention norm rides along.
+        let next = self.layers.get(li + 1).map(|l| &l.attn_norm[..]);
+        residual_norm(all, d, &mut b.x, &mut b.xn, post_ffn, next, c.rms_eps);
+        Ok(next.is_some())
+    }
+
+    /// The gated FFN's activations `act(gate xn) * up xn` into `b.act`, by
+    /// the fused gate-up matrix where there is one.
+    fn gated(
+        &self,
+        gate_up: Option<&PackedMatrix>,
+        w_gate: &Weight,
+        w_up: &Weight,
+        n_tok: usize,
+        b: &mut ForwardBuffers,
+    ) -> Result<(), RequestError> {
+        let f = self.config.ffn_dim;
+        let act_fn = self.recipe.activation;
+        b.act.resize(n_tok * f, 0.0);
+        match gate_up {
+            Some(p) => {
+                b.gate_up.resize(n_tok * 2 * f, 0.0);
+                tandem_kernels::matmul_packed(p, &b.xn, n_tok, &mut b.gate_up)?;
+                let gu = &b.gate_up;
+                tandem_kernels::parallel_chunks_mut(&mut b.act, f, &|t, a| {
+                    let row = &gu[t * 2 * f..(t + 1) * 2 * f];
+                    a.copy_from_slice(&row[..f]);
+                    activate(act_fn, a, &row[f..]);
+                });
+            }
+            None => {
+                b.gate.resize(n_tok * f, 0.0);
+                b.up.resize(n_tok * f, 0.0);
+                w_gate.matmul(&b.xn, n_tok, &mut b.gate)?;
+                w_up.matmul(&b.xn, n_tok, &mut b.up)?;
+                let (g, u) = (&b.gate, &b.up);
+                tandem_kernels::parallel_chunks_mut(&mut b.act, f, &|t, a| {
+                    a.copy_from_slice(&g[t * f..(t + 1) * f]);
+                    activate(act_fn, a, &u[t * f..(t + 1) * f]);
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The final norm and the output head for the rows whose logits are
+    /// wanted (each rank's vocabulary slice gathered under tensor
+    /// parallelism), soft-capped where the recipe says.
+    fn logits(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        x: &[f32],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), RequestError> {
+        let c = &self.config;
+        let d = c.d_model;
         let mut rows = Vec::new();
         let mut t0 = 0;
         for ch in chunks {
@@ -893,7 +951,9 @@ impl DecoderModel {
                 self.output_head().matmul(&last, rows.len(), &mut local)?;
                 let world = tp.comm.world_size();
                 let mut all = vec![0.0f32; world * local.len()];
-                tp.comm.all_gather(&local, &mut all)?;
+                tp.comm
+                    .all_gather(&local, &mut all)
+                    .map_err(|e| RequestError::Collective(e.to_string()))?;
                 for (r, part) in all.chunks_exact(local.len().max(1)).enumerate() {
                     for (row, src) in part.chunks_exact(vl).enumerate() {
                         logits[row * c.vocab_size + r * vl..row * c.vocab_size + (r + 1) * vl]
@@ -902,31 +962,10 @@ impl DecoderModel {
                 }
             }
         }
-        self.softcap(logits);
-        *bufs = ForwardBuffers {
-            x,
-            xn,
-            qkv,
-            attn,
-            proj,
-            q,
-            k,
-            v,
-            gate,
-            up,
-            gate_up,
-            act,
-            partials,
-            seg_x,
-            gathered,
-        };
-        Ok(())
-    }
-
-    fn softcap(&self, logits: &mut [f32]) {
-        if let Some(cap) = self.config.final_logit_softcap {
+        if let Some(cap) = self.recipe.final_logit_softcap {
             ops::softcap(logits, cap);
         }
+        Ok(())
     }
 
     /// The rest of an MoE layer under [`Combine::Dispatch`], from this
@@ -950,7 +989,7 @@ impl DecoderModel {
         let c = &self.config;
         let d = c.d_model;
         let (rank, world) = (tp.comm.rank(), tp.comm.world_size());
-        let collective = |e: crate::comm::CommError| RequestError::Collective(e.into());
+        let collective = |e: crate::comm::CommError| RequestError::Collective(e.to_string());
         let cap = n_tok.div_ceil(world);
         let rows = (rank * cap).min(n_tok)..((rank + 1) * cap).min(n_tok);
         let n_local = rows.len();
@@ -1021,7 +1060,7 @@ impl DecoderModel {
         let tiles = attention_tiles(placement);
         let (n_kv, width) = (c.n_kv_heads, group * hd);
         let qkv_w = c.q_dim() + 2 * c.kv_dim();
-        let window = self.layers[layer].window;
+        let window = self.recipe.layers[layer].window;
         // Whole blocks before a query's window are skipped (the rest of the
         // window's first block is masked by the kernel). The skip depends
         // only on the query's own position, so its result does not depend

@@ -18,6 +18,7 @@ use tandem_kernels::dequantize_row;
 use tandem_kernels::ops::RopeStyle;
 use tandem_modelfile::arch::Activation;
 use tandem_modelfile::config::ModelConfig;
+use tandem_modelfile::plan::recipe::Recipe;
 use tandem_modelfile::plan::{Part, ShardPlan, StoredBlocks, TensorId};
 
 use tandem_engine::comm::Communicator;
@@ -48,8 +49,6 @@ struct Layer {
     /// Norms of the attention and FFN outputs before their residual adds
     /// (Gemma 3).
     post_norms: Option<[Buffer; 2]>,
-    /// The positions a sliding-window layer attends to.
-    window: Option<usize>,
     /// The Q, K and V projections' rows, one matrix: one launch computes
     /// a token's `[q | k | v]` row (a launch per format where they differ).
     wqkv: Stacked,
@@ -413,11 +412,11 @@ pub struct GpuModel {
     /// The output head (the embeddings' rows when tied).
     head: Stacked,
     out_norm: Buffer,
-    /// `(sin, cos)` per position and rotated pair: the CPU's angles.
-    sin_cos: Buffer,
-    /// The same at the sliding-window layers' RoPE base, where they have
-    /// one.
-    sin_cos_sliding: Option<Buffer>,
+    /// What each layer does, and the model-wide switches, from the family.
+    recipe: Recipe,
+    /// `(sin, cos)` per position and rotated pair, for each of the
+    /// recipe's RoPEs: the CPU's angles.
+    rope_tables: Vec<Buffer>,
     layout: KvLayout,
     max_ctx: usize,
     /// Bytes of attention scores one step may allocate.
@@ -639,7 +638,10 @@ impl GpuModel {
     }
 
     /// The step of [`GpuModel::forward_rank`]; `met` counts the
-    /// collectives this rank took part in.
+    /// collectives this rank took part in. Each layer runs its attention
+    /// half ([`GpuModel::attention_half`]), the sum of its output across
+    /// ranks, its FFN half ([`GpuModel::ffn_half`]) and that sum, each
+    /// residual add with the norm after it; then the logits.
     fn step(
         &self,
         pool: &DevicePool,
@@ -648,7 +650,56 @@ impl GpuModel {
         met: &mut usize,
     ) -> Result<Option<Buffer>, GpuError> {
         let c = &self.c;
-        let f = c.family;
+        let batch = self.batch(pool, chunks)?;
+        if batch.tokens.is_empty() {
+            return Ok(None);
+        }
+        let s = self.step_buffers(&batch)?;
+        let dev = &self.dev;
+        match self.layers.first() {
+            Some(first) => kernels::rms_norm(dev, &s.x, &first.attn_norm, c.rms_eps, &s.xn)?,
+            None => kernels::rms_norm(dev, &s.x, &self.out_norm, c.rms_eps, &s.xn)?,
+        }
+        let mut moe_scratch = None;
+        // A device failure under tensor parallelism: kept until the peers
+        // have been met at every collective of the step.
+        let mut failed: Option<GpuError> = None;
+        // Each residual add runs with the norm after it; the last leaves
+        // the final hidden states, normalised for the head, in `xn`.
+        for (li, (l, kv)) in self.layers.iter().zip(&pool.layers).enumerate() {
+            stage(&mut failed, || self.attention_half(li, kv, &s));
+            self.all_reduce(comm, &s.o, &mut failed, met)?;
+            let [post_attn, post_ffn] = match &l.post_norms {
+                Some([a, f]) => [Some(a), Some(f)],
+                None => [None, None],
+            };
+            stage(&mut failed, || {
+                kernels::add_rms_norm(dev, &s.x, &s.o, post_attn, &l.ffn_norm, c.rms_eps, &s.xn)?;
+                self.ffn_half(l, &s, &mut moe_scratch)
+            });
+            self.all_reduce(comm, &s.ffn_out, &mut failed, met)?;
+            let next_norm = self
+                .layers
+                .get(li + 1)
+                .map_or(&self.out_norm, |n| &n.attn_norm);
+            stage(&mut failed, || {
+                kernels::add_rms_norm(dev, &s.x, &s.ffn_out, post_ffn, next_norm, c.rms_eps, &s.xn)
+            });
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        // Every rank holds the final hidden states; rank 0 makes logits.
+        if batch.want.is_empty() || self.shard.rank != 0 {
+            return Ok(None);
+        }
+        self.logits(&batch.want, s.xn).map(Some)
+    }
+
+    /// The step's chunks flattened and checked against the pool, the
+    /// context and the vocabulary, before anything reaches the device.
+    fn batch(&self, pool: &DevicePool, chunks: &[Chunk<'_>]) -> Result<Batch, GpuError> {
+        let c = &self.c;
         let bs = self.layout.block_size;
         let pool_blocks = pool.blocks;
         let bad = |what: String| {
@@ -663,13 +714,7 @@ impl GpuModel {
                 "{pool:?} is not a pool of {layer_layout:?} per layer"
             ));
         }
-        let mut tokens = Vec::new();
-        // Per token: its position; its KV slot (block id, row in block);
-        // what it attends to (positions seen, offset of its table).
-        let (mut positions, mut slots, mut meta) = (Vec::new(), Vec::new(), Vec::new());
-        let mut tables = Vec::new();
-        let mut want = Vec::new();
-        let mut longest = 0;
+        let mut b = Batch::default();
         for ch in chunks {
             let end = ch.start_pos.saturating_add(ch.tokens.len());
             if end > self.max_ctx {
@@ -678,181 +723,179 @@ impl GpuModel {
             let Some(table) = ch.blocks.get(..end.div_ceil(bs)) else {
                 return bad(format!("{} blocks for {end} positions", ch.blocks.len()));
             };
-            if let Some(b) = table.iter().find(|&&b| b as usize >= pool_blocks) {
-                return bad(format!("block {b} of a pool of {pool_blocks}"));
+            if let Some(blk) = table.iter().find(|&&blk| blk as usize >= pool_blocks) {
+                return bad(format!("block {blk} of a pool of {pool_blocks}"));
             }
             if let Some(t) = ch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
                 return bad(format!("token {t} of a vocabulary of {}", c.vocab_size));
             }
-            let table_at = tables.len() as u32;
-            tables.extend_from_slice(table);
+            let table_at = b.tables.len() as u32;
+            b.tables.extend_from_slice(table);
             for (i, &t) in ch.tokens.iter().enumerate() {
                 // Below max_ctx, checked at load to fit 32 bits.
                 let p = ch.start_pos + i;
-                tokens.push(t);
-                positions.push(p as u32);
-                slots.extend([table[p / bs], (p % bs) as u32]);
-                meta.extend([p as u32 + 1, table_at]);
+                b.tokens.push(t);
+                b.positions.push(p as u32);
+                b.slots.extend([table[p / bs], (p % bs) as u32]);
+                b.meta.extend([p as u32 + 1, table_at]);
             }
             if ch.want_logits && !ch.tokens.is_empty() {
-                want.push(tokens.len() as u32 - 1);
+                b.want.push(b.tokens.len() as u32 - 1);
             }
-            longest = longest.max(end);
+            b.longest = b.longest.max(end);
         }
-        if tokens.is_empty() {
-            return Ok(None);
-        }
-        let n = tokens.len();
+        Ok(b)
+    }
+
+    /// The step's inputs on the device (the embeddings scaled as the
+    /// recipe says) and its activation buffers.
+    fn step_buffers(&self, b: &Batch) -> Result<StepBuffers, GpuError> {
+        let c = &self.c;
         let dev = &self.dev;
+        let n = b.tokens.len();
         let (d, hd) = (c.d_model, c.head_dim);
-        let mut embedded = self.embd.rows(&tokens)?;
-        if let Some(scale) = c.embedding_scale() {
+        let mut embedded = self.embd.rows(&b.tokens)?;
+        if let Some(scale) = self.recipe.embedding_scale {
             for v in &mut embedded {
                 *v *= scale;
             }
         }
-        let x = dev.upload(&embedded);
-        let positions = dev.upload(&positions);
-        let slots = dev.upload(&slots);
-        let meta = dev.upload(&meta);
-        let tables = dev.upload(&tables);
-        let xn = dev.empty(n * d);
         // A token's `[q | k | v]` row (this rank's heads): Q and K rotated
         // in place, K and V stored from there, Q read by attention from
         // there.
         let (qd, kvd) = (self.heads * hd, self.kv_heads * hd);
         let qkv_width = qd + 2 * kvd;
-        let qkv = dev.empty(n * qkv_width);
-        let kv_rows = KvRows {
-            stride: qkv_width,
-            k_at: qd,
-            v_at: qd + kvd,
-        };
-        let att = dev.empty(n * qd);
-        let (gate_up, h) = (dev.empty(2 * n * self.ffn), dev.empty(n * self.ffn));
-        let (o, ffn_out) = (dev.empty(n * d), dev.empty(n * d));
-        let mut moe_scratch = None;
         // Attention runs in groups of tokens whose scores fit the cap (a
         // long prompt's would not fit one buffer a device can bind).
         let heads = self.heads;
-        let group = (self.scores_cap / (4 * heads * longest).max(1))
+        let group = (self.scores_cap / (4 * heads * b.longest).max(1))
             .min(MAX_ATTENTION_CUBES / heads.max(1))
             .clamp(1, n);
-        let scores = dev.empty(group * heads * longest);
-        let neox = c.rope_style == RopeStyle::Neox;
-        let pairs = c.rope_dims / 2;
-        let scale = 1.0 / (hd as f32).sqrt();
-        match self.layers.first() {
-            Some(first) => kernels::rms_norm(dev, &x, &first.attn_norm, c.rms_eps, &xn)?,
-            None => kernels::rms_norm(dev, &x, &self.out_norm, c.rms_eps, &xn)?,
+        Ok(StepBuffers {
+            n,
+            longest: b.longest,
+            group,
+            x: dev.upload(&embedded),
+            xn: dev.empty(n * d),
+            positions: dev.upload(&b.positions),
+            slots: dev.upload(&b.slots),
+            meta: dev.upload(&b.meta),
+            tables: dev.upload(&b.tables),
+            qkv: dev.empty(n * qkv_width),
+            kv_rows: KvRows {
+                stride: qkv_width,
+                k_at: qd,
+                v_at: qd + kvd,
+            },
+            att: dev.empty(n * qd),
+            gate_up: dev.empty(2 * n * self.ffn),
+            h: dev.empty(n * self.ffn),
+            o: dev.empty(n * d),
+            ffn_out: dev.empty(n * d),
+            scores: dev.empty(group * heads * b.longest),
+        })
+    }
+
+    /// Layer `li`'s attention from the normed hidden states `s.xn` to its
+    /// output projection (this rank's share of it) in `s.o`: Q, K and V
+    /// (biases added, Q and K normed and rotated as the recipe says), K
+    /// and V into the pool's layer `kv`, attention over each token's
+    /// context (its window, on a sliding layer).
+    fn attention_half(&self, li: usize, kv: &Buffer<u32>, s: &StepBuffers) -> Result<(), GpuError> {
+        let (c, dev) = (&self.c, &self.dev);
+        let (l, r) = (&self.layers[li], &self.recipe.layers[li]);
+        let hd = c.head_dim;
+        let qkv_width = s.kv_rows.stride;
+        l.wqkv.matmul(dev, &s.xn, &s.qkv)?;
+        if let Some(b) = &l.qkv_bias {
+            kernels::add_bias(dev, &s.qkv, b)?;
         }
-        // A device failure under tensor parallelism: kept until the peers
-        // have been met at every collective of the step.
-        let mut failed: Option<GpuError> = None;
-        // Each residual add runs with the norm after it; the last leaves
-        // the final hidden states, normalised for the head, in `xn`.
-        for (li, (l, kv)) in self.layers.iter().zip(&pool.layers).enumerate() {
-            stage(&mut failed, || {
-                l.wqkv.matmul(dev, &xn, &qkv)?;
-                if let Some(b) = &l.qkv_bias {
-                    kernels::add_bias(dev, &qkv, b)?;
-                }
-                if let Some([qn, kn]) = &l.qk_norm {
-                    let (hq, hk) = (self.heads, self.kv_heads);
-                    kernels::head_rms_norm(dev, &qkv, qkv_width, hq, hk, qn, kn, c.rms_eps)?;
-                }
-                // Sliding layers turn at their own base where they have one.
-                let sc = match (l.window, &self.sin_cos_sliding) {
-                    (Some(_), Some(sliding)) => sliding,
-                    _ => &self.sin_cos,
-                };
-                kernels::rope(
-                    dev,
-                    &qkv,
-                    &positions,
-                    sc,
-                    qd + kvd,
-                    qkv_width,
-                    hd,
-                    pairs,
-                    neox,
-                )?;
-                kernels::kv_write(dev, &qkv, kv_rows, kv, &layer_layout, 0, &slots)?;
-                for first in (0..n).step_by(group) {
-                    kernels::attention(
-                        dev,
-                        &qkv,
-                        qkv_width,
-                        kv,
-                        &layer_layout,
-                        0,
-                        heads,
-                        &tables,
-                        &meta,
-                        first..(first + group).min(n),
-                        longest,
-                        scale,
-                        l.window,
-                        &scores,
-                        &att,
-                    )?;
-                }
-                l.wo.matmul(dev, &att, &o)
-            });
-            self.all_reduce(comm, &o, &mut failed, met)?;
-            let [post_attn, post_ffn] = match &l.post_norms {
-                Some([a, f]) => [Some(a), Some(f)],
-                None => [None, None],
-            };
-            stage(&mut failed, || {
-                kernels::add_rms_norm(dev, &x, &o, post_attn, &l.ffn_norm, c.rms_eps, &xn)?;
-                match &l.ffn {
-                    Ffn::Dense { gate_up: w, down } => {
-                        w.matmul(dev, &xn, &gate_up)?;
-                        kernels::glu(dev, &gate_up, self.ffn, f.activation, &h)?;
-                        down.matmul(dev, &h, &ffn_out)
-                    }
-                    Ffn::Moe(m) => m.forward(
-                        dev,
-                        &xn,
-                        (n, d),
-                        &mut moe_scratch,
-                        (&gate_up, &h),
-                        (self.ffn, f.activation),
-                        &ffn_out,
-                    ),
-                }
-            });
-            self.all_reduce(comm, &ffn_out, &mut failed, met)?;
-            let next_norm = self
-                .layers
-                .get(li + 1)
-                .map_or(&self.out_norm, |n| &n.attn_norm);
-            stage(&mut failed, || {
-                kernels::add_rms_norm(dev, &x, &ffn_out, post_ffn, next_norm, c.rms_eps, &xn)
-            });
+        if let Some([qn, kn]) = &l.qk_norm {
+            let (hq, hk) = (self.heads, self.kv_heads);
+            kernels::head_rms_norm(dev, &s.qkv, qkv_width, hq, hk, qn, kn, c.rms_eps)?;
         }
-        if let Some(e) = failed {
-            return Err(e);
+        kernels::rope(
+            dev,
+            &s.qkv,
+            &s.positions,
+            &self.rope_tables[r.rope],
+            s.kv_rows.v_at,
+            qkv_width,
+            hd,
+            self.recipe.rope_dims / 2,
+            self.recipe.rope_style == RopeStyle::Neox,
+        )?;
+        let layer_layout = self.layer_layout();
+        kernels::kv_write(dev, &s.qkv, s.kv_rows, kv, &layer_layout, 0, &s.slots)?;
+        for first in (0..s.n).step_by(s.group) {
+            kernels::attention(
+                dev,
+                &s.qkv,
+                qkv_width,
+                kv,
+                &layer_layout,
+                0,
+                self.heads,
+                &s.tables,
+                &s.meta,
+                first..(first + s.group).min(s.n),
+                s.longest,
+                self.recipe.attn_scale,
+                r.window,
+                &s.scores,
+                &s.att,
+            )?;
         }
-        // Every rank holds the final hidden states; rank 0 makes logits.
-        if want.is_empty() || self.shard.rank != 0 {
-            return Ok(None);
+        l.wo.matmul(dev, &s.att, &s.o)
+    }
+
+    /// Layer `l`'s FFN from the normed `s.xn` to this rank's share of its
+    /// output in `s.ffn_out`.
+    fn ffn_half(
+        &self,
+        l: &Layer,
+        s: &StepBuffers,
+        moe_scratch: &mut Option<MoeScratch>,
+    ) -> Result<(), GpuError> {
+        let dev = &self.dev;
+        let act = self.recipe.activation;
+        match &l.ffn {
+            Ffn::Dense { gate_up: w, down } => {
+                w.matmul(dev, &s.xn, &s.gate_up)?;
+                kernels::glu(dev, &s.gate_up, self.ffn, act, &s.h)?;
+                down.matmul(dev, &s.h, &s.ffn_out)
+            }
+            Ffn::Moe(m) => m.forward(
+                dev,
+                &s.xn,
+                (s.n, self.c.d_model),
+                moe_scratch,
+                (&s.gate_up, &s.h),
+                (self.ffn, act),
+                &s.ffn_out,
+            ),
         }
+    }
+
+    /// The logits of the rows `want` of the final normed hidden states
+    /// `xn`, soft-capped as the recipe says.
+    fn logits(&self, want: &[u32], xn: Buffer) -> Result<Buffer, GpuError> {
+        let (c, dev) = (&self.c, &self.dev);
+        let d = c.d_model;
         // A decode batch wants every row, in order: no gather.
-        let rows = if want.len() == n {
+        let rows = if want.len() * d == xn.len() {
             xn
         } else {
             let rows = dev.empty(want.len() * d);
-            kernels::gather_rows(dev, &xn, &dev.upload(&want), d, &rows)?;
+            kernels::gather_rows(dev, &xn, &dev.upload(want), d, &rows)?;
             rows
         };
         let logits = dev.empty(want.len() * c.vocab_size);
         self.head.matmul(dev, &rows, &logits)?;
-        if let Some(cap) = c.final_logit_softcap {
+        if let Some(cap) = self.recipe.final_logit_softcap {
             kernels::softcap(dev, &logits, cap)?;
         }
-        Ok(Some(logits))
+        Ok(logits)
     }
 
     /// Adds `buf` across the ranks of `comm` in place, through host memory
@@ -945,6 +988,43 @@ impl GpuLlama {
         let next = dev.download(&self.next)?;
         next.first().copied().ok_or_else(no_logits)
     }
+}
+
+/// A step's chunks flattened: per token its id, its position, its KV slot
+/// (block id, row in block) and what it attends to (positions seen,
+/// offset of its table); the chunks' block tables end to end; the token
+/// rows whose logits are wanted; the longest context.
+#[derive(Default)]
+struct Batch {
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    meta: Vec<u32>,
+    tables: Vec<u32>,
+    want: Vec<u32>,
+    longest: usize,
+}
+
+/// A step's inputs and activations on the device: `n` tokens, attention
+/// run `group` tokens at a time over up to `longest` positions.
+struct StepBuffers {
+    n: usize,
+    longest: usize,
+    group: usize,
+    x: Buffer,
+    xn: Buffer,
+    positions: Buffer<u32>,
+    slots: Buffer<u32>,
+    meta: Buffer<u32>,
+    tables: Buffer<u32>,
+    qkv: Buffer,
+    kv_rows: KvRows,
+    att: Buffer,
+    gate_up: Buffer,
+    h: Buffer,
+    o: Buffer,
+    ffn_out: Buffer,
+    scores: Buffer,
 }
 
 /// Runs `run` unless an earlier stage of the step failed; keeps its error.

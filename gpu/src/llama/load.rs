@@ -9,6 +9,7 @@ use std::ops::Range;
 use tandem_kernels::dequantize_row;
 use tandem_kernels::ops::Rope;
 use tandem_modelfile::config::{ModelConfig, MoeConfig, Scoring};
+use tandem_modelfile::plan::recipe::Recipe;
 use tandem_modelfile::plan::{Part, TensorId};
 
 use super::{
@@ -237,7 +238,6 @@ impl Loader<'_> {
                 .post_norms
                 .then(|| self.pair(i, [Part::PostAttnNorm, Part::PostFfnNorm], d))
                 .transpose()?,
-            window: c.layer_window(i),
             wqkv: self.stacked(
                 &[
                     (t(Part::AttnQ), qd, s.q.clone()),
@@ -332,10 +332,9 @@ impl Loader<'_> {
         self.stacked(&[(name, vocab, 0..vocab)], d, 0..d)
     }
 
-    /// The CPU's RoPE angles at base `theta`, `(sin, cos)` for every
-    /// position and rotated pair.
-    fn sin_cos(&self, theta: f32, max_ctx: usize) -> Buffer {
-        let rope = Rope::new(self.c.rope_style, self.c.rope_dims, theta);
+    /// The CPU's angles of `rope`, `(sin, cos)` for every position and
+    /// rotated pair.
+    fn sin_cos(&self, rope: &Rope, max_ctx: usize) -> Buffer {
         let table: Vec<f32> = (0..max_ctx)
             .flat_map(|p| {
                 let a = rope.angles(p);
@@ -375,8 +374,12 @@ impl GpuModel {
         let embd = Embeddings::load(g, c.vocab_size, c.d_model)?;
         let head = loader.head()?;
         let out_norm = loader.vector(&TensorId::OutputNorm.gguf(), c.d_model)?;
-        let sin_cos = loader.sin_cos(c.rope_theta, max_ctx);
-        let sin_cos_sliding = c.sliding.map(|s| loader.sin_cos(s.rope_theta, max_ctx));
+        let recipe = Recipe::new(&c);
+        let rope_tables = recipe
+            .ropes
+            .iter()
+            .map(|r| loader.sin_cos(r, max_ctx))
+            .collect();
         let Share {
             heads,
             kv_heads,
@@ -390,8 +393,8 @@ impl GpuModel {
             block_size,
         };
         Ok(GpuModel {
-            sin_cos,
-            sin_cos_sliding,
+            recipe,
+            rope_tables,
             dev,
             c,
             shard,
