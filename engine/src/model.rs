@@ -523,9 +523,7 @@ impl DecoderModel {
             Some(tp) => {
                 gathered.clear();
                 gathered.resize(local.len() * tp.comm.world_size(), 0.0);
-                tp.comm
-                    .all_gather(local, gathered)
-                    .map_err(|e| RequestError::Collective(e.to_string()))?;
+                tp.comm.all_gather(local, gathered)?;
                 Ok(&gathered[..])
             }
             None => Ok(local),
@@ -535,10 +533,7 @@ impl DecoderModel {
     /// Sums partial results across the tensor-parallel group (no-op alone).
     fn all_reduce(&self, buf: &mut [f32]) -> Result<(), RequestError> {
         match &self.tp {
-            Some(tp) => tp
-                .comm
-                .all_reduce_sum(buf)
-                .map_err(|e| RequestError::Collective(e.to_string())),
+            Some(tp) => tp.comm.all_reduce_sum(buf).map_err(RequestError::from),
             None => Ok(()),
         }
     }
@@ -951,9 +946,7 @@ impl DecoderModel {
                 self.output_head().matmul(&last, rows.len(), &mut local)?;
                 let world = tp.comm.world_size();
                 let mut all = vec![0.0f32; world * local.len()];
-                tp.comm
-                    .all_gather(&local, &mut all)
-                    .map_err(|e| RequestError::Collective(e.to_string()))?;
+                tp.comm.all_gather(&local, &mut all)?;
                 for (r, part) in all.chunks_exact(local.len().max(1)).enumerate() {
                     for (row, src) in part.chunks_exact(vl).enumerate() {
                         logits[row * c.vocab_size + r * vl..row * c.vocab_size + (r + 1) * vl]
@@ -989,7 +982,7 @@ impl DecoderModel {
         let c = &self.config;
         let d = c.d_model;
         let (rank, world) = (tp.comm.rank(), tp.comm.world_size());
-        let collective = |e: crate::comm::CommError| RequestError::Collective(e.to_string());
+        let collective = |e: crate::comm::CommError| RequestError::Collective(e.into());
         let cap = n_tok.div_ceil(world);
         let rows = (rank * cap).min(n_tok)..((rank + 1) * cap).min(n_tok);
         let n_local = rows.len();

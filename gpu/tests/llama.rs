@@ -782,7 +782,7 @@ fn three_tensor_parallel_ranks_agree_with_one_and_hand_kv_over() {
     let Err(err) = refused else {
         panic!("3 ranks loaded, 1 asked: a runner was built");
     };
-    assert!(err.contains("3 tensor-parallel ranks"), "{err}");
+    assert!(err.to_string().contains("3 tensor-parallel ranks"), "{err}");
 }
 
 #[test]
