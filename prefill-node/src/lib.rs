@@ -10,10 +10,11 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use opentelemetry::KeyValue;
 use tandem_dkv::{KvLayout, Region, RemoteRegion, WriteOp};
-use tandem_engine::scheduler::{Event, KvHandoff, LayerDone, Request};
+use tandem_engine::scheduler::{Event, KvHandoff, LayerDone};
 use tandem_modelfile::plan::shard::kv_head_overlaps;
 use tandem_proto::trace::TraceContext;
 use tandem_proto::{PrefillJob, pb};
+use tandem_types::GenerationRequest;
 use tandem_worker::{NodeCore, WorkerError};
 use tracing::Instrument;
 
@@ -71,14 +72,14 @@ impl PrefillService {
         let work = async {
             // Dropping `stream` (on return, error or cancellation) releases
             // the held blocks; dropping `writes` cancels transfers in flight.
-            let mut stream = core.scheduler.submit(Request {
+            let prompt = GenerationRequest {
                 prompt: job.prompt.clone(),
                 sampling: job.sampling.clone(),
                 max_tokens: 1,
                 stop_token_ids: Vec::new(),
-                handoff: KvHandoff::Export,
                 constraint: job.constraint.clone(),
-            })?;
+            };
+            let mut stream = core.scheduler.submit(prompt, KvHandoff::Export)?;
             let mut writes = FuturesUnordered::new();
             let mut xfer = TransferSpan(None);
             let mut sent = vec![false; skip + job.dst_blocks.len()];
