@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use futures_util::future::BoxFuture;
 use tandem_engine::RequestError;
-use tandem_engine::scheduler::{Event, KvHandoff, RequestStream, SchedulerHandle};
+use tandem_engine::scheduler::{GenerateStream, SchedulerHandle};
 use tandem_frontend::{Backend, BackendHealth, BackendRequest, GenerationStream, SubmitError};
 use tandem_types::{GenEvent, GenFailure, RequestLimits};
 
@@ -39,7 +39,7 @@ impl Backend for LocalBackend {
         &self,
         req: BackendRequest,
     ) -> BoxFuture<'_, Result<Box<dyn GenerationStream>, SubmitError>> {
-        let submitted = self.scheduler.submit(req.request, KvHandoff::Local);
+        let submitted = self.scheduler.generate(req.request);
         Box::pin(async move {
             match submitted {
                 Ok(stream) => Ok(Box::new(LocalStream(stream)) as Box<dyn GenerationStream>),
@@ -74,24 +74,12 @@ impl Backend for LocalBackend {
     }
 }
 
-/// A scheduler request's events in the front end's terms.
-struct LocalStream(RequestStream);
+/// A scheduler generation as the front end's stream.
+struct LocalStream(GenerateStream);
 
 impl GenerationStream for LocalStream {
     fn next(&mut self) -> BoxFuture<'_, Option<GenEvent>> {
-        Box::pin(async move {
-            Some(match self.0.next().await? {
-                Event::Token(s) => GenEvent::Token(s),
-                Event::Finished(u) => GenEvent::Finished(u),
-                Event::Failed(f) => GenEvent::Failed(f),
-                // Only disaggregated handoffs emit these; a local request never does.
-                other @ (Event::Exported(_) | Event::ImportReady(_) | Event::LayerDone(_)) => {
-                    GenEvent::Failed(GenFailure::Internal(format!(
-                        "unexpected KV handoff event {other:?}"
-                    )))
-                }
-            })
-        })
+        Box::pin(self.0.next())
     }
 
     fn cached_tokens(&self) -> usize {

@@ -14,9 +14,10 @@ use opentelemetry::KeyValue;
 use opentelemetry::metrics::Counter;
 use tandem_dkv::Grant;
 use tandem_engine::sampler::Sampled;
-use tandem_engine::scheduler::{Event, ImportOutcome, ImportSlot, KvHandoff, RequestStream};
+use tandem_engine::scheduler::{GenerateStream, ImportOutcome, ImportSlot, ImportStream};
 use tandem_proto::trace::TraceContext;
 use tandem_proto::{GenerateJob, KvRegion, PrefillJob, PrefillTarget, finish_to_pb, pb};
+use tandem_types::{GenEvent, GenFailure};
 use tandem_worker::{NodeCore, WorkerError};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -151,6 +152,13 @@ struct Inner {
 
 type Outgoing = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
 
+/// A request as the scheduler took it: generating here, or waiting for
+/// its prompt's KV.
+enum Start {
+    Local(GenerateStream),
+    Import(ImportStream),
+}
+
 /// A failed remote prefill, and whether writes may still be in flight.
 #[derive(Debug)]
 struct Attempt {
@@ -228,72 +236,21 @@ impl Inner {
             .remove(endpoint);
     }
 
-    /// Runs one request: the handoff (if any), then streams its events.
+    /// Runs one request: the handoff (if any), then streams its tokens.
     async fn drive(
         self: Arc<Self>,
         job: GenerateJob,
-        mut stream: RequestStream,
+        start: Start,
         out: Outgoing,
         trace: TraceContext,
     ) {
-        let mut prefill_worker = String::new();
-        if !job.prefill.is_empty() {
-            // However many targets the router named, the prompt waits for
-            // remote prefills at most this long in total.
-            let budget = Instant::now() + 2 * self.config.prefill_timeout;
-            let mut from = 0;
-            loop {
-                let slot = match stream.next().await {
-                    Some(Event::ImportReady(slot)) => slot,
-                    other => {
-                        let _ = out.send(Err(event_status(other))).await;
-                        return;
-                    }
-                };
-                let attempt = Mutex::new(None);
-                let placed = tokio::select! {
-                    placed = self.place_prefill(&job, &slot, &trace, &attempt, from, budget) => placed,
-                    () = out.closed() => {
-                        // The router went away mid-prefill: dropping the
-                        // call cancels it; the grants are revoked and the
-                        // blocks wait until nothing accepted is landing.
-                        let pending = attempt.lock().unwrap_or_else(PoisonError::into_inner).take();
-                        if let Some(tainted) = pending {
-                            self.quarantine(stream, tainted);
-                        }
-                        return;
-                    }
-                };
-                match placed {
-                    Placement::Done(outcome, worker) => {
-                        prefill_worker = worker;
-                        stream.complete_import(outcome);
-                        break;
-                    }
-                    Placement::Tainted(tainted, next) => {
-                        // Go on in fresh blocks (the prefix-cache lookup
-                        // again); the tainted ones stay reserved until
-                        // nothing is landing in them.
-                        let fresh = self
-                            .core
-                            .scheduler
-                            .submit(job.request.clone(), KvHandoff::Import);
-                        match fresh {
-                            Ok(fresh) => {
-                                let old = std::mem::replace(&mut stream, fresh);
-                                self.quarantine(old, tainted);
-                                from = next;
-                            }
-                            Err(e) => {
-                                self.quarantine(stream, tainted);
-                                let _ = out.send(Err(WorkerError::from(e).into())).await;
-                                return;
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        let (mut stream, mut prefill_worker) = match start {
+            Start::Local(stream) => (stream, String::new()),
+            Start::Import(stream) => match self.handoff(&job, stream, &out, &trace).await {
+                Some(started) => started,
+                None => return,
+            },
+        };
         loop {
             let ev = tokio::select! {
                 ev = stream.next() => ev,
@@ -301,10 +258,10 @@ impl Inner {
                 () = out.closed() => return,
             };
             let msg = match ev {
-                Some(Event::Token(s)) => Ok(pb::GenerateResponse {
+                Some(GenEvent::Token(s)) => Ok(pb::GenerateResponse {
                     kind: Some(pb::generate_response::Kind::Token((&s).into())),
                 }),
-                Some(Event::Finished(u)) => Ok(pb::GenerateResponse {
+                Some(GenEvent::Finished(u)) => Ok(pb::GenerateResponse {
                     kind: Some(pb::generate_response::Kind::Finished(pb::Finished {
                         prompt_tokens: u.prompt_tokens as u32,
                         completion_tokens: u.completion_tokens as u32,
@@ -313,7 +270,8 @@ impl Inner {
                         prefill_worker: std::mem::take(&mut prefill_worker),
                     })),
                 }),
-                other => Err(event_status(other)),
+                Some(GenEvent::Failed(f)) => Err(ended(Some(f))),
+                None => Err(ended(None)),
             };
             let last = !matches!(
                 &msg,
@@ -323,6 +281,72 @@ impl Inner {
             );
             if out.send(msg).await.is_err() || last {
                 return;
+            }
+        }
+    }
+
+    /// Places an import's prefill (on the router's prefill nodes in turn,
+    /// or here) and completes it: its token stream and the prefill worker
+    /// that served it (empty when prefilled here). `None` when the request
+    /// ended meanwhile (what the router is owed was sent).
+    async fn handoff(
+        self: &Arc<Self>,
+        job: &GenerateJob,
+        mut stream: ImportStream,
+        out: &Outgoing,
+        trace: &TraceContext,
+    ) -> Option<(GenerateStream, String)> {
+        // However many targets the router named, the prompt waits for
+        // remote prefills at most this long in total.
+        let budget = Instant::now() + 2 * self.config.prefill_timeout;
+        let mut from = 0;
+        loop {
+            let slot = match stream.slot().await {
+                Some(Ok(slot)) => slot,
+                Some(Err(f)) => {
+                    let _ = out.send(Err(ended(Some(f)))).await;
+                    return None;
+                }
+                None => {
+                    let _ = out.send(Err(ended(None))).await;
+                    return None;
+                }
+            };
+            let attempt = Mutex::new(None);
+            let placed = tokio::select! {
+                placed = self.place_prefill(job, &slot, trace, &attempt, from, budget) => placed,
+                () = out.closed() => {
+                    // The router went away mid-prefill: dropping the
+                    // call cancels it; the grants are revoked and the
+                    // blocks wait until nothing accepted is landing.
+                    let pending = attempt.lock().unwrap_or_else(PoisonError::into_inner).take();
+                    if let Some(tainted) = pending {
+                        self.quarantine(stream, tainted);
+                    }
+                    return None;
+                }
+            };
+            match placed {
+                Placement::Done(outcome, worker) => {
+                    return Some((stream.complete(outcome), worker));
+                }
+                Placement::Tainted(tainted, next) => {
+                    // Go on in fresh blocks (the prefix-cache lookup
+                    // again); the tainted ones stay reserved until
+                    // nothing is landing in them.
+                    match self.core.scheduler.import(job.request.clone()) {
+                        Ok(fresh) => {
+                            let old = std::mem::replace(&mut stream, fresh);
+                            self.quarantine(old, tainted);
+                            from = next;
+                        }
+                        Err(e) => {
+                            self.quarantine(stream, tainted);
+                            let _ = out.send(Err(WorkerError::from(e).into())).await;
+                            return None;
+                        }
+                    }
+                }
             }
         }
     }
@@ -414,7 +438,7 @@ impl Inner {
     /// Keeps `stream` (and so its blocks) until the transfer's grants are
     /// revoked and nothing they accepted is still landing; past the
     /// quarantine limit the blocks are released anyway.
-    fn quarantine(self: &Arc<Self>, stream: RequestStream, tainted: Tainted) {
+    fn quarantine(self: &Arc<Self>, stream: ImportStream, tainted: Tainted) {
         metrics().quarantined.add(1, &[]);
         let limit = self.config.quarantine_limit;
         let task = async move {
@@ -554,11 +578,12 @@ impl Inner {
     }
 }
 
-fn event_status(ev: Option<Event>) -> Status {
-    match ev {
+/// How a request that ended without finishing is told to the router:
+/// `failure`, or the scheduler gone.
+fn ended(failure: Option<GenFailure>) -> Status {
+    match failure {
         None => Status::unavailable("the scheduler stopped"),
-        Some(Event::Failed(f)) => Status::from(WorkerError::Failed(f)),
-        Some(other) => Status::internal(format!("unexpected scheduler event {other:?}")),
+        Some(f) => Status::from(WorkerError::Failed(f)),
     }
 }
 
@@ -583,17 +608,18 @@ impl pb::decode_server::Decode for DecodeService {
         let trace = TraceContext::start_hop(&span, TraceContext::from_metadata(req.metadata()));
         let job = GenerateJob::validate(req.into_inner(), &core.fingerprint)
             .map_err(|e| Status::from(WorkerError::from(e)))?;
-        let handoff = if job.prefill.is_empty() {
-            KvHandoff::Local
+        let start = if job.prefill.is_empty() {
+            core.scheduler
+                .generate(job.request.clone())
+                .map(Start::Local)
         } else {
-            KvHandoff::Import
-        };
-        let stream = core
-            .scheduler
-            .submit(job.request.clone(), handoff)
-            .map_err(|e| Status::from(WorkerError::from(e)))?;
+            core.scheduler
+                .import(job.request.clone())
+                .map(Start::Import)
+        }
+        .map_err(|e| Status::from(WorkerError::from(e)))?;
         let (tx, rx) = mpsc::channel(64);
-        let task = Arc::clone(inner).drive(job, stream, tx, trace);
+        let task = Arc::clone(inner).drive(job, start, tx, trace);
         inner.tasks.spawn(task.instrument(span));
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
     }

@@ -13,23 +13,27 @@
 //! as they fill, so later requests sharing a prefix skip that work.
 //!
 //! The actor runs on its own OS thread (the forward pass is CPU-bound);
-//! callers talk to it through a [`SchedulerHandle`] and receive [`Event`]s on
-//! a tokio channel. Dropping a [`RequestStream`] cancels the request and
-//! frees its blocks at the next step.
+//! callers talk to it through a [`SchedulerHandle`], whose entry points are
+//! typed by purpose, each with a stream of only the events it can produce:
+//! [`SchedulerHandle::generate`] (tokens, then finished or failed),
+//! [`SchedulerHandle::export`] (a prefill for a decode node elsewhere:
+//! layers as they are written, then the held blocks) and
+//! [`SchedulerHandle::import`] (a decode whose prompt KV comes from
+//! elsewhere: the destination blocks, then tokens). Dropping a stream
+//! cancels the request and frees its blocks at the next step.
 //!
-//! This file holds the caller's side (requests, events, the handle and the
-//! streams); the actor is in `scheduler/`: `actor.rs` (its state, commands,
-//! imports ending, publishing), `plan.rs` (choosing a step's work) and
-//! `step.rs` (running it, sampling, retiring sequences).
+//! This file holds the caller's side (requests, events, the handle);
+//! `scheduler/stream.rs` the channels and streams; the actor is in
+//! `scheduler/`: `actor.rs` (its state, commands, imports ending,
+//! publishing), `plan.rs` (choosing a step's work) and `step.rs` (running
+//! it, sampling, retiring sequences).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
-
-use tokio::sync::mpsc as tmpsc;
+use std::time::Duration;
 
 use tandem_grammar::{ConstraintState, GrammarCompiler, GrammarError};
 use tandem_types::{Constraint, GenFailure, GenerationRequest, InvalidRequest, RequestLimits};
@@ -39,17 +43,19 @@ use crate::block_manager::KvEvent;
 use crate::error::RequestError;
 use crate::kv_cache::{BlockId, ExternalMemory, KvCache, KvCacheConfig, KvPool};
 use crate::metrics::metrics;
-use tandem_types::egress;
 
 use crate::moe::Combine;
-use crate::sampler::Sampled;
+use crate::sampler::{Sampled, SamplingParams};
 pub use tandem_types::Usage;
 
 mod actor;
 mod plan;
 mod step;
+mod stream;
 
 use actor::Actor;
+pub use stream::{ExportStream, GenerateStream, ImportStream};
+use stream::{Output, Sink, Ticket, channel};
 
 /// Limits of the scheduler, validated at startup.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,25 +123,13 @@ impl SchedulerConfig {
     }
 }
 
-/// The role of a request in a disaggregated prefill/decode handoff.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum KvHandoff {
-    /// Prefill and decode here.
-    #[default]
-    Local,
-    /// Prefill here, sample the first token, then hold the prompt's blocks
-    /// ([`Event::Exported`]) until the stream is dropped, so a transfer
-    /// engine can copy them to a decode node. Nothing is decoded.
-    Export,
-    /// The prompt's KV arrives from elsewhere: blocks are reserved after the
-    /// local prefix-cache lookup ([`Event::ImportReady`]), and the sequence
-    /// waits, outside the batch, until [`RequestStream::complete_import`].
-    Import,
-}
-
-/// Blocks of an exported prompt, held until the request stream is dropped.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// An exported prompt: its first token and its blocks, held until the
+/// export's stream is dropped.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Exported {
+    /// The token sampled after the prompt (the decode node judges whether
+    /// it stops).
+    pub first: Sampled,
     /// The prompt's block table, in order.
     pub blocks: Vec<BlockId>,
     /// Prompt tokens found in this node's prefix cache.
@@ -166,24 +160,20 @@ pub enum ImportOutcome {
     PrefillLocally,
 }
 
-/// What the scheduler tells a request's caller.
+/// What an export tells its caller (a prefill node), in order: layers,
+/// then one `Exported` or `Failed`.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Event {
-    /// A generated token (not a stop token).
-    Token(Sampled),
-    /// The request is done; no more events follow.
-    Finished(Usage),
-    /// The request failed; no more events follow.
-    Failed(GenFailure),
-    /// An [`KvHandoff::Export`] prompt is computed; its blocks are held.
-    Exported(Exported),
-    /// An [`KvHandoff::Import`] request has its destination blocks.
-    ImportReady(ImportSlot),
-    /// An [`KvHandoff::Export`] prompt's blocks that became full in this
-    /// step have layer `layer` final: a transfer engine may send that layer
-    /// of them while later layers compute. Blocks completed this way, once
-    /// their last layer is reported, are never written again.
+pub enum ExportEvent {
+    /// The prompt's blocks that became full in this step have layer
+    /// `layer` final: a transfer engine may send that layer of them while
+    /// later layers compute. Blocks completed this way, once their last
+    /// layer is reported, are never written again.
     LayerDone(LayerDone),
+    /// The prompt is computed and its first token sampled; its blocks are
+    /// held until the stream is dropped.
+    Exported(Exported),
+    /// The export failed; no more events follow.
+    Failed(GenFailure),
 }
 
 /// Layer `layer` of the prompt blocks `first_block..first_block + blocks.len()`.
@@ -236,26 +226,12 @@ pub const FAILING_AFTER: usize = 3;
 /// How long the failing state lasts after the last failed step.
 pub const FAILING_FOR: Duration = Duration::from_secs(30);
 
-/// An event and when the scheduler sent it (for egress metrics).
-type Stamped = (Instant, Event);
-type EventTx = tmpsc::UnboundedSender<Stamped>;
-
-/// Sends `ev`, counting it as buffered until the reader takes it. A reader
-/// that went away is not an error: its stream's drop cancels the request.
-fn emit(tx: &EventTx, ev: Event) {
-    if tx.send((egress::produced(), ev)).is_err() {
-        egress::discarded(1);
-    }
-}
-
 /// A request on its way to the actor, with what `submit` prepared.
 struct Submission {
     id: u64,
     req: GenerationRequest,
-    /// Where the prompt's KV comes from or goes to.
-    handoff: KvHandoff,
     constraint: Option<ConstraintState>,
-    events: EventTx,
+    sink: Sink,
     cached: Arc<AtomicUsize>,
 }
 
@@ -313,72 +289,6 @@ impl GrammarSlot {
             Err(e) => Err(e.clone()),
         }
         .map_err(|e| InvalidRequest::Constraint(e.to_string()))
-    }
-}
-
-/// Events of one request. Dropping it cancels the request.
-#[derive(Debug)]
-pub struct RequestStream {
-    id: u64,
-    /// Prompt tokens served from the prefix cache, known at admission.
-    cached: Arc<AtomicUsize>,
-    rx: tmpsc::UnboundedReceiver<Stamped>,
-    tx: mpsc::Sender<Command>,
-    done: bool,
-}
-
-impl RequestStream {
-    /// The next event; `None` after `Finished`/`Failed` or if the scheduler stopped.
-    pub async fn next(&mut self) -> Option<Event> {
-        let ev = self.rx.recv().await;
-        self.note(ev)
-    }
-
-    /// Blocking variant of [`RequestStream::next`] for synchronous callers.
-    pub fn blocking_next(&mut self) -> Option<Event> {
-        let ev = self.rx.blocking_recv();
-        self.note(ev)
-    }
-
-    /// Prompt tokens found in the prefix cache (0 until admitted): lets a
-    /// caller that stops reading early still report them.
-    pub fn cached_tokens(&self) -> usize {
-        self.cached.load(Ordering::Relaxed)
-    }
-
-    /// Ends the wait of an [`KvHandoff::Import`] request after
-    /// [`Event::ImportReady`]. Ignored if the request is gone.
-    pub fn complete_import(&self, outcome: ImportOutcome) {
-        let _ = self
-            .tx
-            .send(Command::ImportDone(self.id, Box::new(outcome)));
-    }
-
-    fn note(&mut self, ev: Option<Stamped>) -> Option<Event> {
-        if let Some((sent, _)) = &ev {
-            egress::taken(*sent);
-        }
-        let ev = ev.map(|(_, e)| e);
-        if matches!(ev, None | Some(Event::Finished(_)) | Some(Event::Failed(_))) {
-            self.done = true;
-        }
-        ev
-    }
-}
-
-impl Drop for RequestStream {
-    fn drop(&mut self) {
-        // Events never read are no longer buffered.
-        self.rx.close();
-        let mut unread = 0usize;
-        while self.rx.try_recv().is_ok() {
-            unread += 1;
-        }
-        egress::discarded(unread);
-        if !self.done {
-            // The scheduler may already be gone; then there is nothing to free.
-            let _ = self.tx.send(Command::Cancel(self.id));
-        }
     }
 }
 
@@ -504,25 +414,80 @@ impl Drop for Scheduler {
 }
 
 impl SchedulerHandle {
-    /// Validates and queues a request, its prompt's KV computed here or
-    /// moved as `handoff` says; its constraint is compiled here. Errors
-    /// here are the caller's (4xx).
-    pub fn submit(
+    /// Generates here: prefills the prompt (reusing the prefix cache) and
+    /// decodes. Errors here are the caller's (4xx).
+    pub fn generate(&self, req: GenerationRequest) -> Result<GenerateStream, RequestError> {
+        let (tx, events) = channel();
+        let ticket = self.submit(
+            req,
+            Sink {
+                output: Output::Tokens(tx),
+                import: None,
+            },
+        )?;
+        Ok(GenerateStream { events, ticket })
+    }
+
+    /// Prefills for a decode node elsewhere: computes the prompt, reporting
+    /// each layer of its blocks as it is final, samples the first token
+    /// and holds the blocks until the stream is dropped, so that a
+    /// transfer engine can copy them. Nothing is decoded.
+    pub fn export(
         &self,
-        req: GenerationRequest,
-        handoff: KvHandoff,
-    ) -> Result<RequestStream, RequestError> {
+        prompt: Vec<u32>,
+        sampling: SamplingParams,
+        constraint: Option<Constraint>,
+    ) -> Result<ExportStream, RequestError> {
+        let req = GenerationRequest {
+            prompt,
+            sampling,
+            max_tokens: 1,
+            stop_token_ids: Vec::new(),
+            constraint,
+        };
+        let (tx, events) = channel();
+        let ticket = self.submit(
+            req,
+            Sink {
+                output: Output::Export(tx),
+                import: None,
+            },
+        )?;
+        Ok(ExportStream { events, ticket })
+    }
+
+    /// Decodes a prompt whose KV comes from elsewhere: reserves its blocks
+    /// after the prefix-cache lookup ([`ImportStream::slot`]) and waits,
+    /// outside the batch, until [`ImportStream::complete`].
+    pub fn import(&self, req: GenerationRequest) -> Result<ImportStream, RequestError> {
+        let (tx, tokens) = channel();
+        let (slot_tx, slot) = channel();
+        let ticket = self.submit(
+            req,
+            Sink {
+                output: Output::Tokens(tx),
+                import: Some(slot_tx),
+            },
+        )?;
+        Ok(ImportStream {
+            slot,
+            tokens,
+            ticket,
+        })
+    }
+
+    /// Validates and queues a request whose events go to `sink`; its
+    /// constraint is compiled here, on the caller's thread.
+    fn submit(&self, req: GenerationRequest, sink: Sink) -> Result<Ticket, RequestError> {
         req.check(&RequestLimits {
             max_length: self.config.max_length,
             vocab_size: self.vocab,
         })?;
-        // Compiled here, on the caller's thread, not the scheduler's.
         let constraint = match &req.constraint {
             Some(c) => Some(self.grammar.compile(c)?),
             None => None,
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (etx, erx) = tmpsc::unbounded_channel();
         let cached = Arc::new(AtomicUsize::new(0));
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
         if self
@@ -530,9 +495,8 @@ impl SchedulerHandle {
             .send(Command::Submit(Box::new(Submission {
                 id,
                 req,
-                handoff,
                 constraint,
-                events: etx,
+                sink,
                 cached: Arc::clone(&cached),
             })))
             .is_err()
@@ -540,10 +504,9 @@ impl SchedulerHandle {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             return Err(RequestError::Stopped);
         }
-        Ok(RequestStream {
+        Ok(Ticket {
             id,
             cached,
-            rx: erx,
             tx: self.tx.clone(),
             done: false,
         })

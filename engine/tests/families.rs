@@ -34,12 +34,12 @@ use tandem_engine::kv_cache::KvCache;
 use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{Sampled, SamplingParams, argmax, log_softmax};
-use tandem_engine::scheduler::{Event, KvHandoff, Scheduler, SchedulerConfig};
+use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
 use tandem_engine::{LoadedModel, load};
 use tandem_modelfile::chat::ChatTemplate;
 use tandem_modelfile::gguf::GgufFile;
 use tandem_modelfile::tokenizer::{Tokenizer, spec_from_gguf};
-use tandem_types::GenerationRequest;
+use tandem_types::{GenEvent, GenerationRequest};
 
 /// One model family under test, its GGUF and its tolerances.
 struct Family {
@@ -591,16 +591,13 @@ fn generate_together(
         .map(|p| {
             sched
                 .handle()
-                .submit(
-                    GenerationRequest {
-                        prompt: p.clone(),
-                        sampling: sampling.clone(),
-                        max_tokens,
-                        stop_token_ids: Vec::new(),
-                        constraint: None,
-                    },
-                    KvHandoff::Local,
-                )
+                .generate(GenerationRequest {
+                    prompt: p.clone(),
+                    sampling: sampling.clone(),
+                    max_tokens,
+                    stop_token_ids: Vec::new(),
+                    constraint: None,
+                })
                 .expect("request accepted")
         })
         .collect();
@@ -610,8 +607,8 @@ fn generate_together(
             let mut sampled = Vec::new();
             loop {
                 match stream.blocking_next() {
-                    Some(Event::Token(s)) => sampled.push(s),
-                    Some(Event::Finished(u)) => {
+                    Some(GenEvent::Token(s)) => sampled.push(s),
+                    Some(GenEvent::Finished(u)) => {
                         assert_eq!(u.completion_tokens, max_tokens, "no stop tokens");
                         return sampled;
                     }

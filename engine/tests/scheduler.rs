@@ -14,11 +14,11 @@ use tandem_engine::model::SeqChunk;
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{SamplingParams, top_candidates};
 use tandem_engine::scheduler::{
-    Event, FAILING_AFTER, ImportOutcome, KvHandoff, RequestStream, Scheduler, SchedulerConfig,
-    SchedulerHandle, Usage,
+    ExportEvent, FAILING_AFTER, GenerateStream, ImportOutcome, ImportStream, Scheduler,
+    SchedulerConfig, SchedulerHandle, Usage,
 };
 use tandem_engine::{LoadedModel, RequestError, load};
-use tandem_types::{FinishReason, GenFailure, GenerationRequest, InvalidRequest};
+use tandem_types::{FinishReason, GenEvent, GenFailure, GenerationRequest, InvalidRequest};
 
 fn model() -> Arc<LoadedModel> {
     static M: std::sync::OnceLock<Arc<LoadedModel>> = std::sync::OnceLock::new();
@@ -82,14 +82,13 @@ fn alone(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     generate(&m, &req, |_| {}).expect("generates").tokens
 }
 
-fn collect(mut stream: tandem_engine::scheduler::RequestStream) -> (Vec<u32>, Usage) {
+fn collect(mut stream: GenerateStream) -> (Vec<u32>, Usage) {
     let mut tokens = Vec::new();
     loop {
         match stream.blocking_next() {
-            Some(Event::Token(s)) => tokens.push(s.token),
-            Some(Event::Finished(u)) => return (tokens, u),
-            Some(Event::Failed(e)) => panic!("request failed: {e}"),
-            Some(other) => panic!("unexpected event {other:?}"),
+            Some(GenEvent::Token(s)) => tokens.push(s.token),
+            Some(GenEvent::Finished(u)) => return (tokens, u),
+            Some(GenEvent::Failed(e)) => panic!("request failed: {e}"),
             None => panic!("stream ended without Finished"),
         }
     }
@@ -98,10 +97,7 @@ fn collect(mut stream: tandem_engine::scheduler::RequestStream) -> (Vec<u32>, Us
 fn run_all(h: &SchedulerHandle, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<(Vec<u32>, Usage)> {
     let streams: Vec<_> = prompts
         .iter()
-        .map(|p| {
-            h.submit(request(p, max_tokens), KvHandoff::Local)
-                .expect("accepted")
-        })
+        .map(|p| h.generate(request(p, max_tokens)).expect("accepted"))
         .collect();
     streams.into_iter().map(collect).collect()
 }
@@ -187,14 +183,8 @@ fn repeated_prompt_hits_the_prefix_cache() {
             false,
         )
         .expect("tokenizes");
-    let (first, u1) = collect(
-        h.submit(request(&long, 8), KvHandoff::Local)
-            .expect("accepted"),
-    );
-    let (second, u2) = collect(
-        h.submit(request(&long, 8), KvHandoff::Local)
-            .expect("accepted"),
-    );
+    let (first, u1) = collect(h.generate(request(&long, 8)).expect("accepted"));
+    let (second, u2) = collect(h.generate(request(&long, 8)).expect("accepted"));
     assert_eq!(u1.cached_tokens, 0);
     assert_eq!(
         u2.cached_tokens,
@@ -233,9 +223,9 @@ fn dropping_a_stream_cancels_and_frees_blocks() {
         stop_token_ids: Vec::new(),
         ..request(&p[2], max_tokens)
     };
-    let mut stream = h.submit(endless, KvHandoff::Local).expect("accepted");
+    let mut stream = h.generate(endless).expect("accepted");
     let mut next_token = || match stream.blocking_next() {
-        Some(Event::Token(_)) => {}
+        Some(GenEvent::Token(_)) => {}
         other => panic!("expected a token, got {other:?}"),
     };
     next_token();
@@ -257,9 +247,7 @@ fn dropping_a_stream_cancels_and_frees_blocks() {
     assert!(held > 0);
 
     // Another request keeps running while the first is cancelled.
-    let other = h
-        .submit(request(&p[0], 6), KvHandoff::Local)
-        .expect("accepted");
+    let other = h.generate(request(&p[0], 6)).expect("accepted");
     let dropped = Instant::now();
     drop(stream);
     let (tokens, _) = collect(other);
@@ -288,7 +276,7 @@ fn dropping_a_stream_cancels_and_frees_blocks() {
 fn invalid_requests_are_rejected_at_submit() {
     let sched = Scheduler::spawn(model(), config()).expect("spawns");
     let h = sched.handle();
-    let reject = |r: GenerationRequest| h.submit(r, KvHandoff::Local).expect_err("rejected");
+    let reject = |r: GenerationRequest| h.generate(r).expect_err("rejected");
     assert!(matches!(
         reject(request(&[], 4)),
         RequestError::Invalid(InvalidRequest::EmptyPrompt)
@@ -315,10 +303,7 @@ fn invalid_requests_are_rejected_at_submit() {
         RequestError::Invalid(InvalidRequest::Sampling(_))
     ));
     // And the scheduler still serves.
-    let (tokens, _) = collect(
-        h.submit(request(&prompts()[0], 3), KvHandoff::Local)
-            .expect("accepted"),
-    );
+    let (tokens, _) = collect(h.generate(request(&prompts()[0], 3)).expect("accepted"));
     assert_eq!(tokens.len(), 3);
 }
 
@@ -372,9 +357,9 @@ fn copy_blocks(from: &SchedulerHandle, src: &[u32], to: &SchedulerHandle, dst: &
     }
 }
 
-fn expect_import_slot(stream: &mut RequestStream) -> tandem_engine::scheduler::ImportSlot {
-    match stream.blocking_next() {
-        Some(Event::ImportReady(slot)) => slot,
+fn expect_import_slot(stream: &mut ImportStream) -> tandem_engine::scheduler::ImportSlot {
+    match stream.blocking_slot() {
+        Some(Ok(slot)) => slot,
         other => panic!("expected ImportReady, got {other:?}"),
     }
 }
@@ -389,7 +374,7 @@ fn disaggregated(
     max_tokens: usize,
 ) -> (Vec<u32>, Usage, usize) {
     let mut d = decode
-        .submit(request(prompt, max_tokens), KvHandoff::Import)
+        .import(request(prompt, max_tokens))
         .expect("accepted");
     let slot = expect_import_slot(&mut d);
     assert_eq!(
@@ -397,25 +382,21 @@ fn disaggregated(
         prompt.len().div_ceil(config().block_size)
     );
     let mut p = prefill
-        .submit(request(prompt, max_tokens), KvHandoff::Export)
+        .export(prompt.to_vec(), SamplingParams::greedy(), None)
         .expect("accepted");
     // Layers of blocks filled by the computation arrive first, then the
-    // first token, then the held blocks.
+    // first token with the held blocks.
     let mut layers_of_block = std::collections::HashMap::<usize, usize>::new();
-    let first = loop {
+    let exported = loop {
         match p.blocking_next() {
-            Some(Event::LayerDone(l)) => {
+            Some(ExportEvent::LayerDone(l)) => {
                 for i in l.first_block..l.first_block + l.blocks.len() {
                     *layers_of_block.entry(i).or_default() += 1;
                 }
             }
-            Some(Event::Token(s)) => break s,
-            other => panic!("expected the first token, got {other:?}"),
+            Some(ExportEvent::Exported(e)) => break e,
+            other => panic!("expected Exported, got {other:?}"),
         }
-    };
-    let exported = match p.blocking_next() {
-        Some(Event::Exported(e)) => e,
-        other => panic!("expected Exported, got {other:?}"),
     };
     // Every block the prefill computed (full, not from its own cache) was
     // reported once per layer.
@@ -438,8 +419,8 @@ fn disaggregated(
         &slot.blocks[skip..],
     );
     drop(p);
-    d.complete_import(ImportOutcome::Ready {
-        first,
+    let d = d.complete(ImportOutcome::Ready {
+        first: exported.first,
         remote_cached_tokens: exported.cached_tokens,
     });
     let (tokens, usage) = collect(d);
@@ -497,22 +478,17 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
     let prompt = &prompts()[1];
     let want = alone(prompt, 10);
 
-    let mut d = h
-        .submit(request(prompt, 10), KvHandoff::Import)
-        .expect("accepted");
+    let mut d = h.import(request(prompt, 10)).expect("accepted");
     let _ = expect_import_slot(&mut d);
     // Stats are published after the step that emitted the event.
     wait_for("the import to be counted", || {
         h.stats().importing.load(Ordering::Relaxed) == 1
     });
-    d.complete_import(ImportOutcome::PrefillLocally);
-    assert_eq!(collect(d).0, want);
+    assert_eq!(collect(d.complete(ImportOutcome::PrefillLocally)).0, want);
     assert_idle_handoffs(h);
 
     // Cancelled while waiting for its KV: blocks return at once.
-    let mut d = h
-        .submit(request(prompt, 10), KvHandoff::Import)
-        .expect("accepted");
+    let mut d = h.import(request(prompt, 10)).expect("accepted");
     let _ = expect_import_slot(&mut d);
     wait_for("the reserved blocks to be counted", || {
         h.stats().kv_blocks_in_use.load(Ordering::Relaxed) > 0
@@ -522,10 +498,9 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
 
     // An exported prompt holds its blocks until its stream is dropped.
     let mut p = h
-        .submit(request(prompt, 10), KvHandoff::Export)
+        .export(prompt.to_vec(), SamplingParams::greedy(), None)
         .expect("accepted");
-    assert!(matches!(p.blocking_next(), Some(Event::Token(_))));
-    assert!(matches!(p.blocking_next(), Some(Event::Exported(_))));
+    assert!(matches!(p.blocking_next(), Some(ExportEvent::Exported(_))));
     wait_for("the held blocks to be counted", || {
         h.stats().exported.load(Ordering::Relaxed) == 1
             && h.stats().kv_blocks_in_use.load(Ordering::Relaxed) > 0
@@ -626,9 +601,9 @@ fn a_failing_step_fails_its_requests_and_the_scheduler_goes_on() {
     // steps in a row the scheduler says it is failing (health checks).
     for (i, q) in p.iter().take(FAILING_AFTER).enumerate() {
         assert!(!h.stats().failing(), "failing after {i} failed steps");
-        let mut s = h.submit(request(q, 4), KvHandoff::Local).expect("accepted");
+        let mut s = h.generate(request(q, 4)).expect("accepted");
         match s.blocking_next() {
-            Some(Event::Failed(GenFailure::Internal(msg))) => {
+            Some(GenEvent::Failed(GenFailure::Internal(msg))) => {
                 assert!(msg.contains("injected failure"), "{msg}");
             }
             other => panic!("expected a failure, got {other:?}"),
@@ -640,10 +615,7 @@ fn a_failing_step_fails_its_requests_and_the_scheduler_goes_on() {
     // The device is back: the next request runs as it would have, and one
     // good step clears the failing state.
     fail.store(false, Ordering::Relaxed);
-    let (tokens, _) = collect(
-        h.submit(request(&p[3], 6), KvHandoff::Local)
-            .expect("accepted"),
-    );
+    let (tokens, _) = collect(h.generate(request(&p[3], 6)).expect("accepted"));
     assert_eq!(tokens, alone(&p[3], 6));
     assert!(!h.stats().failing());
     wait_idle(h);
@@ -722,12 +694,12 @@ impl StepRunner for ReducingRunner {
     }
 }
 
-fn collect_sampled(mut stream: RequestStream) -> Vec<tandem_types::sampling::Sampled> {
+fn collect_sampled(mut stream: GenerateStream) -> Vec<tandem_types::sampling::Sampled> {
     let mut out = Vec::new();
     loop {
         match stream.blocking_next() {
-            Some(Event::Token(s)) => out.push(s),
-            Some(Event::Finished(_)) => return out,
+            Some(GenEvent::Token(s)) => out.push(s),
+            Some(GenEvent::Finished(_)) => return out,
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -765,7 +737,7 @@ fn steps_on_top_candidates_sample_what_full_rows_sample() {
                     sampling: s.clone(),
                     ..request(q, 8)
                 };
-                h.submit(r, KvHandoff::Local).expect("accepted")
+                h.generate(r).expect("accepted")
             })
             .collect();
         streams.into_iter().map(collect_sampled).collect::<Vec<_>>()
@@ -813,11 +785,9 @@ fn a_runner_returning_misshapen_logits_fails_its_step_only() {
     let sched = Scheduler::spawn(reducing(&Arc::default(), true), config()).expect("spawns");
     let h = sched.handle();
     let p = prompts();
-    let mut s = h
-        .submit(request(&p[0], 4), KvHandoff::Local)
-        .expect("accepted");
+    let mut s = h.generate(request(&p[0], 4)).expect("accepted");
     match s.blocking_next() {
-        Some(Event::Failed(GenFailure::Internal(msg))) => {
+        Some(GenEvent::Failed(GenFailure::Internal(msg))) => {
             assert!(msg.contains("logits"), "{msg}");
         }
         other => panic!("expected a failure, got {other:?}"),

@@ -17,9 +17,9 @@ use tandem_engine::kv_cache::KvCache;
 use tandem_engine::model::{DecoderModel, SeqChunk};
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{SamplingParams, argmax};
-use tandem_engine::scheduler::{Event, KvHandoff, Scheduler, SchedulerConfig};
+use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
 use tandem_engine::{LoadedModel, load};
-use tandem_types::GenerationRequest;
+use tandem_types::{GenEvent, GenerationRequest};
 
 fn model() -> &'static LoadedModel {
     static M: OnceLock<LoadedModel> = OnceLock::new();
@@ -197,16 +197,13 @@ fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
         .map(|p| {
             sched
                 .handle()
-                .submit(
-                    GenerationRequest {
-                        prompt: p.clone(),
-                        sampling: SamplingParams::greedy(),
-                        max_tokens: 12,
-                        stop_token_ids: m.text.tokenizer.stop_ids(),
-                        constraint: None,
-                    },
-                    KvHandoff::Local,
-                )
+                .generate(GenerationRequest {
+                    prompt: p.clone(),
+                    sampling: SamplingParams::greedy(),
+                    max_tokens: 12,
+                    stop_token_ids: m.text.tokenizer.stop_ids(),
+                    constraint: None,
+                })
                 .unwrap()
         })
         .collect();
@@ -214,8 +211,8 @@ fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
         let mut got = Vec::new();
         loop {
             match stream.blocking_next() {
-                Some(Event::Token(s)) => got.push(s.token),
-                Some(Event::Finished(_)) => break,
+                Some(GenEvent::Token(s)) => got.push(s.token),
+                Some(GenEvent::Finished(_)) => break,
                 other => panic!("unexpected {other:?}"),
             }
         }

@@ -10,11 +10,10 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use opentelemetry::KeyValue;
 use tandem_dkv::{KvLayout, Region, RemoteRegion, WriteOp};
-use tandem_engine::scheduler::{Event, KvHandoff, LayerDone};
+use tandem_engine::scheduler::{ExportEvent, LayerDone};
 use tandem_modelfile::plan::shard::kv_head_overlaps;
 use tandem_proto::trace::TraceContext;
 use tandem_proto::{PrefillJob, pb};
-use tandem_types::GenerationRequest;
 use tandem_worker::{NodeCore, WorkerError};
 use tracing::Instrument;
 
@@ -72,29 +71,25 @@ impl PrefillService {
         let work = async {
             // Dropping `stream` (on return, error or cancellation) releases
             // the held blocks; dropping `writes` cancels transfers in flight.
-            let prompt = GenerationRequest {
-                prompt: job.prompt.clone(),
-                sampling: job.sampling.clone(),
-                max_tokens: 1,
-                stop_token_ids: Vec::new(),
-                constraint: job.constraint.clone(),
-            };
-            let mut stream = core.scheduler.submit(prompt, KvHandoff::Export)?;
+            let mut stream = core.scheduler.export(
+                job.prompt.clone(),
+                job.sampling.clone(),
+                job.constraint.clone(),
+            )?;
             let mut writes = FuturesUnordered::new();
             let mut xfer = TransferSpan(None);
             let mut sent = vec![false; skip + job.dst_blocks.len()];
             let mut bytes = 0u64;
             // Layers of blocks leave as the prefill writes them, overlapping
             // the remaining layers' compute.
-            let (first, exported) = {
-                let mut first = None;
+            let exported = {
                 loop {
                     tokio::select! {
                         ev = stream.next() => match ev {
                             // A tensor-parallel node sends each rank's head
                             // slices once the prompt is done.
-                            Some(Event::LayerDone(_)) if !same_shape => {}
-                            Some(Event::LayerDone(l)) => {
+                            Some(ExportEvent::LayerDone(_)) if !same_shape => {}
+                            Some(ExportEvent::LayerDone(l)) => {
                                 let ops = layer_ops(layout, &l, skip, &job.dst_blocks)?;
                                 if l.layer + 1 == n_layers {
                                     for i in l.first_block..l.first_block + l.blocks.len() {
@@ -107,9 +102,9 @@ impl PrefillService {
                                     writes.push(send(core, &core.region, remote, ops, deadline, xfer.get(core)));
                                 }
                             }
-                            Some(Event::Token(s)) => first = Some(s),
-                            Some(Event::Exported(e)) => break (first, e),
-                            other => return Err(unexpected(other)),
+                            Some(ExportEvent::Exported(e)) => break e,
+                            Some(ExportEvent::Failed(f)) => return Err(WorkerError::Failed(f)),
+                            None => return Err(WorkerError::Stopped),
                         },
                         Some(r) = writes.next(), if !writes.is_empty() => {
                             bytes += r?.bytes;
@@ -117,7 +112,6 @@ impl PrefillService {
                     }
                 }
             };
-            let first = first.ok_or_else(|| WorkerError::Internal("no first token".into()))?;
             // Whole blocks not sent layer by layer: those found in this
             // node's prefix cache and the partial last block.
             let rest: Vec<usize> = (skip..sent.len()).filter(|&i| !sent[i]).collect();
@@ -198,7 +192,7 @@ impl PrefillService {
                 "KV written"
             );
             Ok(pb::PrefillResponse {
-                first: Some((&first).into()),
+                first: Some((&exported.first).into()),
                 cached_tokens: exported.cached_tokens as u32,
                 bytes,
                 blocks: blocks as u32,
@@ -273,14 +267,6 @@ fn layer_ops(
         });
     }
     Ok(ops)
-}
-
-fn unexpected(ev: Option<Event>) -> WorkerError {
-    match ev {
-        None => WorkerError::Stopped,
-        Some(Event::Failed(f)) => WorkerError::Failed(f),
-        Some(other) => WorkerError::Internal(format!("unexpected scheduler event {other:?}")),
-    }
 }
 
 #[tonic::async_trait]

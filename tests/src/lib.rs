@@ -26,8 +26,8 @@ use tandem_engine::LoadedModel;
 use tandem_engine::generate::{GenerateOutput, GenerateRequest, generate};
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::{Sampled, SamplingParams};
-use tandem_engine::scheduler::{Event, KvHandoff, Scheduler, SchedulerConfig};
-use tandem_types::{FinishReason, GenerationRequest};
+use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
+use tandem_types::{FinishReason, GenEvent, GenerationRequest};
 
 pub fn gguf_path() -> PathBuf {
     match std::env::var_os("TANDEM_TEST_GGUF") {
@@ -193,7 +193,7 @@ pub fn reference_outputs(
                 stop_token_ids: m.text.tokenizer.stop_ids(),
                 constraint: None,
             };
-            sched.handle().submit(req, KvHandoff::Local).unwrap()
+            sched.handle().generate(req).unwrap()
         })
         .collect();
     let outs = streams
@@ -202,8 +202,8 @@ pub fn reference_outputs(
             let mut sampled = Vec::new();
             let finish = loop {
                 match stream.blocking_next() {
-                    Some(Event::Token(s)) => sampled.push(s),
-                    Some(Event::Finished(usage)) => break usage.finish,
+                    Some(GenEvent::Token(s)) => sampled.push(s),
+                    Some(GenEvent::Finished(usage)) => break usage.finish,
                     other => panic!("reference generation did not finish: {other:?}"),
                 }
             };

@@ -11,9 +11,9 @@ use std::sync::mpsc;
 use tandem_grammar::ConstraintState;
 use tandem_types::{FinishReason, GenFailure};
 
+use super::stream::Sink;
 use super::{
-    Command, Event, EventTx, ImportOutcome, KvEventSink, KvHandoff, SchedulerConfig,
-    SchedulerStats, Submission, Usage, emit,
+    Command, ImportOutcome, KvEventSink, SchedulerConfig, SchedulerStats, Submission, Usage,
 };
 use crate::backend::{ServedModel, StepLogits, StepRunner};
 use crate::block_manager::{BlockHash, chain_hash};
@@ -42,8 +42,8 @@ pub(super) struct Seq {
     pub(super) cached_shared: Arc<AtomicUsize>,
     /// Admission order; the latest admitted is preempted first.
     pub(super) admitted: u64,
-    pub(super) handoff: KvHandoff,
-    pub(super) events: EventTx,
+    /// Where its events go (and whether it is an export or an import).
+    pub(super) sink: Sink,
 }
 
 impl Seq {
@@ -57,7 +57,7 @@ impl Seq {
             return Some(FinishReason::Stop);
         }
         self.tokens.push(sampled.token);
-        emit(&self.events, Event::Token(sampled));
+        self.sink.token(sampled);
         (self.generated() >= self.max_tokens).then_some(FinishReason::Length)
     }
 }
@@ -70,9 +70,9 @@ pub(super) struct Actor {
     pub(super) rx: mpsc::Receiver<Command>,
     pub(super) waiting: VecDeque<Seq>,
     pub(super) running: Vec<Seq>,
-    /// Admitted [`KvHandoff::Import`] sequences waiting for their KV.
+    /// Admitted imports waiting for their KV.
     pub(super) importing: Vec<Seq>,
-    /// Computed [`KvHandoff::Export`] sequences holding their blocks.
+    /// Computed exports holding their blocks.
     pub(super) held: Vec<Seq>,
     pub(super) kv_sink: Option<KvEventSink>,
     pub(super) stats: Arc<SchedulerStats>,
@@ -111,11 +111,11 @@ impl Actor {
             self.publish_kv_events();
         }
         let all = self.waiting.drain(..).chain(self.running.drain(..));
-        for seq in all
+        for mut seq in all
             .chain(self.importing.drain(..))
             .chain(self.held.drain(..))
         {
-            emit(&seq.events, Event::Failed(GenFailure::ShuttingDown));
+            seq.sink.fail(GenFailure::ShuttingDown);
         }
     }
 
@@ -125,24 +125,20 @@ impl Actor {
                 let Submission {
                     id,
                     req,
-                    handoff,
                     constraint,
-                    events,
+                    mut sink,
                     cached: cached_shared,
                 } = *b;
                 let sampler = match Sampler::new(req.sampling, &req.prompt) {
                     Ok(s) => s,
                     Err(e) => {
                         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-                        emit(&events, Event::Failed(GenFailure::Internal(e.to_string())));
+                        sink.fail(GenFailure::Internal(e.to_string()));
                         return;
                     }
                 };
-                let max_tokens = match handoff {
-                    KvHandoff::Export => 1,
-                    _ => req.max_tokens,
-                }
-                .min(self.config.max_length - req.prompt.len());
+                let max_tokens = if sink.is_export() { 1 } else { req.max_tokens }
+                    .min(self.config.max_length - req.prompt.len());
                 self.waiting.push_back(Seq {
                     id,
                     prompt_len: req.prompt.len(),
@@ -156,9 +152,8 @@ impl Actor {
                     cached_tokens: 0,
                     cached_shared,
                     admitted: 0,
-                    handoff,
                     constraint,
-                    events,
+                    sink,
                 });
             }
             Command::Cancel(id) => {
@@ -191,7 +186,6 @@ impl Actor {
             return; // cancelled meanwhile
         };
         let mut s = self.importing.swap_remove(i);
-        s.handoff = KvHandoff::Local;
         let (first, remote_cached) = match outcome {
             ImportOutcome::PrefillLocally => {
                 self.running.push(s);
@@ -207,10 +201,7 @@ impl Actor {
         let landed = &s.table[(s.computed / self.config.block_size).min(s.table.len())..];
         if let Err(e) = self.exec.kv_written(&self.cache, landed) {
             tracing::warn!(request = id, error = %e, "imported KV did not reach the runner");
-            emit(
-                &s.events,
-                Event::Failed(GenFailure::Internal(e.to_string())),
-            );
+            s.sink.fail(GenFailure::Internal(e.to_string()));
             self.free(&mut s);
             return;
         }
@@ -223,10 +214,7 @@ impl Actor {
         if let Some(c) = &mut s.constraint
             && let Err(e) = c.consume(first.token)
         {
-            emit(
-                &s.events,
-                Event::Failed(GenFailure::Internal(e.to_string())),
-            );
+            s.sink.fail(GenFailure::Internal(e.to_string()));
             self.free(&mut s);
             return;
         }
@@ -244,7 +232,7 @@ impl Actor {
             cached_tokens: s.cached_tokens,
             finish,
         };
-        emit(&s.events, Event::Finished(usage));
+        s.sink.finished(usage);
         self.free(&mut s);
     }
 

@@ -8,8 +8,8 @@ use opentelemetry::KeyValue;
 
 use tandem_types::GenFailure;
 
+use super::ImportSlot;
 use super::actor::{Actor, Seq};
-use super::{Event, ImportSlot, KvHandoff, emit};
 use crate::backend::LogitsForm;
 use crate::block_manager::block_hashes;
 use crate::kv_cache::KvCacheError;
@@ -82,10 +82,7 @@ impl Actor {
                 }
                 Err(e) => {
                     let mut s = self.running.remove(i);
-                    emit(
-                        &s.events,
-                        Event::Failed(GenFailure::Internal(e.to_string())),
-                    );
+                    s.sink.fail(GenFailure::Internal(e.to_string()));
                     self.free(&mut s);
                 }
             }
@@ -104,10 +101,12 @@ impl Actor {
             if s.table.is_empty() {
                 self.match_prefix(&mut s, first_admission);
             }
-            let len = match s.handoff {
+            let importing = s.sink.import.is_some();
+            let len = if importing {
                 // Room for the whole prompt, written by the prefill node.
-                KvHandoff::Import => s.prompt_len - s.computed,
-                _ => (s.tokens.len() - s.computed).min(tokens_left),
+                s.prompt_len - s.computed
+            } else {
+                (s.tokens.len() - s.computed).min(tokens_left)
             };
             if self.cache.reserve(&mut s.table, s.computed + len).is_err() {
                 // Not enough blocks now: keep its place at the head of the queue.
@@ -121,12 +120,12 @@ impl Actor {
             }
             self.admitted += 1;
             s.admitted = self.admitted;
-            if s.handoff == KvHandoff::Import {
+            if importing {
                 let slot = ImportSlot {
                     blocks: s.table.clone(),
                     cached_blocks: s.computed / self.config.block_size,
                 };
-                emit(&s.events, Event::ImportReady(slot));
+                s.sink.slot(slot);
                 self.importing.push(s);
                 continue;
             }

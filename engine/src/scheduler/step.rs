@@ -13,7 +13,8 @@ use tandem_types::{FinishReason, GenFailure};
 
 use super::actor::{Actor, Seq, register_full_blocks};
 use super::plan::Planned;
-use super::{Event, EventTx, Exported, KvHandoff, LayerDone, emit};
+use super::stream::{Tx, layer_done};
+use super::{ExportEvent, Exported, LayerDone};
 use crate::backend::{LogitsForm, StepLogits};
 use crate::error::RequestError;
 use crate::kv_cache::BlockId;
@@ -37,8 +38,8 @@ struct Ran {
 /// Why a sequence leaves the batch after a step.
 enum Leave {
     Finished(FinishReason),
-    /// An exported prompt, now held for its transfer.
-    Exported,
+    /// An exported prompt and its first token: held for its transfer.
+    Exported(Sampled),
     Failed(GrammarError),
 }
 
@@ -78,14 +79,14 @@ impl Actor {
         // Export sequences' blocks that this step fills: their layers can
         // leave as soon as each layer is written.
         let filling = self.filling(plan);
-        let mut layer_done = |layer: usize| {
+        let mut layers = |layer: usize| {
             for (tx, first_block, blocks) in &filling {
-                let ev = LayerDone {
+                let done = LayerDone {
                     layer,
                     first_block: *first_block,
                     blocks: blocks.clone(),
                 };
-                emit(tx, Event::LayerDone(ev));
+                layer_done(tx, done);
             }
         };
         let mut constrained = self.take_constraints(plan);
@@ -101,7 +102,7 @@ impl Actor {
                         .collect::<Vec<_>>()
                 })
             });
-            let result = self.forward(plan, &mut layer_done, want, &mut logits, batch_type);
+            let result = self.forward(plan, &mut layers, want, &mut logits, batch_type);
             let masks = masker.map(|h| {
                 h.join().unwrap_or_else(|_| {
                     vec![Err(GrammarError::Engine("mask thread panicked".into())); 1]
@@ -125,18 +126,16 @@ impl Actor {
         }
     }
 
-    /// The blocks of export sequences that this step fills, with each
-    /// sequence's event channel and the index of the first of them.
-    fn filling(&self, plan: &[Planned]) -> Vec<(EventTx, usize, Vec<BlockId>)> {
+    /// The blocks of exports that this step fills, with each export's
+    /// event channel and the index of the first of them.
+    fn filling(&self, plan: &[Planned]) -> Vec<(Tx<ExportEvent>, usize, Vec<BlockId>)> {
         let bs = self.config.block_size;
         plan.iter()
             .filter_map(|p| {
                 let s = &self.running[p.seq];
-                if s.handoff != KvHandoff::Export {
-                    return None;
-                }
+                let tx = s.sink.layers()?;
                 let (from, to) = (s.computed / bs, (s.computed + p.len).min(s.prompt_len) / bs);
-                (to > from).then(|| (s.events.clone(), from, s.table[from..to].to_vec()))
+                (to > from).then(|| (tx.clone(), from, s.table[from..to].to_vec()))
             })
             .collect()
     }
@@ -201,10 +200,7 @@ impl Actor {
         idx.sort_unstable_by(|a, b| b.cmp(a));
         for i in idx {
             let mut s = self.running.swap_remove(i);
-            emit(
-                &s.events,
-                Event::Failed(GenFailure::Internal(e.to_string())),
-            );
+            s.sink.fail(GenFailure::Internal(e.to_string()));
             self.free(&mut s);
         }
     }
@@ -237,10 +233,9 @@ impl Actor {
                     continue;
                 }
             };
-            if s.handoff == KvHandoff::Export {
+            if s.sink.is_export() {
                 // The decode node judges stop tokens; report whatever came.
-                emit(&s.events, Event::Token(sampled));
-                leaving.push((p.seq, Leave::Exported));
+                leaving.push((p.seq, Leave::Exported(sampled)));
                 continue;
             }
             if let Some(finish) = s.accept(sampled) {
@@ -261,18 +256,15 @@ impl Actor {
                 Leave::Finished(finish) => self.finish(s, finish),
                 // A grammar engine failure ends its sequence, not the batch.
                 Leave::Failed(e) => {
-                    emit(
-                        &s.events,
-                        Event::Failed(GenFailure::Internal(e.to_string())),
-                    );
+                    s.sink.fail(GenFailure::Internal(e.to_string()));
                     self.free(&mut s);
                 }
-                Leave::Exported => {
-                    let exported = Exported {
+                Leave::Exported(first) => {
+                    s.sink.exported(Exported {
+                        first,
                         blocks: s.table.clone(),
                         cached_tokens: s.cached_tokens,
-                    };
-                    emit(&s.events, Event::Exported(exported));
+                    });
                     self.held.push(s);
                 }
             }
