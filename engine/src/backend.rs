@@ -55,8 +55,7 @@ pub trait ServedModel: Send + Sync + std::fmt::Debug {
     }
 
     /// Builds the runner of this model's steps.
-    fn runner(self: Arc<Self>, config: RunnerConfig)
-    -> Result<Box<dyn StepRunner>, RunnerError>;
+    fn runner(self: Arc<Self>, config: RunnerConfig) -> Result<Box<dyn StepRunner>, RunnerError>;
 }
 
 /// The form in which a step returns its logits, chosen by the scheduler

@@ -123,9 +123,7 @@ pub enum RunnerError {
     KvCache(#[from] KvCacheError),
     #[error("spawning a tensor-parallel rank: {0}")]
     Spawn(#[source] std::io::Error),
-    #[error(
-        "the model was loaded for {loaded} tensor-parallel ranks, the scheduler runs {asked}"
-    )]
+    #[error("the model was loaded for {loaded} tensor-parallel ranks, the scheduler runs {asked}")]
     TpMismatch { loaded: usize, asked: usize },
     #[error("the model was loaded for KV blocks of {loaded} tokens, the scheduler uses {asked}")]
     BlockSizeMismatch { loaded: usize, asked: usize },

@@ -134,41 +134,7 @@ impl PrefillService {
                     ));
                 }
             } else if !src.is_empty() {
-                // Each rank holds a contiguous run of KV heads of every
-                // block (the shard plan's split), all at the same block ids:
-                // each source rank writes each overlap straight into the
-                // destination rank's pool, no gather on either side.
-                let heads = core.full_layout.num_kv_heads;
-                let sources: Vec<&Region> = std::iter::once(&*core.region)
-                    .chain(core.peer_regions.iter())
-                    .collect();
-                let overlaps =
-                    kv_head_overlaps(heads, sources.len(), remotes.len()).ok_or_else(|| {
-                        WorkerError::Internal(format!(
-                            "{heads} KV heads do not split over {} source and {} destination ranks",
-                            sources.len(),
-                            remotes.len()
-                        ))
-                    })?;
-                let hd = heads / remotes.len() as u32;
-                let dst_layout = KvLayout {
-                    num_kv_heads: hd,
-                    layer_bytes: layout.head_slice_bytes * 2 * u64::from(hd),
-                    block_bytes: layout.head_slice_bytes
-                        * 2
-                        * u64::from(hd)
-                        * u64::from(layout.num_layers),
-                    ..*layout
-                };
-                for o in overlaps {
-                    let ops = layout.head_slice_ops_to(
-                        &dst_layout,
-                        &src,
-                        &dst,
-                        o.src_heads,
-                        o.dst_first,
-                    )?;
-                    let (region, remote) = (sources[o.src_rank], &remotes[o.dst_rank]);
+                for (region, remote, ops) in head_slice_writes(core, &remotes, &src, &dst)? {
                     writes.push(send(core, region, remote, ops, deadline, xfer.get(core)));
                 }
             }
@@ -176,20 +142,12 @@ impl PrefillService {
                 bytes += r?.bytes;
             }
             let blocks = job.dst_blocks.len();
-            if let Some(span) = &xfer.0 {
-                // Signed: exporters carry integers as i64 (a u64 arrives as text).
-                span.record("bytes", i64::try_from(bytes).unwrap_or(i64::MAX));
-                span.record("blocks", blocks as i64);
-            }
-            tandem_dkv::metrics().blocks_transferred.add(
-                blocks as u64,
-                &[KeyValue::new("connector", core.dkv.connector())],
-            );
-            tracing::debug!(
+            record_transfer(
+                core,
+                &xfer,
                 blocks,
                 bytes,
-                layered = sent.iter().filter(|&&s| s).count(),
-                "KV written"
+                sent.iter().filter(|&&s| s).count(),
             );
             Ok(pb::PrefillResponse {
                 first: Some((&exported.first).into()),
@@ -206,6 +164,68 @@ impl PrefillService {
             ))),
         }
     }
+}
+
+/// One source rank's writes into one destination rank's region.
+type SliceWrite<'a> = (&'a Region, &'a RemoteRegion, Vec<WriteOp>);
+
+/// The writes that move a tensor-parallel prefill's blocks `src` into the
+/// decode ranks' blocks `dst`: each rank holds a contiguous run of KV heads
+/// of every block (the shard plan's split), all at the same block ids, so
+/// each source rank writes each overlap straight into the destination
+/// rank's pool, no gather on either side.
+fn head_slice_writes<'a>(
+    core: &'a NodeCore,
+    remotes: &'a [RemoteRegion],
+    src: &[u32],
+    dst: &[u32],
+) -> Result<Vec<SliceWrite<'a>>, WorkerError> {
+    let layout = &core.layout;
+    let heads = core.full_layout.num_kv_heads;
+    let sources: Vec<&Region> = std::iter::once(&*core.region)
+        .chain(core.peer_regions.iter())
+        .collect();
+    let overlaps = kv_head_overlaps(heads, sources.len(), remotes.len()).ok_or_else(|| {
+        WorkerError::Internal(format!(
+            "{heads} KV heads do not split over {} source and {} destination ranks",
+            sources.len(),
+            remotes.len()
+        ))
+    })?;
+    let hd = heads / remotes.len() as u32;
+    let dst_layout = KvLayout {
+        num_kv_heads: hd,
+        layer_bytes: layout.head_slice_bytes * 2 * u64::from(hd),
+        block_bytes: layout.head_slice_bytes * 2 * u64::from(hd) * u64::from(layout.num_layers),
+        ..*layout
+    };
+    let mut writes = Vec::new();
+    for o in overlaps {
+        let ops = layout.head_slice_ops_to(&dst_layout, src, dst, o.src_heads, o.dst_first)?;
+        writes.push((sources[o.src_rank], &remotes[o.dst_rank], ops));
+    }
+    Ok(writes)
+}
+
+/// A finished transfer's figures: on its span, in the blocks counter and
+/// in the debug log (`layered`: blocks sent layer by layer).
+fn record_transfer(
+    core: &NodeCore,
+    xfer: &TransferSpan,
+    blocks: usize,
+    bytes: u64,
+    layered: usize,
+) {
+    if let Some(span) = &xfer.0 {
+        // Signed: exporters carry integers as i64 (a u64 arrives as text).
+        span.record("bytes", i64::try_from(bytes).unwrap_or(i64::MAX));
+        span.record("blocks", blocks as i64);
+    }
+    tandem_dkv::metrics().blocks_transferred.add(
+        blocks as u64,
+        &[KeyValue::new("connector", core.dkv.connector())],
+    );
+    tracing::debug!(blocks, bytes, layered, "KV written");
 }
 
 /// One transfer owning its ops (so that all of a request's transfers are

@@ -432,7 +432,10 @@ async fn a_deadline_expiring_mid_transfer_fails_and_frees_the_blocks() {
                     continue;
                 }
             }
-            Ok(_) => assert_eq!(written, n_blocks, "a prefill answered with blocks unwritten"),
+            Ok(_) => assert_eq!(
+                written, n_blocks,
+                "a prefill answered with blocks unwritten"
+            ),
         }
         deadline = (deadline / 2).max(Duration::from_millis(1));
     }
