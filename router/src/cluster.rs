@@ -37,6 +37,7 @@ pub use egress::RemoteStream;
 pub use membership::{ClusterHandle, MembershipRx};
 pub use policy::{Candidate, RoutingPolicy};
 
+use crate::RouterError;
 use metrics::metrics;
 use prefix_index::index_bytes;
 use probation::{Census, Standing};
@@ -55,23 +56,22 @@ pub struct RoutingConfig {
 }
 
 impl RoutingConfig {
-    pub fn validate(&self) -> Result<(), String> {
-        for (name, v) in [
+    pub fn validate(&self) -> Result<(), RouterError> {
+        for (name, value) in [
             ("prefill weight", self.prefill_weight),
             ("queue weight", self.queue_weight),
         ] {
-            if !v.is_finite() || v < 0.0 {
-                return Err(format!("{name} {v} must be a finite number >= 0"));
+            if !value.is_finite() || value < 0.0 {
+                return Err(RouterError::Weight { name, value });
             }
         }
         if self.prefill_candidates == 0 || self.decode_attempts == 0 {
-            return Err("prefill candidates and decode attempts must be at least 1".into());
+            return Err(RouterError::NoAttempts);
         }
         if self.prefill_candidates > tandem_proto::MAX_PREFILL_TARGETS {
-            return Err(format!(
-                "prefill candidates must be at most {} (what a decode node accepts)",
-                tandem_proto::MAX_PREFILL_TARGETS
-            ));
+            return Err(RouterError::TooManyCandidates {
+                max: tandem_proto::MAX_PREFILL_TARGETS,
+            });
         }
         Ok(())
     }

@@ -4,5 +4,7 @@
 //! offered to the HTTP front end as a [`ClusterBackend`].
 
 pub mod cluster;
+mod error;
 
 pub use cluster::{Cluster, ClusterBackend};
+pub use error::RouterError;

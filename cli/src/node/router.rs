@@ -71,7 +71,7 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         prefill_candidates: args.prefill_candidates,
         decode_attempts: 2,
     };
-    routing.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    routing.validate()?;
     if args.kv_cache_page_size == 0 {
         bail!("--kv-cache-page-size must be at least 1");
     }
@@ -124,9 +124,7 @@ fn route(
     let http_tls = args.http.tls()?;
     crate::release_freed_memory();
     rt.block_on(async {
-        let cluster = ClusterHandle::start(etcd, fingerprint, routing, peers)
-            .await
-            .map_err(|e| anyhow::anyhow!(e))?;
+        let cluster = ClusterHandle::start(etcd, fingerprint, routing, peers).await?;
         let backend = ClusterBackend::new(Arc::clone(&cluster.cluster), limits);
         let state = AppState::new(text, Arc::new(backend), server.clone());
         state.set_metrics_renderer(telemetry.render());

@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::{Cluster, CostPolicy, RoutingConfig, Standing, Worker, events};
+use crate::RouterError;
 
 /// Owns the membership watch; [`ClusterHandle::shutdown`] stops it.
 #[derive(Debug)]
@@ -30,10 +31,8 @@ impl ClusterHandle {
         fingerprint: ModelFingerprint,
         routing: RoutingConfig,
         peers: PeerConnector,
-    ) -> Result<Self, String> {
-        let membership = Membership::watch(etcd)
-            .await
-            .map_err(|e| format!("watching workers in etcd: {e}"))?;
+    ) -> Result<Self, RouterError> {
+        let membership = Membership::watch(etcd).await?;
         let cluster = Arc::new(Cluster {
             fingerprint,
             policy: Box::new(CostPolicy::new(&routing)),
