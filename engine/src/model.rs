@@ -1128,19 +1128,9 @@ impl DecoderModel {
             });
             return;
         }
-        // A prompt's later runs see more context, and the pool hands each
-        // thread a contiguous range of items: alternating first and last
-        // runs balances the threads. Runs write to their own rows of
-        // `results`, copied into place afterwards.
-        let order: Vec<usize> = (0..tiles.len())
-            .map(|k| {
-                if k % 2 == 0 {
-                    k / 2
-                } else {
-                    tiles.len() - 1 - k / 2
-                }
-            })
-            .collect();
+        // Runs write to their own rows of `results`, in a balanced order,
+        // copied into place afterwards.
+        let order = balanced_order(tiles.len());
         let item_len = ATTN_TILE_TOKENS * width;
         ATTN_RESULTS.with_borrow_mut(|results| {
             // Kept across calls (a prompt's would be megabytes to fault in
@@ -1170,6 +1160,15 @@ impl DecoderModel {
             }
         });
     }
+}
+
+/// `0..n` with first and last alternating (0, n-1, 1, n-2, ...): a
+/// prompt's later runs see more context, and the thread pool hands each
+/// thread a contiguous range of items, so this order balances the threads.
+fn balanced_order(n: usize) -> Vec<usize> {
+    (0..n)
+        .map(|k| if k % 2 == 0 { k / 2 } else { n - 1 - k / 2 })
+        .collect()
 }
 
 /// Most tokens of one sequence whose attention runs as one work item.
