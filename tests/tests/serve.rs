@@ -1031,9 +1031,16 @@ fn metrics_endpoint_reports_engine_and_request_metrics() {
 fn device_flags_that_cannot_run_are_refused_at_startup() {
     for (args, want) in [
         // Tensor-parallel GPU ranks: SmolLM2's 9 heads do not split 2 ways,
-        // whether the ranks have a GPU each or share one.
-        (&["--devices", "gpu:0,1"][..], "do not split"),
-        (&["--devices", "gpu:0", "--tp", "2"][..], "do not split"),
+        // whether the ranks have a GPU each or share one; refused by the
+        // shard plan the CPU's ranks follow too, in its words.
+        (
+            &["--devices", "gpu:0,1"][..],
+            "2 does not divide the attention heads (9)",
+        ),
+        (
+            &["--devices", "gpu:0", "--tp", "2"][..],
+            "2 does not divide the attention heads (9)",
+        ),
         (
             &["--devices", "gpu:0,1", "--tp", "3"][..],
             "gives 2 ranks but --tp is 3",
