@@ -10,8 +10,8 @@
 //! reads them ([`StepRunner::kv_written`]), and on a node whose KV leaves
 //! from it (a prefill node: [`KvCopyBack::EveryStep`]) the blocks each
 //! step wrote are copied back with the logits (one wait), before the
-//! scheduler says their layers are done. Host staging, in the brief's
-//! words; device memory registered with the transport is the step after.
+//! scheduler says their layers are done: KV is staged through host
+//! memory; device memory registered with the transport is the step after.
 //!
 //! Under tensor parallelism each rank holds a [`Shard`] on its device and
 //! has a host pool of its own (`peer_pools`, at rank 0's block ids): rank
