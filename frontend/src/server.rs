@@ -540,12 +540,14 @@ impl Generation {
 /// A finished generation: its text, logprobs, finish reason and usage.
 type Collected = (String, Vec<TokenLogprob>, FinishReason, UsageInfo);
 
+/// One SSE event of `v`'s JSON, serialized straight into the event's
+/// buffer (no intermediate string).
 fn sse_json<T: Serialize>(v: &T) -> Result<SseEvent, Infallible> {
-    Ok(
-        SseEvent::default().data(serde_json::to_string(v).unwrap_or_else(|e| {
-            format!(r#"{{"error":{{"message":"serializing a chunk: {e}","type":"server_error"}}}}"#)
-        })),
-    )
+    Ok(SseEvent::default().json_data(v).unwrap_or_else(|e| {
+        SseEvent::default().data(format!(
+            r#"{{"error":{{"message":"serializing a chunk: {e}","type":"server_error"}}}}"#
+        ))
+    }))
 }
 
 fn done_event() -> Result<SseEvent, Infallible> {

@@ -3,7 +3,7 @@
 //! reasoning, content and tool calls.
 
 use futures_util::StreamExt;
-use futures_util::stream::{BoxStream, SelectAll};
+use futures_util::stream::BoxStream;
 
 use super::{Generation, Piece};
 use crate::openai::UsageInfo;
@@ -12,13 +12,19 @@ use crate::tools::{CallDelta, Forced, ParsedCall, ToolParser, ToolStream};
 
 /// The pieces of every generation, tagged with its choice index, in the
 /// order they arrive. Dropping it cancels the generations still running.
-pub(super) fn merge(generations: Vec<Generation>) -> SelectAll<BoxStream<'static, (usize, Piece)>> {
-    futures_util::stream::select_all(
-        generations
-            .into_iter()
-            .enumerate()
-            .map(|(i, g)| g.pieces(true).map(move |p| (i, p)).boxed()),
-    )
+/// One generation (the usual case) is its own stream: a `SelectAll` would
+/// add a `FuturesUnordered` wake-up and poll to every token.
+pub(super) fn merge(generations: Vec<Generation>) -> BoxStream<'static, (usize, Piece)> {
+    let mut tagged = generations
+        .into_iter()
+        .enumerate()
+        .map(|(i, g)| g.pieces(true).map(move |p| (i, p)).boxed());
+    match (tagged.next(), tagged.next()) {
+        (Some(only), None) => only,
+        (first, second) => {
+            futures_util::stream::select_all(first.into_iter().chain(second).chain(tagged)).boxed()
+        }
+    }
 }
 
 /// Runs every generation to completion (non-streaming responses); the first
