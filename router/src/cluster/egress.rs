@@ -111,9 +111,14 @@ async fn read_remote(
     vocab: usize,
     tx: mpsc::Sender<Buffered>,
 ) {
+    // One waiter on the channel's closing for the whole stream: a fresh
+    // `closed()` per message would register and unregister a waiter (two
+    // lock round trips) for every token.
+    let closed = tx.closed();
+    tokio::pin!(closed);
     loop {
         let msg = tokio::select! {
-            () = tx.closed() => return,
+            () = &mut closed => return,
             msg = stream.message() => msg,
         };
         let ev = remote_event(msg, vocab);
