@@ -22,6 +22,7 @@ use tandem_frontend::reasoning::ReasoningParser;
 use tandem_frontend::tools::ToolParser;
 use tandem_frontend::{AppState, BodyPace, ServerConfig};
 use tandem_http::HttpTls;
+use tandem_kvtier::TierConfig;
 use tandem_modelfile::{ModelMeta, fetch};
 use tandem_perfmodel::EngineProfile;
 
@@ -64,6 +65,13 @@ pub struct EngineArgs {
     /// Do not reuse KV blocks of shared prompt prefixes.
     #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
+    /// KV tiers below the pool, as JSON: prefix blocks the pool evicts are
+    /// kept in host memory (`host_kvcache_swap_space_gb`) and from there on
+    /// disk (`disk_offload_dir`, `disk_offload_max_gb`, default 50,
+    /// `disk_offload_direct_io`), and brought back instead of recomputed.
+    /// E.g. '{"host_kvcache_swap_space_gb": 4, "disk_offload_dir": "/var/cache/tandem-kv"}'.
+    #[arg(long, env = "TANDEM_KV_CONNECTOR_CONFIG", value_parser = parse_kv_tiers)]
+    pub kv_connector_config: Option<TierConfig>,
     #[command(flatten)]
     pub kernels: KernelArgs,
     /// Tensor-parallel ranks (CPU threads sharing memory; must divide the
@@ -396,12 +404,19 @@ impl EngineArgs {
             prefix_caching: !self.no_prefix_caching,
             tp,
             moe_combine,
+            kv_tiers: self.kv_connector_config.clone(),
         };
         scheduler
             .validate(context)
             .map_err(|e| anyhow::anyhow!("{e} (check --max-batch-size, --max-batch-input-tokens, --max-length, --kv-cache-page-size, --kv-cache-blocks)"))?;
         Ok(scheduler)
     }
+}
+
+/// `--kv-connector-config`, parsed and validated (unknown keys refused by
+/// name).
+fn parse_kv_tiers(json: &str) -> Result<TierConfig, tandem_kvtier::ConfigError> {
+    json.parse()
 }
 
 impl HttpArgs {

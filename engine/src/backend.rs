@@ -127,6 +127,13 @@ pub trait StepRunner: Send {
     fn kv_written(&self, _cache: &KvCache, _blocks: &[BlockId]) -> Result<(), RequestError> {
         Ok(())
     }
+    /// `blocks` of `cache`'s pool (and of the peer pools) are about to be
+    /// read from outside the runner (copied to a KV tier below the pool):
+    /// a runner that keeps KV in device memory copies them to the host
+    /// pools first; one that computes over them has nothing to do.
+    fn kv_read(&self, _cache: &mut KvCache, _blocks: &[BlockId]) -> Result<(), RequestError> {
+        Ok(())
+    }
 }
 
 impl ServedModel for LoadedModel {

@@ -46,6 +46,10 @@ pub struct BlockManager {
     tick: u64,
     next_event: u64,
     events: Vec<KvEvent>,
+    /// Whether evicted cached blocks are remembered for a tier below the
+    /// pool (see [`BlockManager::take_evicted`]).
+    keep_evicted: bool,
+    evicted: Vec<(BlockHash, BlockId)>,
 }
 
 impl BlockManager {
@@ -60,7 +64,23 @@ impl BlockManager {
             tick: 0,
             next_event: 1,
             events: Vec::new(),
+            keep_evicted: false,
+            evicted: Vec::new(),
         }
+    }
+
+    /// Remembers the blocks each allocation evicts from the cache, with
+    /// their hashes, until [`BlockManager::take_evicted`]: their bytes stay
+    /// in the pool until the new owner writes them, so a tier below the
+    /// pool can copy them out first.
+    pub fn keep_evicted(&mut self) {
+        self.keep_evicted = true;
+    }
+
+    /// Cached blocks evicted (and reallocated) since the last call, whose
+    /// pool bytes are still the cached block's.
+    pub fn take_evicted(&mut self) -> Vec<(BlockHash, BlockId)> {
+        std::mem::take(&mut self.evicted)
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -109,6 +129,9 @@ impl BlockManager {
             if let Some(h) = self.hash_of.remove(&block) {
                 self.by_hash.remove(&h);
                 evicted.push(h);
+                if self.keep_evicted {
+                    self.evicted.push((h, block));
+                }
             }
             self.alloc.release(block)?;
         }
@@ -220,6 +243,34 @@ mod tests {
         let c = block_hashes(&[9, 9, 3, 4], 2);
         assert_ne!(a[1], c[1]);
         assert!(block_hashes(&[1], 2).is_empty());
+    }
+
+    #[test]
+    fn evicted_blocks_are_remembered_only_when_asked() {
+        let h = block_hashes(&[1, 2, 3, 4], 2);
+        for keep in [false, true] {
+            let mut m = BlockManager::new(2, true);
+            if keep {
+                m.keep_evicted();
+            }
+            let mut seq = m.allocate(2).expect("space");
+            let blocks = seq.clone();
+            m.register(seq[0], h[0], None).expect("owned");
+            m.register(seq[1], h[1], Some(h[0])).expect("owned");
+            m.release(&mut seq).expect("held");
+            assert!(m.take_evicted().is_empty());
+            // The oldest (h[0]) goes first, and its block is the one handed out.
+            let mut fresh = m.allocate(1).expect("evicts");
+            let want = if keep {
+                vec![(h[0], blocks[0])]
+            } else {
+                vec![]
+            };
+            assert_eq!(m.take_evicted(), want);
+            assert_eq!(fresh, [blocks[0]]);
+            assert!(m.take_evicted().is_empty());
+            m.release(&mut fresh).expect("held");
+        }
     }
 
     #[test]

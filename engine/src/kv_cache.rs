@@ -202,6 +202,21 @@ impl KvPool {
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
     }
 
+    /// The bytes of `block` in a pool of `config`'s shape (a tensor-parallel
+    /// peer's pool has rank 0's).
+    pub fn block_bytes(&self, config: &KvCacheConfig, block: BlockId) -> &[u8] {
+        let len = config.block_len();
+        bytemuck::cast_slice(self.slice(block as usize * len, len))
+    }
+
+    /// [`KvPool::block_bytes`], writable: for the scheduler's thread,
+    /// between steps, into blocks it owns (see the type's documentation).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn block_bytes_mut(&self, config: &KvCacheConfig, block: BlockId) -> &mut [u8] {
+        let len = config.block_len();
+        bytemuck::cast_slice_mut(self.slice_mut(block as usize * len, len))
+    }
+
     #[allow(clippy::mut_from_ref)]
     fn slice_mut(&self, off: usize, len: usize) -> &mut [f16] {
         assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
@@ -341,16 +356,12 @@ impl KvCache {
 
     /// The raw bytes of one block (what a transfer engine moves).
     pub fn block_bytes(&self, block: BlockId) -> &[u8] {
-        let len = self.config.block_len();
-        let start = block as usize * len;
-        bytemuck::cast_slice(self.pool.slice(start, len))
+        self.pool.block_bytes(&self.config, block)
     }
 
     /// [`KvCache::block_bytes`], writable (a device runner's copy back).
     pub fn block_bytes_mut(&mut self, block: BlockId) -> &mut [u8] {
-        let len = self.config.block_len();
-        let start = block as usize * len;
-        bytemuck::cast_slice_mut(self.pool.slice_mut(start, len))
+        self.pool.block_bytes_mut(&self.config, block)
     }
 }
 

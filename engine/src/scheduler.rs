@@ -46,12 +46,14 @@ use crate::metrics::metrics;
 
 use crate::moe::Combine;
 use crate::sampler::{Sampled, SamplingParams};
+use tandem_kvtier::{TierConfig, TierStore};
 pub use tandem_types::Usage;
 
 mod actor;
 mod plan;
 mod step;
 mod stream;
+mod tiers;
 
 use actor::Actor;
 pub use stream::{ExportStream, GenerateStream, ImportStream};
@@ -76,6 +78,9 @@ pub struct SchedulerConfig {
     /// How a mixture-of-experts model's layers combine experts across the
     /// ranks (dense models ignore it).
     pub moe_combine: Combine,
+    /// Tiers below the pool for evicted prefix blocks
+    /// (`--kv-connector-config`); they need prefix caching.
+    pub kv_tiers: Option<TierConfig>,
 }
 
 /// A configuration value the scheduler cannot run with.
@@ -112,6 +117,12 @@ impl SchedulerConfig {
                 "tensor parallelism {} must be between 1 and 64",
                 self.tp
             ));
+        }
+        if self.kv_tiers.is_some() && !self.prefix_caching {
+            return bad(
+                "KV tiers keep prefix-cache blocks, so they need prefix caching (drop --no-prefix-caching or --kv-connector-config)"
+                    .into(),
+            );
         }
         if self.num_blocks < self.max_length.div_ceil(self.block_size) {
             return bad(format!(
@@ -239,6 +250,8 @@ enum Command {
     Submit(Box<Submission>),
     Cancel(u64),
     ImportDone(u64, Box<ImportOutcome>),
+    /// Blocks read from a KV tier have landed: waiting prompts can use them.
+    TierLoaded,
 }
 
 /// Receives prefix-cache events after every step that produced some (on
@@ -248,7 +261,9 @@ pub type KvEventSink = Box<dyn FnMut(Vec<KvEvent>) + Send>;
 /// The caller's side of the actor. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct SchedulerHandle {
-    tx: mpsc::Sender<Command>,
+    /// Shared by the clones; a KV tier's wake-up holds it weakly, so the
+    /// actor still stops once every handle is gone.
+    tx: Arc<mpsc::Sender<Command>>,
     next_id: Arc<AtomicU64>,
     stats: Arc<SchedulerStats>,
     vocab: usize,
@@ -336,8 +351,26 @@ impl Scheduler {
             })
             .map_err(|e| ConfigError(e.to_string()))?;
         let kv_config = exec.kv_cache_config();
-        let cache = KvCache::with_memory(kv_config, config.prefix_caching, memory)
+        let mut cache = KvCache::with_memory(kv_config, config.prefix_caching, memory)
             .map_err(|e| ConfigError(e.to_string()))?;
+        let (tx, rx) = mpsc::channel();
+        let tx = Arc::new(tx);
+        let tiers = match &config.kv_tiers {
+            Some(t) => {
+                cache.blocks_mut().keep_evicted();
+                let ranks = 1 + exec.peer_pools().len();
+                let wake = Arc::downgrade(&tx);
+                Some(open_tiers(
+                    t,
+                    &*model,
+                    config.block_size,
+                    &kv_config,
+                    ranks,
+                    wake,
+                )?)
+            }
+            None => None,
+        };
         let stats = Arc::new(SchedulerStats::default());
         // Export the counters from the start, not from their first event.
         let m = metrics();
@@ -347,7 +380,6 @@ impl Scheduler {
         stats
             .kv_blocks_total
             .store(config.num_blocks, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel();
         let handle = SchedulerHandle {
             tx,
             next_id: Arc::new(AtomicU64::new(0)),
@@ -373,6 +405,7 @@ impl Scheduler {
             importing: Vec::new(),
             held: Vec::new(),
             kv_sink: sink,
+            tiers,
             stats,
             admitted: 0,
             logits: StepLogits::default(),
@@ -400,7 +433,7 @@ impl Scheduler {
     fn stop(&mut self) {
         // Replace our sender with a dangling one so the channel can close.
         let (dead, _) = mpsc::channel();
-        self.handle.tx = dead;
+        self.handle.tx = Arc::new(dead);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -411,6 +444,28 @@ impl Drop for Scheduler {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// The tiers of `tiers` below pools of `kv`'s shape on `ranks` ranks: their
+/// blocks hold every rank's share, their files are kept apart by model and
+/// layout, and a landed disk read wakes the actor through `tx`.
+fn open_tiers(
+    tiers: &TierConfig,
+    model: &dyn ServedModel,
+    block_size: usize,
+    kv: &KvCacheConfig,
+    ranks: usize,
+    tx: std::sync::Weak<mpsc::Sender<Command>>,
+) -> Result<TierStore, ConfigError> {
+    let fingerprint = model.fingerprint(block_size);
+    let namespace = xxhash_rust::xxh3::xxh3_64(format!("{fingerprint:?} ranks={ranks}").as_bytes());
+    let wake = Arc::new(move || {
+        if let Some(tx) = tx.upgrade() {
+            let _ = tx.send(Command::TierLoaded);
+        }
+    });
+    TierStore::open(tiers, namespace, kv.block_bytes() * ranks, wake)
+        .map_err(|e| ConfigError(e.to_string()))
 }
 
 impl SchedulerHandle {
@@ -507,7 +562,7 @@ impl SchedulerHandle {
         Ok(Ticket {
             id,
             cached,
-            tx: self.tx.clone(),
+            tx: (*self.tx).clone(),
             done: false,
         })
     }

@@ -584,6 +584,7 @@ fn generate_together(
         prefix_caching: false,
         tp: 1,
         moe_combine: Combine::AllReduce,
+        kv_tiers: None,
     };
     let sched = Scheduler::spawn(Arc::clone(m) as _, config).expect("scheduler starts");
     let streams: Vec<_> = prompts

@@ -40,6 +40,7 @@ fn config() -> SchedulerConfig {
         prefix_caching: true,
         tp: 1,
         moe_combine: Combine::AllReduce,
+        kv_tiers: None,
     }
 }
 
@@ -140,6 +141,7 @@ fn chunked_prefill_and_preemption_do_not_change_outputs() {
         prefix_caching: false,
         tp: 1,
         moe_combine: Combine::AllReduce,
+        kv_tiers: None,
     };
     let sched = Scheduler::spawn(model(), cfg).expect("spawns");
     let prompts = prompts();

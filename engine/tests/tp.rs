@@ -180,6 +180,7 @@ fn tensor_parallel_scheduler_batches_match_single_sequence_generation() {
         prefix_caching: true,
         tp: 3,
         moe_combine: Combine::AllReduce,
+        kv_tiers: None,
     };
     let sched = Scheduler::spawn(m.clone(), config).unwrap();
     let texts = [

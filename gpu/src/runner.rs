@@ -250,6 +250,8 @@ enum PeerCmd {
     Step(Arc<StepInput>),
     /// Copy these blocks of the rank's host pool to its device pool.
     Upload(Arc<Vec<BlockId>>),
+    /// Copy these blocks of the rank's device pool to its host pool.
+    Download(Arc<Vec<BlockId>>),
 }
 
 /// A peer rank's state, owned by its thread.
@@ -277,6 +279,9 @@ impl PeerRank {
                     })
             }
             PeerCmd::Upload(blocks) => upload(model, &self.pool, &self.cache, &blocks),
+            PeerCmd::Download(blocks) => {
+                download(model, &self.pool, blocks.to_vec(), &mut self.cache)
+            }
         }
     }
 }
@@ -294,7 +299,7 @@ fn device_chunks<'a>(chunks: &[SeqChunk<'a>]) -> Vec<Chunk<'a>> {
 }
 
 /// Copies the blocks `chunks` wrote on `model`'s device back to the host
-/// pool, in runs of adjacent block ids (one wait for all of them).
+/// pool.
 fn copy_back(
     model: &GpuModel,
     pool: &DevicePool,
@@ -302,7 +307,7 @@ fn copy_back(
     cache: &mut KvCache,
 ) -> Result<(), GpuError> {
     let bs = cache.config().block_size;
-    let mut written: Vec<BlockId> = chunks
+    let written: Vec<BlockId> = chunks
         .iter()
         .filter(|c| !c.tokens.is_empty())
         .flat_map(|c| {
@@ -315,10 +320,21 @@ fn copy_back(
                 .copied()
         })
         .collect();
-    written.sort_unstable();
-    written.dedup();
+    download(model, pool, written, cache)
+}
+
+/// Copies `blocks` of `model`'s device pool to the host pool, in runs of
+/// adjacent block ids (one wait for all of them).
+fn download(
+    model: &GpuModel,
+    pool: &DevicePool,
+    mut blocks: Vec<BlockId>,
+    cache: &mut KvCache,
+) -> Result<(), GpuError> {
+    blocks.sort_unstable();
+    blocks.dedup();
     let mut runs: Vec<(BlockId, usize)> = Vec::new();
-    for b in written {
+    for b in blocks {
         match runs.last_mut() {
             Some((start, n)) if *start as usize + *n == b as usize => *n += 1,
             _ => runs.push((b, 1)),
@@ -466,6 +482,21 @@ impl StepRunner for GpuRunner {
                 .broadcast(|| PeerCmd::Upload(Arc::clone(&blocks)))?;
         }
         let mine = upload(model, &self.pool, cache, blocks).map_err(device_error);
+        let peers = self.peers.gather(device_error);
+        mine.and(peers)
+    }
+
+    fn kv_read(&self, cache: &mut KvCache, blocks: &[BlockId]) -> Result<(), RequestError> {
+        if blocks.is_empty() || matches!(self.served.copy_back, KvCopyBack::EveryStep) {
+            return Ok(()); // the host pools already hold every written block
+        }
+        let model = self.rank0()?;
+        if !self.peers.is_empty() {
+            let blocks = Arc::new(blocks.to_vec());
+            self.peers
+                .broadcast(|| PeerCmd::Download(Arc::clone(&blocks)))?;
+        }
+        let mine = download(model, &self.pool, blocks.to_vec(), cache).map_err(device_error);
         let peers = self.peers.gather(device_error);
         mine.and(peers)
     }

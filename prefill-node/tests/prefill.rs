@@ -56,6 +56,7 @@ impl Node {
             prefix_caching: true,
             tp: 1,
             moe_combine: Combine::AllReduce,
+            kv_tiers: None,
         };
         let local = "127.0.0.1:0".parse().expect("address");
         let opts = NodeOptions {

@@ -181,6 +181,7 @@ pub fn reference_outputs(
         prefix_caching: false,
         tp: 1,
         moe_combine: Combine::AllReduce,
+        kv_tiers: None,
     };
     let sched = Scheduler::spawn(Arc::clone(m) as _, config).unwrap();
     let streams: Vec<_> = requests

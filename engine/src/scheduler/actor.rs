@@ -20,6 +20,7 @@ use crate::block_manager::{BlockHash, chain_hash};
 use crate::kv_cache::{BlockId, KvCache};
 use crate::metrics::metrics;
 use crate::sampler::{Sampled, Sampler};
+use tandem_kvtier::TierStore;
 
 /// One sequence owned by the actor.
 pub(super) struct Seq {
@@ -44,6 +45,8 @@ pub(super) struct Seq {
     pub(super) admitted: u64,
     /// Where its events go (and whether it is an export or an import).
     pub(super) sink: Sink,
+    /// Times it waited for its prefix to be read from a KV tier.
+    pub(super) tier_waits: u8,
 }
 
 impl Seq {
@@ -75,6 +78,8 @@ pub(super) struct Actor {
     /// Computed exports holding their blocks.
     pub(super) held: Vec<Seq>,
     pub(super) kv_sink: Option<KvEventSink>,
+    /// The KV tiers below the pool, if any (`scheduler/tiers.rs`).
+    pub(super) tiers: Option<TierStore>,
     pub(super) stats: Arc<SchedulerStats>,
     pub(super) admitted: u64,
     /// The last step's logits, kept so each step reuses the memory.
@@ -154,6 +159,7 @@ impl Actor {
                     admitted: 0,
                     constraint,
                     sink,
+                    tier_waits: 0,
                 });
             }
             Command::Cancel(id) => {
@@ -172,6 +178,8 @@ impl Actor {
                 }
             }
             Command::ImportDone(id, outcome) => self.finish_import(id, *outcome),
+            // The next plan finds the landed blocks.
+            Command::TierLoaded => {}
         }
     }
 

@@ -60,7 +60,7 @@ impl Actor {
             let len = (s.tokens.len() - s.computed).min(*tokens_left);
             let need = s.computed + len;
             let mut table = std::mem::take(&mut self.running[i].table);
-            let reserved = self.cache.reserve(&mut table, need);
+            let reserved = self.reserve(&mut table, need);
             self.running[i].table = table;
             match reserved {
                 Ok(()) => {
@@ -93,22 +93,37 @@ impl Actor {
     /// Admits waiting requests in arrival order while the step has room; a
     /// request that does not fit keeps its place at the head of the queue.
     fn admit(&mut self, plan: &mut Vec<Planned>, mut tokens_left: usize) {
-        while plan.len() < self.config.max_batch_size && tokens_left > 0 {
+        let mut reading = Vec::new();
+        self.admit_in_order(plan, &mut tokens_left, &mut reading);
+        for s in reading.into_iter().rev() {
+            self.waiting.push_front(s);
+        }
+    }
+
+    fn admit_in_order(
+        &mut self,
+        plan: &mut Vec<Planned>,
+        tokens_left: &mut usize,
+        reading: &mut Vec<Seq>,
+    ) {
+        while plan.len() < self.config.max_batch_size && *tokens_left > 0 {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
             let first_admission = s.admitted == 0;
-            if s.table.is_empty() {
-                self.match_prefix(&mut s, first_admission);
+            if s.table.is_empty() && !self.match_prefix(&mut s, first_admission) {
+                // Its prefix is being read from a KV tier: the others go on.
+                reading.push(s);
+                continue;
             }
             let importing = s.sink.import.is_some();
             let len = if importing {
                 // Room for the whole prompt, written by the prefill node.
                 s.prompt_len - s.computed
             } else {
-                (s.tokens.len() - s.computed).min(tokens_left)
+                (s.tokens.len() - s.computed).min(*tokens_left)
             };
-            if self.cache.reserve(&mut s.table, s.computed + len).is_err() {
+            if self.reserve(&mut s.table, s.computed + len).is_err() {
                 // Not enough blocks now: keep its place at the head of the queue.
                 self.free(&mut s);
                 s.computed = 0;
@@ -129,7 +144,7 @@ impl Actor {
                 self.importing.push(s);
                 continue;
             }
-            tokens_left -= len;
+            *tokens_left -= len;
             plan.push(Planned {
                 seq: self.running.len(),
                 len,
@@ -138,17 +153,36 @@ impl Actor {
         }
     }
 
-    /// Reuses cached full blocks, leaving at least one token to run so the
-    /// step produces logits.
-    fn match_prefix(&mut self, s: &mut Seq, first_admission: bool) {
+    /// Reuses cached full blocks (from the pool, then the KV tiers),
+    /// leaving at least one token to run so the step produces logits.
+    /// Returns false when the sequence must wait for a tier's read.
+    fn match_prefix(&mut self, s: &mut Seq, first_admission: bool) -> bool {
         let hashes = block_hashes(&s.tokens[..s.tokens.len() - 1], self.config.block_size);
         s.table = self.cache.blocks_mut().match_prefix(&hashes);
+        // The pool and the tiers may each hold parts of the prefix (the
+        // pool evicts its oldest blocks first: a prompt's head, not its
+        // tail): take from whichever holds the next block.
+        loop {
+            let had = s.table.len();
+            if !self.restore_from_tiers(s, &hashes) {
+                return false;
+            }
+            let more = self
+                .cache
+                .blocks_mut()
+                .match_prefix(&hashes[s.table.len()..]);
+            s.table.extend(more);
+            if s.table.len() == had || s.table.len() == hashes.len() {
+                break;
+            }
+        }
         s.computed = s.table.len() * self.config.block_size;
         s.hashes = hashes[..s.table.len()].to_vec();
         if first_admission {
             s.cached_tokens = s.computed.min(s.prompt_len);
             s.cached_shared.store(s.cached_tokens, Ordering::Relaxed);
         }
+        true
     }
 
     /// Counts a newly admitted request's prompt as prefix-cache hits and

@@ -1,0 +1,139 @@
+//! Blocks between the pool and the KV tiers below it
+//! (`--kv-connector-config`): a cached block the pool evicts is copied
+//! down before its new owner writes it, and a prompt whose next blocks a
+//! tier holds gets them copied back up, registered in the prefix cache as
+//! if computed here. A block's bytes are every rank's share, so all of the
+//! model's caches (every layer, sliding-window and global) move together.
+
+use tandem_kvtier::{BlockBytes, Found};
+
+use super::actor::{Actor, Seq};
+use crate::block_manager::BlockHash;
+use crate::kv_cache::{BlockId, KvCacheError};
+
+/// Disk reads a prompt waits for at most. Restoring a run can evict the
+/// pool's copy of the prompt's later blocks (to disk, when host memory is
+/// small), so a second read may be needed; the bound keeps a prompt from
+/// chasing its own blocks forever.
+pub(super) const MAX_TIER_WAITS: u8 = 3;
+
+impl Actor {
+    /// Grows `table` to hold `tokens` tokens, first copying down any cached
+    /// blocks the allocation evicted.
+    pub(super) fn reserve(
+        &mut self,
+        table: &mut Vec<BlockId>,
+        tokens: usize,
+    ) -> Result<(), KvCacheError> {
+        let reserved = self.cache.reserve(table, tokens);
+        self.offload_evicted();
+        reserved
+    }
+
+    /// Copies the blocks the pool just evicted (their bytes still in
+    /// place) to the tiers, unless a tier holds them already.
+    pub(super) fn offload_evicted(&mut self) {
+        let evicted = self.cache.blocks_mut().take_evicted();
+        let Some(tiers) = self.tiers.as_ref() else {
+            return;
+        };
+        let evicted: Vec<(BlockHash, BlockId)> = evicted
+            .into_iter()
+            .filter(|&(h, _)| !tiers.holds(h))
+            .collect();
+        if evicted.is_empty() {
+            return;
+        }
+        let ids: Vec<BlockId> = evicted.iter().map(|&(_, b)| b).collect();
+        if let Err(e) = self.exec.kv_read(&mut self.cache, &ids) {
+            tracing::warn!(error = %e, "evicted KV blocks could not be read for the tiers");
+            return;
+        }
+        let peers = self.exec.peer_pools();
+        let config = *self.cache.config();
+        let Some(tiers) = self.tiers.as_mut() else {
+            return;
+        };
+        for (hash, block) in evicted {
+            let mut bytes = Vec::with_capacity(tiers.block_len());
+            bytes.extend_from_slice(self.cache.block_bytes(block));
+            for p in &peers {
+                bytes.extend_from_slice(p.block_bytes(&config, block));
+            }
+            tiers.offload(hash, bytes.into());
+        }
+    }
+
+    /// Extends `s.table` (its pool hits for `hashes`) with the blocks the
+    /// tiers hold next. Returns false when some are being read from disk:
+    /// the sequence then holds no blocks and waits for the wake-up (up to
+    /// [`MAX_TIER_WAITS`] times; after that it takes what memory has).
+    pub(super) fn restore_from_tiers(&mut self, s: &mut Seq, hashes: &[BlockHash]) -> bool {
+        let have = s.table.len();
+        let Some(tiers) = self.tiers.as_mut() else {
+            return true;
+        };
+        if have == hashes.len() {
+            return true;
+        }
+        let found = match tiers.lookup(&hashes[have..], s.tier_waits < MAX_TIER_WAITS) {
+            Found::Reading => {
+                s.tier_waits += 1;
+                self.free(s);
+                return false;
+            }
+            Found::Blocks(b) if b.is_empty() => return true,
+            Found::Blocks(b) => b,
+        };
+        // No room: compute them instead (the pool's blocks go to running work).
+        let Ok(new) = self.cache.blocks_mut().allocate(found.len()) else {
+            return true;
+        };
+        self.offload_evicted();
+        match self.copy_up(&new, &found) {
+            Ok(()) => {
+                for (i, &b) in new.iter().enumerate() {
+                    let at = have + i;
+                    let parent = at.checked_sub(1).map(|p| hashes[p]);
+                    if let Err(e) = self.cache.blocks_mut().register(b, hashes[at], parent) {
+                        tracing::error!(seq = s.id, error = %e, "registering a restored block");
+                    }
+                }
+                if let Some(t) = &self.tiers {
+                    t.restored(&found);
+                }
+                s.table.extend(new);
+            }
+            Err(e) => {
+                tracing::warn!(seq = s.id, error = %e, "KV from a tier did not reach the runner; recomputing");
+                let mut new = new;
+                if let Err(e) = self.cache.blocks_mut().release(&mut new) {
+                    tracing::error!(seq = s.id, error = %e, "releasing KV blocks");
+                }
+            }
+        }
+        true
+    }
+
+    /// Writes each block's bytes (rank 0's share, then each peer's) into
+    /// the pools, and has the runner take them.
+    fn copy_up(
+        &mut self,
+        blocks: &[BlockId],
+        bytes: &[BlockBytes],
+    ) -> Result<(), crate::error::RequestError> {
+        let config = *self.cache.config();
+        let per = config.block_bytes();
+        let peers = self.exec.peer_pools();
+        for (&b, bytes) in blocks.iter().zip(bytes) {
+            let mut shares = bytes.chunks_exact(per);
+            if let Some(mine) = shares.next() {
+                self.cache.block_bytes_mut(b).copy_from_slice(mine);
+            }
+            for (p, share) in peers.iter().zip(shares) {
+                p.block_bytes_mut(&config, b).copy_from_slice(share);
+            }
+        }
+        self.exec.kv_written(&self.cache, blocks)
+    }
+}

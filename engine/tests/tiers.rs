@@ -1,0 +1,202 @@
+//! KV tiers below the pool (`--kv-connector-config`) on the real models:
+//! prompts whose prefix blocks the pool evicted get them back from host
+//! memory or disk, and every token and log-probability equals, bit for
+//! bit, what the same requests give without tiers. Gemma 3's prompts pass
+//! its 512-token sliding window, so its sliding and global layers must both
+//! come back. Needs `TANDEM_TEST_GGUF`, `TANDEM_TEST_QWEN2_GGUF` and
+//! `TANDEM_TEST_GEMMA3_GGUF`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tandem_engine::backend::ServedModel;
+use tandem_engine::moe::Combine;
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerHandle};
+use tandem_engine::{LoadedModel, load};
+use tandem_kvtier::{DiskConfig, TierConfig};
+use tandem_types::{GenEvent, GenerationRequest};
+
+struct Case {
+    env: &'static str,
+    /// Prompt length in tokens (past Gemma 3's window).
+    prompt_tokens: usize,
+}
+
+const SMOLLM2: Case = Case {
+    env: "TANDEM_TEST_GGUF",
+    prompt_tokens: 300,
+};
+const QWEN2: Case = Case {
+    env: "TANDEM_TEST_QWEN2_GGUF",
+    prompt_tokens: 300,
+};
+const GEMMA3: Case = Case {
+    env: "TANDEM_TEST_GEMMA3_GGUF",
+    prompt_tokens: 600,
+};
+
+const BLOCK: usize = 16;
+const MAX_TOKENS: usize = 6;
+
+fn model(case: &Case) -> Arc<LoadedModel> {
+    let path = std::env::var_os(case.env)
+        .unwrap_or_else(|| panic!("set {} (scripts/test.sh does this)", case.env));
+    Arc::new(load(&PathBuf::from(path)).expect("model loads"))
+}
+
+/// A pool that holds one prompt and its answer, not two: each prompt of
+/// the workload evicts the one before.
+fn config(case: &Case, kv_tiers: Option<TierConfig>) -> SchedulerConfig {
+    let max_length = case.prompt_tokens + 2 * BLOCK;
+    SchedulerConfig {
+        max_batch_size: 4,
+        max_batch_input_tokens: 128,
+        max_length,
+        block_size: BLOCK,
+        num_blocks: max_length / BLOCK + 1,
+        prefix_caching: true,
+        tp: 1,
+        moe_combine: Combine::AllReduce,
+        kv_tiers,
+    }
+}
+
+/// Two different prompts of `n` tokens.
+fn prompts(m: &LoadedModel, n: usize) -> [Vec<u32>; 2] {
+    let texts = [
+        "The history of the printing press begins in the fifteenth century, when movable type spread across Europe. ",
+        "Rivers carve valleys over millions of years, carrying sediment from the mountains down to the sea. ",
+    ];
+    texts.map(|t| {
+        let mut p = m.text.tokenizer.encode(t, false).expect("tokenizes");
+        while p.len() < n {
+            let again = p.clone();
+            p.extend(again);
+        }
+        p.truncate(n);
+        p
+    })
+}
+
+/// Tokens, their log-probabilities as bits, and the cached prompt tokens.
+type Answer = (Vec<(u32, u32)>, usize);
+
+fn ask(h: &SchedulerHandle, prompt: &[u32]) -> Answer {
+    let mut sampling = SamplingParams::greedy();
+    sampling.logprobs = true;
+    let mut stream = h
+        .generate(GenerationRequest {
+            prompt: prompt.to_vec(),
+            sampling,
+            max_tokens: MAX_TOKENS,
+            stop_token_ids: Vec::new(),
+            constraint: None,
+        })
+        .expect("accepted");
+    let mut tokens = Vec::new();
+    loop {
+        match stream.blocking_next() {
+            Some(GenEvent::Token(s)) => {
+                let lp = s.logprob.expect("logprob asked for");
+                tokens.push((s.token, lp.to_bits()));
+            }
+            Some(GenEvent::Finished(u)) => return (tokens, u.cached_tokens),
+            Some(GenEvent::Failed(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without Finished"),
+        }
+    }
+}
+
+/// A, B, A, B: with a pool of one prompt, the second A and B find their
+/// prefix only in a tier.
+fn workload(m: &Arc<LoadedModel>, case: &Case, tiers: Option<TierConfig>) -> Vec<Answer> {
+    let sched = Scheduler::spawn(Arc::clone(m) as _, config(case, tiers)).expect("spawns");
+    let [a, b] = prompts(m, case.prompt_tokens);
+    let answers = [&a, &b, &a, &b]
+        .iter()
+        .map(|p| ask(sched.handle(), p))
+        .collect();
+    wait_idle(sched.handle());
+    answers
+}
+
+fn wait_idle(h: &SchedulerHandle) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let s = h.stats();
+    while s.running.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed) > 0
+        || s.kv_blocks_in_use.load(Ordering::Relaxed) > 0
+    {
+        assert!(Instant::now() < deadline, "scheduler did not go idle");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn host_only(gb: f64) -> TierConfig {
+    TierConfig {
+        host_bytes: (gb * (1u64 << 30) as f64) as u64,
+        disk: None,
+    }
+}
+
+fn with_disk(host_bytes: u64, dir: &Path) -> TierConfig {
+    TierConfig {
+        host_bytes,
+        disk: Some(DiskConfig {
+            dir: dir.to_path_buf(),
+            max_bytes: 1 << 30,
+            direct_io: false,
+        }),
+    }
+}
+
+/// The second A and B: most of their prompt came from a tier.
+fn assert_restored(answers: &[Answer], case: &Case, what: &str) {
+    let full_blocks = (case.prompt_tokens - 1) / BLOCK * BLOCK;
+    for (i, (_, cached)) in answers.iter().enumerate().skip(2) {
+        assert_eq!(
+            *cached, full_blocks,
+            "{what}: request {i} restored {cached} tokens"
+        );
+    }
+}
+
+fn tiers_change_nothing(case: &Case) {
+    let m = model(case);
+    let plain = workload(&m, case, None);
+    // Without tiers the pool has lost each prompt by the time it returns.
+    assert!(plain.iter().all(|(_, cached)| *cached == 0), "{plain:?}");
+    assert_eq!(plain[0].0, plain[2].0, "recomputing changed the answer");
+
+    let host = workload(&m, case, Some(host_only(0.25)));
+    assert_restored(&host, case, "host tier");
+    for (i, ((t, _), (want, _))) in host.iter().zip(&plain).enumerate() {
+        assert_eq!(t, want, "request {i} through the host tier");
+    }
+
+    // Host memory of two blocks: the prefix comes back from disk.
+    let dir = tempfile::tempdir_in("/var/tmp").expect("temp dir");
+    let block_bytes = m.kv_cache_config(BLOCK, 1).block_bytes() as u64;
+    let disk = workload(&m, case, Some(with_disk(2 * block_bytes, dir.path())));
+    assert_restored(&disk, case, "disk tier");
+    for (i, ((t, _), (want, _))) in disk.iter().zip(&plain).enumerate() {
+        assert_eq!(t, want, "request {i} through the disk tier");
+    }
+}
+
+#[test]
+fn smollm2_outputs_with_tiers_equal_outputs_without() {
+    tiers_change_nothing(&SMOLLM2);
+}
+
+#[test]
+fn qwen2_outputs_with_tiers_equal_outputs_without() {
+    tiers_change_nothing(&QWEN2);
+}
+
+#[test]
+fn gemma3_sliding_and_global_layers_come_back_together() {
+    tiers_change_nothing(&GEMMA3);
+}

@@ -1,0 +1,218 @@
+//! The tiers as the scheduler sees them: blocks leaving the pool go down
+//! ([`TierStore::offload`]), a prompt's next blocks are looked for on the
+//! way up ([`TierStore::lookup`]). Host memory answers at once; the disk
+//! answers later (its reads land in host memory, then the scheduler is
+//! woken and looks again).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::mpsc;
+
+use tandem_types::block_hash::BlockHash;
+
+use crate::config::TierConfig;
+use crate::disk::{DiskTier, Loaded, Waker};
+use crate::error::TierError;
+use crate::host::{BlockBytes, HostTier};
+use crate::metrics::{Tier, metrics};
+
+#[derive(Debug)]
+pub struct TierStore {
+    host: HostTier,
+    disk: Option<DiskTier>,
+    loaded: mpsc::Receiver<Loaded>,
+    /// Blocks asked of the disk and not yet answered.
+    reading: HashSet<BlockHash>,
+    /// Blocks read from disk, kept for the lookup that asked for them
+    /// (outside the host budget, which may be smaller than the run), then
+    /// moved to host memory.
+    staged: HashMap<BlockHash, BlockBytes>,
+    block_len: usize,
+}
+
+/// What the tiers hold of a prompt's next blocks.
+#[derive(Debug)]
+pub enum Found {
+    /// The bytes of the leading blocks found (possibly none), in order.
+    Blocks(Vec<BlockBytes>),
+    /// Some are being read from disk: look again after the wake-up.
+    Reading,
+}
+
+impl TierStore {
+    /// The tiers of `config` for blocks of `block_len` bytes (every rank's
+    /// share), their disk files under a directory named by `namespace`
+    /// (the model and its KV layout). `wake` is called when disk reads
+    /// have landed.
+    pub fn open(
+        config: &TierConfig,
+        namespace: u64,
+        block_len: usize,
+        wake: Waker,
+    ) -> Result<Self, TierError> {
+        config.check_block(block_len)?;
+        let (tx, loaded) = mpsc::channel();
+        let disk = match &config.disk {
+            Some(d) => Some(DiskTier::open(d, namespace, block_len, tx, wake)?),
+            None => None,
+        };
+        let mut tiers = vec![Tier::Host];
+        tiers.extend(disk.as_ref().map(|_| Tier::Disk));
+        metrics().touch(&tiers);
+        let store = Self {
+            host: HostTier::new(config.host_bytes),
+            disk,
+            loaded,
+            reading: HashSet::new(),
+            staged: HashMap::new(),
+            block_len,
+        };
+        store.publish_host();
+        Ok(store)
+    }
+
+    /// The bytes every block must have.
+    pub fn block_len(&self) -> usize {
+        self.block_len
+    }
+
+    pub fn host(&self) -> &HostTier {
+        &self.host
+    }
+
+    pub fn disk(&self) -> Option<&DiskTier> {
+        self.disk.as_ref()
+    }
+
+    /// Whether a block is kept below the pool (so its bytes need not be
+    /// copied down again).
+    pub fn holds(&self, hash: BlockHash) -> bool {
+        self.host.contains(hash)
+            || self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.contains(hash) || d.writing(hash).is_some())
+    }
+
+    /// A block evicted from the pool: kept in host memory; what that
+    /// pushes out goes to disk.
+    pub fn offload(&mut self, hash: BlockHash, bytes: BlockBytes) {
+        if bytes.len() != self.block_len {
+            return;
+        }
+        if self.host.get(hash).is_some() {
+            return;
+        }
+        metrics().moved(Tier::Host, "down", bytes.len() as u64);
+        for (h, b) in self.host.insert(hash, bytes) {
+            if let Some(d) = &self.disk
+                && !d.contains(h)
+            {
+                d.write(h, b);
+            }
+        }
+        self.publish_host();
+    }
+
+    /// The leading blocks of `hashes` the tiers hold. With `read_disk`, a
+    /// run that continues on disk is asked for and the answer is
+    /// [`Found::Reading`]; without, the lookup stops at the first block not
+    /// in host memory. Misses are counted here; hits by
+    /// [`TierStore::restored`], once the blocks are in the pool.
+    pub fn lookup(&mut self, hashes: &[BlockHash], read_disk: bool) -> Found {
+        self.take_loaded();
+        let mut found = Vec::new();
+        for (i, &h) in hashes.iter().enumerate() {
+            let in_memory = self.staged.remove(&h).or_else(|| self.host.get(h));
+            let queued = || self.disk.as_ref().and_then(|d| d.writing(h));
+            if let Some(b) = in_memory.or_else(queued) {
+                found.push(b);
+                continue;
+            }
+            if let Some(d) = &self.disk
+                && d.contains(h)
+            {
+                if !read_disk {
+                    break;
+                }
+                self.read_run(&hashes[i..]);
+                return Found::Reading;
+            }
+            metrics().miss(Tier::Host);
+            if self.disk.is_some() {
+                metrics().miss(Tier::Disk);
+            }
+            break;
+        }
+        if self.reading.is_empty() {
+            self.unstage();
+        }
+        Found::Blocks(found)
+    }
+
+    /// Asks the disk for the run of blocks `hashes` starts with that the
+    /// tiers hold, less those already in memory or asked for.
+    fn read_run(&mut self, hashes: &[BlockHash]) {
+        let Some(d) = &self.disk else {
+            return;
+        };
+        let in_memory = |h: BlockHash| {
+            self.host.contains(h) || self.staged.contains_key(&h) || d.writing(h).is_some()
+        };
+        let run: Vec<BlockHash> = hashes
+            .iter()
+            .copied()
+            .take_while(|&h| in_memory(h) || d.contains(h))
+            .filter(|&h| !in_memory(h))
+            .collect();
+        let run: Vec<BlockHash> = run
+            .into_iter()
+            .filter(|&h| self.reading.insert(h))
+            .collect();
+        d.read(run);
+    }
+
+    /// `blocks` found by [`TierStore::lookup`] are back in the pool.
+    pub fn restored(&self, blocks: &[BlockBytes]) {
+        let bytes: usize = blocks.iter().map(|b| b.len()).sum();
+        metrics().hit(Tier::Host, blocks.len() as u64);
+        metrics().moved(Tier::Host, "up", bytes as u64);
+    }
+
+    /// Whether disk reads are outstanding.
+    pub fn reading(&self) -> bool {
+        !self.reading.is_empty()
+    }
+
+    /// Takes landed disk reads.
+    fn take_loaded(&mut self) {
+        while let Ok(Loaded { hash, bytes }) = self.loaded.try_recv() {
+            self.reading.remove(&hash);
+            if let Some(b) = bytes {
+                self.staged.insert(hash, b);
+            }
+        }
+    }
+
+    /// Moves blocks read from disk that no lookup took into host memory
+    /// (their files stay; what they push out is written if it is not on
+    /// disk already).
+    fn unstage(&mut self) {
+        if self.staged.is_empty() {
+            return;
+        }
+        for (hash, b) in std::mem::take(&mut self.staged) {
+            for (h, evicted) in self.host.insert(hash, b) {
+                if let Some(d) = &self.disk
+                    && !d.contains(h)
+                {
+                    d.write(h, evicted);
+                }
+            }
+        }
+        self.publish_host();
+    }
+
+    fn publish_host(&self) {
+        metrics().occupancy(Tier::Host, self.host.used_bytes(), self.host.len() as u64);
+    }
+}
