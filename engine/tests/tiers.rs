@@ -23,19 +23,24 @@ struct Case {
     env: &'static str,
     /// Prompt length in tokens (past Gemma 3's window).
     prompt_tokens: usize,
+    /// Tensor-parallel ranks (CPU threads, each with a pool of its own).
+    tp: usize,
 }
 
 const SMOLLM2: Case = Case {
     env: "TANDEM_TEST_GGUF",
     prompt_tokens: 300,
+    tp: 1,
 };
 const QWEN2: Case = Case {
     env: "TANDEM_TEST_QWEN2_GGUF",
     prompt_tokens: 300,
+    tp: 1,
 };
 const GEMMA3: Case = Case {
     env: "TANDEM_TEST_GEMMA3_GGUF",
     prompt_tokens: 600,
+    tp: 1,
 };
 
 const BLOCK: usize = 16;
@@ -58,7 +63,7 @@ fn config(case: &Case, kv_tiers: Option<TierConfig>) -> SchedulerConfig {
         block_size: BLOCK,
         num_blocks: max_length / BLOCK + 1,
         prefix_caching: true,
-        tp: 1,
+        tp: case.tp,
         moe_combine: Combine::AllReduce,
         kv_tiers,
     }
@@ -194,6 +199,13 @@ fn smollm2_outputs_with_tiers_equal_outputs_without() {
 #[test]
 fn qwen2_outputs_with_tiers_equal_outputs_without() {
     tiers_change_nothing(&QWEN2);
+}
+
+/// SmolLM2 over three ranks (one KV head each): a block is the three
+/// ranks' shares, and all three come back.
+#[test]
+fn tensor_parallel_ranks_move_their_shares_together() {
+    tiers_change_nothing(&Case { tp: 3, ..SMOLLM2 });
 }
 
 #[test]
