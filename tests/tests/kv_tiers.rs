@@ -1,0 +1,508 @@
+//! End to end, the KV tiers below the pool (`--kv-connector-config`,
+//! issue #38): real `tandem serve` processes and a real 1P1D cluster on the
+//! test model, with a pool small enough that prompts evict each other.
+//! Blocks restored from host memory or from files must give the same
+//! tokens and log-probabilities as recomputing them; files left by a
+//! previous run are used, damaged ones refused and deleted, a full disk
+//! loses blocks and never answers; a bad config stops startup, naming the
+//! key.
+//!
+//! Needs the release binary and `TANDEM_TEST_GGUF`; the 1P1D test also
+//! `etcd` and libucx; those on a tmpfs or ramfs root (`mount`). scripts/test.sh
+//! provides all.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tandem_discovery::testing::EtcdServer;
+use tandem_tests::cluster::{Node, Router, expected, unique_cluster};
+use tandem_tests::{Proc, gguf_path, http, metric, start_serve};
+use tempfile::TempDir;
+
+/// A pool of 32 blocks of 16 tokens (the least `--max-length 512` allows)
+/// and prompts of about 410 tokens (26 blocks): each prompt evicts most of
+/// the one before it.
+const POOL: [&str; 6] = [
+    "--kv-cache-blocks",
+    "32",
+    "--max-length",
+    "512",
+    "--max-batch-size",
+    "2",
+];
+const MAX_TOKENS: usize = 8;
+/// One SmolLM2 block: 30 layers x K and V x 3 KV heads x 64 x 16 tokens x
+/// 2 bytes.
+const BLOCK_BYTES: u64 = 30 * 2 * 3 * 64 * 16 * 2;
+/// A block file: its 40-byte header, then the block.
+const FILE_BYTES: u64 = BLOCK_BYTES + 40;
+
+/// The tier metrics as exported (OpenTelemetry's unit suffix is appended
+/// to names that already end in it: `_bytes_bytes`).
+const HITS: &str = "tandem_kv_tier_hits_total";
+const BYTES: &str = "tandem_kv_tier_bytes_bytes_total";
+const ERRORS: &str = "tandem_kv_tier_errors_total";
+const BLOCKS: &str = "tandem_kv_tier_blocks";
+
+/// A host tier of 1 GB: every evicted block fits.
+const HOST: &str = r#"{"host_kvcache_swap_space_gb": 1}"#;
+
+/// A host tier of 0.001 GB (two blocks) over a disk tier in `dir`: the
+/// blocks the pool evicts go on to files almost at once.
+fn host_and_disk(dir: &Path, extra: &str) -> String {
+    format!(
+        r#"{{"host_kvcache_swap_space_gb": 0.001, "disk_offload_dir": {}{extra}}}"#,
+        json!(dir.to_str().unwrap())
+    )
+}
+
+/// About 410 tokens; prompts of different tags differ from their first
+/// block on.
+fn prompt(tag: &str) -> String {
+    let trades = ["miller", "baker", "smith", "weaver"];
+    let lines: Vec<String> = (0..20)
+        .map(|n| {
+            format!(
+                "In year {tag}{n} the {} of village {tag} counted {} sheep and wrote it down.",
+                trades[n % 4],
+                n * 7
+            )
+        })
+        .collect();
+    format!("Story {tag}. {}", lines.join(" "))
+}
+
+/// A greedy completion with log-probabilities; panics unless 200.
+fn complete(port: u16, prompt: &str) -> Value {
+    let body = json!({
+        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+    });
+    let r = http(port, "POST", "/v1/completions", &body.to_string());
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        (380..=440).contains(&prompt_tokens),
+        "the prompts are sized to evict each other: {v}"
+    );
+    v
+}
+
+/// What a completion said: its text, tokens and their log-probabilities,
+/// and why it stopped.
+fn answer(v: &Value) -> Value {
+    let c = &v["choices"][0];
+    assert!(c["logprobs"]["token_logprobs"].is_array(), "{v}");
+    json!([c["text"], c["logprobs"], c["finish_reason"]])
+}
+
+fn cached(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens: {v}"))
+}
+
+fn scrape(port: u16) -> String {
+    let r = http(port, "GET", "/metrics", "");
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.body
+}
+
+/// Polls `f` every 20 ms until it holds; panics naming `what` after
+/// `timeout`.
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `tandem serve` on the test model with the small pool and `tiers`.
+fn serve(tiers: Option<&str>) -> (Proc, u16) {
+    let mut args = POOL.to_vec();
+    if let Some(t) = tiers {
+        args.extend(["--kv-connector-config", t]);
+    }
+    start_serve(&args)
+}
+
+/// SIGTERM, then waits for a clean exit.
+fn stop(mut proc: Proc) {
+    let pid = proc.pid().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let mut status = None;
+    wait_until(
+        "the server to exit after SIGTERM",
+        Duration::from_secs(30),
+        || {
+            status = proc.try_wait();
+            status.is_some()
+        },
+    );
+    let status = status.unwrap();
+    assert!(status.success(), "{status:?}: {}", proc.stderr());
+}
+
+/// Every file in the namespace directories under `dir` with extension
+/// `ext`, sorted.
+fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for ns in std::fs::read_dir(dir).unwrap() {
+        let ns = ns.unwrap().path();
+        if !ns.is_dir() {
+            continue;
+        }
+        for f in std::fs::read_dir(&ns).unwrap() {
+            let f = f.unwrap().path();
+            if f.extension().is_some_and(|e| e == ext) {
+                out.push(f);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Waits until the disk tier has written everything it was given: some
+/// block files, no temporary file, and as many files as its gauge counts.
+fn wait_for_block_files(port: u16, dir: &Path) -> Vec<PathBuf> {
+    wait_until("block files on disk", Duration::from_secs(30), || {
+        let kv = files(dir, "kv");
+        !kv.is_empty()
+            && files(dir, "tmp").is_empty()
+            && metric(&scrape(port), BLOCKS, "tier=\"disk\"") == kv.len() as f64
+    });
+    files(dir, "kv")
+}
+
+/// A directory on a disk file system (/tmp may be a tmpfs).
+fn disk_dir() -> TempDir {
+    tempfile::Builder::new()
+        .prefix("tandem-kv-tiers")
+        .tempdir_in("/var/tmp")
+        .unwrap()
+}
+
+/// A memory file system mounted on a fresh directory; unmounted on drop.
+struct Mount {
+    dir: TempDir,
+}
+
+impl Mount {
+    /// A tmpfs of `size` (e.g. "2m").
+    fn tmpfs(size: &str) -> Mount {
+        Self::new("tmpfs", &format!("size={size}"))
+    }
+
+    /// A ramfs: no size limit, and no `O_DIRECT` (tmpfs takes it since
+    /// Linux 6.6).
+    fn ramfs() -> Mount {
+        Self::new("ramfs", "mode=0755")
+    }
+
+    fn new(fstype: &str, options: &str) -> Mount {
+        let dir = disk_dir();
+        let out = Command::new("mount")
+            .args(["-t", fstype, "-o", options, fstype])
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "mounting a {fstype} (these tests run as root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Mount { dir }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.dir.path()).status();
+    }
+}
+
+/// Starts `tandem serve` with `args`, which must refuse to start: waits
+/// (bounded) for a failed exit, then for its stderr to name `want`.
+fn refused(args: &[&str], want: &str) {
+    let gguf = gguf_path();
+    let mut all: Vec<String> = ["serve", "--model", gguf.to_str().unwrap()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    all.extend(["--host", "127.0.0.1", "--port", "0"].map(String::from));
+    all.extend(args.iter().map(|s| s.to_string()));
+    let mut proc = Proc::spawn("tandem serve", &all, &[]);
+    let mut status = None;
+    wait_until(
+        &format!("{args:?} to be refused"),
+        Duration::from_secs(60),
+        || {
+            status = proc.try_wait();
+            status.is_some()
+        },
+    );
+    assert!(!status.unwrap().success(), "{args:?} started");
+    // The stderr reader thread may still be catching up.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !proc.stderr().contains(want) {
+        assert!(
+            Instant::now() < deadline,
+            "{args:?}: stderr does not name {want:?}:\n{}",
+            proc.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_bad_kv_connector_config_stops_startup_naming_the_key() {
+    let flag = "--kv-connector-config";
+    refused(
+        &[flag, r#"{"host_kvcache_swap_space_gb":1,"bogus":1}"#],
+        "bogus",
+    );
+    refused(
+        &[flag, r#"{"disk_offload_dir":"/x"}"#],
+        "host_kvcache_swap_space_gb",
+    );
+    refused(
+        &[flag, r#"{"host_kvcache_swap_space_gb":-1}"#],
+        "host_kvcache_swap_space_gb must be a positive number",
+    );
+    // Less than one block (368640 bytes) of host memory.
+    refused(
+        &[flag, r#"{"host_kvcache_swap_space_gb":0.0001}"#],
+        "less than one KV block",
+    );
+    refused(&[flag, HOST, "--no-prefix-caching"], "need prefix caching");
+    // A file system that does not take O_DIRECT: refused at startup, not
+    // at the first eviction.
+    let ramfs = Mount::ramfs();
+    let direct = host_and_disk(ramfs.path(), r#", "disk_offload_direct_io": true"#);
+    refused(&[flag, &direct], "O_DIRECT");
+    // The same flag through its environment variable.
+    let gguf = gguf_path();
+    let out = Command::new(tandem_tests::binary())
+        .args(["serve", "--model", gguf.to_str().unwrap(), "--port", "0"])
+        .env("TANDEM_KV_CONNECTOR_CONFIG", r#"{"bogus":1}"#)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bogus"));
+}
+
+#[test]
+fn multi_turn_outputs_with_tiers_equal_outputs_without() {
+    let (_plain, plain) = serve(None);
+    let (_tiered, tiered) = serve(Some(HOST));
+    let (a, b) = (prompt("A"), prompt("B"));
+    for (i, p) in [&a, &b, &a, &b].into_iter().enumerate() {
+        let want = complete(plain, p);
+        let got = complete(tiered, p);
+        assert_eq!(answer(&got), answer(&want), "request {i}");
+        // The small pool lost the prompt's head to the other prompt: the
+        // plain server recomputes it all.
+        assert_eq!(cached(&want), 0, "request {i}: {want}");
+        if i < 2 {
+            assert_eq!(cached(&got), 0, "request {i}: {got}");
+        } else {
+            // Restored from host memory (then the pool's tail): every
+            // full block of all but the last token.
+            let prompt_tokens = got["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert_eq!(
+                cached(&got),
+                (prompt_tokens - 1) / 16 * 16,
+                "request {i}: {got}"
+            );
+        }
+    }
+    let m = scrape(tiered);
+    assert!(metric(&m, HITS, "tier=\"host\"") > 0.0, "{m}");
+    for direction in ["down", "up"] {
+        let moved = metric(
+            &m,
+            BYTES,
+            &format!("direction=\"{direction}\",tier=\"host\""),
+        );
+        assert!(moved > 0.0, "{direction}: {m}");
+        assert_eq!(moved % BLOCK_BYTES as f64, 0.0, "whole blocks: {m}");
+    }
+    assert_eq!(metric(&m, ERRORS, ""), 0.0, "{m}");
+    assert_eq!(metric(&scrape(plain), HITS, ""), 0.0);
+}
+
+/// Runs A then B on a server with a tiny host tier over a disk tier in
+/// `dir`, waits until A's evicted blocks are being written and stops the
+/// server (SIGTERM: it finishes the queued writes). Returns A's answer and
+/// the block files.
+fn leave_a_on_disk(tiers: &str, dir: &Path) -> (Value, Vec<PathBuf>) {
+    let (server, port) = serve(Some(tiers));
+    let first = complete(port, &prompt("A"));
+    assert_eq!(cached(&first), 0, "{first}");
+    complete(port, &prompt("B"));
+    let written = wait_for_block_files(port, dir);
+    stop(server);
+    assert!(files(dir, "tmp").is_empty());
+    let files = files(dir, "kv");
+    assert!(
+        written.iter().all(|f| files.contains(f)),
+        "{written:?} {files:?}"
+    );
+    for f in &files {
+        let len = std::fs::metadata(f).unwrap().len();
+        assert!(len >= FILE_BYTES, "{}: {len} bytes", f.display());
+    }
+    (answer(&first), files)
+}
+
+#[test]
+fn the_disk_tier_survives_a_restart() {
+    let dir = disk_dir();
+    let tiers = host_and_disk(dir.path(), "");
+    let (first, files) = leave_a_on_disk(&tiers, dir.path());
+
+    // A new process on the same directory: its host tier is empty, so
+    // what A finds comes from the previous run's files.
+    let (_server, port) = serve(Some(&tiers));
+    let again = complete(port, &prompt("A"));
+    assert_eq!(answer(&again), first);
+    // The pool evicted A's head first, host memory passed it on in the
+    // same order: the files are A's first blocks, and all come back.
+    assert_eq!(cached(&again), files.len() as u64 * 16, "{again}");
+    let m = scrape(port);
+    assert!(metric(&m, HITS, "tier=\"disk\"") > 0.0, "{m}");
+    assert!(
+        metric(&m, BYTES, "direction=\"up\",tier=\"disk\"") >= BLOCK_BYTES as f64,
+        "{m}"
+    );
+    assert_eq!(metric(&m, ERRORS, ""), 0.0, "{m}");
+}
+
+#[test]
+fn corrupt_or_truncated_block_files_are_recomputed() {
+    // Written and read with O_DIRECT (a disk file system takes it).
+    let dir = disk_dir();
+    let tiers = host_and_disk(dir.path(), r#", "disk_offload_direct_io": true"#);
+    let (first, files) = leave_a_on_disk(&tiers, dir.path());
+    assert!(files.len() >= 2, "{files:?}");
+    for (i, f) in files.iter().enumerate() {
+        let mut bytes = std::fs::read(f).unwrap();
+        if i % 2 == 0 {
+            // One bit of the block's payload.
+            let at = 40 + BLOCK_BYTES as usize / 2;
+            bytes[at] ^= 0x10;
+        } else {
+            bytes.truncate(bytes.len() / 2);
+        }
+        std::fs::write(f, bytes).unwrap();
+    }
+
+    let (_server, port) = serve(Some(&tiers));
+    let again = complete(port, &prompt("A"));
+    assert_eq!(answer(&again), first);
+    // Its first block's file is damaged: nothing restored.
+    assert_eq!(cached(&again), 0, "{again}");
+    let m = scrape(port);
+    assert!(
+        metric(&m, ERRORS, "kind=\"corrupt\",tier=\"disk\"") > 0.0,
+        "{m}"
+    );
+    assert_eq!(metric(&m, HITS, "tier=\"disk\""), 0.0, "{m}");
+    wait_until(
+        "the damaged files to be deleted",
+        Duration::from_secs(10),
+        || files.iter().all(|f| !f.exists()),
+    );
+}
+
+#[test]
+fn a_full_disk_loses_blocks_not_answers() {
+    // Room for 5 block files (91 pages each), under a 1 GB budget.
+    let tmpfs = Mount::tmpfs("2m");
+    let tiers = host_and_disk(tmpfs.path(), r#", "disk_offload_max_gb": 1"#);
+    let (server, port) = serve(Some(&tiers));
+    let tags = ["C", "D", "E", "F", "C"];
+    for tag in tags {
+        let p = prompt(tag);
+        let v = complete(port, &p);
+        assert_eq!(
+            v["choices"][0]["text"],
+            expected(&p, MAX_TOKENS).as_str(),
+            "{tag}"
+        );
+    }
+    wait_until(
+        "failed writes to be counted",
+        Duration::from_secs(30),
+        || metric(&scrape(port), ERRORS, "kind=\"write\",tier=\"disk\"") > 0.0,
+    );
+    // What did fit is whole, and no temporary file is left behind.
+    wait_until("the writer to settle", Duration::from_secs(30), || {
+        files(tmpfs.path(), "tmp").is_empty()
+    });
+    let kept = files(tmpfs.path(), "kv");
+    assert!(!kept.is_empty() && kept.len() <= 5, "{kept:?}");
+    for f in &kept {
+        assert_eq!(std::fs::metadata(f).unwrap().len(), FILE_BYTES);
+    }
+    // Still healthy, and still right.
+    assert_eq!(http(port, "GET", "/health", "").status, 200);
+    let p = prompt("G");
+    let v = complete(port, &p);
+    assert_eq!(v["choices"][0]["text"], expected(&p, MAX_TOKENS).as_str());
+    stop(server);
+}
+
+#[test]
+fn one_prefill_one_decode_with_tiers_restores_instead_of_transferring() {
+    let etcd = EtcdServer::start().unwrap();
+    let cluster = unique_cluster("tiers");
+    let mut extra = POOL.to_vec();
+    extra.extend(["--kv-connector-config", HOST]);
+    let node = |role, id| Node::start(&etcd.url(), &cluster, role, id, &extra);
+    let p = node("prefill", "p0");
+    let d = node("decode", "d0");
+    let r = Router::start(&etcd.url(), &cluster);
+    r.wait_members(1, 1, Duration::from_secs(10));
+    let transferred = || metric(&p.metrics(), "tandem_dkv_blocks_transferred_total", "");
+
+    let (a, b) = (prompt("A"), prompt("B"));
+    let mut moved = Vec::new();
+    for (i, prompt) in [&a, &b, &a, &b].into_iter().enumerate() {
+        let before = transferred();
+        let v = r.complete(prompt, MAX_TOKENS);
+        assert_eq!(
+            v["choices"][0]["text"],
+            expected(prompt, MAX_TOKENS).as_str(),
+            "request {i}"
+        );
+        let full_blocks = (v["usage"]["prompt_tokens"].as_u64().unwrap() - 1) / 16 * 16;
+        let want = if i < 2 { 0 } else { full_blocks };
+        assert_eq!(cached(&v), want, "request {i}: {v}");
+        moved.push(transferred() - before);
+    }
+    // The first A and B came over UCX; their repeats came back from the
+    // decode node's host tier instead.
+    assert!(moved[0] > 0.0 && moved[1] > 0.0, "{moved:?}");
+    assert!(moved[2] < moved[0] && moved[3] < moved[1], "{moved:?}");
+    let dm = d.metrics();
+    assert!(metric(&dm, HITS, "tier=\"host\"") > 0.0, "{dm}");
+    assert_eq!(metric(&dm, ERRORS, ""), 0.0, "{dm}");
+    d.assert_idle();
+}
