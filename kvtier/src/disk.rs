@@ -38,6 +38,7 @@ pub struct Loaded {
 pub struct DiskTier {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    max_bytes: u64,
 }
 
 #[derive(Debug)]
@@ -137,6 +138,7 @@ impl DiskTier {
         Ok(Self {
             shared,
             thread: Some(thread),
+            max_bytes: config.max_bytes,
         })
     }
 
@@ -173,6 +175,21 @@ impl DiskTier {
         jobs.writing.insert(hash, bytes);
         self.shared.ready.notify_one();
         true
+    }
+
+    /// Queues a block to be written whatever the queue's length (at
+    /// shutdown, when nothing else competes).
+    pub fn persist(&self, hash: BlockHash, bytes: BlockBytes) {
+        let mut jobs = lock(&self.shared.jobs);
+        if jobs.writing.insert(hash, bytes).is_none() {
+            jobs.writes.push_back(hash);
+        }
+        self.shared.ready.notify_one();
+    }
+
+    /// The most bytes of block files kept.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
     }
 
     /// The bytes of a block queued for writing (or being written): not on

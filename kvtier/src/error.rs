@@ -12,7 +12,7 @@ pub enum TierError {
         source: std::io::Error,
     },
     #[error(
-        "disk_offload_direct_io: {dir} does not take O_DIRECT writes ({source}); its file system (tmpfs?) needs disk_offload_direct_io false"
+        "disk_offload_direct_io: {dir} does not take O_DIRECT writes ({source}); set disk_offload_direct_io false for its file system"
     )]
     DirectIo {
         dir: PathBuf,

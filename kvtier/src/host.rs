@@ -63,6 +63,19 @@ impl HostTier {
         Some(Arc::clone(&e.bytes))
     }
 
+    /// Empties the tier; returns its blocks, least recently used first.
+    pub fn take_all(&mut self) -> Vec<(BlockHash, BlockBytes)> {
+        let lru = std::mem::take(&mut self.lru);
+        let mut out = Vec::with_capacity(lru.len());
+        for (_, h) in lru {
+            if let Some(e) = self.entries.remove(&h) {
+                out.push((h, e.bytes));
+            }
+        }
+        self.used = 0;
+        out
+    }
+
     /// Keeps `bytes` as `hash` (most recently used), evicting the least
     /// recently used entries to make room; returns them, oldest first. A
     /// block larger than the whole tier is not kept (and is returned).
@@ -121,6 +134,9 @@ mod tests {
         assert_eq!(hashes, [(2, 2), (3, 3)]);
         assert_eq!((t.used_bytes(), t.len()), (25, 2));
         assert!(t.contains(1) && t.contains(4) && !t.contains(2));
+        let all: Vec<u64> = t.take_all().into_iter().map(|(h, _)| h).collect();
+        assert_eq!(all, [1, 4]);
+        assert!(t.is_empty() && t.used_bytes() == 0);
     }
 
     #[test]

@@ -77,7 +77,7 @@ impl TierMetrics {
                 .with_description("Prefix lookups that ended at a tier without the next block")
                 .build(),
             bytes: m
-                .u64_counter("tandem.kv.tier_bytes")
+                .u64_counter("tandem.kv.tier_moved")
                 .with_description("Bytes moved into a tier (down) and out of it toward the pool (up)")
                 .with_unit("By")
                 .build(),
@@ -86,7 +86,7 @@ impl TierMetrics {
                 .with_description("Blocks a tier lost: corrupt or unreadable files, failed writes, a full write queue")
                 .build(),
             used_bytes: m
-                .u64_gauge("tandem.kv.tier_used_bytes")
+                .u64_gauge("tandem.kv.tier_used")
                 .with_description("Bytes held by a tier")
                 .with_unit("By")
                 .build(),
@@ -105,14 +105,25 @@ impl TierMetrics {
         }
     }
 
-    /// Zero points for every counter and tier, so they are exported from
-    /// the start rather than from their first event.
+    /// Zero points for every counter, tier and error kind, so they are
+    /// exported from the start rather than from their first event.
     pub(crate) fn touch(&self, tiers: &[Tier]) {
         for &t in tiers {
             self.hits.add(0, &tier(t));
             self.misses.add(0, &tier(t));
             for d in ["up", "down"] {
                 self.moved(t, d, 0);
+            }
+        }
+        if tiers.contains(&Tier::Disk) {
+            for kind in [ErrorKind::Corrupt, ErrorKind::Write, ErrorKind::QueueFull] {
+                self.errors.add(
+                    0,
+                    &[
+                        KeyValue::new("tier", Tier::Disk.label()),
+                        KeyValue::new("kind", kind.label()),
+                    ],
+                );
             }
         }
     }

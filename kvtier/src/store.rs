@@ -216,3 +216,30 @@ impl TierStore {
         metrics().occupancy(Tier::Host, self.host.used_bytes(), self.host.len() as u64);
     }
 }
+
+impl Drop for TierStore {
+    /// Host memory goes with the process: its blocks are written to disk
+    /// (the newest that fit the disk's budget, oldest first so that the
+    /// newest are the last evicted), so a restarted node finds them. The
+    /// disk tier's own drop then waits for the writes.
+    fn drop(&mut self) {
+        let Some(d) = &self.disk else {
+            return;
+        };
+        let all = self.host.take_all();
+        let mut budget = d.max_bytes();
+        let mut first = all.len();
+        for (i, (_, b)) in all.iter().enumerate().rev() {
+            let Some(left) = budget.checked_sub(b.len() as u64) else {
+                break;
+            };
+            budget = left;
+            first = i;
+        }
+        for (h, b) in all.into_iter().skip(first) {
+            if !d.contains(h) {
+                d.persist(h, b);
+            }
+        }
+    }
+}

@@ -190,8 +190,9 @@ fn a_restart_finds_the_files_and_skips_unfinished_ones() {
     // A write a crash interrupted: only its temporary name exists.
     let sub = dir.path().join(format!("{NAMESPACE:016x}"));
     std::fs::write(sub.join("00000000000000aa.tmp"), b"half").expect("write");
+    // Four written while it ran, the fifth (in host memory) at shutdown.
     let mut s = open(dir.path(), 1, 100);
-    assert_eq!(s.disk_len(), 4);
+    assert_eq!(s.disk_len(), 5);
     assert!(!sub.join("00000000000000aa.tmp").exists());
     let got = s.lookup(&[0, 1, 2, 3]);
     assert_eq!(got, (0..4).map(bytes_of).collect::<Vec<_>>());
@@ -230,5 +231,40 @@ fn torn_and_corrupt_files_are_misses_counted_and_deleted() {
     ) - corrupt_before;
     assert_eq!(corrupt, 2.0);
     assert!(!f[1].exists() && !f[2].exists());
-    assert_eq!(s.disk_len(), 2);
+    assert_eq!(s.disk_len(), 3);
+}
+
+#[test]
+fn host_blocks_are_written_to_disk_at_shutdown() {
+    let dir = tempfile::tempdir_in("/var/tmp").expect("temp dir");
+    {
+        let mut s = open(dir.path(), 3, 100);
+        s.fill(0..3, 0);
+        assert_eq!(s.store.host().len(), 3);
+    }
+    assert_eq!(files(dir.path()).len(), 3);
+    let mut s = open(dir.path(), 1, 100);
+    assert_eq!(
+        s.lookup(&[0, 1, 2]),
+        (0..3).map(bytes_of).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn only_the_newest_host_blocks_that_fit_the_disk_are_written_at_shutdown() {
+    let dir = tempfile::tempdir_in("/var/tmp").expect("temp dir");
+    {
+        let mut s = open(dir.path(), 5, 2);
+        s.fill(0..5, 0);
+    }
+    let names: Vec<String> = files(dir.path())
+        .iter()
+        .map(|p| {
+            p.file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    assert_eq!(names, ["0000000000000003", "0000000000000004"]);
 }

@@ -44,7 +44,7 @@ const FILE_BYTES: u64 = BLOCK_BYTES + 40;
 /// The tier metrics as exported (OpenTelemetry's unit suffix is appended
 /// to names that already end in it: `_bytes_bytes`).
 const HITS: &str = "tandem_kv_tier_hits_total";
-const BYTES: &str = "tandem_kv_tier_bytes_bytes_total";
+const BYTES: &str = "tandem_kv_tier_moved_bytes_total";
 const ERRORS: &str = "tandem_kv_tier_errors_total";
 const BLOCKS: &str = "tandem_kv_tier_blocks";
 
