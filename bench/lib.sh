@@ -143,7 +143,10 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 
 start_bg() { # name cmd...
   local name=$1; shift
-  "$@" >"$out/$name.log" 2>&1 &
+  # Emptied here, not by the background job's redirection: wait_log must
+  # not find the marker in a previous run's log of the same name.
+  : >"$out/$name.log"
+  "$@" >>"$out/$name.log" 2>&1 &
   pids+=($!)
 }
 
