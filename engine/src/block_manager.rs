@@ -78,9 +78,34 @@ impl BlockManager {
     }
 
     /// Cached blocks evicted (and reallocated) since the last call, whose
-    /// pool bytes are still the cached block's.
+    /// pool bytes are still the cached block's. Their `Removed` event is
+    /// the caller's to emit ([`BlockManager::removed`]).
     pub fn take_evicted(&mut self) -> Vec<(BlockHash, BlockId)> {
         std::mem::take(&mut self.evicted)
+    }
+
+    /// Whether the pool holds the block `hash`.
+    pub fn is_cached(&self, hash: BlockHash) -> bool {
+        self.by_hash.contains_key(&hash)
+    }
+
+    /// Tells the event consumers that these blocks (held elsewhere than the
+    /// pool, e.g. a KV tier) are gone from this node.
+    pub fn removed(&mut self, hashes: Vec<BlockHash>) {
+        if !hashes.is_empty() {
+            self.emit(KvEventKind::Removed { hashes });
+        }
+    }
+
+    /// Tells the event consumers that this node holds these blocks (below
+    /// the pool: a restarted node's disk tier).
+    pub fn announce(&mut self, hashes: Vec<BlockHash>) {
+        if !hashes.is_empty() {
+            self.emit(KvEventKind::Stored {
+                parent: None,
+                hashes,
+            });
+        }
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -135,7 +160,9 @@ impl BlockManager {
             }
             self.alloc.release(block)?;
         }
-        if !evicted.is_empty() {
+        // With a tier below, the owner of the evicted blocks says which are
+        // gone (`removed`): the ones a tier keeps are still this node's.
+        if !evicted.is_empty() && !self.keep_evicted {
             self.emit(KvEventKind::Removed { hashes: evicted });
         }
         self.alloc.allocate(n)

@@ -360,14 +360,10 @@ impl Scheduler {
                 cache.blocks_mut().keep_evicted();
                 let ranks = 1 + exec.peer_pools().len();
                 let wake = Arc::downgrade(&tx);
-                Some(open_tiers(
-                    t,
-                    &*model,
-                    config.block_size,
-                    &kv_config,
-                    ranks,
-                    wake,
-                )?)
+                let tiers = open_tiers(t, &*model, config.block_size, &kv_config, ranks, wake)?;
+                // A restarted node's disk blocks are its own again.
+                cache.blocks_mut().announce(tiers.on_disk());
+                Some(tiers)
             }
             None => None,
         };

@@ -12,6 +12,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tandem_engine::backend::ServedModel;
+use tandem_engine::block_manager::{BlockHash, KvEvent, KvEventKind, block_hashes};
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerHandle};
@@ -211,4 +212,77 @@ fn tensor_parallel_ranks_move_their_shares_together() {
 #[test]
 fn gemma3_sliding_and_global_layers_come_back_together() {
     tiers_change_nothing(&GEMMA3);
+}
+
+type Events = Arc<std::sync::Mutex<Vec<KvEvent>>>;
+
+/// The workload A, B on SmolLM2 with `tiers`, its prefix-cache events
+/// collected; returns them with A's block hashes.
+fn events_of(m: &Arc<LoadedModel>, tiers: TierConfig) -> (Vec<KvEvent>, Vec<BlockHash>) {
+    let events: Events = Arc::default();
+    let sink = Arc::clone(&events);
+    let sched = Scheduler::spawn_with_kv_events(
+        Arc::clone(m) as _,
+        config(&SMOLLM2, Some(tiers)),
+        Some(Box::new(move |e| sink.lock().expect("lock").extend(e))),
+    )
+    .expect("spawns");
+    let [a, b] = prompts(m, SMOLLM2.prompt_tokens);
+    ask(sched.handle(), &a);
+    ask(sched.handle(), &b);
+    wait_idle(sched.handle());
+    drop(sched);
+    let events = std::mem::take(&mut *events.lock().expect("lock"));
+    (events, block_hashes(&a, BLOCK))
+}
+
+fn removed(events: &[KvEvent]) -> Vec<BlockHash> {
+    events
+        .iter()
+        .flat_map(|e| match &e.kind {
+            KvEventKind::Removed { hashes } => hashes.clone(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+/// A router learns a block is gone only when no tier keeps it, and a
+/// restarted node announces what its disk holds.
+#[test]
+fn events_say_removed_only_what_left_every_tier() {
+    let m = model(&SMOLLM2);
+    // Host memory for all of A: B evicts A from the pool, not from the node.
+    let (events, a) = events_of(&m, host_only(0.25));
+    let gone = removed(&events);
+    assert!(a.iter().all(|h| !gone.contains(h)), "{gone:?}");
+    // Host memory for two blocks and no disk: the rest of A is gone.
+    let block_bytes = m.kv_cache_config(BLOCK, 1).block_bytes() as u64;
+    let (events, a) = events_of(
+        &m,
+        TierConfig {
+            host_bytes: 2 * block_bytes,
+            disk: None,
+        },
+    );
+    let gone = removed(&events);
+    let a_gone = a.iter().filter(|h| gone.contains(h)).count();
+    assert!(a_gone >= a.len() - 2, "{a_gone} of {} removed", a.len());
+
+    // A disk tier: what it holds is announced again after a restart.
+    let dir = tempfile::tempdir_in("/var/tmp").expect("temp dir");
+    let tiers = with_disk(2 * block_bytes, dir.path());
+    let (events, a) = events_of(&m, tiers.clone());
+    assert!(a.iter().all(|h| !removed(&events).contains(h)));
+    let (events, _) = events_of(&m, tiers);
+    let Some(KvEventKind::Stored {
+        parent: None,
+        hashes,
+    }) = events.first().map(|e| &e.kind)
+    else {
+        panic!("the first event is not the disk's announcement: {events:?}");
+    };
+    assert!(
+        a.iter().all(|h| hashes.contains(h)),
+        "A's blocks are not all announced"
+    );
 }

@@ -26,12 +26,18 @@ pub type Waker = Arc<dyn Fn() + Send + Sync>;
 /// `queue_full`): a disk slower than the evictions loses blocks, not memory.
 pub const WRITE_QUEUE: usize = 64;
 
-/// A block read from disk: its bytes, or `None` for a miss (gone, torn or
-/// corrupt: never wrong bytes).
+/// What the disk worker tells the scheduler's side.
 #[derive(Debug)]
-pub struct Loaded {
-    pub hash: BlockHash,
-    pub bytes: Option<BlockBytes>,
+pub enum DiskEvent {
+    /// A block read: its bytes, or `None` for a miss (gone, torn or
+    /// corrupt: never wrong bytes; a file that failed is also `Dropped`).
+    Loaded {
+        hash: BlockHash,
+        bytes: Option<BlockBytes>,
+    },
+    /// A block the disk no longer holds, or never took (budget, a failed
+    /// write, a damaged file).
+    Dropped(BlockHash),
 }
 
 #[derive(Debug)]
@@ -81,7 +87,7 @@ struct Worker {
     block_len: usize,
     max_bytes: u64,
     direct: bool,
-    loaded: std::sync::mpsc::Sender<Loaded>,
+    events: std::sync::mpsc::Sender<DiskEvent>,
     wake: Waker,
 }
 
@@ -99,7 +105,7 @@ impl DiskTier {
         config: &DiskConfig,
         namespace: u64,
         block_len: usize,
-        loaded: std::sync::mpsc::Sender<Loaded>,
+        events: std::sync::mpsc::Sender<DiskEvent>,
         wake: Waker,
     ) -> Result<Self, TierError> {
         let dir = config.dir.join(format!("{namespace:016x}"));
@@ -126,7 +132,7 @@ impl DiskTier {
             block_len,
             max_bytes: config.max_bytes,
             direct: config.direct_io,
-            loaded,
+            events,
             wake,
         };
         worker.make_room(0);
@@ -144,6 +150,11 @@ impl DiskTier {
 
     pub fn contains(&self, hash: BlockHash) -> bool {
         lock(&self.shared.index).files.contains_key(&hash)
+    }
+
+    /// Every block on disk (a restarted node announces them).
+    pub fn hashes(&self) -> Vec<BlockHash> {
+        lock(&self.shared.index).files.keys().copied().collect()
     }
 
     /// Blocks on disk (for tests and reports).
@@ -198,7 +209,8 @@ impl DiskTier {
         lock(&self.shared.jobs).writing.get(&hash).cloned()
     }
 
-    /// Queues reads (ahead of writes); each answers with a [`Loaded`].
+    /// Queues reads (ahead of writes); each answers with a
+    /// [`DiskEvent::Loaded`].
     pub fn read(&self, hashes: impl IntoIterator<Item = BlockHash>) {
         let mut jobs = lock(&self.shared.jobs);
         jobs.reads.extend(hashes);
@@ -232,7 +244,7 @@ impl Worker {
                     if bytes.is_some() {
                         metrics().fetched(Tier::Disk, started.elapsed().as_secs_f64() * 1e3);
                     }
-                    if self.loaded.send(Loaded { hash, bytes }).is_err() {
+                    if self.events.send(DiskEvent::Loaded { hash, bytes }).is_err() {
                         continue;
                     }
                     if lock(&self.shared.jobs).reads.is_empty() {
@@ -314,6 +326,7 @@ impl Worker {
                 let _ = std::fs::remove_file(&tmp);
                 tracing::warn!(block = format!("{hash:016x}"), error = %e, "KV block not written to the disk tier");
                 metrics().error(Tier::Disk, ErrorKind::Write);
+                let _ = self.events.send(DiskEvent::Dropped(hash));
             }
         }
         self.publish();
@@ -350,6 +363,7 @@ impl Worker {
     fn forget(&self, hash: BlockHash) {
         lock(&self.shared.index).remove(hash);
         let _ = std::fs::remove_file(self.path(hash, "kv"));
+        let _ = self.events.send(DiskEvent::Dropped(hash));
         self.publish();
     }
 
@@ -370,6 +384,7 @@ impl Worker {
                 }
             };
             let _ = std::fs::remove_file(self.path(victim, "kv"));
+            let _ = self.events.send(DiskEvent::Dropped(victim));
         }
     }
 

@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use tandem_types::block_hash::BlockHash;
 
 use crate::config::TierConfig;
-use crate::disk::{DiskTier, Loaded, Waker};
+use crate::disk::{DiskEvent, DiskTier, Waker};
 use crate::error::TierError;
 use crate::host::{BlockBytes, HostTier};
 use crate::metrics::{Tier, metrics};
@@ -19,7 +19,9 @@ use crate::metrics::{Tier, metrics};
 pub struct TierStore {
     host: HostTier,
     disk: Option<DiskTier>,
-    loaded: mpsc::Receiver<Loaded>,
+    events: mpsc::Receiver<DiskEvent>,
+    /// Blocks that left every tier since [`TierStore::take_dropped`].
+    dropped: Vec<BlockHash>,
     /// Blocks asked of the disk and not yet answered.
     reading: HashSet<BlockHash>,
     /// Blocks read from disk, kept for the lookup that asked for them
@@ -50,7 +52,7 @@ impl TierStore {
         wake: Waker,
     ) -> Result<Self, TierError> {
         config.check_block(block_len)?;
-        let (tx, loaded) = mpsc::channel();
+        let (tx, events) = mpsc::channel();
         let disk = match &config.disk {
             Some(d) => Some(DiskTier::open(d, namespace, block_len, tx, wake)?),
             None => None,
@@ -61,7 +63,8 @@ impl TierStore {
         let store = Self {
             host: HostTier::new(config.host_bytes),
             disk,
-            loaded,
+            events,
+            dropped: Vec::new(),
             reading: HashSet::new(),
             staged: HashMap::new(),
             block_len,
@@ -103,14 +106,39 @@ impl TierStore {
             return;
         }
         metrics().moved(Tier::Host, "down", bytes.len() as u64);
-        for (h, b) in self.host.insert(hash, bytes) {
-            if let Some(d) = &self.disk
-                && !d.contains(h)
-            {
-                d.write(h, b);
+        let evicted = self.host.insert(hash, bytes);
+        self.push_down(evicted);
+        self.publish_host();
+    }
+
+    /// Blocks host memory let go: written to disk (unless there already),
+    /// or, with no disk or no room in its queue, gone.
+    fn push_down(&mut self, evicted: Vec<(BlockHash, BlockBytes)>) {
+        for (h, b) in evicted {
+            let kept = match &self.disk {
+                Some(d) => d.contains(h) || d.write(h, b),
+                None => false,
+            };
+            if !kept {
+                self.dropped.push(h);
             }
         }
-        self.publish_host();
+    }
+
+    /// Blocks that left every tier since the last call (for the prefix
+    /// cache's events: a block a tier holds is still this node's).
+    pub fn take_dropped(&mut self) -> Vec<BlockHash> {
+        self.take_loaded();
+        let mut dropped = std::mem::take(&mut self.dropped);
+        dropped.retain(|&h| !self.holds(h) && !self.staged.contains_key(&h));
+        dropped.sort_unstable();
+        dropped.dedup();
+        dropped
+    }
+
+    /// The blocks on disk (a restarted node's, to announce).
+    pub fn on_disk(&self) -> Vec<BlockHash> {
+        self.disk.as_ref().map(DiskTier::hashes).unwrap_or_default()
     }
 
     /// The leading blocks of `hashes` the tiers hold. With `read_disk`, a
@@ -183,31 +211,30 @@ impl TierStore {
         !self.reading.is_empty()
     }
 
-    /// Takes landed disk reads.
+    /// Takes what the disk worker said: landed reads, dropped blocks.
     fn take_loaded(&mut self) {
-        while let Ok(Loaded { hash, bytes }) = self.loaded.try_recv() {
-            self.reading.remove(&hash);
-            if let Some(b) = bytes {
-                self.staged.insert(hash, b);
+        while let Ok(event) = self.events.try_recv() {
+            match event {
+                DiskEvent::Loaded { hash, bytes } => {
+                    self.reading.remove(&hash);
+                    if let Some(b) = bytes {
+                        self.staged.insert(hash, b);
+                    }
+                }
+                DiskEvent::Dropped(hash) => self.dropped.push(hash),
             }
         }
     }
 
     /// Moves blocks read from disk that no lookup took into host memory
-    /// (their files stay; what they push out is written if it is not on
-    /// disk already).
+    /// (their files stay; what they push out goes down).
     fn unstage(&mut self) {
         if self.staged.is_empty() {
             return;
         }
         for (hash, b) in std::mem::take(&mut self.staged) {
-            for (h, evicted) in self.host.insert(hash, b) {
-                if let Some(d) = &self.disk
-                    && !d.contains(h)
-                {
-                    d.write(h, evicted);
-                }
-            }
+            let evicted = self.host.insert(hash, b);
+            self.push_down(evicted);
         }
         self.publish_host();
     }

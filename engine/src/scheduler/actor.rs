@@ -245,6 +245,7 @@ impl Actor {
     }
 
     fn publish_kv_events(&mut self) {
+        self.publish_tier_drops();
         let events = self.cache.blocks_mut().take_events();
         if let (false, Some(sink)) = (events.is_empty(), self.kv_sink.as_mut()) {
             sink(events);

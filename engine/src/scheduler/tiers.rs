@@ -47,6 +47,8 @@ impl Actor {
         let ids: Vec<BlockId> = evicted.iter().map(|&(_, b)| b).collect();
         if let Err(e) = self.exec.kv_read(&mut self.cache, &ids) {
             tracing::warn!(error = %e, "evicted KV blocks could not be read for the tiers");
+            let gone = evicted.iter().map(|&(h, _)| h).collect();
+            self.cache.blocks_mut().removed(gone);
             return;
         }
         let peers = self.exec.peer_pools();
@@ -62,6 +64,18 @@ impl Actor {
             }
             tiers.offload(hash, bytes.into());
         }
+    }
+
+    /// Tells the event consumers which blocks left every tier (and are not
+    /// back in the pool).
+    pub(super) fn publish_tier_drops(&mut self) {
+        let Some(tiers) = self.tiers.as_mut() else {
+            return;
+        };
+        let mut gone = tiers.take_dropped();
+        let blocks = self.cache.blocks_mut();
+        gone.retain(|&h| !blocks.is_cached(h));
+        blocks.removed(gone);
     }
 
     /// Extends `s.table` (its pool hits for `hashes`) with the blocks the
