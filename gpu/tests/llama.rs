@@ -466,6 +466,40 @@ fn kv_imported_into_the_host_pool_reaches_the_device() {
     assert!(got == want, "decoding without copy back");
 }
 
+/// A KV tier copies blocks the pool evicts out of the host pools: on a
+/// node whose steps are not copied back, `kv_read` brings them from the
+/// device first, on every rank, bitwise what a copy back would have left.
+#[test]
+fn kv_read_brings_device_blocks_to_the_host_pools() {
+    let prompt = two_block_prompt(&gpu_served());
+    for devices in [&[0][..], &[0, 0, 0]] {
+        let tp = devices.len();
+        let (want_r, mut want) = tp_runner(&served_on(devices, KvCopyBack::EveryStep), tp, 8);
+        step(want_r.as_ref(), &mut want, &[(&prompt, 0, &[2, 3])]);
+        let (r, mut cache) = tp_runner(&served_on(devices, KvCopyBack::Never), tp, 8);
+        step(r.as_ref(), &mut cache, &[(&prompt, 0, &[2, 3])]);
+        assert!(cache.block_bytes(2).iter().all(|&b| b == 0), "copied back");
+        r.kv_read(&mut cache, &[3, 2]).expect("download");
+        let config = *cache.config();
+        for b in [2, 3] {
+            assert!(
+                cache.block_bytes(b) == want.block_bytes(b),
+                "rank 0, block {b}"
+            );
+            for (got, want) in r.peer_pools().iter().zip(want_r.peer_pools()) {
+                assert!(
+                    got.block_bytes(&config, b) == want.block_bytes(&config, b),
+                    "a peer rank, block {b}"
+                );
+            }
+        }
+        assert!(
+            cache.block_bytes(4).iter().all(|&b| b == 0),
+            "only the blocks asked for"
+        );
+    }
+}
+
 #[test]
 fn kv_the_cpu_engine_computed_decodes_on_the_gpu() {
     // The whole model: the CPU engine has no cut-down form to compare.
