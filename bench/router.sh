@@ -268,6 +268,11 @@ stop_all
 # median of the rounds' differences.
 ttft_pairs() { # label url direct_url
   local label=$1 r side u n=$((n_c1 / rounds))
+  # Both paths warm first: a cold direct path's first round is ~15 ms slower.
+  for u in "$2" "$3"; do
+    "$tandem" bench --url "$u" --model "$served" --endpoint chat --input-len 8 --output-len 1 \
+      --concurrency 1 --num-requests 20 --keep-alive --quiet >/dev/null 2>&1 || true
+  done
   for r in $(seq 1 "$rounds"); do
     for side in router direct; do
       if [[ $side == router ]]; then u=$2; else u=$3; fi
