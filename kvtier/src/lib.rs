@@ -22,4 +22,4 @@ pub use disk::Waker;
 pub use error::TierError;
 pub use host::BlockBytes;
 pub use metrics::{ErrorKind, Tier};
-pub use store::{Found, TierStore};
+pub use store::{Found, TierBlock, TierStore};

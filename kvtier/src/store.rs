@@ -34,10 +34,18 @@ pub struct TierStore {
 /// What the tiers hold of a prompt's next blocks.
 #[derive(Debug)]
 pub enum Found {
-    /// The bytes of the leading blocks found (possibly none), in order.
-    Blocks(Vec<BlockBytes>),
+    /// The leading blocks found (possibly none), in order.
+    Blocks(Vec<TierBlock>),
     /// Some are being read from disk: look again after the wake-up.
     Reading,
+}
+
+/// A block found below the pool.
+#[derive(Debug, Clone)]
+pub struct TierBlock {
+    pub bytes: BlockBytes,
+    /// The tier it came up from (a disk hit is counted when it is read).
+    pub from: Tier,
 }
 
 impl TierStore {
@@ -150,10 +158,20 @@ impl TierStore {
         self.take_loaded();
         let mut found = Vec::new();
         for (i, &h) in hashes.iter().enumerate() {
-            let in_memory = self.staged.remove(&h).or_else(|| self.host.get(h));
+            if let Some(bytes) = self.staged.remove(&h) {
+                found.push(TierBlock {
+                    bytes,
+                    from: Tier::Disk,
+                });
+                continue;
+            }
+            // A block queued for the disk is still in memory, on its way down.
             let queued = || self.disk.as_ref().and_then(|d| d.writing(h));
-            if let Some(b) = in_memory.or_else(queued) {
-                found.push(b);
+            if let Some(bytes) = self.host.get(h).or_else(queued) {
+                found.push(TierBlock {
+                    bytes,
+                    from: Tier::Host,
+                });
                 continue;
             }
             if let Some(d) = &self.disk
@@ -199,11 +217,13 @@ impl TierStore {
         d.read(run);
     }
 
-    /// `blocks` found by [`TierStore::lookup`] are back in the pool.
-    pub fn restored(&self, blocks: &[BlockBytes]) {
-        let bytes: usize = blocks.iter().map(|b| b.len()).sum();
-        metrics().hit(Tier::Host, blocks.len() as u64);
-        metrics().moved(Tier::Host, "up", bytes as u64);
+    /// `blocks` found by [`TierStore::lookup`] are back in the pool: host
+    /// memory's are counted as its hits (the disk's were, when read).
+    pub fn restored(&self, blocks: &[TierBlock]) {
+        let host = blocks.iter().filter(|b| b.from == Tier::Host);
+        let (n, bytes) = host.fold((0, 0), |(n, s), b| (n + 1, s + b.bytes.len() as u64));
+        metrics().hit(Tier::Host, n);
+        metrics().moved(Tier::Host, "up", bytes);
     }
 
     /// Whether disk reads are outstanding.

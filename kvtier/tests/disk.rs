@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use tandem_kvtier::{BlockBytes, DiskConfig, Found, TierConfig, TierStore};
+use tandem_kvtier::{BlockBytes, DiskConfig, Found, TierBlock, TierConfig, TierStore};
 use tandem_testkit::TestMeter;
 
 const BLOCK: usize = 10_000;
@@ -92,7 +92,7 @@ impl Store {
     fn lookup(&mut self, hashes: &[u64]) -> Vec<BlockBytes> {
         for _ in 0..3 {
             match self.store.lookup(hashes, true) {
-                Found::Blocks(b) => return b,
+                Found::Blocks(b) => return self.restore(b),
                 Found::Reading => {
                     self.woken
                         .recv_timeout(Duration::from_secs(10))
@@ -101,9 +101,15 @@ impl Store {
             }
         }
         match self.store.lookup(hashes, false) {
-            Found::Blocks(b) => b,
+            Found::Blocks(b) => self.restore(b),
             Found::Reading => panic!("a lookup without disk reads read"),
         }
+    }
+
+    /// What the scheduler does with blocks found: counts them restored.
+    fn restore(&self, found: Vec<TierBlock>) -> Vec<BlockBytes> {
+        self.store.restored(&found);
+        found.into_iter().map(|b| b.bytes).collect()
     }
 }
 
@@ -139,6 +145,7 @@ fn blocks_leave_host_memory_for_disk_and_come_back_equal() {
     let dir = tempfile::tempdir_in("/var/tmp").expect("temp dir");
     let mut s = open(dir.path(), 2, 100);
     let hits_before = counter(m, "tandem.kv.tier_hits", &[("tier", "disk")]);
+    let host_before = counter(m, "tandem.kv.tier_hits", &[("tier", "host")]);
     s.fill(0..6, 4);
     assert_eq!(s.store.host().len(), 2);
     let hashes: Vec<u64> = (0..6).collect();
@@ -149,6 +156,9 @@ fn blocks_leave_host_memory_for_disk_and_come_back_equal() {
     }
     let hits = counter(m, "tandem.kv.tier_hits", &[("tier", "disk")]) - hits_before;
     assert_eq!(hits, 4.0);
+    // Each block is one tier's hit: the four read from disk are not host's.
+    let host = counter(m, "tandem.kv.tier_hits", &[("tier", "host")]) - host_before;
+    assert_eq!(host, 2.0);
     // A run ends where no tier holds the next block.
     assert_eq!(s.lookup(&[0, 1, 99, 2]).len(), 2);
 }

@@ -5,7 +5,7 @@
 //! if computed here. A block's bytes are every rank's share, so all of the
 //! model's caches (every layer, sliding-window and global) move together.
 
-use tandem_kvtier::{BlockBytes, Found};
+use tandem_kvtier::{Found, TierBlock};
 
 use super::actor::{Actor, Seq};
 use crate::block_manager::BlockHash;
@@ -134,13 +134,13 @@ impl Actor {
     fn copy_up(
         &mut self,
         blocks: &[BlockId],
-        bytes: &[BlockBytes],
+        found: &[TierBlock],
     ) -> Result<(), crate::error::RequestError> {
         let config = *self.cache.config();
         let per = config.block_bytes();
         let peers = self.exec.peer_pools();
-        for (&b, bytes) in blocks.iter().zip(bytes) {
-            let mut shares = bytes.chunks_exact(per);
+        for (&b, found) in blocks.iter().zip(found) {
+            let mut shares = found.bytes.chunks_exact(per);
             if let Some(mine) = shares.next() {
                 self.cache.block_bytes_mut(b).copy_from_slice(mine);
             }
