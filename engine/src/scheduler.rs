@@ -220,6 +220,13 @@ pub struct SchedulerStats {
 }
 
 impl SchedulerStats {
+    /// Whether nothing waits or runs and no sequence holds a KV block
+    /// (cached blocks no one uses do not count).
+    pub fn idle(&self) -> bool {
+        self.running.load(Ordering::Relaxed) + self.waiting.load(Ordering::Relaxed) == 0
+            && self.kv_blocks_in_use.load(Ordering::Relaxed) == 0
+    }
+
     /// Whether the last [`FAILING_AFTER`] steps or more all failed, the
     /// last of them within [`FAILING_FOR`]. The state lapses by itself, so
     /// that a node a balancer stopped sending work to is tried again (one

@@ -105,10 +105,7 @@ fn run_all(h: &SchedulerHandle, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<
 
 fn wait_idle(h: &SchedulerHandle) {
     let deadline = Instant::now() + Duration::from_secs(30);
-    let s = h.stats();
-    while s.running.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed) > 0
-        || s.kv_blocks_in_use.load(Ordering::Relaxed) > 0
-    {
+    while !h.stats().idle() {
         assert!(Instant::now() < deadline, "scheduler did not go idle");
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -254,9 +251,7 @@ fn dropping_a_stream_cancels_and_frees_blocks() {
     drop(stream);
     let (tokens, _) = collect(other);
     assert_eq!(tokens, alone(&p[0], 6));
-    while s.running.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed) > 0
-        || s.kv_blocks_in_use.load(Ordering::Relaxed) > 0
-    {
+    while !s.idle() {
         assert!(
             dropped.elapsed() <= CANCEL_BOUND,
             "{:?} after the drop the request still runs ({} running, {} waiting) and holds \

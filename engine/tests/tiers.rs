@@ -8,7 +8,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tandem_engine::backend::ServedModel;
@@ -131,10 +130,7 @@ fn workload(m: &Arc<LoadedModel>, case: &Case, tiers: Option<TierConfig>) -> Vec
 
 fn wait_idle(h: &SchedulerHandle) {
     let deadline = Instant::now() + Duration::from_secs(30);
-    let s = h.stats();
-    while s.running.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed) > 0
-        || s.kv_blocks_in_use.load(Ordering::Relaxed) > 0
-    {
+    while !h.stats().idle() {
         assert!(Instant::now() < deadline, "scheduler did not go idle");
         std::thread::sleep(Duration::from_millis(5));
     }

@@ -132,6 +132,19 @@ fn files(dir: &Path) -> Vec<std::path::PathBuf> {
     v
 }
 
+/// The block files' names (their hashes), in order.
+fn names(dir: &Path) -> Vec<String> {
+    files(dir)
+        .iter()
+        .map(|p| {
+            p.file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect()
+}
+
 fn dir_bytes(dir: &Path) -> u64 {
     files(dir)
         .iter()
@@ -170,21 +183,11 @@ fn the_disk_budget_is_kept_oldest_files_first() {
     for h in 0..8 {
         s.store.offload(h, bytes_of(h));
     }
-    let names = || -> Vec<String> {
-        files(dir.path())
-            .iter()
-            .map(|p| {
-                p.file_stem()
-                    .unwrap_or_default()
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .collect()
-    };
     // The newest three written (4, 5, 6; 7 is in host memory) are kept.
     let want = ["0000000000000004", "0000000000000005", "0000000000000006"];
     poll("the last writes", || {
-        names() == want && s.store.disk().expect("disk").used_bytes() == dir_bytes(dir.path())
+        names(dir.path()) == want
+            && s.store.disk().expect("disk").used_bytes() == dir_bytes(dir.path())
     });
     assert!(dir_bytes(dir.path()) <= 3 * (BLOCK as u64 + 40));
     assert_eq!(s.disk_len(), 3);
@@ -267,14 +270,6 @@ fn only_the_newest_host_blocks_that_fit_the_disk_are_written_at_shutdown() {
         let mut s = open(dir.path(), 5, 2);
         s.fill(0..5, 0);
     }
-    let names: Vec<String> = files(dir.path())
-        .iter()
-        .map(|p| {
-            p.file_stem()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned()
-        })
-        .collect();
+    let names = names(dir.path());
     assert_eq!(names, ["0000000000000003", "0000000000000004"]);
 }
