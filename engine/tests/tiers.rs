@@ -34,7 +34,7 @@ const SMOLLM2: Case = Case {
 };
 const QWEN2: Case = Case {
     env: "TANDEM_TEST_QWEN2_GGUF",
-    prompt_tokens: 300,
+    prompt_tokens: 160,
     tp: 1,
 };
 const GEMMA3: Case = Case {

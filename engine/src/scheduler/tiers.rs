@@ -99,34 +99,70 @@ impl Actor {
             Found::Blocks(b) if b.is_empty() => return true,
             Found::Blocks(b) => b,
         };
-        // No room: compute them instead (the pool's blocks go to running work).
-        let Ok(new) = self.cache.blocks_mut().allocate(found.len()) else {
-            return true;
+        // The pool's copy of the blocks after these is held first, so that
+        // making room for them cannot evict it (the pool evicts a prompt's
+        // head before its tail).
+        let mut tail = self
+            .cache
+            .blocks_mut()
+            .match_prefix(&hashes[have + found.len()..]);
+        let new = match self.cache.blocks_mut().allocate(found.len()) {
+            Ok(new) => new,
+            Err(_) => {
+                // No room beside the tail: restore the head over it (it is
+                // evicted into the tiers, and found there next).
+                self.release_blocks(s.id, &mut tail);
+                match self.cache.blocks_mut().allocate(found.len()) {
+                    Ok(new) => new,
+                    // No room at all: compute them (the pool's blocks go to running work).
+                    Err(_) => return true,
+                }
+            }
         };
         self.offload_evicted();
-        match self.copy_up(&new, &found) {
-            Ok(()) => {
-                for (i, &b) in new.iter().enumerate() {
-                    let at = have + i;
-                    let parent = at.checked_sub(1).map(|p| hashes[p]);
-                    if let Err(e) = self.cache.blocks_mut().register(b, hashes[at], parent) {
-                        tracing::error!(seq = s.id, error = %e, "registering a restored block");
-                    }
-                }
-                if let Some(t) = &self.tiers {
-                    t.restored(&found);
-                }
-                s.table.extend(new);
+        match self.place(s.id, &hashes[..have + found.len()], new, &found) {
+            Some(placed) => {
+                s.table.extend(placed);
+                s.table.extend(tail);
             }
-            Err(e) => {
-                tracing::warn!(seq = s.id, error = %e, "KV from a tier did not reach the runner; recomputing");
-                let mut new = new;
-                if let Err(e) = self.cache.blocks_mut().release(&mut new) {
-                    tracing::error!(seq = s.id, error = %e, "releasing KV blocks");
-                }
-            }
+            None => self.release_blocks(s.id, &mut tail),
         }
         true
+    }
+
+    /// Copies `found` into the fresh pool blocks `new` and registers them
+    /// as the last blocks of `hashes`; returns them, or `None` (released)
+    /// when the runner could not take them.
+    fn place(
+        &mut self,
+        seq: u64,
+        hashes: &[BlockHash],
+        mut new: Vec<BlockId>,
+        found: &[TierBlock],
+    ) -> Option<Vec<BlockId>> {
+        if let Err(e) = self.copy_up(&new, found) {
+            tracing::warn!(seq, error = %e, "KV from a tier did not reach the runner; recomputing");
+            self.release_blocks(seq, &mut new);
+            return None;
+        }
+        let first = hashes.len() - new.len();
+        for (i, &b) in new.iter().enumerate() {
+            let at = first + i;
+            let parent = at.checked_sub(1).map(|p| hashes[p]);
+            if let Err(e) = self.cache.blocks_mut().register(b, hashes[at], parent) {
+                tracing::error!(seq, error = %e, "registering a restored block");
+            }
+        }
+        if let Some(t) = &self.tiers {
+            t.restored(found);
+        }
+        Some(new)
+    }
+
+    fn release_blocks(&mut self, seq: u64, blocks: &mut Vec<BlockId>) {
+        if let Err(e) = self.cache.blocks_mut().release(blocks) {
+            tracing::error!(seq, error = %e, "releasing KV blocks");
+        }
     }
 
     /// Writes each block's bytes (rank 0's share, then each peer's) into
