@@ -81,7 +81,20 @@ fn dashboards_and_alerts_match_a_real_scrape() {
     let etcd = EtcdServer::start().unwrap();
     let cluster = unique_cluster("dash");
     let prefill = Node::start(&etcd.url(), &cluster, "prefill", "p0", &[]);
-    let decode = Node::start(&etcd.url(), &cluster, "decode", "d0", &[]);
+    // The decode node keeps KV tiers (host and disk), so their panels
+    // have series to match.
+    let tier_dir = tempfile::tempdir_in("/var/tmp").expect("a tier directory");
+    let tiers = format!(
+        r#"{{"host_kvcache_swap_space_gb": 0.05, "disk_offload_dir": "{}", "disk_offload_max_gb": 0.05}}"#,
+        tier_dir.path().display()
+    );
+    let decode = Node::start(
+        &etcd.url(),
+        &cluster,
+        "decode",
+        "d0",
+        &["--kv-connector-config", &tiers],
+    );
     let router = Router::start(&etcd.url(), &cluster);
     router.wait_members(1, 1, Duration::from_secs(30));
 
