@@ -152,8 +152,9 @@ impl TierStore {
     /// The leading blocks of `hashes` the tiers hold. With `read_disk`, a
     /// run that continues on disk is asked for and the answer is
     /// [`Found::Reading`]; without, the lookup stops at the first block not
-    /// in host memory. Misses are counted here; hits by
-    /// [`TierStore::restored`], once the blocks are in the pool.
+    /// in memory. Misses are counted here; host memory's hits by
+    /// [`TierStore::restored`], once the blocks are in the pool (the disk's
+    /// when they are read).
     pub fn lookup(&mut self, hashes: &[BlockHash], read_disk: bool) -> Found {
         self.take_loaded();
         let mut found = Vec::new();
@@ -224,11 +225,6 @@ impl TierStore {
         let (n, bytes) = host.fold((0, 0), |(n, s), b| (n + 1, s + b.bytes.len() as u64));
         metrics().hit(Tier::Host, n);
         metrics().moved(Tier::Host, "up", bytes);
-    }
-
-    /// Whether disk reads are outstanding.
-    pub fn reading(&self) -> bool {
-        !self.reading.is_empty()
     }
 
     /// Takes what the disk worker said: landed reads, dropped blocks.

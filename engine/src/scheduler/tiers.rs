@@ -15,7 +15,7 @@ use crate::kv_cache::{BlockId, KvCacheError};
 /// pool's copy of the prompt's later blocks (to disk, when host memory is
 /// small), so a second read may be needed; the bound keeps a prompt from
 /// chasing its own blocks forever.
-pub(super) const MAX_TIER_WAITS: u8 = 3;
+const MAX_TIER_WAITS: u8 = 3;
 
 impl Actor {
     /// Grows `table` to hold `tokens` tokens, first copying down any cached
