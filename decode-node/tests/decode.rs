@@ -432,6 +432,7 @@ async fn run(
             constraint: None,
         },
         prefill,
+        prefix_source: None,
     };
     let t0 = Instant::now();
     let read = async {
@@ -773,6 +774,8 @@ async fn a_caller_gone_mid_prefill_frees_its_blocks_at_once() {
         prefill: (0..targets)
             .map(|i| target(&format!("stalled-{i}"), &stalled.server.endpoint))
             .collect(),
+
+        prefix_source: None,
     };
     let too_many = svc
         .generate(Request::new(

@@ -340,6 +340,18 @@ pub struct GenerateJob {
     pub request: GenerationRequest,
     /// Prefill workers to try in order; empty means prefill locally.
     pub prefill: Vec<PrefillTarget>,
+    /// A worker that holds more of the prompt's leading blocks, if the
+    /// router knows one.
+    pub prefix_source: Option<PrefixSource>,
+}
+
+/// A worker the router's index says holds the prompt's first `blocks`
+/// full blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixSource {
+    pub worker_id: String,
+    pub endpoint: String,
+    pub blocks: usize,
 }
 
 impl GenerateJob {
@@ -374,6 +386,27 @@ impl GenerateJob {
                 })
             })
             .collect::<Result<_, ProtoError>>()?;
+        let prefix_source = req
+            .prefix_source
+            .map(|p| {
+                check_endpoint("prefix_source.endpoint", &p.endpoint)?;
+                let blocks = p.blocks as usize;
+                if blocks == 0 || blocks > req.prompt.len() / ours.block_size {
+                    return Err(invalid(
+                        "prefix_source.blocks",
+                        format!(
+                            "{blocks} is not a count of the prompt's {} full blocks",
+                            req.prompt.len() / ours.block_size
+                        ),
+                    ));
+                }
+                Ok(PrefixSource {
+                    worker_id: p.worker_id,
+                    endpoint: p.endpoint,
+                    blocks,
+                })
+            })
+            .transpose()?;
         let request = GenerationRequest {
             prompt: req.prompt,
             sampling,
@@ -381,7 +414,11 @@ impl GenerateJob {
             stop_token_ids: req.stop_token_ids,
             constraint: constraint_from_pb(req.constraint)?,
         };
-        Ok(Self { request, prefill })
+        Ok(Self {
+            request,
+            prefill,
+            prefix_source,
+        })
     }
 
     pub fn to_pb(&self, fingerprint: &ModelFingerprint) -> pb::GenerateRequest {
@@ -402,6 +439,11 @@ impl GenerateJob {
                 })
                 .collect(),
             constraint: r.constraint.as_ref().map(constraint_to_pb),
+            prefix_source: self.prefix_source.as_ref().map(|p| pb::PrefixSource {
+                worker_id: p.worker_id.clone(),
+                endpoint: p.endpoint.clone(),
+                blocks: p.blocks.min(u32::MAX as usize) as u32,
+            }),
         }
     }
 }
@@ -455,31 +497,7 @@ impl PrefillJob {
             .sampling
             .ok_or_else(|| invalid("sampling", "missing"))?
             .try_into()?;
-        let first = req.region.ok_or_else(|| invalid("region", "missing"))?;
-        let mut regions = Vec::with_capacity(1 + req.rank_regions.len());
-        for r in std::iter::once(first).chain(req.rank_regions) {
-            if r.worker_address.is_empty() || r.grant.is_empty() {
-                return Err(invalid("region", "empty worker address or grant"));
-            }
-            regions.push(KvRegion {
-                worker_address: r.worker_address,
-                grant: r.grant,
-                len: r.len,
-                connector: r.connector,
-            });
-        }
-        let dst_tp = regions.len();
-        if !ours.num_kv_heads.is_multiple_of(dst_tp) {
-            return Err(invalid(
-                "rank_regions",
-                format!(
-                    "{dst_tp} decode ranks do not divide {} KV heads",
-                    ours.num_kv_heads
-                ),
-            ));
-        }
-        // Each decode rank's block holds its share of the heads.
-        let block_bytes = block_bytes / dst_tp as u64;
+        let regions = regions_from_pb(req.region, req.rank_regions, ours)?;
         let total = req.prompt.len().div_ceil(ours.block_size);
         let skip = req.skip_blocks as usize;
         if skip > total || req.dst_blocks.len() != total - skip {
@@ -492,32 +510,8 @@ impl PrefillJob {
                 ),
             ));
         }
-        let region_blocks = regions
-            .iter()
-            .map(|r| r.len.checked_div(block_bytes).unwrap_or(0))
-            .min()
-            .unwrap_or(0);
-        if let Some(&b) = req
-            .dst_blocks
-            .iter()
-            .find(|&&b| u64::from(b) >= region_blocks)
-        {
-            return Err(invalid(
-                "dst_blocks",
-                format!("block {b} lies outside the registered region of {region_blocks} blocks"),
-            ));
-        }
-        let deadline = Duration::from_millis(u64::from(req.deadline_ms));
-        if deadline.is_zero() || deadline > MAX_DEADLINE {
-            return Err(invalid(
-                "deadline_ms",
-                format!(
-                    "{} must be in 1..={}",
-                    req.deadline_ms,
-                    MAX_DEADLINE.as_millis()
-                ),
-            ));
-        }
+        check_dst_blocks(&regions, &req.dst_blocks, block_bytes)?;
+        let deadline = deadline_from_ms(req.deadline_ms)?;
         Ok(Self {
             prompt: req.prompt,
             sampling,
@@ -541,6 +535,129 @@ impl PrefillJob {
             rank_regions: self.regions.iter().skip(1).map(region_to_pb).collect(),
             deadline_ms: self.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
             constraint: self.constraint.as_ref().map(constraint_to_pb),
+        }
+    }
+}
+
+/// The destination pools of a transfer, one per tensor-parallel rank of the
+/// receiving node (rank 0 first); the ranks must split the KV heads evenly.
+fn regions_from_pb(
+    first: Option<pb::KvRegion>,
+    rest: Vec<pb::KvRegion>,
+    ours: &ModelFingerprint,
+) -> Result<Vec<KvRegion>, ProtoError> {
+    let first = first.ok_or_else(|| invalid("region", "missing"))?;
+    let mut regions = Vec::with_capacity(1 + rest.len());
+    for r in std::iter::once(first).chain(rest) {
+        if r.worker_address.is_empty() || r.grant.is_empty() {
+            return Err(invalid("region", "empty worker address or grant"));
+        }
+        regions.push(KvRegion {
+            worker_address: r.worker_address,
+            grant: r.grant,
+            len: r.len,
+            connector: r.connector,
+        });
+    }
+    let dst_tp = regions.len();
+    if !ours.num_kv_heads.is_multiple_of(dst_tp) {
+        return Err(invalid(
+            "rank_regions",
+            format!(
+                "{dst_tp} decode ranks do not divide {} KV heads",
+                ours.num_kv_heads
+            ),
+        ));
+    }
+    Ok(regions)
+}
+
+/// Every destination block lies inside every rank's region, each rank's
+/// block holding its share of a whole-model block of `block_bytes`.
+fn check_dst_blocks(regions: &[KvRegion], dst: &[u32], block_bytes: u64) -> Result<(), ProtoError> {
+    let block_bytes = block_bytes / regions.len().max(1) as u64;
+    let region_blocks = regions
+        .iter()
+        .map(|r| r.len.checked_div(block_bytes).unwrap_or(0))
+        .min()
+        .unwrap_or(0);
+    match dst.iter().find(|&&b| u64::from(b) >= region_blocks) {
+        Some(b) => Err(invalid(
+            "dst_blocks",
+            format!("block {b} lies outside the registered region of {region_blocks} blocks"),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn deadline_from_ms(ms: u32) -> Result<Duration, ProtoError> {
+    let deadline = Duration::from_millis(u64::from(ms));
+    if deadline.is_zero() || deadline > MAX_DEADLINE {
+        return Err(invalid(
+            "deadline_ms",
+            format!("{ms} must be in 1..={}", MAX_DEADLINE.as_millis()),
+        ));
+    }
+    Ok(deadline)
+}
+
+/// A validated [`pb::FetchRequest`]: the prompt is exactly the blocks up to
+/// the last one asked for, and every destination block lies in the regions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FetchJob {
+    /// The prompt's first `skip_blocks + dst_blocks.len()` full blocks.
+    pub prompt: Vec<u32>,
+    pub skip_blocks: usize,
+    pub dst_blocks: Vec<u32>,
+    /// The fetching node's pools, one per tensor-parallel rank.
+    pub regions: Vec<KvRegion>,
+    pub deadline: Duration,
+}
+
+impl FetchJob {
+    pub fn validate(
+        req: pb::FetchRequest,
+        ours: &ModelFingerprint,
+        block_bytes: u64,
+    ) -> Result<Self, ProtoError> {
+        check_version(req.version)?;
+        check_fingerprint(ours, req.fingerprint)?;
+        check_prompt(&req.prompt)?;
+        let regions = regions_from_pb(req.region, req.rank_regions, ours)?;
+        let skip = req.skip_blocks as usize;
+        let blocks = skip.checked_add(req.dst_blocks.len());
+        if req.dst_blocks.is_empty()
+            || blocks.and_then(|b| b.checked_mul(ours.block_size)) != Some(req.prompt.len())
+        {
+            return Err(invalid(
+                "dst_blocks",
+                format!(
+                    "{skip} skipped and {} asked blocks are not the {} tokens sent",
+                    req.dst_blocks.len(),
+                    req.prompt.len()
+                ),
+            ));
+        }
+        check_dst_blocks(&regions, &req.dst_blocks, block_bytes)?;
+        Ok(Self {
+            prompt: req.prompt,
+            skip_blocks: skip,
+            dst_blocks: req.dst_blocks,
+            regions,
+            deadline: deadline_from_ms(req.deadline_ms)?,
+        })
+    }
+
+    pub fn to_pb(&self, fingerprint: &ModelFingerprint) -> pb::FetchRequest {
+        pb::FetchRequest {
+            version: PROTOCOL_VERSION,
+            fingerprint: Some(fingerprint.into()),
+            prompt: self.prompt.clone(),
+            skip_blocks: self.skip_blocks as u32,
+            dst_blocks: self.dst_blocks.clone(),
+            region: self.regions.first().map(region_to_pb),
+            rank_regions: self.regions.iter().skip(1).map(region_to_pb).collect(),
+            deadline_ms: self.deadline.as_millis().min(u128::from(u32::MAX)) as u32,
         }
     }
 }

@@ -157,6 +157,7 @@ fn generate_request_validation() {
             worker_id: "p0".into(),
             endpoint: "http://127.0.0.1:5000".into(),
         }],
+        prefix_source: None,
     };
     let back = GenerateJob::validate(job.to_pb(&fp()), &fp()).expect("valid");
     assert_eq!(back, job);
@@ -206,6 +207,93 @@ fn generate_request_validation() {
     let mut r = job.to_pb(&fp());
     r.fingerprint = None;
     assert!(GenerateJob::validate(r, &fp()).is_err());
+}
+
+#[test]
+fn prefix_source_is_checked_against_the_prompt() {
+    let mut job = GenerateJob::validate(
+        pb::GenerateRequest {
+            version: PROTOCOL_VERSION,
+            fingerprint: Some((&fp()).into()),
+            prompt: vec![1; 40],
+            sampling: Some((&SamplingParams::greedy()).into()),
+            max_tokens: 4,
+            ..Default::default()
+        },
+        &fp(),
+    )
+    .expect("valid");
+    job.prefix_source = Some(PrefixSource {
+        worker_id: "d1".into(),
+        endpoint: "http://h:7".into(),
+        blocks: 2,
+    });
+    let back = GenerateJob::validate(job.to_pb(&fp()), &fp()).expect("valid");
+    assert_eq!(back, job);
+    // 40 tokens are two full blocks of 16: a third is not the prompt's.
+    for (blocks, endpoint, field) in [
+        (3, "http://h:7", "prefix_source.blocks"),
+        (0, "http://h:7", "prefix_source.blocks"),
+        (1, "h:7", "prefix_source.endpoint"),
+    ] {
+        let mut r = job.to_pb(&fp());
+        let p = r.prefix_source.as_mut().expect("set");
+        p.blocks = blocks;
+        p.endpoint = endpoint.into();
+        let e = GenerateJob::validate(r, &fp()).expect_err(field);
+        assert!(e.to_string().contains(field), "{field}: {e}");
+    }
+}
+
+fn fetch_req() -> pb::FetchRequest {
+    let p = prefill_req();
+    pb::FetchRequest {
+        version: PROTOCOL_VERSION,
+        fingerprint: p.fingerprint,
+        prompt: vec![5; 48],
+        skip_blocks: 1,
+        dst_blocks: vec![7, 9],
+        region: p.region,
+        rank_regions: vec![],
+        deadline_ms: 5000,
+    }
+}
+
+#[test]
+fn fetch_request_round_trips_and_rejections_name_the_problem() {
+    let job = FetchJob::validate(fetch_req(), &fp(), 1000).expect("valid");
+    assert_eq!((job.skip_blocks, job.dst_blocks.clone()), (1, vec![7, 9]));
+    let again = FetchJob::validate(job.to_pb(&fp()), &fp(), 1000).expect("valid");
+    assert_eq!(again, job);
+    type Break = fn(&mut pb::FetchRequest);
+    let cases: [(Break, &str); 7] = [
+        // The prompt must be exactly the blocks up to the last one asked.
+        (|r| r.prompt.push(1), "dst_blocks"),
+        (|r| r.skip_blocks = 2, "dst_blocks"),
+        (|r| r.dst_blocks.clear(), "dst_blocks"),
+        (|r| r.skip_blocks = u32::MAX, "dst_blocks"),
+        // Block 10 of a 10-block region.
+        (|r| r.dst_blocks[1] = 10, "outside the registered region"),
+        (|r| r.deadline_ms = 0, "deadline_ms"),
+        (|r| r.region = None, "region"),
+    ];
+    for (break_it, says) in cases {
+        let mut r = fetch_req();
+        break_it(&mut r);
+        let e = FetchJob::validate(r, &fp(), 1000)
+            .expect_err(says)
+            .to_string();
+        assert!(e.contains(says), "{says}: {e}");
+    }
+    let mut r = fetch_req();
+    r.fingerprint = Some(pb::Fingerprint {
+        num_layers: 9,
+        ..(&fp()).into()
+    });
+    assert!(matches!(
+        FetchJob::validate(r, &fp(), 1000),
+        Err(ProtoError::Fingerprint(_))
+    ));
 }
 
 #[test]

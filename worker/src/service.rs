@@ -60,4 +60,11 @@ impl pb::worker_server::Worker for WorkerService {
         };
         Ok(Response::new(Box::pin(stream)))
     }
+
+    async fn fetch_blocks(
+        &self,
+        _: Request<pb::FetchRequest>,
+    ) -> Result<Response<pb::FetchResponse>, Status> {
+        Err(Status::unimplemented("fetching blocks is not served yet"))
+    }
 }

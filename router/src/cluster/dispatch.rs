@@ -54,6 +54,7 @@ impl Cluster {
         let job = GenerateJob {
             request,
             prefill: targets,
+            prefix_source: None,
         };
         let req = job.to_pb(&self.fingerprint);
         m.hashing.record((t1 - t0).as_secs_f64() * 1e6, &[]);

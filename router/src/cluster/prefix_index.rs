@@ -48,7 +48,7 @@ impl Worker {
                     cached.remove(h);
                 }
             }
-            Kind::Load(_) => {}
+            Kind::Load(_) | Kind::Moved(_) => {}
         }
         m.index_blocks.add(cached.len() as i64 - len0 as i64, &[]);
         m.index_bytes
