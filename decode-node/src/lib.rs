@@ -372,7 +372,10 @@ impl Inner {
         let outcome = |o: &'static str| metrics().prefills.add(1, &[KeyValue::new("outcome", o)]);
         if uncached < self.config.remote_prefill_min_tokens {
             outcome("local");
-            return Placement::Done(ImportOutcome::PrefillLocally, String::new());
+            return Placement::Done(
+                ImportOutcome::PrefillLocally { fetched_blocks: 0 },
+                String::new(),
+            );
         }
         for (i, target) in job.prefill.iter().enumerate().skip(from) {
             if i > 0 && Instant::now() >= budget {
@@ -416,7 +419,10 @@ impl Inner {
             }
         }
         outcome("fallback");
-        Placement::Done(ImportOutcome::PrefillLocally, String::new())
+        Placement::Done(
+            ImportOutcome::PrefillLocally { fetched_blocks: 0 },
+            String::new(),
+        )
     }
 
     /// Grants the prompt's destination blocks on every rank's pool, for

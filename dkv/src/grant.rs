@@ -514,8 +514,16 @@ impl Grant {
     /// Resolves once every granted byte has landed;
     /// [`DkvError::DeadlineExceeded`] past `deadline`.
     pub async fn complete(&self, deadline: Instant) -> Result<(), DkvError> {
+        self.landed_at_least(self.total, deadline).await
+    }
+
+    /// Resolves once at least `bytes` granted bytes have landed and no
+    /// accepted write is still landing (for a peer that writes only part
+    /// of what was granted and says how much); [`DkvError::DeadlineExceeded`]
+    /// past `deadline`.
+    pub async fn landed_at_least(&self, bytes: u64, deadline: Instant) -> Result<(), DkvError> {
         let mut rx = self.rx.clone();
-        let wait = rx.wait_for(|p| p.landed == self.total && p.in_flight == 0);
+        let wait = rx.wait_for(|p| p.landed >= bytes && p.in_flight == 0);
         match tokio::time::timeout_at(deadline.into(), wait).await {
             Ok(Ok(_)) => Ok(()),
             // The table let go of the grant: the transport shut down.

@@ -454,6 +454,41 @@ fn in_process_garbage_descriptors() {
     garbage(DkvConfig::in_process(), Some(tcp()));
 }
 
+/// A peer that writes part of a grant (a prefix fetch: only the blocks
+/// it holds): `landed_at_least` resolves for what it wrote and no more.
+fn partly_written(cfg: DkvConfig) {
+    let (a, b) = pair(&cfg);
+    let src = Buf::new((4 * BLOCK) as usize, |i| (i % 251) as u8);
+    let dst = Buf::new((4 * BLOCK) as usize, |_| 0xEE);
+    let (ra, rb) = (register(&a, &src), register(&b, &dst));
+    let granted: Vec<WriteOp> = (0..4).map(|i| block_op(i, i)).collect();
+    let g = grant_ops(&rb, &granted);
+    let rt = rt();
+    rt.block_on(a.write(&ra, &g.descriptor(), &granted[..2], deadline()))
+        .expect("writes");
+    rt.block_on(g.landed_at_least(2 * BLOCK, deadline()))
+        .expect("two blocks landed");
+    assert_eq!(
+        dst.bytes()[..(2 * BLOCK) as usize],
+        src.bytes()[..(2 * BLOCK) as usize]
+    );
+    let soon = Instant::now() + Duration::from_millis(50);
+    let more = rt.block_on(g.landed_at_least(2 * BLOCK + 1, soon));
+    assert!(matches!(more, Err(DkvError::DeadlineExceeded)), "{more:?}");
+    let all = rt.block_on(g.complete(Instant::now() + Duration::from_millis(50)));
+    assert!(matches!(all, Err(DkvError::DeadlineExceeded)), "{all:?}");
+}
+
+#[test]
+fn ucx_partly_written() {
+    partly_written(tcp());
+}
+
+#[test]
+fn in_process_partly_written() {
+    partly_written(DkvConfig::in_process());
+}
+
 fn past_deadline(cfg: DkvConfig) {
     let (a, b) = pair(&cfg);
     let src = Buf::new(BLOCK as usize, |i| i as u8);

@@ -56,7 +56,7 @@ mod stream;
 mod tiers;
 
 use actor::Actor;
-pub use stream::{ExportStream, GenerateStream, ImportStream};
+pub use stream::{ExportStream, GenerateStream, HoldStream, ImportStream};
 use stream::{Output, Sink, Ticket, channel};
 
 /// Limits of the scheduler, validated at startup.
@@ -166,9 +166,10 @@ pub enum ImportOutcome {
         /// Prompt tokens the prefill node served from its own cache.
         remote_cached_tokens: usize,
     },
-    /// The transfer failed or was abandoned: compute the prompt here,
-    /// starting after the locally cached blocks.
-    PrefillLocally,
+    /// Compute the rest of the prompt here, after the locally cached
+    /// blocks and the `fetched_blocks` that follow them, which a peer wrote
+    /// from its own cache (0 when the transfer failed or was abandoned).
+    PrefillLocally { fetched_blocks: usize },
 }
 
 /// What an export tells its caller (a prefill node), in order: layers,
@@ -512,6 +513,29 @@ impl SchedulerHandle {
             },
         )?;
         Ok(ExportStream { events, ticket })
+    }
+
+    /// Pins the longest run of `prompt`'s leading full blocks this node has
+    /// cached, in its pool or its KV tiers (brought up to the pool), so
+    /// that a peer can copy them; nothing is computed. The blocks stay
+    /// pinned, their bytes in the (host) pool, until the stream is dropped.
+    pub fn hold_prefix(&self, prompt: Vec<u32>) -> Result<HoldStream, RequestError> {
+        let req = GenerationRequest {
+            prompt,
+            sampling: SamplingParams::greedy(),
+            max_tokens: 1,
+            stop_token_ids: Vec::new(),
+            constraint: None,
+        };
+        let (tx, events) = channel();
+        let ticket = self.submit(
+            req,
+            Sink {
+                output: Output::Hold(tx),
+                import: None,
+            },
+        )?;
+        Ok(HoldStream { events, ticket })
     }
 
     /// Decodes a prompt whose KV comes from elsewhere: reserves its blocks

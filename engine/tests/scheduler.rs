@@ -468,6 +468,72 @@ fn disaggregated_handoff_matches_local_generation() {
     assert_idle_handoffs(d);
 }
 
+/// The blocks a hold pinned, waiting for the actor's answer.
+fn held(h: &SchedulerHandle, prompt: &[u32]) -> (tandem_engine::scheduler::HoldStream, Vec<u32>) {
+    let mut hold = h.hold_prefix(prompt.to_vec()).expect("accepted");
+    match hold.blocking_blocks() {
+        Some(Ok(b)) => (hold, b),
+        other => panic!("expected held blocks, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_held_prefix_fetched_by_a_peer_is_not_recomputed() {
+    let holder = Scheduler::spawn(model(), config()).expect("starts");
+    let fetcher = Scheduler::spawn(model(), config()).expect("starts");
+    let (a, b) = (holder.handle(), fetcher.handle());
+    let bs = config().block_size;
+    let prompt = prompts().concat();
+    let full = (prompt.len() - 1) / bs;
+    assert!(full >= 3, "the test needs several full blocks");
+    let want = alone(&prompt, 12);
+
+    // Nothing cached yet: a hold is empty, and not an error.
+    let (hold, blocks) = held(a, &prompt[..full * bs]);
+    assert!(blocks.is_empty());
+    drop(hold);
+    assert_eq!(
+        collect(a.generate(request(&prompt, 12)).expect("accepted")).0,
+        want
+    );
+
+    // The holder has the prompt's full blocks; asked for more than it
+    // holds (a last block of other tokens), it pins the run it has.
+    let mut asked = prompt[..full * bs].to_vec();
+    asked.extend(std::iter::repeat_n(7, bs));
+    let (hold, blocks) = held(a, &asked);
+    assert_eq!(blocks.len(), full);
+    wait_for("the hold to be counted", || {
+        a.stats().exported.load(Ordering::Relaxed) == 1
+    });
+
+    // The fetcher imports the prompt, gets the held blocks written into
+    // its first ones, and computes only the rest.
+    let mut d = b.import(request(&prompt, 12)).expect("accepted");
+    let slot = expect_import_slot(&mut d);
+    assert_eq!(slot.cached_blocks, 0);
+    copy_blocks(a, &blocks, b, &slot.blocks[..full]);
+    drop(hold);
+    // More than fit before the last token is capped, not trusted.
+    let d = d.complete(ImportOutcome::PrefillLocally {
+        fetched_blocks: full + 5,
+    });
+    let (got, usage) = collect(d);
+    assert_eq!(got, want, "tokens after a fetched prefix");
+    assert_eq!(usage.cached_tokens, full * bs, "{usage:?}");
+    assert_eq!(
+        b.stats().prefix_miss_tokens.load(Ordering::Relaxed),
+        prompt.len() as u64,
+        "the fetched blocks were not in the fetcher's cache"
+    );
+    // They are its own cache now.
+    let (again, usage) = collect(b.generate(request(&prompt, 12)).expect("accepted"));
+    assert_eq!(again, want);
+    assert_eq!(usage.cached_tokens, full * bs);
+    assert_idle_handoffs(a);
+    assert_idle_handoffs(b);
+}
+
 #[test]
 fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
     let sched = Scheduler::spawn(model(), config()).expect("starts");
@@ -481,7 +547,10 @@ fn failed_import_falls_back_to_local_prefill_and_cancels_free_blocks() {
     wait_for("the import to be counted", || {
         h.stats().importing.load(Ordering::Relaxed) == 1
     });
-    assert_eq!(collect(d.complete(ImportOutcome::PrefillLocally)).0, want);
+    assert_eq!(
+        collect(d.complete(ImportOutcome::PrefillLocally { fetched_blocks: 0 })).0,
+        want
+    );
     assert_idle_handoffs(h);
 
     // Cancelled while waiting for its KV: blocks return at once.

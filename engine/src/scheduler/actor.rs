@@ -75,7 +75,7 @@ pub(super) struct Actor {
     pub(super) running: Vec<Seq>,
     /// Admitted imports waiting for their KV.
     pub(super) importing: Vec<Seq>,
-    /// Computed exports holding their blocks.
+    /// Computed exports and holds, pinning their blocks.
     pub(super) held: Vec<Seq>,
     pub(super) kv_sink: Option<KvEventSink>,
     /// The KV tiers below the pool, if any (`scheduler/tiers.rs`).
@@ -195,8 +195,8 @@ impl Actor {
         };
         let mut s = self.importing.swap_remove(i);
         let (first, remote_cached) = match outcome {
-            ImportOutcome::PrefillLocally => {
-                self.running.push(s);
+            ImportOutcome::PrefillLocally { fetched_blocks } => {
+                self.take_fetched(s, fetched_blocks);
                 return;
             }
             ImportOutcome::Ready {
@@ -230,6 +230,31 @@ impl Actor {
             Some(finish) => self.finish(s, finish),
             None => self.running.push(s),
         }
+    }
+
+    /// An import to be computed here joins the batch, after the
+    /// `fetched` blocks a peer wrote behind its cached ones (at most up to
+    /// the prompt's last full block before its last token, which must run
+    /// to produce logits), registered in the prefix cache as if computed.
+    fn take_fetched(&mut self, mut s: Seq, fetched: usize) {
+        let bs = self.config.block_size;
+        let cached = s.computed / bs;
+        let fetched = fetched.min(((s.prompt_len - 1) / bs).saturating_sub(cached));
+        if fetched > 0 {
+            let landed = &s.table[cached..cached + fetched];
+            if let Err(e) = self.exec.kv_written(&self.cache, landed) {
+                tracing::warn!(request = s.id, error = %e, "fetched KV did not reach the runner");
+                s.sink.fail(GenFailure::Internal(e.to_string()));
+                self.free(&mut s);
+                return;
+            }
+            s.computed += fetched * bs;
+            // Computed by nobody here: cached, as far as usage says.
+            s.cached_tokens = s.cached_tokens.max(s.computed);
+            s.cached_shared.store(s.cached_tokens, Ordering::Relaxed);
+            register_full_blocks(&mut self.cache, &mut s, bs);
+        }
+        self.running.push(s);
     }
 
     /// A sequence that finished: its usage reported, its blocks freed.

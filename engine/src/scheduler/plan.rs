@@ -116,6 +116,10 @@ impl Actor {
                 reading.push(s);
                 continue;
             }
+            if s.sink.is_hold() {
+                self.hold(s);
+                continue;
+            }
             let importing = s.sink.import.is_some();
             let len = if importing {
                 // Room for the whole prompt, written by the prefill node.
@@ -154,10 +158,16 @@ impl Actor {
     }
 
     /// Reuses cached full blocks (from the pool, then the KV tiers),
-    /// leaving at least one token to run so the step produces logits.
-    /// Returns false when the sequence must wait for a tier's read.
+    /// leaving at least one token to run so the step produces logits
+    /// (a hold, which runs nothing, takes every full block). Returns false
+    /// when the sequence must wait for a tier's read.
     fn match_prefix(&mut self, s: &mut Seq, first_admission: bool) -> bool {
-        let hashes = block_hashes(&s.tokens[..s.tokens.len() - 1], self.config.block_size);
+        let matchable = if s.sink.is_hold() {
+            s.tokens.len()
+        } else {
+            s.tokens.len() - 1
+        };
+        let hashes = block_hashes(&s.tokens[..matchable], self.config.block_size);
         s.table = self.cache.blocks_mut().match_prefix(&hashes);
         // The pool and the tiers may each hold parts of the prefix (the
         // pool evicts its oldest blocks first: a prompt's head, not its
@@ -183,6 +193,20 @@ impl Actor {
             s.cached_shared.store(s.cached_tokens, Ordering::Relaxed);
         }
         true
+    }
+
+    /// A hold's cached blocks are matched: their bytes are brought to the
+    /// host pool (where a transfer engine reads them) and they stay pinned
+    /// until its caller lets go. It takes no part in any step.
+    fn hold(&mut self, mut s: Seq) {
+        if let Err(e) = self.exec.kv_read(&mut self.cache, &s.table) {
+            tracing::warn!(request = s.id, error = %e, "held KV blocks could not be read");
+            s.sink.fail(GenFailure::Internal(e.to_string()));
+            self.free(&mut s);
+            return;
+        }
+        s.sink.held(s.table.clone());
+        self.held.push(s);
     }
 
     /// Counts a newly admitted request's prompt as prefix-cache hits and

@@ -15,6 +15,7 @@ use tokio::sync::mpsc as tmpsc;
 use tandem_types::{GenEvent, GenFailure, Sampled, Usage, egress};
 
 use super::{Command, ExportEvent, Exported, ImportOutcome, ImportSlot, LayerDone};
+use crate::kv_cache::BlockId;
 
 /// The sending half of a request's channel of `E`s.
 pub(super) type Tx<E> = tmpsc::UnboundedSender<(Instant, E)>;
@@ -41,6 +42,9 @@ pub(super) enum Output {
     Tokens(Tx<GenEvent>),
     /// An export: layers as they are written, then the held blocks.
     Export(Tx<ExportEvent>),
+    /// A hold: the prompt's leading blocks this node has cached (pool or
+    /// KV tiers), held for a peer to copy; nothing is computed.
+    Hold(Tx<Result<Vec<BlockId>, GenFailure>>),
 }
 
 /// The actor's side of a request.
@@ -55,6 +59,17 @@ pub(super) struct Sink {
 impl Sink {
     pub(super) fn is_export(&self) -> bool {
         matches!(self.output, Output::Export(_))
+    }
+
+    pub(super) fn is_hold(&self) -> bool {
+        matches!(self.output, Output::Hold(_))
+    }
+
+    /// Reports a hold's blocks, now pinned until its stream is dropped.
+    pub(super) fn held(&self, blocks: Vec<BlockId>) {
+        if let Output::Hold(tx) = &self.output {
+            emit(tx, Ok(blocks));
+        }
     }
 
     /// Reports a generated token. An export's one token leaves with its
@@ -77,7 +92,7 @@ impl Sink {
     pub(super) fn layers(&self) -> Option<&Tx<ExportEvent>> {
         match &self.output {
             Output::Export(tx) => Some(tx),
-            Output::Tokens(_) => None,
+            Output::Tokens(_) | Output::Hold(_) => None,
         }
     }
 
@@ -105,6 +120,7 @@ impl Sink {
         match &self.output {
             Output::Tokens(tx) => emit(tx, GenEvent::Failed(failure)),
             Output::Export(tx) => emit(tx, ExportEvent::Failed(failure)),
+            Output::Hold(tx) => emit(tx, Err(failure)),
         }
     }
 }
@@ -233,6 +249,42 @@ impl ExportStream {
         // After `Exported` the blocks stay held: dropping the stream
         // releases them.
         if matches!(ev, None | Some(ExportEvent::Failed(_))) {
+            self.ticket.done = true;
+        }
+        ev
+    }
+}
+
+/// A hold on a prompt's cached leading blocks ([`SchedulerHandle::hold_prefix`]):
+/// they stay pinned, unchanged, until this is dropped.
+///
+/// [`SchedulerHandle::hold_prefix`]: super::SchedulerHandle::hold_prefix
+#[derive(Debug)]
+pub struct HoldStream {
+    pub(super) events: Events<Result<Vec<BlockId>, GenFailure>>,
+    pub(super) ticket: Ticket,
+}
+
+impl HoldStream {
+    /// The held blocks, in prompt order (possibly none); `Err` if the
+    /// hold failed; `None` if the scheduler stopped.
+    pub async fn blocks(&mut self) -> Option<Result<Vec<BlockId>, GenFailure>> {
+        let ev = self.events.recv().await;
+        self.note(ev)
+    }
+
+    /// Blocking variant of [`HoldStream::blocks`] for synchronous callers.
+    pub fn blocking_blocks(&mut self) -> Option<Result<Vec<BlockId>, GenFailure>> {
+        let ev = self.events.blocking_recv();
+        self.note(ev)
+    }
+
+    fn note(
+        &mut self,
+        ev: Option<Result<Vec<BlockId>, GenFailure>>,
+    ) -> Option<Result<Vec<BlockId>, GenFailure>> {
+        // Held blocks stay pinned: dropping the stream releases them.
+        if !matches!(ev, Some(Ok(_))) {
             self.ticket.done = true;
         }
         ev
