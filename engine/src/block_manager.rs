@@ -13,7 +13,25 @@ use crate::block_allocator::{BlockAllocator, BlockId, KvCacheError};
 
 pub use tandem_types::block_hash::{BlockHash, block_hashes, chain_hash};
 
-/// A change to the set of cached blocks.
+/// Where a node keeps a block it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvTier {
+    /// The engine's KV pool (what a step reads).
+    Pool,
+    /// Host memory below the pool (`--kv-connector-config`).
+    Host,
+    /// Files under the disk offload directory.
+    Disk,
+}
+
+/// A change to the set of blocks a node holds.
+///
+/// A block's events, in order: `Stored` when it enters the pool (computed,
+/// or brought back from a tier: `Stored` always means the pool), `Moved`
+/// to `Host` or `Disk` when the pool evicted it into a tier or a tier moved
+/// it down (one `Moved` per publication, naming where it is then: moves in
+/// between are not reported), and `Removed` once it left every tier. A
+/// restarted node announces its disk as `Stored` then `Moved` to `Disk`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEventKind {
     Stored {
@@ -22,6 +40,11 @@ pub enum KvEventKind {
     },
     Removed {
         hashes: Vec<BlockHash>,
+    },
+    /// Blocks this node still holds, now (only) below the pool, in `tier`.
+    Moved {
+        hashes: Vec<BlockHash>,
+        tier: KvTier,
     },
     Cleared,
 }
@@ -97,14 +120,24 @@ impl BlockManager {
         }
     }
 
-    /// Tells the event consumers that this node holds these blocks (below
-    /// the pool: a restarted node's disk tier).
+    /// Tells the event consumers that these blocks, no longer in the pool,
+    /// are held in `tier` (the pool evicted them into it, or a tier moved
+    /// them down).
+    pub fn moved(&mut self, hashes: Vec<BlockHash>, tier: KvTier) {
+        if !hashes.is_empty() {
+            self.emit(KvEventKind::Moved { hashes, tier });
+        }
+    }
+
+    /// Tells the event consumers that this node holds these blocks on disk
+    /// (a restarted node's disk tier): `Stored`, then `Moved` to `Disk`.
     pub fn announce(&mut self, hashes: Vec<BlockHash>) {
         if !hashes.is_empty() {
             self.emit(KvEventKind::Stored {
                 parent: None,
-                hashes,
+                hashes: hashes.clone(),
             });
+            self.moved(hashes, KvTier::Disk);
         }
     }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::backend::ServedModel;
-use tandem_engine::block_manager::{BlockHash, KvEvent, KvEventKind, block_hashes};
+use tandem_engine::block_manager::{BlockHash, KvEvent, KvEventKind, KvTier, block_hashes};
 use tandem_engine::moe::Combine;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerHandle};
@@ -215,6 +215,17 @@ type Events = Arc<std::sync::Mutex<Vec<KvEvent>>>;
 /// The workload A, B on SmolLM2 with `tiers`, its prefix-cache events
 /// collected; returns them with A's block hashes.
 fn events_of(m: &Arc<LoadedModel>, tiers: TierConfig) -> (Vec<KvEvent>, Vec<BlockHash>) {
+    let (events, a, _) = events_of_turns(m, tiers, &[0, 1]);
+    (events, a)
+}
+
+/// SmolLM2 asked prompts A (0) and B (1) in `order` with `tiers`: the
+/// prefix-cache events, A's block hashes and the answers.
+fn events_of_turns(
+    m: &Arc<LoadedModel>,
+    tiers: TierConfig,
+    order: &[usize],
+) -> (Vec<KvEvent>, Vec<BlockHash>, Vec<Answer>) {
     let events: Events = Arc::default();
     let sink = Arc::clone(&events);
     let sched = Scheduler::spawn_with_kv_events(
@@ -223,13 +234,12 @@ fn events_of(m: &Arc<LoadedModel>, tiers: TierConfig) -> (Vec<KvEvent>, Vec<Bloc
         Some(Box::new(move |e| sink.lock().expect("lock").extend(e))),
     )
     .expect("spawns");
-    let [a, b] = prompts(m, SMOLLM2.prompt_tokens);
-    ask(sched.handle(), &a);
-    ask(sched.handle(), &b);
+    let ab = prompts(m, SMOLLM2.prompt_tokens);
+    let answers = order.iter().map(|&i| ask(sched.handle(), &ab[i])).collect();
     wait_idle(sched.handle());
     drop(sched);
     let events = std::mem::take(&mut *events.lock().expect("lock"));
-    (events, block_hashes(&a, BLOCK))
+    (events, block_hashes(&ab[0], BLOCK), answers)
 }
 
 fn removed(events: &[KvEvent]) -> Vec<BlockHash> {
@@ -270,15 +280,93 @@ fn events_say_removed_only_what_left_every_tier() {
     let (events, a) = events_of(&m, tiers.clone());
     assert!(a.iter().all(|h| !removed(&events).contains(h)));
     let (events, _) = events_of(&m, tiers);
-    let Some(KvEventKind::Stored {
-        parent: None,
-        hashes,
-    }) = events.first().map(|e| &e.kind)
+    let (
+        Some(KvEventKind::Stored {
+            parent: None,
+            hashes,
+        }),
+        Some(KvEventKind::Moved {
+            hashes: on_disk,
+            tier: KvTier::Disk,
+        }),
+    ) = (
+        events.first().map(|e| &e.kind),
+        events.get(1).map(|e| &e.kind),
+    )
     else {
-        panic!("the first event is not the disk's announcement: {events:?}");
+        panic!("the first events are not the disk's announcement: {events:?}");
     };
+    assert_eq!(hashes, on_disk, "announced, then said to be on disk");
     assert!(
         a.iter().all(|h| hashes.contains(h)),
         "A's blocks are not all announced"
     );
+}
+
+/// What the events say of one block, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Stored,
+    Moved(KvTier),
+    Removed,
+}
+
+fn history(events: &[KvEvent], h: BlockHash) -> Vec<Step> {
+    events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            KvEventKind::Stored { hashes, .. } if hashes.contains(&h) => Some(Step::Stored),
+            KvEventKind::Moved { hashes, tier } if hashes.contains(&h) => Some(Step::Moved(*tier)),
+            KvEventKind::Removed { hashes } if hashes.contains(&h) => Some(Step::Removed),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A block's events, as specified (`KvEventKind`): `Stored` when it enters
+/// the pool (computed or brought back), then, while it is below the pool,
+/// `Moved` to the tier that holds it at each publication (host memory,
+/// then disk: never back up without a `Stored`), and `Removed` only when
+/// no tier holds it. A, B, A with host memory for two blocks over a disk:
+/// B pushes A out of the pool into host memory and on to disk, and the
+/// second A brings it back. Event ids have no gaps (a router resubscribes
+/// on one).
+#[test]
+fn events_follow_a_block_from_the_pool_to_host_to_disk_and_back() {
+    let m = model(&SMOLLM2);
+    let block_bytes = m.kv_cache_config(BLOCK, 1).block_bytes() as u64;
+    let dir = tempfile::tempdir_in("/var/tmp").expect("temp dir");
+    let (events, a, answers) =
+        events_of_turns(&m, with_disk(2 * block_bytes, dir.path()), &[0, 1, 0]);
+    assert_restored(&answers, &SMOLLM2, "A after B");
+    assert!(
+        events.windows(2).all(|w| w[1].id == w[0].id + 1),
+        "event ids with a gap"
+    );
+    let full = [
+        Step::Stored,
+        Step::Moved(KvTier::Host),
+        Step::Moved(KvTier::Disk),
+        Step::Stored,
+    ];
+    let mut whole_way = 0;
+    for (i, &h) in a.iter().enumerate() {
+        let steps = history(&events, h);
+        assert_eq!(steps.first(), Some(&Step::Stored), "block {i}: {steps:?}");
+        assert_eq!(steps.last(), Some(&Step::Stored), "block {i}: {steps:?}");
+        assert!(!steps.contains(&Step::Removed), "block {i}: {steps:?}");
+        // Below the pool a block only goes down, one report per tier.
+        for w in steps.windows(2) {
+            if let [Step::Moved(from), Step::Moved(to)] = w {
+                assert!(
+                    (*from, *to) == (KvTier::Host, KvTier::Disk),
+                    "block {i}: {steps:?}"
+                );
+            }
+        }
+        whole_way += usize::from(steps == full);
+    }
+    // B's prefill evicts A a chunk at a time: the last two blocks of a
+    // chunk wait in host memory until the next chunk pushes them to disk.
+    assert!(whole_way > 0, "no block of A went pool, host, disk, pool");
 }

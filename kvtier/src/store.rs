@@ -22,6 +22,8 @@ pub struct TierStore {
     events: mpsc::Receiver<DiskEvent>,
     /// Blocks that left every tier since [`TierStore::take_dropped`].
     dropped: Vec<BlockHash>,
+    /// Blocks whose tier changed since [`TierStore::take_moved`].
+    moved: Vec<BlockHash>,
     /// Blocks asked of the disk and not yet answered.
     reading: HashSet<BlockHash>,
     /// Blocks read from disk, kept for the lookup that asked for them
@@ -73,6 +75,7 @@ impl TierStore {
             disk,
             events,
             dropped: Vec::new(),
+            moved: Vec::new(),
             reading: HashSet::new(),
             staged: HashMap::new(),
             block_len,
@@ -105,11 +108,13 @@ impl TierStore {
     }
 
     /// A block evicted from the pool: kept in host memory; what that
-    /// pushes out goes to disk.
+    /// pushes out goes to disk. Its tier is reported by
+    /// [`TierStore::take_moved`].
     pub fn offload(&mut self, hash: BlockHash, bytes: BlockBytes) {
         if bytes.len() != self.block_len {
             return;
         }
+        self.moved.push(hash);
         if self.host.get(hash).is_some() {
             return;
         }
@@ -127,10 +132,45 @@ impl TierStore {
                 Some(d) => d.contains(h) || d.write(h, b),
                 None => false,
             };
-            if !kept {
+            if kept {
+                self.moved.push(h);
+            } else {
                 self.dropped.push(h);
             }
         }
+    }
+
+    /// A block the pool evicted that a tier holds already (so it was not
+    /// offloaded again): its tier is reported by [`TierStore::take_moved`].
+    pub fn left_pool(&mut self, hash: BlockHash) {
+        self.moved.push(hash);
+    }
+
+    /// Where a block is kept below the pool: host memory, else the disk
+    /// (a block queued for writing counts as the disk's); `None` if not.
+    pub fn tier_of(&self, hash: BlockHash) -> Option<Tier> {
+        if self.host.contains(hash) {
+            return Some(Tier::Host);
+        }
+        let d = self.disk.as_ref()?;
+        (d.contains(hash) || d.writing(hash).is_some() || self.staged.contains_key(&hash))
+            .then_some(Tier::Disk)
+    }
+
+    /// The blocks that entered a tier or moved between tiers since the
+    /// last call (offloaded, pushed from host memory to disk, read back
+    /// into host memory, or evicted from the pool while a tier held them),
+    /// each with the tier that holds it now, by hash; those no tier holds
+    /// any more are [`TierStore::take_dropped`]'s.
+    pub fn take_moved(&mut self) -> Vec<(BlockHash, Tier)> {
+        self.take_loaded();
+        let mut moved = std::mem::take(&mut self.moved);
+        moved.sort_unstable();
+        moved.dedup();
+        moved
+            .into_iter()
+            .filter_map(|h| self.tier_of(h).map(|t| (h, t)))
+            .collect()
     }
 
     /// Blocks that left every tier since the last call (for the prefix
@@ -249,6 +289,7 @@ impl TierStore {
             return;
         }
         for (hash, b) in std::mem::take(&mut self.staged) {
+            self.moved.push(hash);
             let evicted = self.host.insert(hash, b);
             self.push_down(evicted);
         }

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use tandem_kvtier::{BlockBytes, DiskConfig, Found, TierBlock, TierConfig, TierStore};
+use tandem_kvtier::{BlockBytes, DiskConfig, Found, Tier, TierBlock, TierConfig, TierStore};
 use tandem_testkit::TestMeter;
 
 const BLOCK: usize = 10_000;
@@ -16,14 +16,19 @@ const NAMESPACE: u64 = 0x5eed;
 /// A meter installed before anything records; tests that read it run one
 /// at a time (the instruments are process-wide).
 fn meter() -> (&'static TestMeter, std::sync::MutexGuard<'static, ()>) {
-    static M: OnceLock<TestMeter> = OnceLock::new();
     static LOCK: Mutex<()> = Mutex::new(());
-    let m = M.get_or_init(|| {
+    (installed(), LOCK.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// The test meter, installed by whichever test first records (the tiers
+/// make their instruments once, from the provider installed then).
+fn installed() -> &'static TestMeter {
+    static M: OnceLock<TestMeter> = OnceLock::new();
+    M.get_or_init(|| {
         let meter = TestMeter::new();
         opentelemetry::global::set_meter_provider(meter.provider().clone());
         meter
-    });
-    (m, LOCK.lock().unwrap_or_else(|p| p.into_inner()))
+    })
 }
 
 fn counter(m: &TestMeter, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -58,6 +63,7 @@ fn tiers(dir: &Path, host_blocks: u64, disk_max: u64) -> TierConfig {
 }
 
 fn open_with(config: &TierConfig, namespace: u64) -> Store {
+    installed();
     let (tx, woken) = mpsc::channel();
     let tx = Mutex::new(tx);
     let wake = Arc::new(move || {
@@ -174,6 +180,57 @@ fn blocks_leave_host_memory_for_disk_and_come_back_equal() {
     assert_eq!(host, 2.0);
     // A run ends where no tier holds the next block.
     assert_eq!(s.lookup(&[0, 1, 99, 2]).len(), 2);
+}
+
+/// The tiers report each block's moves by the tier that holds it when
+/// asked (for the router's events): host memory when offloaded, the disk
+/// once host memory pushed it out, host memory again when a read of it
+/// landed there; a block no tier holds any more is dropped, not moved.
+#[test]
+fn moves_are_reported_with_the_tier_that_holds_the_block_now() {
+    let dir = tempfile::tempdir_in("/var/tmp").expect("temp dir");
+    let mut s = open(dir.path(), 2, 3);
+    s.store.offload(0, bytes_of(0));
+    s.store.offload(1, bytes_of(1));
+    assert_eq!(s.store.take_moved(), [(0, Tier::Host), (1, Tier::Host)]);
+    assert!(s.store.take_moved().is_empty(), "reported once");
+    // 2 pushes 0 down (queued or written: the disk's either way).
+    s.store.offload(2, bytes_of(2));
+    assert_eq!(s.store.take_moved(), [(0, Tier::Disk), (2, Tier::Host)]);
+    // 3 then 4 push 1 and 2 down: reported once each, where they are now.
+    s.store.offload(3, bytes_of(3));
+    s.store.offload(4, bytes_of(4));
+    assert_eq!(
+        s.store.take_moved(),
+        [
+            (1, Tier::Disk),
+            (2, Tier::Disk),
+            (3, Tier::Host),
+            (4, Tier::Host)
+        ]
+    );
+    poll("disk writes", || s.disk_len() == 3);
+    // A block evicted from the pool again while a tier holds it.
+    s.store.left_pool(0);
+    s.store.left_pool(4);
+    assert_eq!(s.store.take_moved(), [(0, Tier::Disk), (4, Tier::Host)]);
+    // A disk of three: 5 and 6 push 3 and 4 down, and the disk drops its
+    // oldest files (0 and 1) for them.
+    s.store.offload(5, bytes_of(5));
+    s.store.offload(6, bytes_of(6));
+    poll("disk writes", || s.store.disk().expect("disk").contains(4));
+    poll("the budget", || s.disk_len() == 3);
+    let moved = s.store.take_moved();
+    assert_eq!(
+        moved,
+        [
+            (3, Tier::Disk),
+            (4, Tier::Disk),
+            (5, Tier::Host),
+            (6, Tier::Host)
+        ]
+    );
+    assert_eq!(s.store.take_dropped(), [0, 1]);
 }
 
 #[test]

@@ -9,7 +9,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tandem_engine::block_manager::{KvEvent, KvEventKind};
+use tandem_engine::block_manager::{KvEvent, KvEventKind, KvTier};
 use tandem_engine::scheduler::KvEventSink;
 use tandem_proto::pb;
 use tokio::sync::broadcast;
@@ -40,12 +40,24 @@ fn to_pb(e: KvEvent) -> pb::WorkerEvent {
     let kind = match e.kind {
         KvEventKind::Stored { parent, hashes } => Kind::Stored(pb::BlockStored { parent, hashes }),
         KvEventKind::Removed { hashes } => Kind::Removed(pb::BlockRemoved { hashes }),
+        KvEventKind::Moved { hashes, tier } => Kind::Moved(pb::BlockMoved {
+            hashes,
+            tier: tier_to_pb(tier) as i32,
+        }),
         KvEventKind::Cleared => Kind::Cleared(pb::CacheCleared {}),
     };
     pb::WorkerEvent {
         event_id: e.id,
         kind: Some(kind),
         emitted_unix_us: tandem_types::clock::unix_micros(),
+    }
+}
+
+fn tier_to_pb(t: KvTier) -> pb::KvTier {
+    match t {
+        KvTier::Pool => pb::KvTier::Pool,
+        KvTier::Host => pb::KvTier::Host,
+        KvTier::Disk => pb::KvTier::Disk,
     }
 }
 
@@ -142,6 +154,33 @@ mod tests {
 
     fn ids(s: &Subscription) -> Vec<u64> {
         s.backlog.iter().map(|e| e.event_id).collect()
+    }
+
+    /// Each tier reaches the wire as its own `KvTier`, the hashes and id
+    /// unchanged.
+    #[test]
+    fn moves_reach_the_wire_with_their_tier() {
+        for (tier, want) in [
+            (KvTier::Pool, pb::KvTier::Pool),
+            (KvTier::Host, pb::KvTier::Host),
+            (KvTier::Disk, pb::KvTier::Disk),
+        ] {
+            let e = to_pb(KvEvent {
+                id: 9,
+                kind: KvEventKind::Moved {
+                    hashes: vec![3, 4],
+                    tier,
+                },
+            });
+            assert_eq!(e.event_id, 9);
+            assert_eq!(
+                e.kind,
+                Some(pb::worker_event::Kind::Moved(pb::BlockMoved {
+                    hashes: vec![3, 4],
+                    tier: want as i32,
+                }))
+            );
+        }
     }
 
     #[test]

@@ -5,10 +5,10 @@
 //! if computed here. A block's bytes are every rank's share, so all of the
 //! model's caches (every layer, sliding-window and global) move together.
 
-use tandem_kvtier::{Found, TierBlock};
+use tandem_kvtier::{Found, Tier, TierBlock};
 
 use super::actor::{Actor, Seq};
-use crate::block_manager::BlockHash;
+use crate::block_manager::{BlockHash, KvTier};
 use crate::kv_cache::{BlockId, KvCacheError};
 
 /// Disk reads a prompt waits for at most. Restoring a run can evict the
@@ -31,15 +31,22 @@ impl Actor {
     }
 
     /// Copies the blocks the pool just evicted (their bytes still in
-    /// place) to the tiers, unless a tier holds them already.
+    /// place) to the tiers, unless a tier holds them already. Either way
+    /// their tier is announced by [`Actor::publish_tier_drops`].
     pub(super) fn offload_evicted(&mut self) {
         let evicted = self.cache.blocks_mut().take_evicted();
-        let Some(tiers) = self.tiers.as_ref() else {
+        let Some(tiers) = self.tiers.as_mut() else {
             return;
         };
         let evicted: Vec<(BlockHash, BlockId)> = evicted
             .into_iter()
-            .filter(|&(h, _)| !tiers.holds(h))
+            .filter(|&(h, _)| {
+                let held = tiers.holds(h);
+                if held {
+                    tiers.left_pool(h);
+                }
+                !held
+            })
             .collect();
         if evicted.is_empty() {
             return;
@@ -66,14 +73,25 @@ impl Actor {
         }
     }
 
-    /// Tells the event consumers which blocks left every tier (and are not
-    /// back in the pool).
+    /// Tells the event consumers where the blocks that moved below the
+    /// pool since the last call are now (`Moved` to host memory, then to
+    /// disk) and which left every tier (`Removed`); blocks back in the pool
+    /// are left out (their `Stored` says where they are).
     pub(super) fn publish_tier_drops(&mut self) {
         let Some(tiers) = self.tiers.as_mut() else {
             return;
         };
+        let moved = tiers.take_moved();
         let mut gone = tiers.take_dropped();
         let blocks = self.cache.blocks_mut();
+        for tier in [Tier::Host, Tier::Disk] {
+            let hashes = moved
+                .iter()
+                .filter(|&&(h, t)| t == tier && !blocks.is_cached(h))
+                .map(|&(h, _)| h)
+                .collect();
+            blocks.moved(hashes, kv_tier(tier));
+        }
         gone.retain(|&h| !blocks.is_cached(h));
         blocks.removed(gone);
     }
@@ -185,5 +203,13 @@ impl Actor {
             }
         }
         self.exec.kv_written(&self.cache, blocks)
+    }
+}
+
+/// The events' name for a tier below the pool.
+fn kv_tier(t: Tier) -> KvTier {
+    match t {
+        Tier::Host => KvTier::Host,
+        Tier::Disk => KvTier::Disk,
     }
 }
