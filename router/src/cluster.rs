@@ -8,14 +8,14 @@
 //! (`egress`), the front end's [`Backend`](tandem_frontend::Backend) over
 //! all of it (`backend`), and the routing metrics (`metrics`).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use tandem_discovery::Role;
 use tandem_proto::WorkerRecord;
 use tandem_proto::tls::PeerConnector;
-use tandem_types::{BlockHash, ModelFingerprint};
+use tandem_types::ModelFingerprint;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
@@ -36,6 +36,7 @@ pub use dispatch::Placement;
 pub use egress::RemoteStream;
 pub use membership::{ClusterHandle, MembershipRx};
 pub use policy::{Candidate, RoutingPolicy};
+pub use prefix_index::Overlap;
 
 use crate::RouterError;
 use metrics::metrics;
@@ -47,6 +48,12 @@ use probation::{Census, Standing};
 pub struct RoutingConfig {
     /// Cost of one prompt block a worker would have to compute.
     pub prefill_weight: f64,
+    /// Cost of one prompt block a worker holds in host memory, as a
+    /// fraction of computing it (`prefill_weight`): see [`CostPolicy`].
+    pub host_hit_weight: f64,
+    /// Cost of one prompt block a worker holds on disk, as a fraction of
+    /// computing it.
+    pub disk_hit_weight: f64,
     /// Cost of one queued request.
     pub queue_weight: f64,
     /// Prefill workers named to the decode node, best first (retries).
@@ -63,6 +70,14 @@ impl RoutingConfig {
         ] {
             if !value.is_finite() || value < 0.0 {
                 return Err(RouterError::Weight { name, value });
+            }
+        }
+        for (name, value) in [
+            ("host hit weight", self.host_hit_weight),
+            ("disk hit weight", self.disk_hit_weight),
+        ] {
+            if !(0.0..=1.0).contains(&value) {
+                return Err(RouterError::HitWeight { name, value });
             }
         }
         if self.prefill_candidates == 0 || self.decode_attempts == 0 {
@@ -83,8 +98,8 @@ struct Worker {
     record: WorkerRecord,
     role: Role,
     channel: Channel,
-    /// Hashes of the blocks in its prefix cache (from its events).
-    cached: Mutex<HashSet<BlockHash>>,
+    /// The blocks it holds, each with its tier (from its events).
+    cached: Mutex<prefix_index::Index>,
     last_event: AtomicU64,
     waiting: AtomicUsize,
     kv_blocks_used: AtomicUsize,

@@ -42,6 +42,14 @@ pub struct RouterArgs {
     /// Routing cost of one prompt block a worker lacks.
     #[arg(long, env = "TANDEM_PREFILL_WEIGHT", default_value_t = 1.0)]
     pub prefill_weight: f64,
+    /// Routing cost of one prompt block a worker holds in host memory
+    /// below its pool, as a fraction (0 to 1) of computing it.
+    #[arg(long, env = "TANDEM_HOST_HIT_WEIGHT", default_value_t = 0.1)]
+    pub host_hit_weight: f64,
+    /// Routing cost of one prompt block a worker holds on disk, as a
+    /// fraction (0 to 1) of computing it.
+    #[arg(long, env = "TANDEM_DISK_HIT_WEIGHT", default_value_t = 0.3)]
+    pub disk_hit_weight: f64,
     /// Routing cost of one queued request.
     #[arg(long, env = "TANDEM_QUEUE_WEIGHT", default_value_t = 8.0)]
     pub queue_weight: f64,
@@ -67,6 +75,8 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
     };
     let routing = RoutingConfig {
         prefill_weight: args.prefill_weight,
+        host_hit_weight: args.host_hit_weight,
+        disk_hit_weight: args.disk_hit_weight,
         queue_weight: args.queue_weight,
         prefill_candidates: args.prefill_candidates,
         decode_attempts: 2,

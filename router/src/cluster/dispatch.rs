@@ -35,8 +35,9 @@ impl Cluster {
         let hashes = block_hashes(&request.prompt, self.fingerprint.block_size);
         let prompt_blocks = request.prompt.len().div_ceil(self.fingerprint.block_size);
         let t1 = Instant::now();
-        let decodes = self.rank(Role::Decode, &hashes, prompt_blocks);
-        let prefills = self.rank(Role::Prefill, &hashes, prompt_blocks);
+        let ready = self.ready(&hashes);
+        let decodes = self.rank_ready(Role::Decode, &ready, prompt_blocks);
+        let prefills = self.rank_ready(Role::Prefill, &ready, prompt_blocks);
         let t2 = Instant::now();
         if decodes.is_empty() {
             return Err(
@@ -61,7 +62,8 @@ impl Cluster {
         m.lookup.record((t2 - t1).as_secs_f64() * 1e6, &[]);
         m.scheduling.record(t2.elapsed().as_secs_f64() * 1e6, &[]);
         let mut last_err = None;
-        for (w, overlap) in decodes.iter().take(self.routing.decode_attempts) {
+        for (w, c) in decodes.iter().take(self.routing.decode_attempts) {
+            let overlap = c.overlap.blocks;
             let mut request = tonic::Request::new(req.clone());
             trace.inject(request.metadata_mut());
             let mut client = pb::decode_client::DecodeClient::new(w.channel.clone());
@@ -70,7 +72,7 @@ impl Cluster {
             w.pending.fetch_sub(1, Ordering::Relaxed);
             match result {
                 Ok(resp) => {
-                    m.overlap.record(*overlap as u64, &[]);
+                    m.overlap.record(overlap as u64, &[]);
                     let placement = Placement {
                         decode: w.record.id.clone(),
                         prefill: job.prefill.iter().map(|t| t.worker_id.clone()).collect(),

@@ -2,7 +2,7 @@
 //! workers the router knows (new ones checked and followed, vanished ones
 //! dropped).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
@@ -125,7 +125,7 @@ impl Cluster {
                 record,
                 role: member.role,
                 channel,
-                cached: Mutex::new(HashSet::new()),
+                cached: Mutex::default(),
                 last_event: AtomicU64::new(0),
                 waiting: AtomicUsize::new(0),
                 kv_blocks_used: AtomicUsize::new(0),

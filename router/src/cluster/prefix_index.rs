@@ -1,7 +1,8 @@
-//! Each worker's prefix index (the hashes of the blocks its prefix cache
-//! holds) and load, kept from its events; the overlap a prompt has with it.
+//! Each worker's prefix index (the hashes of the blocks it holds, each
+//! with the tier that holds it: its pool, host memory or disk) and load,
+//! kept from its events; the overlap a prompt has with it.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
 
@@ -10,11 +11,61 @@ use tandem_types::BlockHash;
 
 use super::{Worker, metrics};
 
+/// Where a worker keeps a block it holds (its `KvTier`s, less
+/// "unspecified").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(super) enum Tier {
+    /// The engine's pool: a hit costs nothing to use.
+    Pool,
+    /// Host memory below the pool: copied back before use.
+    Host,
+    /// The disk offload directory: read, then copied back.
+    Disk,
+}
+
+impl Tier {
+    /// A `BlockMoved`'s tier; `None` for one this router does not know.
+    fn from_pb(tier: i32) -> Option<Self> {
+        match pb::KvTier::try_from(tier) {
+            Ok(pb::KvTier::Pool) => Some(Tier::Pool),
+            Ok(pb::KvTier::Host) => Some(Tier::Host),
+            Ok(pb::KvTier::Disk) => Some(Tier::Disk),
+            Ok(pb::KvTier::Unspecified) | Err(_) => None,
+        }
+    }
+}
+
+/// A worker's index: each block it holds and where.
+pub(super) type Index = HashMap<BlockHash, Tier>;
+
+/// The leading blocks of a prompt a worker holds, and how many of those
+/// are below its pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Overlap {
+    /// Leading blocks held (in any tier).
+    pub blocks: usize,
+    /// Of those, blocks in host memory.
+    pub host: usize,
+    /// Of those, blocks on disk.
+    pub disk: usize,
+}
+
 impl Worker {
-    /// Leading blocks of `hashes` this worker has cached.
-    pub(super) fn overlap(&self, hashes: &[BlockHash]) -> usize {
+    /// Leading blocks of `hashes` this worker holds, by tier.
+    pub(super) fn overlap(&self, hashes: &[BlockHash]) -> Overlap {
         let cached = self.cached.lock().unwrap_or_else(PoisonError::into_inner);
-        hashes.iter().take_while(|h| cached.contains(h)).count()
+        let mut o = Overlap::default();
+        for h in hashes {
+            match cached.get(h) {
+                None => break,
+                Some(Tier::Pool) => {}
+                Some(Tier::Host) => o.host += 1,
+                Some(Tier::Disk) => o.disk += 1,
+            }
+            o.blocks += 1;
+        }
+        o
     }
 
     /// Applies one event; returns false on a gap (the caller resubscribes).
@@ -42,13 +93,22 @@ impl Worker {
         match kind {
             Kind::Cleared(_) => cached.clear(),
             _ if last != 0 && e.event_id != last + 1 => return false,
-            Kind::Stored(s) => cached.extend(s.hashes.iter().copied()),
+            // `stored` blocks are in the pool (computed or brought back).
+            Kind::Stored(s) => cached.extend(s.hashes.iter().map(|&h| (h, Tier::Pool))),
             Kind::Removed(r) => {
                 for h in &r.hashes {
                     cached.remove(h);
                 }
             }
-            Kind::Load(_) | Kind::Moved(_) => {}
+            Kind::Moved(mv) => match Tier::from_pb(mv.tier) {
+                Some(tier) => cached.extend(mv.hashes.iter().map(|&h| (h, tier))),
+                // The blocks are still held; where is unknown, so what the
+                // index says of them stands.
+                None => {
+                    tracing::debug!(worker = %self.record.id, tier = mv.tier, "a move to an unknown tier")
+                }
+            },
+            Kind::Load(_) => {}
         }
         m.index_blocks.add(cached.len() as i64 - len0 as i64, &[]);
         m.index_bytes
@@ -58,7 +118,7 @@ impl Worker {
     }
 }
 
-/// A hash set's table: a hash and a control byte per slot.
-pub(super) fn index_bytes(set: &HashSet<BlockHash>) -> usize {
-    set.capacity() * (std::mem::size_of::<BlockHash>() + 1)
+/// A hash map's table: a (hash, tier) slot and a control byte per slot.
+pub(super) fn index_bytes(index: &Index) -> usize {
+    index.capacity() * (std::mem::size_of::<(BlockHash, Tier)>() + 1)
 }

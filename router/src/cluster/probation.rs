@@ -349,7 +349,6 @@ pub(super) fn health_report(workers: &RwLock<Workers>) -> (usize, Vec<serde_json
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashSet;
     use std::pin::Pin;
     use std::sync::atomic::{AtomicU64, AtomicUsize};
 
@@ -420,6 +419,13 @@ mod tests {
                 tokio_stream::wrappers::ReceiverStream::new(rx),
             )))
         }
+
+        async fn fetch_blocks(
+            &self,
+            _: Request<pb::FetchRequest>,
+        ) -> Result<Response<pb::FetchResponse>, Status> {
+            Err(Status::unimplemented("a fake node holds no blocks"))
+        }
     }
 
     /// Serves a fake node (over TLS with `tls`) until the runtime ends;
@@ -483,7 +489,7 @@ mod tests {
             record,
             role: Role::Decode,
             channel,
-            cached: Mutex::new(HashSet::new()),
+            cached: Mutex::default(),
             last_event: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
             kv_blocks_used: AtomicUsize::new(0),
@@ -537,7 +543,7 @@ mod tests {
         };
         events.send(Ok(stored)).await.expect("send");
         let deadline = Instant::now() + Duration::from_secs(20);
-        while w.overlap(&[5]) == 0 {
+        while w.overlap(&[5]).blocks == 0 {
             assert!(Instant::now() < deadline, "the event never arrived");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }

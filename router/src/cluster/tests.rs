@@ -1,5 +1,6 @@
 //! The cluster's routing, prefix index and dispatch, over fake workers.
 
+use super::prefix_index::Tier;
 use super::*;
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -11,7 +12,7 @@ use tandem_frontend::{BackendRequest, SubmitError};
 use tandem_proto::pb;
 use tandem_proto::trace::TraceContext;
 use tandem_types::{
-    GenEvent as Event, GenFailure, GenerationRequest, SamplingParams, block_hashes,
+    BlockHash, GenEvent as Event, GenFailure, GenerationRequest, SamplingParams, block_hashes,
 };
 use tonic::Code;
 use tonic::transport::Endpoint;
@@ -35,19 +36,22 @@ fn fingerprint() -> ModelFingerprint {
 fn routing() -> RoutingConfig {
     RoutingConfig {
         prefill_weight: 1.0,
+        host_hit_weight: 0.1,
+        disk_hit_weight: 0.3,
         queue_weight: 4.0,
         prefill_candidates: 2,
         decode_attempts: 2,
     }
 }
 
-/// What the router would know of a worker: the prompt blocks its cache
-/// holds (by hash) and its load.
+/// What the router would know of a worker: the prompt blocks its pool
+/// holds (by hash), those its tiers hold, and its load.
 struct Spec<'a> {
     id: &'a str,
     role: Role,
     endpoint: String,
     cached: Vec<BlockHash>,
+    below: Vec<(BlockHash, Tier)>,
     kv_blocks_used: usize,
     waiting: usize,
     pending: usize,
@@ -61,6 +65,7 @@ fn spec(id: &str, role: Role) -> Spec<'_> {
         // Nothing listens there: only tests that call workers set it.
         endpoint: "http://127.0.0.1:1".into(),
         cached: Vec::new(),
+        below: Vec::new(),
         kv_blocks_used: 0,
         waiting: 0,
         pending: 0,
@@ -89,7 +94,13 @@ fn worker(s: &Spec<'_>) -> Worker {
         channel: Endpoint::from_shared(s.endpoint.clone())
             .expect("endpoint")
             .connect_lazy(),
-        cached: Mutex::new(s.cached.iter().copied().collect()),
+        cached: Mutex::new(
+            s.cached
+                .iter()
+                .map(|&h| (h, Tier::Pool))
+                .chain(s.below.iter().copied())
+                .collect(),
+        ),
         last_event: AtomicU64::new(0),
         waiting: AtomicUsize::new(s.waiting),
         kv_blocks_used: AtomicUsize::new(s.kv_blocks_used),
@@ -125,8 +136,28 @@ fn prompt() -> (Vec<u32>, Vec<BlockHash>) {
 fn ranked(c: &Cluster, role: Role, hashes: &[BlockHash]) -> Vec<(String, usize)> {
     c.rank(role, hashes, hashes.len())
         .iter()
-        .map(|(w, o)| (w.record.id.clone(), *o))
+        .map(|(w, c)| (w.record.id.clone(), c.overlap.blocks))
         .collect()
+}
+
+/// `hashes` held in `tier`.
+fn held(hashes: &[BlockHash], tier: Tier) -> Vec<(BlockHash, Tier)> {
+    hashes.iter().map(|&h| (h, tier)).collect()
+}
+
+fn moved(id: u64, hashes: Vec<u64>, tier: i32) -> pb::WorkerEvent {
+    pb::WorkerEvent {
+        event_id: id,
+        kind: Some(pb::worker_event::Kind::Moved(pb::BlockMoved {
+            hashes,
+            tier,
+        })),
+        ..Default::default()
+    }
+}
+
+fn overlap(blocks: usize, host: usize, disk: usize) -> Overlap {
+    Overlap { blocks, host, disk }
 }
 
 fn owned(v: &[(&str, usize)]) -> Vec<(String, usize)> {
@@ -148,8 +179,8 @@ fn stored(id: u64, hashes: Vec<u64>) -> pb::WorkerEvent {
 async fn index_follows_events_and_detects_gaps() {
     let w = worker(&spec("w", Role::Decode));
     assert!(w.apply(&stored(1, vec![10, 11, 12])));
-    assert_eq!(w.overlap(&[10, 11, 12, 13]), 3);
-    assert_eq!(w.overlap(&[99, 11, 12]), 0, "overlap is a prefix");
+    assert_eq!(w.overlap(&[10, 11, 12, 13]).blocks, 3);
+    assert_eq!(w.overlap(&[99, 11, 12]).blocks, 0, "overlap is a prefix");
     assert!(w.apply(&pb::WorkerEvent {
         event_id: 2,
         kind: Some(pb::worker_event::Kind::Removed(pb::BlockRemoved {
@@ -157,10 +188,10 @@ async fn index_follows_events_and_detects_gaps() {
         })),
         ..Default::default()
     }));
-    assert_eq!(w.overlap(&[10, 11, 12]), 1);
+    assert_eq!(w.overlap(&[10, 11, 12]).blocks, 1);
     // A replayed event is ignored; a gap is reported.
     assert!(w.apply(&stored(2, vec![99])));
-    assert_eq!(w.overlap(&[99]), 0);
+    assert_eq!(w.overlap(&[99]).blocks, 0);
     assert!(!w.apply(&stored(4, vec![5])));
     // After `cleared`, the view restarts from what follows.
     assert!(w.apply(&pb::WorkerEvent {
@@ -168,107 +199,98 @@ async fn index_follows_events_and_detects_gaps() {
         kind: Some(pb::worker_event::Kind::Cleared(pb::CacheCleared {})),
         ..Default::default()
     }));
-    assert_eq!(w.overlap(&[10]), 0);
+    assert_eq!(w.overlap(&[10]).blocks, 0);
     assert!(w.apply(&stored(8, vec![10])));
-    assert_eq!(w.overlap(&[10]), 1);
+    assert_eq!(w.overlap(&[10]).blocks, 1);
 }
 
-/// Workers are ranked by `prefill_weight * uncached blocks + KV blocks
-/// used + queue_weight * queued`, with their prefix overlap; each role
-/// ranks only its own workers. A load event changes the order.
+/// The index keeps each block's tier: `stored` is the pool, `moved` names
+/// host memory or disk (a block first heard of in a move is held there),
+/// a move to a tier this router does not know changes nothing but is
+/// still an event (no gap after it), and `removed` forgets the block.
 #[tokio::test]
-async fn rank_prefers_overlap_then_light_load() {
-    let (_, h) = prompt();
-    let mut half = h[..5].to_vec();
-    half.push(h[7]); // not a prefix block: does not count
-    let specs = [
-        // cost 10 - 0 + 0 + 0 = 10
-        spec("cold-idle", Role::Decode),
-        // 10 - 8 + 6 + 4 * 1 = 12
-        Spec {
-            cached: h[..8].to_vec(),
-            kv_blocks_used: 6,
-            waiting: 1,
-            ..spec("warm-busy", Role::Decode)
-        },
-        // 10 - 8 + 1 = 3
-        Spec {
-            cached: h[..8].to_vec(),
-            kv_blocks_used: 1,
-            ..spec("warm-idle", Role::Decode)
-        },
-        // 10 - 5 = 5
-        Spec {
-            cached: half,
-            ..spec("half", Role::Decode)
-        },
-        // 10 - 10 + 4 * 2 sent by this router, not started = 8
-        Spec {
-            cached: h.clone(),
-            pending: 2,
-            ..spec("queued", Role::Decode)
-        },
-        // 10 - 10 = 0, but a prefill worker
-        Spec {
-            cached: h.clone(),
-            ..spec("p-warm", Role::Prefill)
-        },
-        Spec {
-            kv_blocks_used: 3,
-            ..spec("p-cold", Role::Prefill)
-        },
-    ];
-    let c = cluster(&specs, routing());
-    assert_eq!(
-        ranked(&c, Role::Decode, &h),
-        owned(&[
-            ("warm-idle", 8),
-            ("half", 5),
-            ("queued", 10),
-            ("cold-idle", 0),
-            ("warm-busy", 8),
-        ])
-    );
-    assert_eq!(
-        ranked(&c, Role::Prefill, &h),
-        owned(&[("p-warm", 10), ("p-cold", 0)])
-    );
-    // The idle warm worker reports a heavy load: it drops behind
-    // everything but the busy one (10 - 8 + 9 = 11).
-    let w = Arc::clone(&c.workers.read().expect("lock")[&(Role::Decode, "warm-idle".into())]);
+async fn index_learns_which_tier_holds_each_block() {
+    let w = worker(&spec("w", Role::Decode));
+    let (host, disk) = (pb::KvTier::Host as i32, pb::KvTier::Disk as i32);
+    assert!(w.apply(&stored(1, vec![10, 11, 12, 13])));
+    assert_eq!(w.overlap(&[10, 11, 12, 13]), overlap(4, 0, 0));
+    assert!(w.apply(&moved(2, vec![10, 11, 12], host)));
+    assert!(w.apply(&moved(3, vec![10], disk)));
+    assert_eq!(w.overlap(&[10, 11, 12, 13]), overlap(4, 2, 1));
+    // Unspecified and unknown tiers: ignored, the ids still follow.
+    assert!(w.apply(&moved(4, vec![11], pb::KvTier::Unspecified as i32)));
+    assert!(w.apply(&moved(5, vec![12, 99], 42)));
+    assert_eq!(w.overlap(&[10, 11, 12, 13, 99]), overlap(4, 2, 1));
+    // A restarted node's disk: announced, then moved to disk.
+    assert!(w.apply(&stored(6, vec![13, 14])));
+    assert!(w.apply(&moved(7, vec![13, 14], disk)));
+    assert_eq!(w.overlap(&[10, 11, 12, 13, 14]), overlap(5, 2, 3));
+    // Brought back into the pool: `stored` again.
+    assert!(w.apply(&stored(8, vec![10, 11])));
+    assert_eq!(w.overlap(&[10, 11, 12, 13, 14]), overlap(5, 1, 2));
+    assert!(w.apply(&moved(9, vec![20], host)));
+    assert_eq!(w.overlap(&[20]), overlap(1, 1, 0));
     assert!(w.apply(&pb::WorkerEvent {
-        event_id: 0,
-        kind: Some(pb::worker_event::Kind::Load(pb::Load {
-            waiting: 0,
-            running: 4,
-            kv_blocks_used: 9,
-            kv_blocks_total: 100,
+        event_id: 10,
+        kind: Some(pb::worker_event::Kind::Removed(pb::BlockRemoved {
+            hashes: vec![12, 20]
         })),
         ..Default::default()
     }));
+    assert_eq!(w.overlap(&[10, 11, 12, 13]), overlap(2, 0, 0));
+    assert_eq!(w.overlap(&[20]), overlap(0, 0, 0));
+    assert!(!w.apply(&moved(12, vec![10], disk)), "a gap");
+}
+
+/// A block below a worker's pool costs a fraction of computing it:
+/// `host_hit_weight` (0.1) in host memory, `disk_hit_weight` (0.3) on disk.
+/// Of three workers holding the whole prompt the pool's wins, then host
+/// memory's, then the disk's; a disk hit still beats half the prompt in a
+/// pool (10 x 0.3 = 3 < 5).
+#[tokio::test]
+async fn rank_weighs_where_the_overlap_is_held() {
+    let (_, h) = prompt();
+    let specs = [
+        Spec {
+            below: held(&h, Tier::Disk),
+            ..spec("disk", Role::Decode)
+        },
+        Spec {
+            cached: h[..5].to_vec(),
+            ..spec("half-pool", Role::Decode)
+        },
+        Spec {
+            below: held(&h, Tier::Host),
+            ..spec("host", Role::Decode)
+        },
+        Spec {
+            cached: h.clone(),
+            ..spec("pool", Role::Decode)
+        },
+        Spec {
+            cached: h[..4].to_vec(),
+            below: held(&h[4..], Tier::Host),
+            ..spec("mixed", Role::Decode)
+        },
+    ];
+    let c = cluster(&specs, routing());
     let order: Vec<String> = ranked(&c, Role::Decode, &h)
         .into_iter()
         .map(|(id, _)| id)
         .collect();
-    assert_eq!(
-        order,
-        ["half", "queued", "cold-idle", "warm-idle", "warm-busy"]
-    );
-    // With no weight on prefill work, overlap no longer matters: load
-    // alone decides (0 for both idle workers, in either order).
+    // Costs: pool 0, mixed 0.6, host 1, disk 3, half-pool 5.
+    assert_eq!(order, ["pool", "mixed", "host", "disk", "half-pool"]);
+    let mixed = c.rank(Role::Decode, &h, h.len());
+    assert_eq!(mixed[1].1.overlap, overlap(10, 6, 0));
+    // At full weight a disk block costs as much as computing it.
     let c = cluster(
         &specs,
         RoutingConfig {
-            prefill_weight: 0.0,
+            disk_hit_weight: 1.0,
             ..routing()
         },
     );
-    let mut first: Vec<String> = ranked(&c, Role::Decode, &h)[..2]
-        .iter()
-        .map(|(id, _)| id.clone())
-        .collect();
-    first.sort();
-    assert_eq!(first, ["cold-idle", "half"]);
+    assert_eq!(ranked(&c, Role::Decode, &h)[4].0, "disk");
 }
 
 /// A worker on probation is never ranked (so never tried, not even as
@@ -341,12 +363,12 @@ async fn the_policy_decides_the_order() {
         *seen.lock().expect("lock"),
         [
             Candidate {
-                overlap: 3,
+                overlap: overlap(3, 0, 0),
                 kv_blocks_used: 5,
                 queued: 3,
             },
             Candidate {
-                overlap: 0,
+                overlap: overlap(0, 0, 0),
                 kv_blocks_used: 0,
                 queued: 0,
             },
@@ -585,6 +607,18 @@ fn routing_config_is_validated() {
         },
         RoutingConfig {
             decode_attempts: 0,
+            ..cfg.clone()
+        },
+        RoutingConfig {
+            host_hit_weight: -0.1,
+            ..cfg.clone()
+        },
+        RoutingConfig {
+            disk_hit_weight: 1.5,
+            ..cfg.clone()
+        },
+        RoutingConfig {
+            disk_hit_weight: f64::NAN,
             ..cfg.clone()
         },
     ] {
