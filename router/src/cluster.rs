@@ -4,7 +4,8 @@
 //! worker before it is routed to (`probation`), the routing decision behind
 //! [`RoutingPolicy`] (`policy`; the cost function of `cost` today), the
 //! `Generate` call to the chosen decode node with retries on another
-//! (`dispatch`), the stream of its answers through the egress backlog
+//! (`dispatch`), naming it a worker that holds more of the prompt
+//! (`prefix_source`), the stream of its answers through the egress backlog
 //! (`egress`), the front end's [`Backend`](tandem_frontend::Backend) over
 //! all of it (`backend`), and the routing metrics (`metrics`).
 
@@ -28,6 +29,7 @@ mod membership;
 mod metrics;
 mod policy;
 mod prefix_index;
+mod prefix_source;
 mod probation;
 
 pub use backend::ClusterBackend;

@@ -1,7 +1,9 @@
 //! Routing and starting one request: the prompt's block hashes, both pools
 //! ranked, the prefill candidates named to the decode node, and the
 //! `Generate` call, passed on to the next decode worker when one refuses
-//! (up to `decode_attempts`; an invalid request is not retried).
+//! (up to `decode_attempts`; an invalid request is not retried). Each
+//! attempt names the worker holding more of the prompt's leading blocks
+//! than that decode worker, if there is one (`prefix_source`).
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -12,6 +14,7 @@ use tandem_proto::{GenerateJob, PrefillTarget, failure_from_status, pb};
 use tandem_types::{GenFailure, block_hashes};
 use tonic::Code;
 
+use super::prefix_source::prefix_source;
 use super::{Cluster, RemoteStream, metrics};
 
 /// One request, routed.
@@ -64,7 +67,14 @@ impl Cluster {
         let mut last_err = None;
         for (w, c) in decodes.iter().take(self.routing.decode_attempts) {
             let overlap = c.overlap.blocks;
-            let mut request = tonic::Request::new(req.clone());
+            let source = prefix_source(w, overlap, &ready, &self.routing);
+            let mut req = req.clone();
+            req.prefix_source = source.as_ref().map(|p| pb::PrefixSource {
+                worker_id: p.worker_id.clone(),
+                endpoint: p.endpoint.clone(),
+                blocks: p.blocks.min(u32::MAX as usize) as u32,
+            });
+            let mut request = tonic::Request::new(req);
             trace.inject(request.metadata_mut());
             let mut client = pb::decode_client::DecodeClient::new(w.channel.clone());
             w.pending.fetch_add(1, Ordering::Relaxed);
@@ -73,6 +83,10 @@ impl Cluster {
             match result {
                 Ok(resp) => {
                     m.overlap.record(overlap as u64, &[]);
+                    if let Some(p) = &source {
+                        m.prefix_sources.add(1, &[]);
+                        tracing::debug!(decode = %w.record.id, source = %p.worker_id, blocks = p.blocks, have = overlap, "prefix source named");
+                    }
                     let placement = Placement {
                         decode: w.record.id.clone(),
                         prefill: job.prefill.iter().map(|t| t.worker_id.clone()).collect(),

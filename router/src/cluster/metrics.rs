@@ -1,16 +1,17 @@
 //! The routing metrics: time spent hashing, looking up and choosing, the
-//! chosen worker's overlap, the lag of workers' cache events, and the
-//! prefix index's size.
+//! chosen worker's overlap, the requests sent with a prefix source, the lag
+//! of workers' cache events, and the prefix index's size.
 
 use std::sync::OnceLock;
 
-use opentelemetry::metrics::{Histogram, UpDownCounter};
+use opentelemetry::metrics::{Counter, Histogram, UpDownCounter};
 
 pub(super) struct ClusterMetrics {
     pub(super) hashing: Histogram<f64>,
     pub(super) lookup: Histogram<f64>,
     pub(super) scheduling: Histogram<f64>,
     pub(super) overlap: Histogram<u64>,
+    pub(super) prefix_sources: Counter<u64>,
     pub(super) event_lag: Histogram<f64>,
     pub(super) index_blocks: UpDownCounter<i64>,
     pub(super) index_bytes: UpDownCounter<i64>,
@@ -44,6 +45,12 @@ pub(super) fn metrics() -> &'static ClusterMetrics {
             overlap: m
                 .u64_histogram("tandem.router.chosen_overlap")
                 .with_description("Prompt blocks already cached on the chosen decode worker")
+                .build(),
+            prefix_sources: m
+                .u64_counter("tandem.router.prefix_sources")
+                .with_description(
+                    "Requests a decode worker took naming another worker that holds more of the prompt's leading blocks",
+                )
                 .build(),
             event_lag: m
                 .f64_histogram("tandem.router.event_lag")

@@ -1,6 +1,7 @@
 //! The cluster's routing, prefix index and dispatch, over fake workers.
 
 use super::prefix_index::Tier;
+use super::prefix_source::prefix_source;
 use super::*;
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -293,6 +294,178 @@ async fn rank_weighs_where_the_overlap_is_held() {
     assert_eq!(ranked(&c, Role::Decode, &h)[4].0, "disk");
 }
 
+/// The prefix source of a decode attempt: the ready worker of either role
+/// holding the most leading blocks beyond the decode worker's (any tier),
+/// ties to the blocks nearest a pool, then to the fewer queued; none when
+/// no one holds more, and never the decode worker itself or a worker on
+/// probation.
+#[tokio::test]
+async fn prefix_source_is_the_worker_holding_most_beyond_the_decode_worker() {
+    let (_, h) = prompt();
+    let source = |specs: &[Spec<'_>], decode: &str| {
+        let c = cluster(specs, routing());
+        let ready = c.ready(&h);
+        let (w, cand) = ready
+            .iter()
+            .find(|(w, _)| w.record.id == decode)
+            .expect("the decode worker is ready");
+        prefix_source(w, cand.overlap.blocks, &ready, &c.routing)
+            .map(|p| (p.worker_id, p.endpoint, p.blocks))
+    };
+    let d = || Spec {
+        cached: h[..6].to_vec(),
+        ..spec("d", Role::Decode)
+    };
+    let d8 = || Spec {
+        cached: h[..8].to_vec(),
+        ..spec("d-8", Role::Decode)
+    };
+    let far = Spec {
+        endpoint: "http://10.0.0.2:7000".into(),
+        below: held(&h[..9], Tier::Disk),
+        ..spec("p-disk", Role::Prefill)
+    };
+    // The longest overlap wins, whatever its tier or role.
+    assert_eq!(
+        source(&[spec("x", Role::Decode), d8(), far, d()], "d"),
+        Some(("p-disk".into(), "http://10.0.0.2:7000".into(), 9))
+    );
+    // Equal overlaps: the pool's blocks before the disk's; equal tiers:
+    // the fewer queued.
+    let p_disk = || Spec {
+        below: held(&h[..9], Tier::Disk),
+        ..spec("a-disk", Role::Prefill)
+    };
+    let pool9 = |id, waiting| Spec {
+        cached: h[..9].to_vec(),
+        waiting,
+        ..spec(id, Role::Decode)
+    };
+    let name = |r: Option<(String, String, usize)>| r.map(|(id, _, n)| (id, n));
+    assert_eq!(
+        name(source(&[p_disk(), pool9("z-pool", 3), d()], "d")),
+        Some(("z-pool".into(), 9))
+    );
+    assert_eq!(
+        name(source(
+            &[pool9("busy", 3), pool9("idle", 1), p_disk(), d()],
+            "d"
+        )),
+        Some(("idle".into(), 9))
+    );
+    // No gain: none. The decode worker is not its own source.
+    assert_eq!(source(&[pool9("same", 0), pool9("d", 0)], "d"), None);
+    assert_eq!(source(&[pool9("d", 0)], "d"), None);
+    // A worker on probation is not named, however much it holds.
+    let stranger = Spec {
+        cached: h.clone(),
+        on_probation: true,
+        ..spec("stranger", Role::Prefill)
+    };
+    assert_eq!(
+        name(source(&[stranger, d8(), d()], "d")),
+        Some(("d-8".into(), 8))
+    );
+}
+
+/// Workers are ranked by `prefill_weight * uncached blocks + KV blocks
+/// used + queue_weight * queued`, with their prefix overlap; each role
+/// ranks only its own workers. A load event changes the order.
+#[tokio::test]
+async fn rank_prefers_overlap_then_light_load() {
+    let (_, h) = prompt();
+    let mut half = h[..5].to_vec();
+    half.push(h[7]); // not a prefix block: does not count
+    let specs = [
+        // cost 10 - 0 + 0 + 0 = 10
+        spec("cold-idle", Role::Decode),
+        // 10 - 8 + 6 + 4 * 1 = 12
+        Spec {
+            cached: h[..8].to_vec(),
+            kv_blocks_used: 6,
+            waiting: 1,
+            ..spec("warm-busy", Role::Decode)
+        },
+        // 10 - 8 + 1 = 3
+        Spec {
+            cached: h[..8].to_vec(),
+            kv_blocks_used: 1,
+            ..spec("warm-idle", Role::Decode)
+        },
+        // 10 - 5 = 5
+        Spec {
+            cached: half,
+            ..spec("half", Role::Decode)
+        },
+        // 10 - 10 + 4 * 2 sent by this router, not started = 8
+        Spec {
+            cached: h.clone(),
+            pending: 2,
+            ..spec("queued", Role::Decode)
+        },
+        // 10 - 10 = 0, but a prefill worker
+        Spec {
+            cached: h.clone(),
+            ..spec("p-warm", Role::Prefill)
+        },
+        Spec {
+            kv_blocks_used: 3,
+            ..spec("p-cold", Role::Prefill)
+        },
+    ];
+    let c = cluster(&specs, routing());
+    assert_eq!(
+        ranked(&c, Role::Decode, &h),
+        owned(&[
+            ("warm-idle", 8),
+            ("half", 5),
+            ("queued", 10),
+            ("cold-idle", 0),
+            ("warm-busy", 8),
+        ])
+    );
+    assert_eq!(
+        ranked(&c, Role::Prefill, &h),
+        owned(&[("p-warm", 10), ("p-cold", 0)])
+    );
+    // The idle warm worker reports a heavy load: it drops behind
+    // everything but the busy one (10 - 8 + 9 = 11).
+    let w = Arc::clone(&c.workers.read().expect("lock")[&(Role::Decode, "warm-idle".into())]);
+    assert!(w.apply(&pb::WorkerEvent {
+        event_id: 0,
+        kind: Some(pb::worker_event::Kind::Load(pb::Load {
+            waiting: 0,
+            running: 4,
+            kv_blocks_used: 9,
+            kv_blocks_total: 100,
+        })),
+        ..Default::default()
+    }));
+    let order: Vec<String> = ranked(&c, Role::Decode, &h)
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(
+        order,
+        ["half", "queued", "cold-idle", "warm-idle", "warm-busy"]
+    );
+    // With no weight on prefill work, overlap no longer matters: load
+    // alone decides (0 for both idle workers, in either order).
+    let c = cluster(
+        &specs,
+        RoutingConfig {
+            prefill_weight: 0.0,
+            ..routing()
+        },
+    );
+    let mut first: Vec<String> = ranked(&c, Role::Decode, &h)[..2]
+        .iter()
+        .map(|(id, _)| id.clone())
+        .collect();
+    first.sort();
+    assert_eq!(first, ["cold-idle", "half"]);
+}
+
 /// A worker on probation is never ranked (so never tried, not even as
 /// a retry) nor listed as a member, however cheap it looks.
 #[tokio::test]
@@ -561,6 +734,16 @@ async fn generate_goes_to_the_chosen_decode_worker() {
             ("p-some", "http://127.0.0.1:1")
         ]
     );
+    // p-most holds 9 leading blocks, d-best 6: the decode node is told.
+    let source = got.prefix_source.as_ref().expect("a prefix source");
+    assert_eq!(
+        (
+            source.worker_id.as_str(),
+            source.endpoint.as_str(),
+            source.blocks
+        ),
+        ("p-most", "http://127.0.0.1:1", 9)
+    );
     assert!(best_seen.lock().expect("lock").is_empty());
     assert!(other_seen.lock().expect("lock").is_empty());
     for (_, w) in c.workers.read().expect("lock").iter() {
@@ -574,6 +757,13 @@ async fn generate_goes_to_the_chosen_decode_worker() {
     assert_eq!(placement.decode, "d-loaded");
     assert_eq!(refused_seen.lock().expect("lock").len(), 1);
     assert_eq!(other_seen.lock().expect("lock").len(), 1);
+    // Each attempt names its own source: none holds more than d-best; the
+    // one after it is told of d-best's 6 blocks.
+    let refused = refused_seen.lock().expect("lock")[0].clone();
+    assert_eq!(refused.prefix_source, None);
+    let retried = other_seen.lock().expect("lock")[0].clone();
+    let source = retried.prefix_source.expect("a prefix source");
+    assert_eq!((source.worker_id.as_str(), source.blocks), ("d-best", 6));
 
     // An invalid request is the client's error: not sent elsewhere.
     let (invalid, invalid_seen) = fake_decode(Answer::Refuse(Code::InvalidArgument)).await;
