@@ -13,10 +13,13 @@ use std::time::{Duration, Instant};
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::Counter;
 use tandem_dkv::Grant;
+use tandem_engine::kv_cache::BlockId;
 use tandem_engine::sampler::Sampled;
 use tandem_engine::scheduler::{GenerateStream, ImportOutcome, ImportSlot, ImportStream};
 use tandem_proto::trace::TraceContext;
-use tandem_proto::{GenerateJob, KvRegion, PrefillJob, PrefillTarget, finish_to_pb, pb};
+use tandem_proto::{
+    GenerateJob, KvRegion, PrefillJob, PrefillTarget, PrefixSource, finish_to_pb, pb,
+};
 use tandem_types::{GenEvent, GenFailure};
 use tandem_worker::{NodeCore, WorkerError};
 use tokio::sync::mpsc;
@@ -25,6 +28,10 @@ use tokio_util::task::TaskTracker;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tracing::Instrument;
+
+mod fetch;
+
+use fetch::{FetchCost, Fetched};
 
 /// Decode-side policy, validated at startup.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,6 +46,9 @@ pub struct DecodeConfig {
     /// receive from a frozen peer); past it they are released anyway
     /// (logged, `tandem.decode.quarantine_expired`).
     pub quarantine_limit: Duration,
+    /// Fetch a prompt's leading blocks from a peer the router names as
+    /// holding them, when that is predicted cheaper than computing them.
+    pub prefix_fetch: bool,
 }
 
 /// A [`DecodeConfig`] that cannot run.
@@ -148,6 +158,7 @@ struct Inner {
     config: DecodeConfig,
     channels: Mutex<HashMap<String, Channel>>,
     tasks: TaskTracker,
+    fetch_cost: FetchCost,
 }
 
 type Outgoing = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
@@ -192,6 +203,7 @@ impl DecodeService {
                 config,
                 channels: Mutex::new(HashMap::new()),
                 tasks: TaskTracker::new(),
+                fetch_cost: FetchCost::new(),
             }),
         }
     }
@@ -300,6 +312,8 @@ impl Inner {
         // remote prefills at most this long in total.
         let budget = Instant::now() + 2 * self.config.prefill_timeout;
         let mut from = 0;
+        // A peer's prefix is fetched on the first attempt only.
+        let mut source = job.prefix_source.as_ref();
         loop {
             let slot = match stream.slot().await {
                 Some(Ok(slot)) => slot,
@@ -314,7 +328,7 @@ impl Inner {
             };
             let attempt = Mutex::new(None);
             let placed = tokio::select! {
-                placed = self.place_prefill(job, &slot, trace, &attempt, from, budget) => placed,
+                placed = self.place_prefill(job, &slot, trace, &attempt, from, budget, source.take()) => placed,
                 () = out.closed() => {
                     // The router went away mid-prefill: dropping the
                     // call cancels it; the grants are revoked and the
@@ -351,9 +365,11 @@ impl Inner {
         }
     }
 
-    /// Decides where the prompt is prefilled and, if remotely, runs it.
-    /// Returns the outcome and the prefill worker that served it (empty
-    /// when prefilled here).
+    /// Fetches what a peer holds of the prompt's prefix (if the router
+    /// named one), then decides where the rest is prefilled and, if
+    /// remotely, runs it. Returns the outcome and the prefill worker that
+    /// served it (empty when prefilled here).
+    #[allow(clippy::too_many_arguments)]
     async fn place_prefill(
         &self,
         job: &GenerateJob,
@@ -362,7 +378,27 @@ impl Inner {
         attempt: &Mutex<Option<Tainted>>,
         from: usize,
         budget: Instant,
+        source: Option<&PrefixSource>,
     ) -> Placement {
+        // A prefill node that holds the prefix serves it with the prefill.
+        let fetched = match source {
+            Some(src)
+                if job
+                    .prefill
+                    .first()
+                    .is_none_or(|t| t.worker_id != src.worker_id) =>
+            {
+                match self.fetch_prefix(job, slot, src, trace, attempt).await {
+                    Fetched::Blocks(n) => n,
+                    Fetched::Tainted(t) => return Placement::Tainted(t, from),
+                }
+            }
+            _ => 0,
+        };
+        let slot = &ImportSlot {
+            blocks: slot.blocks.clone(),
+            cached_blocks: slot.cached_blocks + fetched,
+        };
         let block_size = self.core.fingerprint.block_size;
         let uncached = job
             .request
@@ -370,18 +406,18 @@ impl Inner {
             .len()
             .saturating_sub(slot.cached_blocks * block_size);
         let outcome = |o: &'static str| metrics().prefills.add(1, &[KeyValue::new("outcome", o)]);
-        if uncached < self.config.remote_prefill_min_tokens {
+        if uncached < self.config.remote_prefill_min_tokens || job.prefill.is_empty() {
             outcome("local");
-            return Placement::Done(
-                ImportOutcome::PrefillLocally { fetched_blocks: 0 },
-                String::new(),
-            );
+            let local = ImportOutcome::PrefillLocally {
+                fetched_blocks: fetched,
+            };
+            return Placement::Done(local, String::new());
         }
         for (i, target) in job.prefill.iter().enumerate().skip(from) {
             if i > 0 && Instant::now() >= budget {
                 break;
             }
-            let grants = match self.grant(slot) {
+            let grants = match self.grant(&slot.blocks[slot.cached_blocks..]) {
                 Ok(g) => g,
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot grant the prompt's blocks; prefilling here");
@@ -403,9 +439,11 @@ impl Inner {
             match result {
                 Ok((first, remote_cached_tokens)) => {
                     outcome(if i == 0 { "remote" } else { "retried" });
+                    // Fetched tokens, too, were computed by no one here.
                     let ready = ImportOutcome::Ready {
                         first,
-                        remote_cached_tokens,
+                        remote_cached_tokens: remote_cached_tokens
+                            .max(slot.cached_blocks * block_size),
                     };
                     return Placement::Done(ready, target.worker_id.clone());
                 }
@@ -419,18 +457,18 @@ impl Inner {
             }
         }
         outcome("fallback");
-        Placement::Done(
-            ImportOutcome::PrefillLocally { fetched_blocks: 0 },
-            String::new(),
-        )
+        let local = ImportOutcome::PrefillLocally {
+            fetched_blocks: fetched,
+        };
+        Placement::Done(local, String::new())
     }
 
-    /// Grants the prompt's destination blocks on every rank's pool, for
-    /// one attempt; expiring a little after the attempt's deadline.
-    fn grant(&self, slot: &ImportSlot) -> Result<Arc<[Grant]>, WorkerError> {
+    /// Grants `blocks` on every rank's pool, for one attempt; expiring a
+    /// little after the attempt's deadline.
+    fn grant(&self, blocks: &[BlockId]) -> Result<Arc<[Grant]>, WorkerError> {
         let core = &self.core;
         let block = core.layout.block_bytes;
-        let ranges: Vec<std::ops::Range<u64>> = slot.blocks[slot.cached_blocks..]
+        let ranges: Vec<std::ops::Range<u64>> = blocks
             .iter()
             .map(|&b| u64::from(b) * block..(u64::from(b) + 1) * block)
             .collect();
@@ -466,6 +504,23 @@ impl Inner {
         self.tasks.spawn(task.in_current_span());
     }
 
+    /// What a peer needs to write under `grants`, one region per rank.
+    fn regions(&self, grants: &[Grant]) -> Vec<KvRegion> {
+        let connector = self.core.dkv.connector();
+        grants
+            .iter()
+            .map(|g| {
+                let d = g.descriptor();
+                KvRegion {
+                    worker_address: d.worker_address,
+                    grant: d.grant,
+                    len: d.len,
+                    connector: connector.to_string(),
+                }
+            })
+            .collect()
+    }
+
     /// Asks one prefill node; a stalled call is abandoned at the deadline.
     async fn remote_prefill(
         &self,
@@ -476,19 +531,7 @@ impl Inner {
         grants: &[Grant],
     ) -> Result<(Sampled, usize), Attempt> {
         let core = &self.core;
-        let connector = core.dkv.connector().to_string();
-        let regions: Vec<KvRegion> = grants
-            .iter()
-            .map(|g| {
-                let d = g.descriptor();
-                KvRegion {
-                    worker_address: d.worker_address,
-                    grant: d.grant,
-                    len: d.len,
-                    connector: connector.clone(),
-                }
-            })
-            .collect();
+        let regions = self.regions(grants);
         let deadline = self.config.prefill_timeout;
         let req = PrefillJob {
             prompt: job.request.prompt.clone(),
@@ -614,7 +657,8 @@ impl pb::decode_server::Decode for DecodeService {
         let trace = TraceContext::start_hop(&span, TraceContext::from_metadata(req.metadata()));
         let job = GenerateJob::validate(req.into_inner(), &core.fingerprint)
             .map_err(|e| Status::from(WorkerError::from(e)))?;
-        let start = if job.prefill.is_empty() {
+        // A prompt whose prefix a peer holds waits for it as an import.
+        let start = if job.prefill.is_empty() && job.prefix_source.is_none() {
             core.scheduler
                 .generate(job.request.clone())
                 .map(Start::Local)

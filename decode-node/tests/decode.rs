@@ -19,7 +19,7 @@ use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Scheduler, SchedulerConfig};
 use tandem_engine::{LoadedModel, load};
 use tandem_prefill_node::PrefillService;
-use tandem_proto::{GenerateJob, PrefillTarget, pb};
+use tandem_proto::{GenerateJob, PrefillTarget, PrefixSource, pb};
 use tandem_testkit::{Kind, TestMeter};
 use tandem_types::GenerationRequest;
 use tandem_worker::{NodeCore, NodeOptions, Role};
@@ -212,6 +212,12 @@ impl Server {
         }
     }
 
+    /// The `Worker` service of `node` (which serves prefix fetches).
+    async fn worker(node: &Node) -> Self {
+        let svc = tandem_worker::service::WorkerService::new(Arc::clone(&node.core)).into_server();
+        Self::start(tonic::transport::Server::builder().add_service(svc)).await
+    }
+
     async fn real_prefill(node: &Node) -> Self {
         let svc = PrefillService::new(Arc::clone(&node.core)).into_server();
         Self::start(tonic::transport::Server::builder().add_service(svc)).await
@@ -373,6 +379,7 @@ fn config(prefill_timeout: Duration, quarantine_limit: Duration) -> DecodeConfig
         remote_prefill_min_tokens: 1,
         prefill_timeout,
         quarantine_limit,
+        prefix_fetch: true,
     };
     c.validate().expect("valid decode config");
     c
@@ -421,6 +428,17 @@ async fn run(
     prompt: &[u32],
     prefill: Vec<PrefillTarget>,
 ) -> Generated {
+    run_with(svc, node, prompt, prefill, None).await
+}
+
+/// [`run`], naming a peer that holds the prompt's first blocks.
+async fn run_with(
+    svc: &DecodeService,
+    node: &Node,
+    prompt: &[u32],
+    prefill: Vec<PrefillTarget>,
+    prefix_source: Option<PrefixSource>,
+) -> Generated {
     use pb::decode_server::Decode;
     let m = &harness().model;
     let job = GenerateJob {
@@ -432,7 +450,7 @@ async fn run(
             constraint: None,
         },
         prefill,
-        prefix_source: None,
+        prefix_source,
     };
     let t0 = Instant::now();
     let read = async {
@@ -843,4 +861,197 @@ async fn a_caller_gone_mid_prefill_frees_its_blocks_at_once() {
     drop(svc);
     stalled.server.stop().await;
     decode.shutdown().await;
+}
+
+/// A `Worker` whose fetches never answer (a peer frozen mid-fetch).
+struct StalledWorker {
+    calls: Arc<AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for StalledWorker {
+    async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::WorkerInfo>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    type EventsStream = tokio_stream::Empty<Result<pb::WorkerEvent, Status>>;
+
+    async fn events(
+        &self,
+        _: Request<pb::EventsRequest>,
+    ) -> Result<Response<Self::EventsStream>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn fetch_blocks(
+        &self,
+        _: Request<pb::FetchRequest>,
+    ) -> Result<Response<pb::FetchResponse>, Status> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        std::future::pending().await
+    }
+}
+
+const FETCHES: &str = "tandem.decode.prefix_fetches";
+const TIER_HITS: &str = "tandem.kv.tier_hits";
+const TIER_MISSES: &str = "tandem.kv.tier_misses";
+const TIER_ERRORS: &str = "tandem.kv.tier_errors";
+
+fn source(id: &str, endpoint: &str, blocks: usize) -> Option<PrefixSource> {
+    Some(PrefixSource {
+        worker_id: id.into(),
+        endpoint: endpoint.into(),
+        blocks,
+    })
+}
+
+/// A decode node that lacks a prompt's prefix another node computed
+/// fetches those blocks over dKV instead of computing them: the same
+/// tokens, the fetched tokens reported cached, counted as peer-tier hits,
+/// and the holder's blocks unpinned afterwards. A holder that lacks what
+/// the router claimed is a miss, not an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_a_peer_holds_is_fetched_not_computed() {
+    let _serial = serial().await;
+    let p = prompt("windmills");
+    let want = reference(&p);
+    let (holder, fetcher, empty) = (
+        Node::start(Role::Decode, "holder"),
+        Node::start(Role::Decode, "fetcher"),
+        Node::start(Role::Decode, "empty"),
+    );
+    let (worker, empty_worker) = (Server::worker(&holder).await, Server::worker(&empty).await);
+    let cfg = config(Duration::from_secs(30), Duration::from_secs(60));
+    let (hold_svc, svc) = (
+        DecodeService::new(Arc::clone(&holder.core), cfg.clone()),
+        DecodeService::new(Arc::clone(&fetcher.core), cfg),
+    );
+    let bs = fetcher.core.fingerprint.block_size;
+    let full = (p.len() - 1) / bs;
+    assert!(full >= 2, "the prompt needs full blocks");
+    assert_eq!(run(&hold_svc, &holder, &p, vec![]).await.tokens, want);
+    holder.wait_idle().await;
+
+    let before = [FETCHES, TIER_HITS, TIER_MISSES].map(|n| {
+        let label = if n == FETCHES { "outcome" } else { "tier" };
+        (n, label, counter(n, label))
+    });
+    let got = run_with(
+        &svc,
+        &fetcher,
+        &p,
+        vec![],
+        source("holder", &worker.endpoint, full),
+    )
+    .await;
+    assert_eq!(got.tokens, want, "tokens after a fetched prefix");
+    assert_eq!(got.finished.cached_tokens as usize, full * bs);
+    let changed: Vec<_> = before.iter().map(|(n, l, b)| delta(b, n, l)).collect();
+    assert_eq!(changed[0], counts(&[("fetched", 1)]));
+    assert_eq!(changed[1], counts(&[("peer", full as u64)]));
+    assert!(changed[2].is_empty(), "{changed:?}");
+    holder.wait_idle().await;
+    fetcher.wait_idle().await;
+
+    // The fetched blocks are the fetcher's own cache now: no second fetch.
+    let fetches = counter(FETCHES, "outcome");
+    let again = run_with(
+        &svc,
+        &fetcher,
+        &p,
+        vec![],
+        source("holder", &worker.endpoint, full),
+    )
+    .await;
+    assert_eq!(again.tokens, want);
+    assert!(delta(&fetches, FETCHES, "outcome").is_empty());
+
+    // A peer that does not hold what the router said: nothing lands, the
+    // prompt is computed, one miss.
+    let q = prompt("tunnels");
+    let misses = counter(TIER_MISSES, "tier");
+    let got = run_with(
+        &svc,
+        &fetcher,
+        &q,
+        vec![],
+        source("empty", &empty_worker.endpoint, 2),
+    )
+    .await;
+    assert_eq!(got.tokens, reference(&q));
+    assert_eq!(got.finished.cached_tokens, 0);
+    assert_eq!(delta(&misses, TIER_MISSES, "tier"), counts(&[("peer", 1)]));
+
+    for n in [&holder, &fetcher, &empty] {
+        n.wait_idle().await;
+    }
+    assert_eq!(fetcher.core.dkv.live_grants(), 0, "grants leaked");
+    drop((hold_svc, svc));
+    worker.stop().await;
+    empty_worker.stop().await;
+    holder.shutdown().await;
+    fetcher.shutdown().await;
+    empty.shutdown().await;
+}
+
+/// A peer that freezes mid-fetch is abandoned at the timeout and one that
+/// cannot be reached at once: each a counted failure, the prompt computed
+/// here with the local greedy tokens, every block and grant freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stalls_or_is_gone_mid_fetch_is_a_miss() {
+    let _serial = serial().await;
+    let p = prompt("volcanoes");
+    let want = reference(&p);
+    let fetcher = Node::start(Role::Decode, "fetcher");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let stalled = Server::start(tonic::transport::Server::builder().add_service(
+        pb::worker_server::WorkerServer::new(StalledWorker {
+            calls: Arc::clone(&calls),
+        }),
+    ))
+    .await;
+    let timeout = Duration::from_millis(400);
+    let svc = DecodeService::new(
+        Arc::clone(&fetcher.core),
+        config(timeout, Duration::from_secs(60)),
+    );
+    let full = (p.len() - 1) / fetcher.core.fingerprint.block_size;
+    let errors = counter(TIER_ERRORS, "kind");
+    let quarantined = counter("tandem.decode.quarantined", "");
+
+    let got = run_with(
+        &svc,
+        &fetcher,
+        &p,
+        vec![],
+        source("frozen", &stalled.endpoint, full),
+    )
+    .await;
+    assert_eq!(got.tokens, want);
+    assert_eq!(got.finished.cached_tokens, 0);
+    assert!(got.first_token_after >= timeout, "{got:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // (Another prompt: the first is cached here now.)
+    let q = prompt("earthquakes");
+    let got = run_with(
+        &svc,
+        &fetcher,
+        &q,
+        vec![],
+        source("gone", UNREACHABLE, full),
+    )
+    .await;
+    assert_eq!(got.tokens, reference(&q));
+    assert_eq!(delta(&errors, TIER_ERRORS, "kind"), counts(&[("fetch", 2)]));
+    // The frozen peer's grant may still have writes landing: its blocks
+    // waited in quarantine; the unreachable one's never left.
+    assert_eq!(
+        delta(&quarantined, "tandem.decode.quarantined", ""),
+        counts(&[("", 1)])
+    );
+    fetcher.wait_idle().await;
+    assert_eq!(fetcher.core.dkv.live_grants(), 0, "grants leaked");
+    drop(svc);
+    stalled.stop().await;
+    fetcher.shutdown().await;
 }

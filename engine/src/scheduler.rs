@@ -218,6 +218,10 @@ pub struct SchedulerStats {
     pub failed_steps_in_a_row: AtomicUsize,
     /// When the last step failed (`clock::unix_micros`; 0: never).
     pub last_failed_step_us: AtomicU64,
+    /// Prompt tokens run through the model, and the steps' time spent on
+    /// them (each step's time split by token count).
+    pub prompt_tokens_computed: AtomicU64,
+    pub prompt_compute_nanos: AtomicU64,
 }
 
 impl SchedulerStats {
@@ -226,6 +230,13 @@ impl SchedulerStats {
     pub fn idle(&self) -> bool {
         self.running.load(Ordering::Relaxed) + self.waiting.load(Ordering::Relaxed) == 0
             && self.kv_blocks_in_use.load(Ordering::Relaxed) == 0
+    }
+
+    /// Mean time to compute one prompt token so far; `None` before any.
+    pub fn prompt_token_time(&self) -> Option<Duration> {
+        let tokens = self.prompt_tokens_computed.load(Ordering::Relaxed);
+        let nanos = self.prompt_compute_nanos.load(Ordering::Relaxed);
+        (tokens > 0).then(|| Duration::from_nanos(nanos / tokens))
     }
 
     /// Whether the last [`FAILING_AFTER`] steps or more all failed, the

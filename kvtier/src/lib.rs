@@ -21,5 +21,5 @@ pub use config::{ConfigError, DiskConfig, TierConfig};
 pub use disk::Waker;
 pub use error::TierError;
 pub use host::BlockBytes;
-pub use metrics::{ErrorKind, Tier};
+pub use metrics::{ErrorKind, Tier, peer};
 pub use store::{Found, TierBlock, TierStore};

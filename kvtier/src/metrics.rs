@@ -1,7 +1,7 @@
 //! The tiers' instruments, through the OpenTelemetry API (the binary
 //! installs the SDK; without one they are no-ops). Labels are bounded:
-//! `tier` is one of [`Tier`], `direction` up or down, `kind` one of
-//! [`ErrorKind`].
+//! `tier` is one of [`Tier`] or `peer` ([`peer`]), `direction` up or
+//! down, `kind` one of [`ErrorKind`].
 
 use std::sync::OnceLock;
 
@@ -33,6 +33,9 @@ pub enum ErrorKind {
     Write,
     /// The disk writer was behind: the block was dropped, not queued.
     QueueFull,
+    /// A fetch from a peer node failed (the peer died, stalled or
+    /// refused): the blocks are computed instead.
+    Fetch,
 }
 
 impl ErrorKind {
@@ -41,6 +44,7 @@ impl ErrorKind {
             ErrorKind::Corrupt => "corrupt",
             ErrorKind::Write => "write",
             ErrorKind::QueueFull => "queue_full",
+            ErrorKind::Fetch => "fetch",
         }
     }
 }
@@ -63,6 +67,72 @@ pub(crate) fn metrics() -> &'static TierMetrics {
 
 fn tier(t: Tier) -> [KeyValue; 1] {
     [KeyValue::new("tier", t.label())]
+}
+
+/// The label of blocks fetched from a peer node's pool or tiers.
+const PEER: &str = "peer";
+
+/// What the node that fetches a prompt's leading blocks from a peer over
+/// dKV records, under `tier="peer"`: the blocks it got (hits), a fetch
+/// that got fewer than the router said the peer held (a miss), the bytes
+/// moved up, the time, and failed fetches (`kind="fetch"`).
+pub mod peer {
+    use std::time::Duration;
+
+    use opentelemetry::KeyValue;
+
+    use super::{ErrorKind, PEER, metrics};
+
+    /// Zero points, so the peer series exist before the first fetch.
+    pub fn touch() {
+        let m = metrics();
+        m.hits.add(0, &[KeyValue::new("tier", PEER)]);
+        m.misses.add(0, &[KeyValue::new("tier", PEER)]);
+        m.bytes.add(
+            0,
+            &[
+                KeyValue::new("tier", PEER),
+                KeyValue::new("direction", "up"),
+            ],
+        );
+        m.errors.add(
+            0,
+            &[
+                KeyValue::new("tier", PEER),
+                KeyValue::new("kind", ErrorKind::Fetch.label()),
+            ],
+        );
+    }
+
+    /// A fetch that ended: `blocks` landed, `short` when the peer held
+    /// fewer than asked.
+    pub fn fetched(blocks: u64, short: bool, bytes: u64, took: Duration) {
+        let m = metrics();
+        let tier = [KeyValue::new("tier", PEER)];
+        m.hits.add(blocks, &tier);
+        if short {
+            m.misses.add(1, &tier);
+        }
+        m.bytes.add(
+            bytes,
+            &[
+                KeyValue::new("tier", PEER),
+                KeyValue::new("direction", "up"),
+            ],
+        );
+        m.fetch_time.record(took.as_secs_f64() * 1e3, &tier);
+    }
+
+    /// A fetch that failed: its blocks are computed instead.
+    pub fn failed() {
+        metrics().errors.add(
+            1,
+            &[
+                KeyValue::new("tier", PEER),
+                KeyValue::new("kind", ErrorKind::Fetch.label()),
+            ],
+        );
+    }
 }
 
 impl TierMetrics {

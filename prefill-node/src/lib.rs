@@ -9,11 +9,11 @@ use std::time::Instant;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use opentelemetry::KeyValue;
-use tandem_dkv::{KvLayout, Region, RemoteRegion, WriteOp};
+use tandem_dkv::{KvLayout, WriteOp};
 use tandem_engine::scheduler::{ExportEvent, LayerDone};
-use tandem_modelfile::plan::shard::kv_head_overlaps;
 use tandem_proto::trace::TraceContext;
 use tandem_proto::{PrefillJob, pb};
+use tandem_worker::kv_send::{self, send};
 use tandem_worker::{NodeCore, WorkerError};
 use tracing::Instrument;
 
@@ -35,36 +35,14 @@ impl PrefillService {
         let core = &self.core;
         // Destination blocks hold every KV head (decode nodes run TP=1).
         let job = PrefillJob::validate(req, &core.fingerprint, core.full_layout.block_bytes)?;
-        if let Some(r) = job
-            .regions
-            .iter()
-            .find(|r| r.connector != core.dkv.connector())
-        {
-            return Err(WorkerError::Connector {
-                ours: core.dkv.connector().to_string(),
-                theirs: r.connector.clone(),
-            });
-        }
+        // Before any work: every region must be one this node can write.
+        let remotes = kv_send::remotes(core, &job.regions)?;
         let deadline = Instant::now() + job.deadline;
-        let remotes: Vec<RemoteRegion> = job
-            .regions
-            .iter()
-            .map(|r| RemoteRegion {
-                worker_address: r.worker_address.clone(),
-                grant: r.grant.clone(),
-                len: r.len,
-            })
-            .collect();
-        // Before any work: every region's address must be one a node of
-        // this cluster sealed (nothing else ever reaches UCX).
-        for r in &remotes {
-            core.dkv.check(r)?;
-        }
         let remote = &remotes[0];
         // Same sharding on both sides (TP=1 to TP=1): whole blocks and
         // layers, sent as they are computed. Otherwise head slices mapped
         // rank to rank once the prompt is done.
-        let same_shape = core.tp == 1 && remotes.len() == 1;
+        let same_shape = kv_send::same_shape(core, &remotes);
         let layout = &core.layout;
         let skip = job.skip_blocks;
         let n_layers = layout.num_layers as usize;
@@ -121,20 +99,8 @@ impl PrefillService {
                 .collect::<Option<_>>()
                 .ok_or_else(|| WorkerError::Internal("exported fewer blocks than asked".into()))?;
             let dst: Vec<u32> = rest.iter().map(|&i| job.dst_blocks[i - skip]).collect();
-            if same_shape {
-                let ops = layout.block_ops(&src, &dst)?;
+            for (region, remote, ops) in kv_send::block_writes(core, &remotes, &src, &dst)? {
                 if !ops.is_empty() {
-                    writes.push(send(
-                        core,
-                        &core.region,
-                        remote,
-                        ops,
-                        deadline,
-                        xfer.get(core),
-                    ));
-                }
-            } else if !src.is_empty() {
-                for (region, remote, ops) in head_slice_writes(core, &remotes, &src, &dst)? {
                     writes.push(send(core, region, remote, ops, deadline, xfer.get(core)));
                 }
             }
@@ -166,47 +132,6 @@ impl PrefillService {
     }
 }
 
-/// One source rank's writes into one destination rank's region.
-type SliceWrite<'a> = (&'a Region, &'a RemoteRegion, Vec<WriteOp>);
-
-/// The writes that move a tensor-parallel prefill's blocks `src` into the
-/// decode ranks' blocks `dst`: each rank holds a contiguous run of KV heads
-/// of every block (the shard plan's split), all at the same block ids, so
-/// each source rank writes each overlap straight into the destination
-/// rank's pool, no gather on either side.
-fn head_slice_writes<'a>(
-    core: &'a NodeCore,
-    remotes: &'a [RemoteRegion],
-    src: &[u32],
-    dst: &[u32],
-) -> Result<Vec<SliceWrite<'a>>, WorkerError> {
-    let layout = &core.layout;
-    let heads = core.full_layout.num_kv_heads;
-    let sources: Vec<&Region> = std::iter::once(&*core.region)
-        .chain(core.peer_regions.iter())
-        .collect();
-    let overlaps = kv_head_overlaps(heads, sources.len(), remotes.len()).ok_or_else(|| {
-        WorkerError::Internal(format!(
-            "{heads} KV heads do not split over {} source and {} destination ranks",
-            sources.len(),
-            remotes.len()
-        ))
-    })?;
-    let hd = heads / remotes.len() as u32;
-    let dst_layout = KvLayout {
-        num_kv_heads: hd,
-        layer_bytes: layout.head_slice_bytes * 2 * u64::from(hd),
-        block_bytes: layout.head_slice_bytes * 2 * u64::from(hd) * u64::from(layout.num_layers),
-        ..*layout
-    };
-    let mut writes = Vec::new();
-    for o in overlaps {
-        let ops = layout.head_slice_ops_to(&dst_layout, src, dst, o.src_heads, o.dst_first)?;
-        writes.push((sources[o.src_rank], &remotes[o.dst_rank], ops));
-    }
-    Ok(writes)
-}
-
 /// A finished transfer's figures: on its span, in the blocks counter and
 /// in the debug log (`layered`: blocks sent layer by layer).
 fn record_transfer(
@@ -226,22 +151,6 @@ fn record_transfer(
         &[KeyValue::new("connector", core.dkv.connector())],
     );
     tracing::debug!(blocks, bytes, layered, "KV written");
-}
-
-/// One transfer owning its ops (so that all of a request's transfers are
-/// the same future type), in the request's `dkv.write` span.
-async fn send(
-    core: &NodeCore,
-    region: &Region,
-    remote: &RemoteRegion,
-    ops: Vec<WriteOp>,
-    deadline: Instant,
-    span: tracing::Span,
-) -> Result<tandem_dkv::TransferStats, tandem_dkv::DkvError> {
-    core.dkv
-        .write(region, remote, &ops, deadline)
-        .instrument(span)
-        .await
 }
 
 /// The request's `dkv.write` span: opened by its first write (layer writes

@@ -6,8 +6,10 @@
 
 pub mod error;
 pub mod events;
+pub mod fetch;
 pub mod grpc;
 pub mod http;
+pub mod kv_send;
 pub mod node;
 pub mod service;
 

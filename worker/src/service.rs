@@ -1,12 +1,15 @@
 //! The `Worker` gRPC service every node serves: identity and fingerprint,
-//! and the stream of prefix-cache events and load that routers follow.
+//! the stream of prefix-cache events and load that routers follow, and
+//! fetches of cached prefix blocks by peers (`fetch.rs`).
 
 use std::pin::Pin;
 use std::sync::Arc;
 
 use futures_util::Stream;
+use tandem_proto::trace::TraceContext;
 use tandem_proto::{PROTOCOL_VERSION, pb};
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::node::NodeCore;
 
@@ -63,8 +66,28 @@ impl pb::worker_server::Worker for WorkerService {
 
     async fn fetch_blocks(
         &self,
-        _: Request<pb::FetchRequest>,
+        req: Request<pb::FetchRequest>,
     ) -> Result<Response<pb::FetchResponse>, Status> {
-        Err(Status::unimplemented("fetching blocks is not served yet"))
+        let asked = req.get_ref().dst_blocks.len();
+        let span = tracing::info_span!(
+            "fetch_blocks",
+            trace_id = tracing::field::Empty,
+            asked = asked as i64,
+        );
+        TraceContext::start_hop(&span, TraceContext::from_metadata(req.metadata()));
+        async move {
+            match crate::fetch::fetch_blocks(&self.core, req.into_inner()).await {
+                Ok(r) => {
+                    tracing::info!(asked, sent = r.blocks, "prefix blocks fetched");
+                    Ok(Response::new(r))
+                }
+                Err(e) => {
+                    tracing::warn!(asked, error = %e, "fetching prefix blocks failed");
+                    Err(e.into())
+                }
+            }
+        }
+        .instrument(span)
+        .await
     }
 }

@@ -29,6 +29,10 @@ pub struct DecodeArgs {
     /// at most this many seconds, then they are released anyway (logged).
     #[arg(long, env = "TANDEM_QUARANTINE_LIMIT_SECS", default_value_t = 600)]
     pub quarantine_limit_secs: u64,
+    /// Never fetch a prompt's prefix from a peer that holds it (the router
+    /// names one when it knows it): always compute it.
+    #[arg(long, env = "TANDEM_NO_PREFIX_FETCH")]
+    pub no_prefix_fetch: bool,
 }
 
 pub fn run_decode(args: DecodeArgs) -> Result<()> {
@@ -36,6 +40,7 @@ pub fn run_decode(args: DecodeArgs) -> Result<()> {
         remote_prefill_min_tokens: args.remote_prefill_min_tokens,
         prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
         quarantine_limit: Duration::from_secs(args.quarantine_limit_secs),
+        prefix_fetch: !args.no_prefix_fetch,
     };
     run_node(&args.engine, &args.node, Role::Decode, Some(cfg))
 }

@@ -52,12 +52,14 @@ impl Actor {
             return false;
         }
         let batch_type = self.record_batch(&plan);
+        let started = std::time::Instant::now();
         let Ran {
             result,
             mut logits,
             want,
             mut masks,
         } = self.run_batch(&plan, batch_type);
+        self.count_prompt_time(&plan, started.elapsed());
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let vocab = self.model.config().vocab_size;
         let rows = plan.iter().filter(|p| p.samples(&self.running)).count();
@@ -71,6 +73,28 @@ impl Actor {
         self.logits = logits;
         self.retire(leaving);
         true
+    }
+
+    /// Adds this step's prompt tokens and their share of its time (by
+    /// token count) to the stats, from which peers' fetches are weighed
+    /// against computing (`SchedulerStats::prompt_token_time`).
+    fn count_prompt_time(&self, plan: &[Planned], took: std::time::Duration) {
+        let prompt: usize = plan
+            .iter()
+            .filter(|p| self.running[p.seq].computed < self.running[p.seq].prompt_len)
+            .map(|p| p.len)
+            .sum();
+        let all: usize = plan.iter().map(|p| p.len).sum();
+        if prompt == 0 || all == 0 {
+            return;
+        }
+        let share = took.as_nanos() * prompt as u128 / all as u128;
+        self.stats
+            .prompt_tokens_computed
+            .fetch_add(prompt as u64, Ordering::Relaxed);
+        self.stats
+            .prompt_compute_nanos
+            .fetch_add(u64::try_from(share).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 
     /// Runs the forward pass over the planned chunks, computing the
