@@ -4,7 +4,7 @@
 //! return Ok or Err; what it accepts must round-trip.
 
 use prost::Message;
-use tandem_proto::{GenerateJob, PrefillJob, pb};
+use tandem_proto::{FetchJob, GenerateJob, PrefillJob, pb};
 use tandem_types::ModelFingerprint;
 
 fn fingerprint() -> ModelFingerprint {
@@ -27,6 +27,12 @@ pub fn run(data: &[u8]) {
         && let Ok(job) = PrefillJob::validate(req, &fp, 1 << 20)
     {
         let again = PrefillJob::validate(job.to_pb(&fp), &fp, 1 << 20);
+        assert_eq!(again.as_ref().ok(), Some(&job));
+    }
+    if let Ok(req) = pb::FetchRequest::decode(data)
+        && let Ok(job) = FetchJob::validate(req, &fp, 1 << 20)
+    {
+        let again = FetchJob::validate(job.to_pb(&fp), &fp, 1 << 20);
         assert_eq!(again.as_ref().ok(), Some(&job));
     }
     if let Ok(req) = pb::GenerateRequest::decode(data)

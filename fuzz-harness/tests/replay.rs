@@ -67,6 +67,12 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
         ]),
         "proto_messages" => vec![
             pb::PrefillRequest::default().encode_to_vec(),
+            pb::FetchRequest {
+                prompt: vec![1; 32],
+                dst_blocks: vec![0, 1],
+                ..Default::default()
+            }
+            .encode_to_vec(),
             pb::GenerateRequest {
                 prompt: vec![1, 2, 3],
                 ..Default::default()

@@ -894,6 +894,7 @@ mod captured_prefill_requests {
                 endpoint: prefill.into(),
             }],
             constraint: None,
+            prefix_source: None,
         };
         let mut stream = pb::decode_client::DecodeClient::new(channel)
             .generate(req)
