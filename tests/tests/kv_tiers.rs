@@ -19,8 +19,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tandem_discovery::testing::EtcdServer;
+use tandem_engine::sampler::SamplingParams;
+use tandem_proto::pb;
 use tandem_tests::cluster::{Node, Router, unique_cluster};
-use tandem_tests::{Proc, gguf_path, http, metric, start_serve};
+use tandem_tests::{Proc, gguf_path, http, metric, model, reference_output, start_serve};
 use tempfile::TempDir;
 
 /// A pool of 32 blocks of 16 tokens (the least `--max-length 512` allows)
@@ -511,4 +513,171 @@ fn one_prefill_one_decode_with_tiers_restores_instead_of_transferring() {
     assert!(metric(&dm, HITS, "tier=\"host\"") > 0.0, "{dm}");
     assert_eq!(metric(&dm, ERRORS, ""), 0.0, "{dm}");
     d.assert_idle();
+}
+
+/// The prefix fetches a node made, by outcome.
+fn fetches(node: &Node, outcome: &str) -> f64 {
+    metric(
+        &node.metrics(),
+        "tandem_decode_prefix_fetches_total",
+        &format!("outcome=\"{outcome}\""),
+    )
+}
+
+/// Cluster-wide reuse through the router: two decode nodes and a router
+/// that ignores overlap (`--prefill-weight 0`), so that repeats of one
+/// prompt land on both. The first request computes the prompt on one
+/// node; the first repeat that lands on the other is told (by the
+/// router's index) that its peer holds the prefix, and fetches those
+/// blocks over UCX instead of computing them: every answer equals
+/// `serve`'s, the fetched prompt reports its full blocks cached, the
+/// fetch is counted as peer-tier hits, and neither node holds a block
+/// after.
+#[test]
+fn a_second_decode_node_fetches_a_prefix_the_first_computed() {
+    let etcd = EtcdServer::start().unwrap();
+    let cluster = unique_cluster("fetch");
+    let node = |id| Node::start(&etcd.url(), &cluster, "decode", id, &[]);
+    let (a, b) = (node("d-a"), node("d-b"));
+    let r = Router::start_with(&etcd.url(), &cluster, &["--prefill-weight", "0"]);
+    r.wait_members(0, 2, Duration::from_secs(10));
+    let (_plain, plain) = start_serve(&[]);
+    let x = prompt("X");
+    let want = answer(&complete(plain, &x));
+    let fetched = || fetches(&a, "fetched") + fetches(&b, "fetched");
+
+    let first = complete(r.port, &x);
+    assert_eq!(answer(&first), want);
+    assert_eq!(cached(&first), 0, "{first}");
+    let full = (first["usage"]["prompt_tokens"].as_u64().unwrap() - 1) / 16 * 16;
+    let mut repeats = 0;
+    while fetched() == 0.0 {
+        repeats += 1;
+        assert!(
+            repeats <= 12,
+            "12 repeats never reached the node without the prefix"
+        );
+        let v = complete(r.port, &x);
+        assert_eq!(answer(&v), want, "repeat {repeats}");
+        // From the node's own cache, or fetched: never computed again.
+        assert_eq!(cached(&v), full, "repeat {repeats}: {v}");
+    }
+    assert_eq!(fetched(), 1.0);
+    let (am, bm) = (a.metrics(), b.metrics());
+    let hits = metric(&am, HITS, "tier=\"peer\"") + metric(&bm, HITS, "tier=\"peer\"");
+    assert_eq!(hits, (full / 16) as f64, "{am}\n{bm}");
+    let up = metric(&am, BYTES, "tier=\"peer\"") + metric(&bm, BYTES, "tier=\"peer\"");
+    assert_eq!(up, (full / 16 * BLOCK_BYTES) as f64);
+    assert!(
+        metric(&scrape(r.port), "tandem_router_prefix_sources_total", "") >= 1.0,
+        "the router never named a prefix source"
+    );
+    a.assert_idle();
+    b.assert_idle();
+}
+
+/// `Generate` straight to the decode node on `port` (naming `source` as
+/// holding the prompt's first blocks, if any); its tokens and usage.
+async fn generate_from(
+    port: u16,
+    prompt: &[u32],
+    source: Option<pb::PrefixSource>,
+) -> (Vec<u32>, pb::Finished) {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let info = pb::worker_client::WorkerClient::new(channel.clone())
+        .info(pb::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let req = pb::GenerateRequest {
+        version: tandem_proto::PROTOCOL_VERSION,
+        fingerprint: info.fingerprint,
+        prompt: prompt.to_vec(),
+        sampling: Some((&SamplingParams::greedy()).into()),
+        max_tokens: MAX_TOKENS as u32,
+        stop_token_ids: model().text.tokenizer.stop_ids(),
+        prefix_source: source,
+        ..Default::default()
+    };
+    let mut stream = pb::decode_client::DecodeClient::new(channel)
+        .generate(req)
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tokens = Vec::new();
+    while let Some(m) = stream.message().await.unwrap() {
+        match m.kind {
+            Some(pb::generate_response::Kind::Token(t)) => tokens.push(t.id),
+            Some(pb::generate_response::Kind::Finished(f)) => return (tokens, f),
+            None => {}
+        }
+    }
+    panic!("stream ended without Finished after {tokens:?}");
+}
+
+/// A peer that dies mid-fetch: the holder computed the prompt, is frozen
+/// (SIGSTOP) so the fetching node's call hangs with its blocks granted,
+/// then killed. The fetch fails, its blocks wait until no write can land,
+/// and the prompt is computed on the fetching node: the reference tokens,
+/// one peer-tier fetch error, nothing held after, and the node serves on.
+#[test]
+fn a_peer_killed_mid_fetch_is_a_miss() {
+    let etcd = EtcdServer::start().unwrap();
+    let cluster = unique_cluster("fetchkill");
+    let mut holder = Node::start(&etcd.url(), &cluster, "decode", "holder", &[]);
+    let fetcher = Node::start(&etcd.url(), &cluster, "decode", "fetcher", &[]);
+    let x = model().text.tokenizer.encode(&prompt("K"), true).unwrap();
+    let want = model_reference(&x);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let full = (x.len() - 1) / 16;
+    let source = pb::PrefixSource {
+        worker_id: "holder".into(),
+        endpoint: format!("http://127.0.0.1:{}", holder.grpc),
+        blocks: full as u32,
+    };
+    let (computed, f) = rt.block_on(generate_from(holder.grpc, &x, None));
+    assert_eq!(computed, want);
+    assert_eq!(f.cached_tokens, 0);
+
+    let signal = |sig: &str, pid: u32| {
+        let ok = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP", holder.proc.pid());
+    let (port, sent) = (fetcher.grpc, x.clone());
+    let call = rt.spawn(async move { generate_from(port, &sent, Some(source)).await });
+    wait_until(
+        "the fetcher to wait on the frozen holder",
+        Duration::from_secs(10),
+        || fetcher.health()["importing"].as_u64() == Some(1),
+    );
+    holder.proc.kill9();
+    let (tokens, f) = rt.block_on(call).unwrap();
+    assert_eq!(tokens, want);
+    assert_eq!(f.cached_tokens, 0, "{f:?}");
+    let fm = fetcher.metrics();
+    assert_eq!(
+        metric(&fm, ERRORS, "tier=\"peer\",kind=\"fetch\""),
+        1.0,
+        "{fm}"
+    );
+    fetcher.assert_idle();
+    // The node serves on, from its own cache now.
+    let (again, f) = rt.block_on(generate_from(fetcher.grpc, &x, None));
+    assert_eq!(again, want);
+    assert_eq!(f.cached_tokens as usize, full * 16);
+    fetcher.assert_idle();
+}
+
+/// The local greedy tokens for `prompt`.
+fn model_reference(prompt: &[u32]) -> Vec<u32> {
+    reference_output(prompt.to_vec(), SamplingParams::greedy(), MAX_TOKENS).tokens
 }
