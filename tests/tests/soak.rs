@@ -19,6 +19,15 @@
 //!   judged where the samples span [`MIN_RSS_WINDOW_MIN`] or more (the
 //!   long form), printed in the short one.
 //!
+//! KV tiers: every node keeps a host tier and a small disk tier
+//! (`--kv-connector-config`, [`HOST_TIER_GB`], [`DISK_TIER_GB`], files in a
+//! directory of its own), which the pool's evictions fill early in the
+//! warm-up. Each node's offload directory is measured all along and at the
+//! end and must stay within `disk_offload_max_gb` (and hold files: the
+//! tiers were used), besides the memory bounds above (which the host tier's
+//! bytes count in) and the outputs' equality with the references (restored
+//! blocks included).
+//!
 //! The short form (CI) runs [`WARM_UP_REQUESTS`], then twice
 //! [`STRETCH_REQUESTS`] requests; `TANDEM_SOAK_SECS=S` (`scripts/soak.sh`:
 //! 600) runs a third of S for each stretch.
@@ -26,6 +35,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -51,6 +61,14 @@ const WINDOWS: usize = 3;
 /// (etcd's RSS moves by megabytes between collections) reads as minutes of
 /// growth, and the heap check above bounds the tandem processes' growth.
 const MIN_RSS_WINDOW_MIN: f64 = 2.0;
+/// Each node's host tier: some 9 of SmolLM2's ~225 KiB blocks.
+const HOST_TIER_GB: f64 = 0.002;
+/// Each node's disk tier: some 46 blocks, below the load's working set
+/// (its 24 long prompts alone are ~150 blocks), so the limit is kept
+/// under load, not just never reached.
+const DISK_TIER_GB: f64 = 0.01;
+/// How often the offload directories are measured.
+const DIR_SAMPLE: Duration = Duration::from_millis(200);
 
 /// How long each stretch runs.
 #[derive(Debug, Clone, Copy)]
@@ -135,9 +153,65 @@ fn sample_rss(
     }
 }
 
+/// Bytes of the files under `dir` (the disk tier's namespace directories
+/// and their block files, `.tmp` ones included); files deleted while it
+/// looks are skipped.
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(_) => e.metadata().map_or(0, |m| m.len()),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+/// The largest size each of `dirs` had, measured every [`DIR_SAMPLE`]
+/// until `stop`.
+fn sample_dirs(dirs: &[PathBuf], stop: &AtomicBool, peak: &Mutex<Vec<u64>>) {
+    let mut next = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        for (i, d) in dirs.iter().enumerate() {
+            let b = dir_bytes(d);
+            let mut p = peak.lock().unwrap();
+            p[i] = p[i].max(b);
+        }
+        next += DIR_SAMPLE;
+        // The sampling period, not a wait for an event.
+        std::thread::sleep(next.saturating_duration_since(Instant::now()));
+    }
+}
+
+/// Each node's offload directory over its limit at its peak or now: those
+/// (printed either way).
+fn disk_over_limit(dirs: &[PathBuf], peaks: &[u64]) -> Vec<String> {
+    let limit = (DISK_TIER_GB * (1u64 << 30) as f64) as u64;
+    let mut over = Vec::new();
+    for (d, &peak) in dirs.iter().zip(peaks) {
+        let now = dir_bytes(d);
+        println!(
+            "offload dir {}: peak {peak} B, at the end {now} B, limit {limit} B",
+            d.display()
+        );
+        if peak.max(now) > limit {
+            over.push(format!("{}: {} B > {limit} B", d.display(), peak.max(now)));
+        }
+    }
+    over
+}
+
 #[test]
 fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
     let t0 = Instant::now();
+    let offload = tempfile::tempdir_in("/var/tmp").expect("a temp dir");
+    let tier_config = format!(
+        r#"{{"host_kvcache_swap_space_gb": {HOST_TIER_GB}, "disk_offload_dir": "{}/{{id}}", "disk_offload_max_gb": {DISK_TIER_GB}}}"#,
+        offload.path().display()
+    );
     let (stretches, sample) = match std::env::var("TANDEM_SOAK_SECS") {
         Ok(s) => {
             let secs: u64 = s.parse().expect("TANDEM_SOAK_SECS is a number of seconds");
@@ -162,7 +236,18 @@ fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
         // the first stretch: at its default it would take thousands of
         // requests to fill and look like a leak of a few hundred bytes per
         // request meanwhile.
-        let c = ChaosCluster::start_with("soak", 1, 1, 96, &["--kv-event-ring", "256"]);
+        let c = ChaosCluster::start_with(
+            "soak",
+            1,
+            1,
+            96,
+            &[
+                "--kv-event-ring",
+                "256",
+                "--kv-connector-config",
+                &tier_config,
+            ],
+        );
         (catalog.join().unwrap(), c)
     });
     println!("references and the cluster up after {:?}", t0.elapsed());
@@ -189,6 +274,10 @@ fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
         ("prefill p0".into(), c.prefills[0].pid()),
         ("decode d0".into(), c.decodes[0].pid()),
     ];
+    let dirs: Vec<PathBuf> = ["p0", "d0"]
+        .iter()
+        .map(|id| offload.path().join(id))
+        .collect();
     let start = Instant::now();
     let load = Load::start(
         c.router.addr(),
@@ -202,8 +291,10 @@ fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
     );
     let stop = AtomicBool::new(false);
     let rss = Mutex::new(BTreeMap::new());
+    let dir_peaks = Mutex::new(vec![0; dirs.len()]);
     let (points, warmed) = std::thread::scope(|s| {
         s.spawn(|| sample_rss(&pids, start, sample, &stop, &rss));
+        s.spawn(|| sample_dirs(&dirs, &stop, &dir_peaks));
         let mut points = Vec::new();
         let mut warmed = 0.0;
         for (i, stretch) in stretches.iter().enumerate() {
@@ -234,6 +325,8 @@ fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
     print_latencies(&records, start);
     let too_much_heap = heap_growth(&tandems, &points);
     let too_steep = rss_growth(&rss.into_inner().unwrap(), warmed);
+    let dir_peaks = dir_peaks.into_inner().unwrap();
+    let disk_over = disk_over_limit(&dirs, &dir_peaks);
 
     let tally = Tally::of(&records);
     let errors = tally.started - tally.correct - tally.aborted;
@@ -255,6 +348,14 @@ fn soak_steady_mixed_load_keeps_memory_flat_and_never_fails() {
     assert_eq!(errors, 0, "wrong: {:?}", tally.wrong);
     assert!(too_much_heap.is_empty(), "heap grows: {too_much_heap:?}");
     assert!(too_steep.is_empty(), "memory grows: {too_steep:?}");
+    assert!(
+        disk_over.is_empty(),
+        "disk tier over its limit: {disk_over:?}"
+    );
+    assert!(
+        dir_peaks.iter().any(|&b| b > 0),
+        "no node's disk tier held a block: the tiers were not exercised"
+    );
 }
 
 /// Heap growth per request over each stretch after the warm-up, per

@@ -270,7 +270,8 @@ impl ChaosCluster {
         Self::start_with(name, prefill, decode, kv_blocks, &[])
     }
 
-    /// [`ChaosCluster::start`], with `node_flags` added to every node.
+    /// [`ChaosCluster::start`], with `node_flags` added to every node (`{id}`
+    /// in a flag replaced by the node's id, e.g. for a directory of its own).
     pub fn start_with(
         name: &str,
         prefill: usize,
@@ -321,7 +322,7 @@ impl ChaosCluster {
                 "--advertise-host".into(),
                 advertise.to_string(),
             ];
-            a.extend(node_flags.iter().map(|f| f.to_string()));
+            a.extend(node_flags.iter().map(|f| f.replace("{id}", id)));
             if role == "decode" {
                 // Extra decode flags for experiments (e.g. a longer
                 // `--quarantine-limit-secs`), whitespace-separated.
