@@ -121,11 +121,11 @@ impl EngineMetrics {
                 .build(),
             prefix_cache_hits: m
                 .u64_counter("tandem.prefix_cache_hits")
-                .with_description("Prompt tokens served from the prefix cache at admission")
+                .with_description("Prompt tokens not computed here: found in the pool or a KV tier at admission, or fetched from a peer")
                 .build(),
             prefix_cache_misses: m
                 .u64_counter("tandem.prefix_cache_misses")
-                .with_description("Prompt tokens not found in the prefix cache at admission")
+                .with_description("Prompt tokens computed here or by a prefill node: found in no cache, tier or peer")
                 .build(),
             preemptions: m
                 .u64_counter("tandem.preemptions")

@@ -521,10 +521,15 @@ fn a_held_prefix_fetched_by_a_peer_is_not_recomputed() {
     let (got, usage) = collect(d);
     assert_eq!(got, want, "tokens after a fetched prefix");
     assert_eq!(usage.cached_tokens, full * bs, "{usage:?}");
+    // Fetched blocks count as prefix-cache hits, as tier hits do: only
+    // the tokens computed here are misses.
+    assert_eq!(
+        b.stats().prefix_hit_tokens.load(Ordering::Relaxed),
+        (full * bs) as u64
+    );
     assert_eq!(
         b.stats().prefix_miss_tokens.load(Ordering::Relaxed),
-        prompt.len() as u64,
-        "the fetched blocks were not in the fetcher's cache"
+        (prompt.len() - full * bs) as u64
     );
     // They are its own cache now.
     let (again, usage) = collect(b.generate(request(&prompt, 12)).expect("accepted"));
@@ -532,6 +537,44 @@ fn a_held_prefix_fetched_by_a_peer_is_not_recomputed() {
     assert_eq!(usage.cached_tokens, full * bs);
     assert_idle_handoffs(a);
     assert_idle_handoffs(b);
+}
+
+#[test]
+fn a_hold_is_answered_while_the_batch_is_full() {
+    let sched = Scheduler::spawn(
+        model(),
+        SchedulerConfig {
+            max_batch_size: 1,
+            ..config()
+        },
+    )
+    .expect("starts");
+    let h = sched.handle();
+    let bs = config().block_size;
+    let prompt = prompts().concat();
+    let full = (prompt.len() - 1) / bs;
+    collect(h.generate(request(&prompt, 1)).expect("accepted"));
+    // The one batch slot busy for a couple of hundred steps.
+    let busy = h
+        .generate(GenerationRequest {
+            stop_token_ids: Vec::new(),
+            ..request(&prompts()[1], 200)
+        })
+        .expect("accepted");
+    wait_for("the long request to run", || {
+        h.stats().running.load(Ordering::Relaxed) == 1
+    });
+    // A peer's fetch does not wait for it: the hold takes no batch slot.
+    let (hold, blocks) = held(h, &prompt[..full * bs]);
+    assert_eq!(blocks.len(), full);
+    assert_eq!(
+        h.stats().running.load(Ordering::Relaxed),
+        1,
+        "the hold waited for the batch to empty"
+    );
+    drop(hold);
+    assert_eq!(collect(busy).0.len(), 200);
+    assert_idle_handoffs(h);
 }
 
 #[test]

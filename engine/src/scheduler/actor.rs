@@ -204,6 +204,8 @@ impl Actor {
                 remote_cached_tokens,
             } => (first, remote_cached_tokens),
         };
+        // This node's own hits: the prefill node's are its own to count.
+        self.count_prefix_hits(&s);
         // What the prefill node wrote must reach the runner's own KV
         // memory (a device's) before the sequence's next step reads it.
         let landed = &s.table[(s.computed / self.config.block_size).min(s.table.len())..];
@@ -254,6 +256,7 @@ impl Actor {
             s.cached_shared.store(s.cached_tokens, Ordering::Relaxed);
             register_full_blocks(&mut self.cache, &mut s, bs);
         }
+        self.count_prefix_hits(&s);
         self.running.push(s);
     }
 

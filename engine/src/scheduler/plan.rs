@@ -2,6 +2,7 @@
 //! limits and the free KV blocks (preempting the newest when they run
 //! out), and the form of the logits the step asks for.
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 
 use opentelemetry::KeyValue;
@@ -34,6 +35,7 @@ impl Planned {
 impl Actor {
     /// Chooses this step's work; reserves the KV blocks it needs.
     pub(super) fn plan(&mut self) -> Vec<Planned> {
+        self.admit_holds();
         let mut tokens_left = self.config.max_batch_input_tokens;
         let mut plan: Vec<Planned> = Vec::new();
         let preempted = self.plan_running(&mut plan, &mut tokens_left);
@@ -90,6 +92,26 @@ impl Actor {
         preempted
     }
 
+    /// Holds take no part in a step, so they are admitted whatever the
+    /// batch's room and the queue ahead of them: a peer's fetch must not
+    /// wait behind this node's own work (two nodes each fetching from the
+    /// other would wait on each other). One whose prefix is being read
+    /// from a tier keeps its place.
+    fn admit_holds(&mut self) {
+        if !self.waiting.iter().any(|s| s.sink.is_hold()) {
+            return;
+        }
+        let mut rest = VecDeque::with_capacity(self.waiting.len());
+        while let Some(mut s) = self.waiting.pop_front() {
+            if !s.sink.is_hold() || (s.table.is_empty() && !self.match_prefix(&mut s, false)) {
+                rest.push_back(s);
+                continue;
+            }
+            self.hold(s);
+        }
+        self.waiting = rest;
+    }
+
     /// Admits waiting requests in arrival order while the step has room; a
     /// request that does not fit keeps its place at the head of the queue.
     fn admit(&mut self, plan: &mut Vec<Planned>, mut tokens_left: usize) {
@@ -134,7 +156,9 @@ impl Actor {
                 self.waiting.push_front(s);
                 break;
             }
-            if first_admission {
+            // An import is counted when it ends: a peer may fill more of
+            // its prompt meanwhile (`Actor::take_fetched`).
+            if first_admission && !importing {
                 self.count_prefix_hits(&s);
             }
             self.admitted += 1;
@@ -209,9 +233,10 @@ impl Actor {
         self.held.push(s);
     }
 
-    /// Counts a newly admitted request's prompt as prefix-cache hits and
-    /// misses.
-    fn count_prefix_hits(&self, s: &Seq) {
+    /// Counts a request's prompt as prefix-cache hits (its cached tokens:
+    /// from the pool, a tier or a peer) and misses, once: at admission, or
+    /// for an import when it ends.
+    pub(super) fn count_prefix_hits(&self, s: &Seq) {
         let hit = s.cached_tokens as u64;
         let miss = s.prompt_len as u64 - hit;
         self.stats
