@@ -61,6 +61,10 @@ pub(crate) struct FetchCost {
 const FIRST_SECS_PER_BYTE: f64 = 1e-9;
 /// Weight of the newest fetch in the running average.
 const NEWEST: f64 = 0.25;
+/// A fetch may take this many times computing its tokens...
+const FETCH_SLACK: u32 = 4;
+/// ... and at least this long (connection set-up, a first measurement).
+const FETCH_FLOOR: Duration = Duration::from_millis(250);
 
 impl FetchCost {
     pub(crate) fn new() -> Self {
@@ -80,6 +84,19 @@ impl FetchCost {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
         fetch < tokens as f64 * t.as_secs_f64()
+    }
+
+    /// How long a fetch of `tokens` may take before it is abandoned and
+    /// the tokens computed: [`FETCH_SLACK`] times computing them here (a
+    /// peer that is slow or busy must not cost much more than the miss),
+    /// at least [`FETCH_FLOOR`], at most `cap`.
+    pub(crate) fn allowance(
+        tokens: usize,
+        token_time: Option<Duration>,
+        cap: Duration,
+    ) -> Duration {
+        let compute = token_time.map_or(Duration::ZERO, |t| t * tokens as u32);
+        (compute * FETCH_SLACK).max(FETCH_FLOOR).min(cap)
     }
 
     pub(crate) fn observe(&self, bytes: u64, took: Duration) {
@@ -129,6 +146,8 @@ impl Inner {
             count("not_worth");
             return Fetched::Blocks(0);
         }
+        let allowed =
+            FetchCost::allowance((end - from) * bs, token_time, self.config.prefill_timeout);
         let grants = match self.grant(&slot.blocks[from..end]) {
             Ok(g) => g,
             Err(e) => {
@@ -144,7 +163,7 @@ impl Inner {
         set(Some(pending.clone()));
         let started = Instant::now();
         let result = self
-            .call_fetch(job, slot, end, source, trace, &pending.grants)
+            .call_fetch(job, slot, end, source, trace, &pending.grants, allowed)
             .await;
         set(None);
         match result {
@@ -169,10 +188,12 @@ impl Inner {
         }
     }
 
-    /// Asks `source` for blocks `slot.cached_blocks..end` and waits until
-    /// what it says it wrote has landed, then revokes the grants (nothing
-    /// lands after). Returns the blocks that landed and their bytes, or
-    /// the error and whether writes may be in flight.
+    /// Asks `source` for blocks `slot.cached_blocks..end` within
+    /// `deadline` and waits until what it says it wrote has landed, then
+    /// revokes the grants (nothing lands after). Returns the blocks that
+    /// landed and their bytes, or the error and whether writes may be in
+    /// flight.
+    #[allow(clippy::too_many_arguments)]
     async fn call_fetch(
         &self,
         job: &GenerateJob,
@@ -181,11 +202,11 @@ impl Inner {
         source: &PrefixSource,
         trace: &TraceContext,
         grants: &[Grant],
+        deadline: Duration,
     ) -> Result<(usize, u64), (WorkerError, bool)> {
         let core = &self.core;
         let bs = core.fingerprint.block_size;
         let from = slot.cached_blocks;
-        let deadline = self.config.prefill_timeout;
         let req = FetchJob {
             prompt: job.request.prompt[..end * bs].to_vec(),
             skip_blocks: from,
@@ -272,5 +293,18 @@ mod tests {
         let before = *c.secs_per_byte.lock().unwrap();
         c.observe(0, Duration::from_secs(1));
         assert_eq!(*c.secs_per_byte.lock().unwrap(), before);
+    }
+
+    #[test]
+    fn a_fetch_may_take_a_few_times_computing_its_tokens_within_bounds() {
+        let cap = Duration::from_secs(30);
+        let ms = Duration::from_millis;
+        // 64 tokens at 2 ms: computing is 128 ms, a fetch may take 4x.
+        assert_eq!(FetchCost::allowance(64, Some(ms(2)), cap), ms(512));
+        // Never below the floor (nothing measured, or a quick model)...
+        assert_eq!(FetchCost::allowance(64, None, cap), FETCH_FLOOR);
+        assert_eq!(FetchCost::allowance(1, Some(ms(1)), cap), FETCH_FLOOR);
+        // ... nor beyond the prefill timeout.
+        assert_eq!(FetchCost::allowance(100_000, Some(ms(10)), cap), cap);
     }
 }

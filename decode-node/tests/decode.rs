@@ -994,9 +994,11 @@ async fn a_prefix_a_peer_holds_is_fetched_not_computed() {
     empty.shutdown().await;
 }
 
-/// A peer that freezes mid-fetch is abandoned at the timeout and one that
-/// cannot be reached at once: each a counted failure, the prompt computed
-/// here with the local greedy tokens, every block and grant freed.
+/// A peer that freezes mid-fetch is abandoned once the fetch took a few
+/// times what computing the blocks would (at least a quarter second, far
+/// below the prefill timeout) and one that cannot be reached at once:
+/// each a counted failure, the prompt computed here with the local greedy
+/// tokens, every block and grant freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_stalls_or_is_gone_mid_fetch_is_a_miss() {
     let _serial = serial().await;
@@ -1010,10 +1012,9 @@ async fn a_peer_that_stalls_or_is_gone_mid_fetch_is_a_miss() {
         }),
     ))
     .await;
-    let timeout = Duration::from_millis(400);
     let svc = DecodeService::new(
         Arc::clone(&fetcher.core),
-        config(timeout, Duration::from_secs(60)),
+        config(Duration::from_secs(30), Duration::from_secs(60)),
     );
     let full = (p.len() - 1) / fetcher.core.fingerprint.block_size;
     let errors = counter(TIER_ERRORS, "kind");
@@ -1029,7 +1030,10 @@ async fn a_peer_that_stalls_or_is_gone_mid_fetch_is_a_miss() {
     .await;
     assert_eq!(got.tokens, want);
     assert_eq!(got.finished.cached_tokens, 0);
-    assert!(got.first_token_after >= timeout, "{got:?}");
+    assert!(
+        (Duration::from_millis(250)..Duration::from_secs(5)).contains(&got.first_token_after),
+        "{got:?}"
+    );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     // (Another prompt: the first is cached here now.)
     let q = prompt("earthquakes");
