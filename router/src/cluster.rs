@@ -31,6 +31,7 @@ mod policy;
 mod prefix_index;
 mod prefix_source;
 mod probation;
+mod round_robin;
 
 pub use backend::ClusterBackend;
 pub use cost::CostPolicy;
@@ -39,15 +40,28 @@ pub use egress::RemoteStream;
 pub use membership::{ClusterHandle, MembershipRx};
 pub use policy::{Candidate, RoutingPolicy};
 pub use prefix_index::Overlap;
+pub use round_robin::RoundRobinPolicy;
 
 use crate::RouterError;
 use metrics::metrics;
 use prefix_index::index_bytes;
 use probation::{Census, Standing};
 
+/// Which [`RoutingPolicy`] orders the ready workers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// [`CostPolicy`]: prefix overlap (by tier) against load.
+    #[default]
+    Cost,
+    /// [`RoundRobinPolicy`]: each worker in turn.
+    RoundRobin,
+}
+
 /// Routing weights and limits, validated at startup.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutingConfig {
+    /// The policy; the weights below are [`PolicyKind::Cost`]'s.
+    pub policy: PolicyKind,
     /// Cost of one prompt block a worker would have to compute.
     pub prefill_weight: f64,
     /// Cost of one prompt block a worker holds in host memory, as a
@@ -65,6 +79,14 @@ pub struct RoutingConfig {
 }
 
 impl RoutingConfig {
+    /// The policy this configuration names.
+    pub(crate) fn build_policy(&self) -> Box<dyn RoutingPolicy> {
+        match self.policy {
+            PolicyKind::Cost => Box::new(CostPolicy::new(self)),
+            PolicyKind::RoundRobin => Box::new(RoundRobinPolicy::default()),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), RouterError> {
         for (name, value) in [
             ("prefill weight", self.prefill_weight),

@@ -7,18 +7,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use tandem_discovery::EtcdConfig;
 use tandem_frontend::AppState;
 use tandem_modelfile::ModelMeta;
 use tandem_proto::tls::PeerConnector;
 use tandem_router::ClusterBackend;
-use tandem_router::cluster::{ClusterHandle, RoutingConfig};
+use tandem_router::cluster::{ClusterHandle, PolicyKind, RoutingConfig};
 use tandem_types::RequestLimits;
 
 use super::args::{ClusterTlsArgs, EtcdArgs};
 use crate::serve::{HttpArgs, served_name};
 use crate::telemetry::{Telemetry, TelemetryArgs};
+
+/// `--routing-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Policy {
+    Cost,
+    RoundRobin,
+}
 
 #[derive(Debug, Args)]
 pub struct RouterArgs {
@@ -39,6 +46,11 @@ pub struct RouterArgs {
     /// KV block size of the workers (part of their fingerprint).
     #[arg(long, env = "TANDEM_KV_CACHE_PAGE_SIZE", default_value_t = 16)]
     pub kv_cache_page_size: usize,
+    /// How decode (and prefill) workers are chosen: `cost` weighs each
+    /// worker's cached share of the prompt against its load (the weights
+    /// below), `round-robin` takes them in turn.
+    #[arg(long, env = "TANDEM_ROUTING_POLICY", value_enum, default_value_t = Policy::Cost)]
+    pub routing_policy: Policy,
     /// Routing cost of one prompt block a worker lacks.
     #[arg(long, env = "TANDEM_PREFILL_WEIGHT", default_value_t = 1.0)]
     pub prefill_weight: f64,
@@ -74,6 +86,10 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         bail!("--etcd is required: the router finds its workers there");
     };
     let routing = RoutingConfig {
+        policy: match args.routing_policy {
+            Policy::Cost => PolicyKind::Cost,
+            Policy::RoundRobin => PolicyKind::RoundRobin,
+        },
         prefill_weight: args.prefill_weight,
         host_hit_weight: args.host_hit_weight,
         disk_hit_weight: args.disk_hit_weight,

@@ -21,6 +21,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use tandem_discovery::Role;
+
 use super::{Candidate, RoutingConfig, RoutingPolicy};
 
 /// Cheapest first by the cost above, random among equals.
@@ -70,7 +72,7 @@ impl CostPolicy {
 
 impl RoutingPolicy for CostPolicy {
     /// By ascending cost (random among equals).
-    fn rank(&self, prompt_blocks: usize, candidates: &[Candidate]) -> Vec<usize> {
+    fn rank(&self, _role: Role, prompt_blocks: usize, candidates: &[Candidate]) -> Vec<usize> {
         let mut scored: Vec<(f64, u64, usize)> = candidates
             .iter()
             .enumerate()

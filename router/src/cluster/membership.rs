@@ -13,7 +13,7 @@ use tandem_types::ModelFingerprint;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::{Cluster, CostPolicy, RoutingConfig, Standing, Worker, events};
+use super::{Cluster, RoutingConfig, Standing, Worker, events};
 use crate::RouterError;
 
 /// Owns the membership watch; [`ClusterHandle::shutdown`] stops it.
@@ -35,7 +35,7 @@ impl ClusterHandle {
         let membership = Membership::watch(etcd).await?;
         let cluster = Arc::new(Cluster {
             fingerprint,
-            policy: Box::new(CostPolicy::new(&routing)),
+            policy: routing.build_policy(),
             routing,
             peers,
             workers: RwLock::new(BTreeMap::new()),

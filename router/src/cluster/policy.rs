@@ -1,8 +1,8 @@
 //! The routing decision: which ready workers of a role to try for a
 //! request, in what order. The cluster gathers what it knows of each ready
 //! worker (its prefix overlap with the prompt and its load) and a
-//! [`RoutingPolicy`] orders them; [`CostPolicy`](super::CostPolicy) is the
-//! one policy today.
+//! [`RoutingPolicy`] orders them: [`CostPolicy`](super::CostPolicy) (the
+//! default) or [`RoundRobinPolicy`](super::RoundRobinPolicy).
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -14,7 +14,7 @@ use tandem_types::BlockHash;
 use super::{Cluster, Overlap, Worker};
 
 /// What a routing policy knows of one ready worker for one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Candidate {
     /// Leading blocks of the prompt the worker holds, and how many of
     /// them are below its pool (host memory, disk).
@@ -31,8 +31,9 @@ pub struct Candidate {
 pub trait RoutingPolicy: fmt::Debug + Send + Sync {
     /// Indices into `candidates`, best first: the order in which they are
     /// tried (a decode worker) or named (prefill workers). A candidate left
-    /// out is not used. `prompt_blocks` is the prompt's length in blocks.
-    fn rank(&self, prompt_blocks: usize, candidates: &[Candidate]) -> Vec<usize>;
+    /// out is not used. `prompt_blocks` is the prompt's length in blocks;
+    /// `role` the pool the candidates belong to.
+    fn rank(&self, role: Role, prompt_blocks: usize, candidates: &[Candidate]) -> Vec<usize>;
 }
 
 impl Worker {
@@ -72,7 +73,7 @@ impl Cluster {
         let of_role: Vec<&Ready> = ready.iter().filter(|(w, _)| w.role == role).collect();
         let candidates: Vec<Candidate> = of_role.iter().map(|(_, c)| *c).collect();
         self.policy
-            .rank(prompt_blocks, &candidates)
+            .rank(role, prompt_blocks, &candidates)
             .into_iter()
             .filter_map(|i| of_role.get(i))
             .map(|&(w, c)| (Arc::clone(w), *c))

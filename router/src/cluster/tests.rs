@@ -36,6 +36,7 @@ fn fingerprint() -> ModelFingerprint {
 
 fn routing() -> RoutingConfig {
     RoutingConfig {
+        policy: PolicyKind::Cost,
         prefill_weight: 1.0,
         host_hit_weight: 0.1,
         disk_hit_weight: 0.3,
@@ -118,7 +119,7 @@ fn cluster(specs: &[Spec<'_>], routing: RoutingConfig) -> Cluster {
         .collect();
     Cluster {
         fingerprint: fingerprint(),
-        policy: Box::new(CostPolicy::new(&routing)),
+        policy: routing.build_policy(),
         routing,
         peers: PeerConnector::default(),
         workers: RwLock::new(workers),
@@ -503,7 +504,7 @@ async fn the_policy_decides_the_order() {
     #[derive(Debug)]
     struct Reverse(Arc<Mutex<Vec<Candidate>>>);
     impl RoutingPolicy for Reverse {
-        fn rank(&self, _: usize, candidates: &[Candidate]) -> Vec<usize> {
+        fn rank(&self, _: Role, _: usize, candidates: &[Candidate]) -> Vec<usize> {
             *self.0.lock().expect("lock") = candidates.to_vec();
             let mut order: Vec<usize> = (0..candidates.len()).rev().collect();
             order.push(candidates.len());
@@ -569,6 +570,37 @@ async fn ties_are_broken_at_random() {
     }
     assert_eq!(firsts.len(), 3, "{firsts:?}");
     assert!(firsts.values().all(|&n| n >= 50), "{firsts:?}");
+}
+
+/// Round robin takes the decode workers in turn, however much of the
+/// prompt each holds and however loaded (the one holding it all included).
+#[tokio::test]
+async fn round_robin_takes_each_decode_worker_in_turn() {
+    let (_, h) = prompt();
+    let c = cluster(
+        &[
+            Spec {
+                cached: h.clone(),
+                ..spec("a", Role::Decode)
+            },
+            Spec {
+                waiting: 9,
+                ..spec("b", Role::Decode)
+            },
+            spec("p", Role::Prefill),
+        ],
+        RoutingConfig {
+            policy: PolicyKind::RoundRobin,
+            ..routing()
+        },
+    );
+    let firsts: Vec<String> = (0..4)
+        .map(|_| {
+            ranked(&c, Role::Prefill, &h);
+            ranked(&c, Role::Decode, &h)[0].0.clone()
+        })
+        .collect();
+    assert_eq!(firsts, ["a", "b", "a", "b"]);
 }
 
 /// How a fake decode node answers `Generate`.
