@@ -213,9 +213,11 @@ cpu_tree() { # pid -> seconds
 }
 
 rss_tree() { # pid -> KiB
-  local total=0 p
+  local total=0 p kib
   for p in $1 $(pgrep -P "$1" 2>/dev/null || true); do
-    total=$((total + $(awk '/VmRSS/ {print $2}' "/proc/$p/status" 2>/dev/null || echo 0)))
+    # A process that exits meanwhile (or a kernel thread) has no VmRSS.
+    kib=$(awk '/VmRSS/ {print $2}' "/proc/$p/status" 2>/dev/null || true)
+    total=$((total + ${kib:-0}))
   done
   echo "$total"
 }
