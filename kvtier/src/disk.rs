@@ -430,7 +430,7 @@ impl Index {
 }
 
 /// Indexes the block files a previous run left in `dir`, oldest first by
-/// modification time; deletes its unfinished temporary files.
+/// modification time; deletes (and counts) its unfinished temporary files.
 fn scan(dir: &Path) -> Result<Index, TierError> {
     let err = |source| TierError::Dir {
         dir: dir.to_path_buf(),
@@ -451,6 +451,7 @@ fn scan(dir: &Path) -> Result<Index, TierError> {
         };
         match ext {
             "tmp" => {
+                metrics().error(Tier::Disk, ErrorKind::Unfinished);
                 let _ = std::fs::remove_file(&path);
             }
             "kv" => {

@@ -33,6 +33,9 @@ pub enum ErrorKind {
     Write,
     /// The disk writer was behind: the block was dropped, not queued.
     QueueFull,
+    /// A write a previous run did not finish (killed mid-write), found
+    /// and deleted at start.
+    Unfinished,
     /// A fetch from a peer node failed (the peer died, stalled or
     /// refused): the blocks are computed instead.
     Fetch,
@@ -44,6 +47,7 @@ impl ErrorKind {
             ErrorKind::Corrupt => "corrupt",
             ErrorKind::Write => "write",
             ErrorKind::QueueFull => "queue_full",
+            ErrorKind::Unfinished => "unfinished",
             ErrorKind::Fetch => "fetch",
         }
     }
@@ -186,7 +190,12 @@ impl TierMetrics {
             }
         }
         if tiers.contains(&Tier::Disk) {
-            for kind in [ErrorKind::Corrupt, ErrorKind::Write, ErrorKind::QueueFull] {
+            for kind in [
+                ErrorKind::Corrupt,
+                ErrorKind::Write,
+                ErrorKind::QueueFull,
+                ErrorKind::Unfinished,
+            ] {
                 self.errors.add(
                     0,
                     &[

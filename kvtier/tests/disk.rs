@@ -252,6 +252,14 @@ fn the_disk_budget_is_kept_oldest_files_first() {
 
 #[test]
 fn a_restart_finds_the_files_and_skips_unfinished_ones() {
+    let (m, _serial) = meter();
+    let unfinished = || {
+        counter(
+            m,
+            "tandem.kv.tier_errors",
+            &[("tier", "disk"), ("kind", "unfinished")],
+        )
+    };
     let dir = tempfile::tempdir_in("/var/tmp").expect("temp dir");
     {
         let mut s = open(dir.path(), 1, 100);
@@ -261,9 +269,15 @@ fn a_restart_finds_the_files_and_skips_unfinished_ones() {
     let sub = dir.path().join(format!("{NAMESPACE:016x}"));
     std::fs::write(sub.join("00000000000000aa.tmp"), b"half").expect("write");
     // Four written while it ran, the fifth (in host memory) at shutdown.
+    let before = unfinished();
     let mut s = open(dir.path(), 1, 100);
     assert_eq!(s.disk_len(), 5);
     assert!(!sub.join("00000000000000aa.tmp").exists());
+    assert_eq!(
+        unfinished() - before,
+        1.0,
+        "the unfinished write is counted"
+    );
     let got = s.lookup(&[0, 1, 2, 3]);
     assert_eq!(got, (0..4).map(bytes_of).collect::<Vec<_>>());
     // Another model's files (another namespace) are not this one's.
