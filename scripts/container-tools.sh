@@ -2,9 +2,12 @@
 # Sets up what tests/tests/container.rs needs to build and run the image of
 # deploy/docker/Dockerfile here, each part only when missing:
 #   - podman, buildah, runc, netavark + aardvark-dns (container networks
-#     with DNS names), debootstrap, binutils (objcopy: the test strips the
-#     binary's debug info as the Dockerfile's own build leaves it out):
-#     Debian packages only;
+#     with DNS names) and iptables (netavark's firewall driver runs it: a
+#     machine without it fails every networked container, an image build's
+#     RUN steps included, with "netavark: No such file or directory"),
+#     debootstrap, binutils (objcopy: the test strips the binary's debug
+#     info as the Dockerfile's own build leaves it out): Debian packages
+#     only;
 #   - the base image localhost/debian:bookworm-slim (the Dockerfile's
 #     RUNTIME_IMAGE, which no registry serves to these machines): Debian
 #     bookworm from `debootstrap --variant=minbase` off the Debian mirror,
@@ -66,7 +69,7 @@ apt_locked() {
 # Root's podman: its image store (/var/lib/containers/storage) persists
 # across runs, so a warm run rebuilds only the image's last layer.
 [ "$(id -u)" -eq 0 ] || unavailable "the container tests run podman as root; this is uid $(id -u)"
-packages=(podman buildah runc netavark aardvark-dns debootstrap binutils)
+packages=(podman buildah runc netavark aardvark-dns iptables debootstrap binutils)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
