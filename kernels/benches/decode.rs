@@ -2,9 +2,11 @@
 //! throughput, best of N (the machine is shared, so minima are what count).
 //!
 //! `TANDEM_THREADS=2 cargo bench -p tandem-kernels --bench decode`
-//! (`TANDEM_BENCH=membw|cold|batch|peak` runs one section). `peak` measures
-//! the core's `vpdpbusd` throughput, the ceiling of the packed kernels;
-//! `batch` reports the generic and packed matmuls against it.
+//! (`TANDEM_BENCH=membw|cold|batch|peak|tiles` runs one section). `peak`
+//! measures the core's `vpdpbusd` throughput, the ceiling of the packed
+//! kernels; `batch` reports the generic and packed matmuls against it;
+//! `tiles` (not in the default run) times the packed kernels on one thread
+//! in thread CPU time, for A/B comparisons on a shared machine.
 //! `TANDEM_CPU_ISA=avx2` (or `scalar`) measures a smaller ISA's kernels.
 
 use std::hint::black_box;
@@ -220,6 +222,73 @@ unsafe fn vnni_chains(iters: u64) -> i32 {
         .fold(0, |s, &v| s.wrapping_add(_mm512_reduce_add_epi32(v)))
 }
 
+/// On-CPU time of the calling thread in seconds: unlike the wall clock, it
+/// stops while another process has the core, so a single-threaded kernel
+/// can be timed on a shared machine.
+#[cfg(target_os = "linux")]
+fn thread_cpu_secs() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID)");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+#[cfg(not(target_os = "linux"))]
+fn thread_cpu_secs() -> f64 {
+    use std::sync::OnceLock;
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
+
+/// The packed kernels one at a time on the calling thread (run with
+/// `TANDEM_THREADS=1`), timed in thread CPU time, best of many: the A/B
+/// figure for kernel changes on a busy machine. The models' prefill shapes
+/// (SmolLM2 Q4_1; Qwen2.5-0.5B Q4_K_M: Q5_0 gate/up, Q4_K / Q6_K down, Q8_0
+/// head) against one core's `vpdpbusd` peak.
+fn tiles() {
+    let peak = vnni_peak_gmacs();
+    for (ty, rows, cols) in [
+        (GgmlType::Q4_1, 3072, 576),
+        (GgmlType::Q4_1, 576, 1536),
+        (GgmlType::Q5_0, 4864, 896),
+        (GgmlType::Q4_K, 896, 4864),
+        (GgmlType::Q6_K, 896, 4864),
+        (GgmlType::Q8_0, 1152, 896),
+    ] {
+        let data = weights(ty, rows, cols, 0);
+        let w = QMatrix::new(ty, &data, rows, cols).expect("shape");
+        let Some(p) = PackedMatrix::pack(&w) else {
+            println!("tiles {ty:>5}: not packed on this CPU");
+            continue;
+        };
+        for m in [32usize, 512] {
+            let x = acts(m * cols);
+            let mut out = vec![0.0f32; m * rows];
+            let mut best = f64::MAX;
+            let start = Instant::now();
+            let mut iters = 0;
+            while iters < 5 || start.elapsed() < Duration::from_millis(1500) {
+                let t = thread_cpu_secs();
+                matmul_packed(&p, black_box(&x), m, &mut out).expect("matmul");
+                best = best.min(thread_cpu_secs() - t);
+                iters += 1;
+            }
+            let gmacs = (rows * cols * m) as f64 / best / 1e9;
+            let share = peak.map_or(String::new(), |pk| {
+                format!(" ({:.0}% of one core's vpdpbusd peak)", 100.0 * gmacs / pk)
+            });
+            println!(
+                "tiles {ty:>5} {rows:>5}x{cols:<5} m={m:<4} {:>9.1} us cpu {gmacs:>7.2} GMAC/s{share}",
+                best * 1e6
+            );
+        }
+    }
+}
+
 fn peak() {
     match vnni_peak_gmacs() {
         Some(p) => println!("peak vpdpbusd (512-bit) {p:>8.1} GMAC/s per core"),
@@ -250,5 +319,8 @@ fn main() {
     }
     if which.is_empty() || which == "batch" {
         batch();
+    }
+    if which == "tiles" {
+        tiles();
     }
 }
